@@ -1,0 +1,202 @@
+//! The tcp data path's fixed 32-byte frame header.
+//!
+//! ```text
+//! 0 kind u8 | 1 status u8 | 2 reserved u16 (0) | 4 rkey u32 | 8 op_id u64
+//! 16 addr u64 | 24 len u64                                  (little-endian)
+//! ```
+//!
+//! Requests (`WriteReq` + `len` payload bytes, `ReadReq`, `Notify` + payload)
+//! flow from initiator to target; responses (`WriteAck`, `ReadResp` + `len`
+//! payload bytes when the status is `Ok`) flow back in request order.
+
+use super::cursor::{DecodeError, Reader};
+
+pub const DATA_HEADER_LEN: usize = 32;
+/// Largest payload one request or response frame may carry. `RemoteBuf`
+/// sizes are u32, so no honest frame is larger.
+pub const MAX_FRAME_PAYLOAD: u64 = u32::MAX as u64;
+/// Largest notification payload.
+pub const MAX_NOTIFY_BYTES: usize = 4096;
+
+const WHAT: &str = "data frame header";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum DataKind {
+    WriteReq = 1,
+    ReadReq = 2,
+    Notify = 3,
+    WriteAck = 0x81,
+    ReadResp = 0x82,
+}
+
+impl DataKind {
+    pub fn is_response(self) -> bool {
+        (self as u8) & 0x80 != 0
+    }
+}
+
+/// Outcome a target reports for one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Status {
+    Ok = 0,
+    /// No live registration has this key.
+    UnknownKey = 1,
+    /// The range does not lie inside the registration.
+    OutOfBounds = 2,
+    /// The registration does not allow this kind of access.
+    AccessDenied = 3,
+}
+
+impl Status {
+    fn from_u8(v: u8) -> Option<Status> {
+        Some(match v {
+            0 => Status::Ok,
+            1 => Status::UnknownKey,
+            2 => Status::OutOfBounds,
+            3 => Status::AccessDenied,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DataHeader {
+    pub kind: DataKind,
+    pub status: Status,
+    pub rkey: u32,
+    pub op_id: u64,
+    pub addr: u64,
+    pub len: u64,
+}
+
+impl DataHeader {
+    pub fn request(kind: DataKind, rkey: u32, op_id: u64, addr: u64, len: u64) -> Self {
+        Self { kind, status: Status::Ok, rkey, op_id, addr, len }
+    }
+
+    pub fn response(kind: DataKind, status: Status, op_id: u64, len: u64) -> Self {
+        Self { kind, status, rkey: 0, op_id, addr: 0, len }
+    }
+
+    /// Bytes of payload that follow this header on the wire.
+    pub fn payload_len(&self) -> u64 {
+        match self.kind {
+            DataKind::WriteReq | DataKind::Notify | DataKind::ReadResp => self.len,
+            DataKind::ReadReq | DataKind::WriteAck => 0,
+        }
+    }
+
+    pub fn encode(&self) -> [u8; DATA_HEADER_LEN] {
+        let mut b = [0u8; DATA_HEADER_LEN];
+        b[0] = self.kind as u8;
+        b[1] = self.status as u8;
+        b[4..8].copy_from_slice(&self.rkey.to_le_bytes());
+        b[8..16].copy_from_slice(&self.op_id.to_le_bytes());
+        b[16..24].copy_from_slice(&self.addr.to_le_bytes());
+        b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    pub fn decode(buf: &[u8]) -> Result<Self, DecodeError> {
+        let mut r = Reader::new(buf, WHAT);
+        let kind_byte = r.u8()?;
+        let kind = match kind_byte {
+            1 => DataKind::WriteReq,
+            2 => DataKind::ReadReq,
+            3 => DataKind::Notify,
+            0x81 => DataKind::WriteAck,
+            0x82 => DataKind::ReadResp,
+            got => return Err(DecodeError::UnknownKind { what: WHAT, got }),
+        };
+        let status_byte = r.u8()?;
+        let status = Status::from_u8(status_byte).ok_or_else(|| invalid(format!("unknown status {status_byte}")))?;
+        let reserved = r.u16_le()?;
+        let h = DataHeader { kind, status, rkey: r.u32_le()?, op_id: r.u64_le()?, addr: r.u64_le()?, len: r.u64_le()? };
+        r.finish()?;
+        if reserved != 0 {
+            return Err(invalid(format!("reserved field is {reserved:#06x}, must be 0")));
+        }
+        let cap = if kind == DataKind::Notify { MAX_NOTIFY_BYTES as u64 } else { MAX_FRAME_PAYLOAD };
+        if h.len > cap {
+            return Err(DecodeError::TooLong { what: WHAT, len: h.len, max: cap });
+        }
+        if !kind.is_response() && status != Status::Ok {
+            return Err(invalid(format!("{kind:?} carries status {status:?}")));
+        }
+        if kind.is_response() && (h.rkey != 0 || h.addr != 0) {
+            return Err(invalid(format!("{kind:?} carries rkey {} addr {:#x}", h.rkey, h.addr)));
+        }
+        if (kind == DataKind::WriteAck || status != Status::Ok) && h.len != 0 && kind.is_response() {
+            return Err(invalid(format!("{kind:?} with status {status:?} carries len {}", h.len)));
+        }
+        if kind == DataKind::Notify && (h.rkey != 0 || h.addr != 0) {
+            return Err(invalid(format!("Notify carries rkey {} addr {:#x}", h.rkey, h.addr)));
+        }
+        Ok(h)
+    }
+}
+
+fn invalid(reason: String) -> DecodeError {
+    DecodeError::Invalid { what: WHAT, reason }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::testrng::Rng;
+
+    #[test]
+    fn round_trips_each_kind() {
+        let hs = [
+            DataHeader::request(DataKind::WriteReq, 5, 9, 0x1000, 4096),
+            DataHeader::request(DataKind::ReadReq, 5, 10, 0x1000, 1 << 30),
+            DataHeader::request(DataKind::Notify, 0, 11, 0, 12),
+            DataHeader::response(DataKind::WriteAck, Status::OutOfBounds, 9, 0),
+            DataHeader::response(DataKind::ReadResp, Status::Ok, 10, 1 << 30),
+        ];
+        for h in hs {
+            assert_eq!(DataHeader::decode(&h.encode()).unwrap(), h);
+        }
+    }
+
+    #[test]
+    fn rejects_bad_fields() {
+        let good = DataHeader::request(DataKind::WriteReq, 1, 1, 1, 1).encode();
+        let mut b = good;
+        b[0] = 7;
+        assert!(matches!(DataHeader::decode(&b), Err(DecodeError::UnknownKind { got: 7, .. })));
+        let mut b = good;
+        b[2] = 1;
+        assert!(DataHeader::decode(&b).is_err());
+        let mut b = good;
+        b[1] = 2;
+        assert!(DataHeader::decode(&b).is_err(), "requests carry no status");
+        let n = DataHeader::request(DataKind::Notify, 0, 1, 0, 5000).encode();
+        assert!(matches!(DataHeader::decode(&n), Err(DecodeError::TooLong { len: 5000, max: 4096, .. })));
+        let r = DataHeader::response(DataKind::ReadResp, Status::UnknownKey, 1, 8).encode();
+        assert!(DataHeader::decode(&r).is_err(), "error responses carry no payload");
+        assert!(DataHeader::decode(&good[..31]).is_err());
+    }
+
+    #[test]
+    fn random_bytes_never_panic_and_round_trip() {
+        let mut rng = Rng(11);
+        for _ in 0..50000 {
+            let mut b = rng.bytes(32);
+            b[0] = [1u8, 2, 3, 0x81, 0x82, 9][rng.below(6) as usize];
+            b[1] = rng.below(5) as u8;
+            b[2] = 0;
+            b[3] = 0;
+            if rng.below(2) == 0 {
+                b[4..8].fill(0);
+                b[16..24].fill(0);
+                b[24..32].copy_from_slice(&rng.below(5000).to_le_bytes());
+            }
+            if let Ok(h) = DataHeader::decode(&b) {
+                assert_eq!(h.encode().to_vec(), b);
+            }
+        }
+    }
+}

@@ -1,0 +1,268 @@
+//! Control-path frames, exchanged over a fresh socket before it carries data.
+//!
+//! ```text
+//! header (12 B): magic u32 LE | version u16 LE | kind u8 | flags u8 (0) | body_len u32 LE
+//! Hello / HelloAck body (28 B): endpoint_id u64 | caps u32 | conn_nonce u64
+//!                               | stream_idx u16 | stream_count u16 | max_inflight u32
+//! Error body: code u16 | msg_len u16 | msg (UTF-8, <= 1024 B)
+//! ```
+//!
+//! A connection of N streams opens N sockets; each sends a `Hello` naming the
+//! connection's nonce and its index, and gets a `HelloAck` or an `Error`.
+
+use super::cursor::{DecodeError, Reader};
+
+pub const CONTROL_MAGIC: u32 = u32::from_le_bytes(*b"FRY1");
+pub const PROTOCOL_VERSION: u16 = 1;
+pub const CONTROL_HEADER_LEN: usize = 12;
+/// No control frame body is longer; a peer claiming more is refused before
+/// any of it is read.
+pub const MAX_CONTROL_BODY: usize = 2048;
+const MAX_ERROR_MSG: usize = 1024;
+const HELLO_BODY_LEN: usize = 28;
+/// Streams a connection may have; the handshake rejects more.
+pub const MAX_STREAMS: u16 = 64;
+
+const KIND_HELLO: u8 = 1;
+const KIND_HELLO_ACK: u8 = 2;
+const KIND_ERROR: u8 = 3;
+
+/// One side's introduction on a new stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hello {
+    pub endpoint_id: u64,
+    /// Capability bits; none are defined yet and unknown ones are ignored.
+    pub caps: u32,
+    /// Chosen by the connecting side; ties the streams of one connection.
+    pub conn_nonce: u64,
+    pub stream_idx: u16,
+    pub stream_count: u16,
+    /// Requests the sender will have outstanding on this stream at most;
+    /// the receiver sizes its response queue by it.
+    pub max_inflight: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ControlFrame {
+    Hello(Hello),
+    HelloAck(Hello),
+    Error { code: u16, message: String },
+}
+
+impl ControlFrame {
+    pub fn encode(&self) -> Vec<u8> {
+        let (kind, body) = match self {
+            ControlFrame::Hello(h) => (KIND_HELLO, encode_hello(h)),
+            ControlFrame::HelloAck(h) => (KIND_HELLO_ACK, encode_hello(h)),
+            ControlFrame::Error { code, message } => {
+                // Longer messages are cut at a char boundary so decode accepts them.
+                let mut end = message.len().min(MAX_ERROR_MSG);
+                while !message.is_char_boundary(end) {
+                    end -= 1;
+                }
+                let msg = &message.as_bytes()[..end];
+                let mut b = Vec::with_capacity(4 + msg.len());
+                b.extend_from_slice(&code.to_le_bytes());
+                b.extend_from_slice(&(msg.len() as u16).to_le_bytes());
+                b.extend_from_slice(msg);
+                (KIND_ERROR, b)
+            }
+        };
+        let mut out = Vec::with_capacity(CONTROL_HEADER_LEN + body.len());
+        out.extend_from_slice(&CONTROL_MAGIC.to_le_bytes());
+        out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        out.push(kind);
+        out.push(0);
+        out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        out.extend_from_slice(&body);
+        out
+    }
+
+    /// Checks a frame header and returns the body length that follows it.
+    pub fn body_len(header: &[u8; CONTROL_HEADER_LEN]) -> Result<usize, DecodeError> {
+        let what = "control frame header";
+        let mut r = Reader::new(header, what);
+        let magic = r.u32_le()?;
+        if magic != CONTROL_MAGIC {
+            return Err(DecodeError::BadMagic { what, got: magic, expected: CONTROL_MAGIC });
+        }
+        let version = r.u16_le()?;
+        if version != PROTOCOL_VERSION {
+            return Err(DecodeError::UnsupportedVersion {
+                what,
+                got: version,
+                supported: PROTOCOL_VERSION,
+            });
+        }
+        let kind = r.u8()?;
+        if !(KIND_HELLO..=KIND_ERROR).contains(&kind) {
+            return Err(DecodeError::UnknownKind { what, got: kind });
+        }
+        let flags = r.u8()?;
+        if flags != 0 {
+            return Err(DecodeError::Invalid { what, reason: format!("flags {flags:#04x} set; none are defined") });
+        }
+        let len = r.u32_le()? as usize;
+        if len > MAX_CONTROL_BODY {
+            return Err(DecodeError::TooLong { what, len: len as u64, max: MAX_CONTROL_BODY as u64 });
+        }
+        Ok(len)
+    }
+
+    /// Decodes exactly one whole frame.
+    pub fn decode(buf: &[u8]) -> Result<Self, DecodeError> {
+        let mut r = Reader::new(buf, "control frame");
+        let header: [u8; CONTROL_HEADER_LEN] = r.array()?;
+        let len = Self::body_len(&header)?;
+        let body = r.bytes(len)?;
+        r.finish()?;
+        match header[6] {
+            KIND_HELLO => Ok(ControlFrame::Hello(decode_hello(body)?)),
+            KIND_HELLO_ACK => Ok(ControlFrame::HelloAck(decode_hello(body)?)),
+            _ => {
+                let what = "control error frame";
+                let mut r = Reader::new(body, what);
+                let code = r.u16_le()?;
+                let n = r.u16_le()? as usize;
+                if n > MAX_ERROR_MSG {
+                    return Err(DecodeError::TooLong { what, len: n as u64, max: MAX_ERROR_MSG as u64 });
+                }
+                let msg = r.bytes(n)?;
+                r.finish()?;
+                let message = std::str::from_utf8(msg)
+                    .map_err(|e| DecodeError::Invalid { what, reason: format!("message is not UTF-8: {e}") })?
+                    .to_owned();
+                Ok(ControlFrame::Error { code, message })
+            }
+        }
+    }
+}
+
+fn encode_hello(h: &Hello) -> Vec<u8> {
+    let mut b = Vec::with_capacity(HELLO_BODY_LEN);
+    b.extend_from_slice(&h.endpoint_id.to_le_bytes());
+    b.extend_from_slice(&h.caps.to_le_bytes());
+    b.extend_from_slice(&h.conn_nonce.to_le_bytes());
+    b.extend_from_slice(&h.stream_idx.to_le_bytes());
+    b.extend_from_slice(&h.stream_count.to_le_bytes());
+    b.extend_from_slice(&h.max_inflight.to_le_bytes());
+    b
+}
+
+fn decode_hello(body: &[u8]) -> Result<Hello, DecodeError> {
+    let what = "hello frame";
+    let mut r = Reader::new(body, what);
+    let h = Hello {
+        endpoint_id: r.u64_le()?,
+        caps: r.u32_le()?,
+        conn_nonce: r.u64_le()?,
+        stream_idx: r.u16_le()?,
+        stream_count: r.u16_le()?,
+        max_inflight: r.u32_le()?,
+    };
+    r.finish()?;
+    if h.stream_count == 0 || h.stream_count > MAX_STREAMS || h.stream_idx >= h.stream_count {
+        return Err(DecodeError::Invalid {
+            what,
+            reason: format!(
+                "stream {} of {} (count must be 1..={MAX_STREAMS}, index below it)",
+                h.stream_idx, h.stream_count
+            ),
+        });
+    }
+    if h.max_inflight == 0 || h.max_inflight > 1 << 20 {
+        return Err(DecodeError::Invalid {
+            what,
+            reason: format!("max_inflight {} outside 1..=1048576", h.max_inflight),
+        });
+    }
+    Ok(h)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::testrng::Rng;
+
+    fn hello(rng: &mut Rng) -> Hello {
+        let count = 1 + rng.below(MAX_STREAMS as u64) as u16;
+        Hello {
+            endpoint_id: rng.next(),
+            caps: rng.next() as u32,
+            conn_nonce: rng.next(),
+            stream_idx: rng.below(count as u64) as u16,
+            stream_count: count,
+            max_inflight: 1 + rng.below(1 << 20) as u32,
+        }
+    }
+
+    #[test]
+    fn property_round_trip() {
+        let mut rng = Rng(99);
+        for i in 0..3000 {
+            let f = match i % 3 {
+                0 => ControlFrame::Hello(hello(&mut rng)),
+                1 => ControlFrame::HelloAck(hello(&mut rng)),
+                _ => ControlFrame::Error {
+                    code: rng.next() as u16,
+                    message: "é".repeat(rng.below(700) as usize),
+                },
+            };
+            let b = f.encode();
+            let d = ControlFrame::decode(&b).unwrap();
+            assert_eq!(d.encode(), b);
+            if !matches!(f, ControlFrame::Error { .. }) {
+                assert_eq!(d, f);
+            }
+        }
+    }
+
+    #[test]
+    fn header_checks() {
+        let b = ControlFrame::Hello(hello(&mut Rng(1))).encode();
+        let mut h: [u8; 12] = b[..12].try_into().unwrap();
+        assert_eq!(ControlFrame::body_len(&h).unwrap(), 28);
+        h[0] ^= 1;
+        assert!(matches!(ControlFrame::body_len(&h), Err(DecodeError::BadMagic { .. })));
+        h[0] ^= 1;
+        h[4] = 9;
+        assert!(matches!(
+            ControlFrame::body_len(&h),
+            Err(DecodeError::UnsupportedVersion { got: 9, supported: 1, .. })
+        ));
+        h[4] = 1;
+        h[8..12].copy_from_slice(&100_000u32.to_le_bytes());
+        assert!(matches!(ControlFrame::body_len(&h), Err(DecodeError::TooLong { len: 100_000, .. })));
+    }
+
+    #[test]
+    fn trailing_and_truncated_and_invalid_streams() {
+        let mut b = ControlFrame::Hello(hello(&mut Rng(2))).encode();
+        for cut in 0..b.len() {
+            assert!(ControlFrame::decode(&b[..cut]).is_err());
+        }
+        b.push(0);
+        assert!(ControlFrame::decode(&b).is_err());
+        let bad = Hello { stream_idx: 3, stream_count: 3, ..hello(&mut Rng(3)) };
+        assert!(ControlFrame::decode(&ControlFrame::Hello(bad).encode()).is_err());
+    }
+
+    #[test]
+    fn random_bytes_never_panic() {
+        let mut rng = Rng(5);
+        for _ in 0..20000 {
+            let n = rng.below(60) as usize;
+            let mut b = rng.bytes(n);
+            if n >= 12 {
+                b[..4].copy_from_slice(&CONTROL_MAGIC.to_le_bytes());
+                b[4..6].copy_from_slice(&1u16.to_le_bytes());
+                b[6] = 1 + rng.below(3) as u8;
+                b[7] = 0;
+                b[8..12].copy_from_slice(&((n - 12) as u32).to_le_bytes());
+            }
+            if let Ok(f) = ControlFrame::decode(&b) {
+                assert_eq!(f.encode(), b);
+            }
+        }
+    }
+}

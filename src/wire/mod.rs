@@ -1,0 +1,42 @@
+//! Sans-IO codecs for every byte format ferry puts on a wire or hands to a
+//! peer: endpoint metadata, the 64-byte `RemoteBuf` (the seed's `FifoItem`),
+//! control-path frames and the tcp data path's fixed headers.
+//!
+//! Nothing here makes a syscall or reads a clock. Every decoder treats its
+//! input as hostile: lengths are capped, reserved fields checked, and trailing
+//! bytes rejected. Each decoder has a fuzz target under `fuzz/` that also
+//! checks that decode-then-encode gives the input back.
+
+mod cursor;
+mod data;
+mod frame;
+mod metadata;
+mod remote_buf;
+
+pub use cursor::DecodeError;
+pub use data::{DataHeader, DataKind, Status, DATA_HEADER_LEN, MAX_NOTIFY_BYTES};
+pub use frame::{ControlFrame, Hello, CONTROL_HEADER_LEN, CONTROL_MAGIC, MAX_CONTROL_BODY, PROTOCOL_VERSION};
+pub use metadata::{EndpointMetadata, MAX_BDF_LEN};
+pub use remote_buf::{RemoteBuf, REMOTE_BUF_LEN};
+
+#[cfg(test)]
+pub(crate) mod testrng {
+    /// xorshift64*: a seeded generator so property tests replay exactly.
+    pub struct Rng(pub u64);
+    impl Rng {
+        pub fn next(&mut self) -> u64 {
+            let mut x = self.0;
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            self.0 = x;
+            x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        }
+        pub fn below(&mut self, n: u64) -> u64 {
+            self.next() % n.max(1)
+        }
+        pub fn bytes(&mut self, n: usize) -> Vec<u8> {
+            (0..n).map(|_| self.next() as u8).collect()
+        }
+    }
+}
