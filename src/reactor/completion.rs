@@ -1,0 +1,308 @@
+//! The completion table: a fixed array of slots, one per operation in
+//! flight, shared by the threads that submit and the shard that completes.
+//!
+//! Claiming a slot is a compare-and-swap, completing one is a store and (only
+//! if someone sleeps on it) a futex wake; nothing allocates. A `Transfer`
+//! names its slot; dropping one that is still in flight detaches it, and the
+//! shard frees the slot when the operation ends.
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+const FREE: u32 = 0;
+const PENDING: u32 = 1;
+const DONE: u32 = 2;
+/// A thread sleeps in `futex_wait` on this slot.
+const WAITER: u32 = 4;
+/// The `Transfer` was dropped; whoever completes the op frees the slot.
+const DETACHED: u32 = 8;
+
+/// Spins before a waiter sleeps: long enough to catch a loopback round trip
+/// without a syscall, short enough not to burn a core on slow ops.
+const SPIN_ITERS: u32 = 20_000;
+
+struct Slot {
+    state: AtomicU32,
+    /// Written by the completer while the state is PENDING, read by the
+    /// owner only after it observed DONE (Acquire): never both at once.
+    result: UnsafeCell<Option<Error>>,
+}
+
+pub(crate) struct CompletionTable {
+    slots: Box<[Slot]>,
+    hint: AtomicUsize,
+}
+
+// SAFETY: `result` is accessed under the state protocol above, which hands
+// exclusive access between threads with Release/Acquire ordering.
+unsafe impl Sync for CompletionTable {}
+// SAFETY: as for Sync; the Error inside is Send.
+unsafe impl Send for CompletionTable {}
+
+impl CompletionTable {
+    pub fn new(capacity: usize) -> Arc<Self> {
+        let slots = (0..capacity)
+            .map(|_| Slot { state: AtomicU32::new(FREE), result: UnsafeCell::new(None) })
+            .collect();
+        Arc::new(Self { slots, hint: AtomicUsize::new(0) })
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Slots currently claimed (in flight or completed but not reaped).
+    pub fn in_use(&self) -> usize {
+        self.slots.iter().filter(|s| s.state.load(Ordering::Relaxed) != FREE).count()
+    }
+
+    /// Claims a free slot, or `None` when all are in use.
+    pub fn claim(self: &Arc<Self>) -> Option<Transfer> {
+        let n = self.slots.len();
+        let start = self.hint.fetch_add(1, Ordering::Relaxed) % n;
+        for i in 0..n {
+            let j = (start + i) % n;
+            let st = &self.slots[j].state;
+            if st.load(Ordering::Relaxed) == FREE
+                && st.compare_exchange(FREE, PENDING, Ordering::Acquire, Ordering::Relaxed).is_ok()
+            {
+                self.hint.store(j + 1, Ordering::Relaxed);
+                return Some(Transfer { table: self.clone(), idx: j as u32, reaped: None });
+            }
+        }
+        None
+    }
+
+    /// Records the outcome of the operation in `idx`. Called once per claim,
+    /// by the shard that ran it.
+    pub fn complete(&self, idx: u32, outcome: Result<()>) {
+        let slot = &self.slots[idx as usize];
+        // SAFETY: the state is PENDING (this op's one completion), so the
+        // owner does not touch `result` until it sees DONE below.
+        unsafe { *slot.result.get() = outcome.err() };
+        let mut s = slot.state.load(Ordering::Relaxed);
+        loop {
+            debug_assert!(s & PENDING != 0, "completing slot {idx} in state {s}");
+            if s & DETACHED != 0 {
+                // SAFETY: nobody will ever read this result; we own it again.
+                unsafe { *slot.result.get() = None };
+                slot.state.store(FREE, Ordering::Release);
+                return;
+            }
+            match slot.state.compare_exchange_weak(s, DONE | (s & WAITER), Ordering::Release, Ordering::Relaxed) {
+                Ok(_) => break,
+                Err(cur) => s = cur,
+            }
+        }
+        if s & WAITER != 0 {
+            futex_wake(&slot.state);
+        }
+    }
+}
+
+/// An operation in flight. Poll it, wait for it, or drop it (the operation
+/// still runs to completion; only its result is discarded).
+pub struct Transfer {
+    table: Arc<CompletionTable>,
+    idx: u32,
+    reaped: Option<Result<()>>,
+}
+
+impl std::fmt::Debug for Transfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transfer").field("slot", &self.idx).field("done", &self.reaped.is_some()).finish()
+    }
+}
+
+impl Transfer {
+    pub(crate) fn slot(&self) -> u32 {
+        self.idx
+    }
+
+    fn state(&self) -> &AtomicU32 {
+        &self.table.slots[self.idx as usize].state
+    }
+
+    fn try_reap(&mut self) -> bool {
+        if self.reaped.is_some() {
+            return true;
+        }
+        if self.state().load(Ordering::Acquire) & DONE == 0 {
+            return false;
+        }
+        let slot = &self.table.slots[self.idx as usize];
+        // SAFETY: DONE was observed with Acquire; the completer is finished
+        // with `result` and nobody else reads it.
+        let err = unsafe { (*slot.result.get()).take() };
+        slot.state.store(FREE, Ordering::Release);
+        self.reaped = Some(err.map_or(Ok(()), Err));
+        true
+    }
+
+    fn result_copy(&self) -> Result<()> {
+        match self.reaped.as_ref().expect("reaped") {
+            Ok(()) => Ok(()),
+            Err(e) => Err(e.duplicate()),
+        }
+    }
+
+    /// `None` while in flight; the outcome once done (and on every later call).
+    pub fn poll(&mut self) -> Option<Result<()>> {
+        self.try_reap().then(|| self.result_copy())
+    }
+
+    pub fn is_done(&mut self) -> bool {
+        self.try_reap()
+    }
+
+    /// Blocks until the operation ends. Needs a shard that is being polled:
+    /// a managed one, or an embedded one driven by another thread.
+    pub fn wait(mut self) -> Result<()> {
+        loop {
+            match self.wait_timeout(Duration::from_secs(3600)) {
+                Err(Error::Timeout { what: "transfer", .. }) => continue,
+                other => return other,
+            }
+        }
+    }
+
+    /// Waits up to `timeout`; `Err(Error::Timeout)` leaves the transfer in
+    /// flight, so it can be waited on again.
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut spins = 0u32;
+        loop {
+            if self.try_reap() {
+                return self.result_copy();
+            }
+            if spins < SPIN_ITERS {
+                spins += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                return Err(Error::Timeout { what: "transfer", timeout_ms: timeout.as_millis() as u64 });
+            };
+            let st = self.state();
+            let s = st.load(Ordering::Acquire);
+            if s & DONE != 0 {
+                continue;
+            }
+            if s & WAITER == 0
+                && st.compare_exchange(s, s | WAITER, Ordering::Relaxed, Ordering::Relaxed).is_err()
+            {
+                continue;
+            }
+            futex_wait(st, s | WAITER, left);
+        }
+    }
+}
+
+impl Drop for Transfer {
+    fn drop(&mut self) {
+        if self.reaped.is_some() {
+            return;
+        }
+        let st = self.state();
+        let mut s = st.load(Ordering::Acquire);
+        loop {
+            if s & DONE != 0 {
+                self.try_reap();
+                return;
+            }
+            match st.compare_exchange_weak(s, s | DETACHED, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return,
+                Err(cur) => s = cur,
+            }
+        }
+    }
+}
+
+fn futex_wait(a: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: FUTEX_WAIT reads the u32 at a valid, aligned address and
+    // sleeps only while it equals `expected`; `ts` outlives the call.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            a.as_ptr(),
+            libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+            expected,
+            &ts as *const libc::timespec,
+        );
+    }
+}
+
+fn futex_wake(a: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE only uses the address as a key.
+    unsafe {
+        libc::syscall(libc::SYS_futex, a.as_ptr(), libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG, i32::MAX);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::Status;
+
+    #[test]
+    fn claim_complete_reap_free() {
+        let t = CompletionTable::new(2);
+        let mut a = t.claim().unwrap();
+        let mut b = t.claim().unwrap();
+        assert!(t.claim().is_none(), "capacity is a hard bound");
+        assert!(a.poll().is_none());
+        t.complete(a.slot(), Ok(()));
+        assert!(matches!(a.poll(), Some(Ok(()))));
+        assert!(matches!(a.poll(), Some(Ok(()))), "poll after completion repeats the outcome");
+        t.complete(
+            b.slot(),
+            Err(Error::Remote { op: crate::OpKind::Read, status: Status::UnknownKey, rkey: 1, addr: 2, len: 3 }),
+        );
+        assert!(matches!(b.wait_timeout(Duration::from_millis(1)), Err(Error::Remote { rkey: 1, .. })));
+        assert_eq!(t.in_use(), 0);
+        drop((a, b));
+        assert!(t.claim().is_some());
+    }
+
+    #[test]
+    fn dropped_transfer_frees_slot_on_completion() {
+        let t = CompletionTable::new(1);
+        let a = t.claim().unwrap();
+        let idx = a.slot();
+        drop(a);
+        assert_eq!(t.in_use(), 1);
+        t.complete(idx, Ok(()));
+        assert_eq!(t.in_use(), 0);
+    }
+
+    #[test]
+    fn waiter_sleeps_and_is_woken_from_another_thread() {
+        let t = CompletionTable::new(4);
+        let mut a = t.claim().unwrap();
+        let idx = a.slot();
+        let t2 = t.clone();
+        let h = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            t2.complete(idx, Ok(()));
+        });
+        a.wait_timeout(Duration::from_secs(10)).unwrap();
+        h.join().unwrap();
+    }
+
+    #[test]
+    fn wait_timeout_expires_and_transfer_stays_usable() {
+        let t = CompletionTable::new(1);
+        let mut a = t.claim().unwrap();
+        assert!(matches!(a.wait_timeout(Duration::from_millis(20)), Err(Error::Timeout { .. })));
+        t.complete(a.slot(), Ok(()));
+        a.wait_timeout(Duration::from_millis(20)).unwrap();
+    }
+}

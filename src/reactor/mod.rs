@@ -1,0 +1,22 @@
+//! The per-core shard: one thread's worth of engine.
+//!
+//! A shard owns a set of connections and runs everything they need in one
+//! run-to-completion loop (`Shard::poll`): it applies registration updates,
+//! takes submitted operations from its bounded queue, writes queued frames,
+//! reads and serves incoming frames, and publishes completions. Nothing in
+//! the loop takes a lock or allocates per operation.
+//!
+//! * **managed** mode: the endpoint starts one thread per shard that polls,
+//!   spins `spin_us` when idle, then parks in `epoll_wait` until a socket or
+//!   a submitter (through an eventfd `Waker`) wakes it;
+//! * **embedded** mode: the caller owns each `Shard` and calls `poll()` from
+//!   its own loop; the engine starts no thread.
+
+pub(crate) mod completion;
+mod queue;
+mod shard;
+
+pub use completion::Transfer;
+pub(crate) use queue::{Command, OpCmd, OpDesc, OpParts, RegionCmd, ShardHandle};
+pub use shard::Shard;
+pub(crate) use shard::ShardConfig;

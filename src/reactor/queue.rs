@@ -1,0 +1,122 @@
+//! What other threads send a shard, and the handle they send it through.
+
+use std::net::TcpStream;
+use std::sync::atomic::{fence, AtomicBool, Ordering};
+use std::sync::mpsc::{Sender, SyncSender, TrySendError};
+use std::sync::Arc;
+
+use crate::error::{ConnId, Error, OpKind, Result};
+use crate::region::Region;
+use crate::tcp::StreamLimits;
+
+/// One contiguous piece of a one-sided operation.
+pub(crate) struct OpDesc {
+    pub local: Arc<Region>,
+    pub local_off: usize,
+    pub len: usize,
+    pub remote_addr: u64,
+    pub rkey: u32,
+}
+
+pub(crate) enum OpParts {
+    One(OpDesc),
+    Many(Vec<OpDesc>),
+}
+
+impl OpParts {
+    pub fn as_slice(&self) -> &[OpDesc] {
+        match self {
+            OpParts::One(d) => std::slice::from_ref(d),
+            OpParts::Many(v) => v,
+        }
+    }
+}
+
+pub(crate) struct OpCmd {
+    pub conn: ConnId,
+    pub kind: OpKind,
+    pub slot: u32,
+    pub parts: OpParts,
+    /// Progress through `parts` when the op is queued in pieces.
+    pub next_desc: usize,
+    pub next_off: usize,
+    /// Frames queued so far.
+    pub emitted: u32,
+}
+
+pub(crate) enum Command {
+    Op(OpCmd),
+    AddConn { conn: ConnId, streams: Vec<TcpStream>, limits: StreamLimits },
+    RemoveConn(ConnId),
+    Notify { conn: ConnId, payload: Vec<u8> },
+}
+
+/// Registration changes, on their own queue so that a shard can always
+/// apply them, even while its operation queue is stalled.
+pub(crate) enum RegionCmd {
+    Add(Arc<Region>),
+    Remove(u32),
+}
+
+/// Set by a shard before it sleeps, so submitters know to wake it.
+pub(crate) struct WakeState {
+    pub parked: AtomicBool,
+    pub waker: mio::Waker,
+    pub shutdown: AtomicBool,
+}
+
+impl WakeState {
+    pub fn wake_if_parked(&self) {
+        // Pairs with the SeqCst store of `parked` in the shard: either the
+        // shard sees our item in its final check, or we see it parked.
+        fence(Ordering::SeqCst);
+        if self.parked.load(Ordering::SeqCst) {
+            let _ = self.waker.wake();
+        }
+    }
+}
+
+/// How the endpoint reaches one shard.
+#[derive(Clone)]
+pub(crate) struct ShardHandle {
+    pub id: usize,
+    pub capacity: usize,
+    pub tx: SyncSender<Command>,
+    pub regions: Sender<RegionCmd>,
+    pub wake: Arc<WakeState>,
+}
+
+impl ShardHandle {
+    /// Queues a command; a full queue is back-pressure and hands it back.
+    pub fn submit(&self, cmd: Command) -> Result<(), (Error, Command)> {
+        match self.tx.try_send(cmd) {
+            Ok(()) => {
+                self.wake.wake_if_parked();
+                Ok(())
+            }
+            Err(TrySendError::Full(c)) => Err((Error::QueueFull { shard: self.id, capacity: self.capacity }, c)),
+            Err(TrySendError::Disconnected(c)) => Err((Error::Shutdown, c)),
+        }
+    }
+
+    /// Queues a control command, retrying while the queue is full (the
+    /// control path may wait; the shard drains the queue as it runs).
+    pub fn submit_blocking(&self, mut cmd: Command, deadline: std::time::Instant) -> Result<()> {
+        loop {
+            match self.submit(cmd) {
+                Ok(()) => return Ok(()),
+                Err((Error::QueueFull { .. }, c)) if std::time::Instant::now() < deadline => {
+                    cmd = c;
+                    std::thread::sleep(std::time::Duration::from_micros(50));
+                }
+                Err((e, _)) => return Err(e),
+            }
+        }
+    }
+
+    pub fn region(&self, cmd: RegionCmd) -> Result<()> {
+        self.regions.send(cmd).map_err(|_| Error::Shutdown)?;
+        self.wake.wake_if_parked();
+        Ok(())
+    }
+}

@@ -1,0 +1,462 @@
+//! The shard loop.
+
+use std::collections::HashMap;
+use std::io;
+use std::sync::atomic::{fence, AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender, TryRecvError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mio::{Events, Interest, Poll, Token, Waker};
+use slab::Slab;
+use tracing::{debug, warn};
+
+use super::completion::CompletionTable;
+use super::queue::{Command, OpCmd, RegionCmd, ShardHandle, WakeState};
+use crate::error::{ConnId, Error, Result};
+use crate::region::{Access, Region, RegionTable, Regions};
+use crate::tcp::{Sink, Stream, StreamLimits};
+use crate::wire::Status;
+
+const WAKER: Token = Token(usize::MAX);
+/// Commands taken from the queue per `poll`, so one busy submitter cannot
+/// starve the sockets.
+const COMMANDS_PER_POLL: usize = 256;
+/// `poll` calls between checks for timed-out requests.
+const TIMEOUT_CHECK_EVERY: u32 = 1024;
+/// Dead connections remembered, so later calls on them get the error that
+/// killed them; past this the memory is cleared.
+const FAILED_MEMORY: usize = 4096;
+/// Streams a connection may have (the handshake caps it too).
+const MAX_STREAMS: usize = 64;
+
+#[derive(Debug, Clone)]
+pub(crate) struct ShardConfig {
+    pub spin: Duration,
+    pub op_timeout: Duration,
+    pub chunk_bytes: usize,
+    pub sq_depth: usize,
+}
+
+struct Conn {
+    id: ConnId,
+    streams: Vec<Stream>,
+    next: usize,
+}
+
+#[derive(Default)]
+struct LocalOp {
+    remaining: u32,
+    error: Option<Error>,
+}
+
+/// One shard: its connections, its view of the registrations, and its loop.
+/// In embedded mode the caller owns it and calls [`Shard::poll`].
+pub struct Shard {
+    id: usize,
+    cfg: ShardConfig,
+    rx: Receiver<Command>,
+    region_rx: Receiver<RegionCmd>,
+    wake: Arc<WakeState>,
+    epoll: Poll,
+    events: Events,
+    conns: Slab<Conn>,
+    by_id: HashMap<ConnId, usize>,
+    failed: HashMap<ConnId, String>,
+    regions: RegionTable,
+    table: Arc<CompletionTable>,
+    ops: Box<[LocalOp]>,
+    stalled: Option<Command>,
+    done: Vec<(u32, Result<()>)>,
+    to_fail: Vec<(usize, String)>,
+    inbox: SyncSender<(ConnId, Vec<u8>)>,
+    iter: u32,
+}
+
+/// Region lookups that first catch up on registrations the endpoint has
+/// queued: a peer can only name a key after `register` returned, and the
+/// update was queued before that, so a miss is retried once after draining.
+struct LiveRegions<'a> {
+    table: &'a mut RegionTable,
+    updates: &'a Receiver<RegionCmd>,
+}
+
+impl Regions for LiveRegions<'_> {
+    fn check(&mut self, rkey: u32, addr: u64, len: u64, need: Access) -> Result<(Arc<Region>, usize), Status> {
+        match Regions::check(self.table, rkey, addr, len, need) {
+            Err(Status::UnknownKey) => {
+                apply_region_updates(self.table, self.updates);
+                Regions::check(self.table, rkey, addr, len, need)
+            }
+            other => other,
+        }
+    }
+}
+
+fn apply_region_updates(table: &mut RegionTable, updates: &Receiver<RegionCmd>) -> usize {
+    let mut n = 0;
+    while let Ok(cmd) = updates.try_recv() {
+        n += 1;
+        match cmd {
+            RegionCmd::Add(r) => table.insert(r),
+            RegionCmd::Remove(k) => table.remove(k),
+        }
+    }
+    n
+}
+
+struct ShardSink<'a> {
+    done: &'a mut Vec<(u32, Result<()>)>,
+    inbox: &'a SyncSender<(ConnId, Vec<u8>)>,
+    conn: ConnId,
+}
+
+impl Sink for ShardSink<'_> {
+    fn done(&mut self, slot: u32, result: Result<()>) {
+        self.done.push((slot, result));
+    }
+
+    fn notify(&mut self, payload: Vec<u8>) -> Result<(), Vec<u8>> {
+        match self.inbox.try_send((self.conn, payload)) {
+            Ok(()) => Ok(()),
+            Err(mpsc::TrySendError::Full((_, p))) => Err(p),
+            // Nobody will ever read it: the endpoint is gone.
+            Err(mpsc::TrySendError::Disconnected(_)) => Ok(()),
+        }
+    }
+}
+
+fn frames_of(len: usize, chunk: usize) -> u32 {
+    if len == 0 {
+        1
+    } else {
+        len.div_ceil(chunk) as u32
+    }
+}
+
+impl Shard {
+    pub(crate) fn new(
+        id: usize,
+        cfg: ShardConfig,
+        table: Arc<CompletionTable>,
+        inbox: SyncSender<(ConnId, Vec<u8>)>,
+    ) -> Result<(Shard, ShardHandle)> {
+        let epoll = Poll::new().map_err(|e| Error::io("epoll_create", e))?;
+        let waker = Waker::new(epoll.registry(), WAKER).map_err(|e| Error::io("eventfd", e))?;
+        let wake = Arc::new(WakeState { parked: AtomicBool::new(false), waker, shutdown: AtomicBool::new(false) });
+        let (tx, rx) = mpsc::sync_channel(cfg.sq_depth);
+        let (rtx, region_rx) = mpsc::channel();
+        let ops = (0..table.capacity()).map(|_| LocalOp::default()).collect();
+        let handle = ShardHandle { id, capacity: cfg.sq_depth, tx, regions: rtx, wake: wake.clone() };
+        let shard = Shard {
+            id,
+            cfg,
+            rx,
+            region_rx,
+            wake,
+            epoll,
+            events: Events::with_capacity(64),
+            conns: Slab::new(),
+            by_id: HashMap::new(),
+            failed: HashMap::new(),
+            regions: RegionTable::default(),
+            done: Vec::with_capacity(table.capacity()),
+            table,
+            ops,
+            stalled: None,
+            to_fail: Vec::new(),
+            inbox,
+            iter: 0,
+        };
+        Ok((shard, handle))
+    }
+
+    pub fn id(&self) -> usize {
+        self.id
+    }
+
+    /// Connections this shard drives now.
+    pub fn conn_count(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// Runs one pass of the loop; returns how much work it found (0: idle).
+    pub fn poll(&mut self) -> usize {
+        let mut work = apply_region_updates(&mut self.regions, &self.region_rx);
+        work += self.drain_commands();
+        work += self.service_conns();
+        self.iter = self.iter.wrapping_add(1);
+        if self.iter % TIMEOUT_CHECK_EVERY == 0 {
+            self.check_timeouts(Instant::now());
+        }
+        work + self.publish()
+    }
+
+    /// Sleeps until a socket, a submitter or `max` wakes it, unless work
+    /// arrived in the meantime.
+    pub fn park(&mut self, max: Duration) {
+        self.wake.parked.store(true, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        // One more pass after announcing the park: a submitter that did not
+        // see `parked` queued its item before it, so this pass finds it.
+        if self.poll() == 0 {
+            let wait = max.min(self.cfg.op_timeout / 4).max(Duration::from_millis(1));
+            match self.epoll.poll(&mut self.events, Some(wait)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => warn!(shard = self.id, "epoll_wait failed: {e}"),
+            }
+        }
+        self.wake.parked.store(false, Ordering::SeqCst);
+        self.check_timeouts(Instant::now());
+    }
+
+    /// Drives the shard until the endpoint shuts down (managed mode).
+    pub(crate) fn run(mut self) {
+        let mut idle_since = Instant::now();
+        while !self.wake.shutdown.load(Ordering::Relaxed) {
+            if self.poll() > 0 {
+                idle_since = Instant::now();
+            } else if idle_since.elapsed() >= self.cfg.spin {
+                self.park(Duration::from_millis(100));
+                idle_since = Instant::now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    fn drain_commands(&mut self) -> usize {
+        let mut n = 0;
+        if let Some(cmd) = self.stalled.take() {
+            if let Some(back) = self.apply(cmd) {
+                self.stalled = Some(back);
+                return 0;
+            }
+            n += 1;
+        }
+        while n < COMMANDS_PER_POLL {
+            match self.rx.try_recv() {
+                Ok(cmd) => {
+                    n += 1;
+                    if let Some(back) = self.apply(cmd) {
+                        self.stalled = Some(back);
+                        break;
+                    }
+                }
+                Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => break,
+            }
+        }
+        n
+    }
+
+    fn conn_error(&self, conn: ConnId) -> Error {
+        match self.failed.get(&conn) {
+            Some(reason) => Error::ConnFailed { conn, reason: reason.clone() },
+            None => Error::UnknownConn { conn },
+        }
+    }
+
+    /// Applies one command; hands it back if it cannot proceed yet.
+    fn apply(&mut self, cmd: Command) -> Option<Command> {
+        match cmd {
+            Command::Op(op) => self.apply_op(op).map(Command::Op),
+            Command::AddConn { conn, streams, limits } => {
+                if let Err(e) = self.add_conn(conn, streams, limits) {
+                    warn!(shard = self.id, %conn, "could not adopt connection: {e}");
+                    self.remember_failed(conn, e.to_string());
+                }
+                None
+            }
+            Command::RemoveConn(conn) => {
+                if let Some(&idx) = self.by_id.get(&conn) {
+                    self.drop_conn(idx, "removed by remove_remote".to_owned());
+                }
+                self.failed.remove(&conn);
+                None
+            }
+            Command::Notify { conn, payload } => {
+                let Some(&idx) = self.by_id.get(&conn) else {
+                    warn!(shard = self.id, %conn, "notification for a connection that is gone: dropped");
+                    return None;
+                };
+                let c = &mut self.conns[idx];
+                let s = &mut c.streams[0];
+                if !s.can_notify() {
+                    return Some(Command::Notify { conn, payload });
+                }
+                s.push_notify(payload);
+                None
+            }
+        }
+    }
+
+    fn apply_op(&mut self, mut op: OpCmd) -> Option<OpCmd> {
+        let chunk = self.cfg.chunk_bytes;
+        let total: u32 = op.parts.as_slice().iter().map(|d| frames_of(d.len, chunk)).sum();
+        if op.emitted == 0 {
+            self.ops[op.slot as usize] = LocalOp { remaining: total, error: None };
+        }
+        let Some(&idx) = self.by_id.get(&op.conn) else {
+            let err = self.conn_error(op.conn);
+            for _ in op.emitted..total {
+                self.done.push((op.slot, Err(err.duplicate())));
+            }
+            return None;
+        };
+        let conn = &mut self.conns[idx];
+        let now = Instant::now();
+        let descs = op.parts.as_slice();
+        while op.next_desc < descs.len() {
+            let d = &descs[op.next_desc];
+            let n = chunk.min(d.len - op.next_off);
+            let which = conn.next % conn.streams.len();
+            let s = &mut conn.streams[which];
+            if !s.can_request() {
+                return Some(op);
+            }
+            let op_id = ((op.slot as u64) << 32) | op.emitted as u64;
+            // SAFETY: the endpoint checked local_off + len <= region len
+            // before submitting, and next_off < len (or both are 0).
+            let local = unsafe { d.local.ptr.add(d.local_off + op.next_off) };
+            s.push_request(op.kind, op.slot, op_id, d.rkey, d.remote_addr + op.next_off as u64, local, n, &d.local, now);
+            conn.next = conn.next.wrapping_add(1);
+            op.emitted += 1;
+            op.next_off += n;
+            if op.next_off >= d.len {
+                op.next_desc += 1;
+                op.next_off = 0;
+            }
+        }
+        None
+    }
+
+    fn add_conn(&mut self, conn: ConnId, streams: Vec<std::net::TcpStream>, limits: StreamLimits) -> Result<()> {
+        if streams.is_empty() || streams.len() > MAX_STREAMS {
+            return Err(Error::Unsupported { what: "connection", reason: format!("{} streams", streams.len()) });
+        }
+        let entry = self.conns.vacant_entry();
+        let key = entry.key();
+        let mut out = Vec::with_capacity(streams.len());
+        for (i, s) in streams.into_iter().enumerate() {
+            s.set_nonblocking(true).map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
+            let mut m = mio::net::TcpStream::from_std(s);
+            self.epoll
+                .registry()
+                .register(&mut m, Token(key * MAX_STREAMS + i), Interest::READABLE | Interest::WRITABLE)
+                .map_err(|e| Error::io("epoll_ctl", e))?;
+            out.push(Stream::new(m, limits));
+        }
+        entry.insert(Conn { id: conn, streams: out, next: 0 });
+        self.by_id.insert(conn, key);
+        debug!(shard = self.id, %conn, "connection adopted");
+        Ok(())
+    }
+
+    fn remember_failed(&mut self, conn: ConnId, reason: String) {
+        if self.failed.len() >= FAILED_MEMORY {
+            self.failed.clear();
+        }
+        self.failed.insert(conn, reason);
+    }
+
+    fn drop_conn(&mut self, idx: usize, reason: String) {
+        let mut conn = self.conns.remove(idx);
+        self.by_id.remove(&conn.id);
+        let err = Error::ConnFailed { conn: conn.id, reason };
+        let mut sink = ShardSink { done: &mut self.done, inbox: &self.inbox, conn: conn.id };
+        for s in conn.streams.iter_mut() {
+            s.fail_pending(&err, &mut sink);
+            let _ = self.epoll.registry().deregister(&mut s.sock);
+        }
+        if let Error::ConnFailed { reason, .. } = err {
+            self.remember_failed(conn.id, reason);
+        }
+    }
+
+    fn service_conns(&mut self) -> usize {
+        let mut work = 0;
+        let mut regions = LiveRegions { table: &mut self.regions, updates: &self.region_rx };
+        for (idx, conn) in self.conns.iter_mut() {
+            let mut sink = ShardSink { done: &mut self.done, inbox: &self.inbox, conn: conn.id };
+            for s in conn.streams.iter_mut() {
+                let step = (|| {
+                    let mut w = s.flush()? as usize;
+                    w += s.on_readable(&mut regions, &mut sink)? as usize;
+                    if s.has_tx() {
+                        w += s.flush()? as usize;
+                    }
+                    Ok::<usize, String>(w)
+                })();
+                match step {
+                    Ok(w) => work += w,
+                    Err(reason) => {
+                        self.to_fail.push((idx, reason));
+                        break;
+                    }
+                }
+            }
+        }
+        let mut to_fail = std::mem::take(&mut self.to_fail);
+        for (idx, reason) in to_fail.drain(..) {
+            warn!(shard = self.id, conn = %self.conns[idx].id, "connection failed: {reason}");
+            self.drop_conn(idx, reason);
+            work += 1;
+        }
+        self.to_fail = to_fail;
+        work
+    }
+
+    fn check_timeouts(&mut self, now: Instant) {
+        let limit = self.cfg.op_timeout;
+        for (idx, conn) in self.conns.iter() {
+            let stuck = conn.streams.iter().filter_map(|s| s.oldest_pending()).any(|t| now.duration_since(t) > limit);
+            if stuck {
+                self.to_fail.push((idx, format!("no response to a request within {} ms (op timeout)", limit.as_millis())));
+            }
+        }
+        let mut to_fail = std::mem::take(&mut self.to_fail);
+        for (idx, reason) in to_fail.drain(..) {
+            warn!(shard = self.id, "connection failed: {reason}");
+            self.drop_conn(idx, reason);
+        }
+        self.to_fail = to_fail;
+    }
+
+    fn publish(&mut self) -> usize {
+        let n = self.done.len();
+        for (slot, result) in self.done.drain(..) {
+            let op = &mut self.ops[slot as usize];
+            if let Err(e) = result {
+                op.error.get_or_insert(e);
+            }
+            op.remaining -= 1;
+            if op.remaining == 0 {
+                self.table.complete(slot, op.error.take().map_or(Ok(()), Err));
+            }
+        }
+        n
+    }
+}
+
+impl Drop for Shard {
+    /// Fails whatever is still in flight or queued, so no waiter hangs.
+    fn drop(&mut self) {
+        let keys: Vec<usize> = self.conns.iter().map(|(k, _)| k).collect();
+        for k in keys {
+            self.drop_conn(k, "the shard shut down".to_owned());
+        }
+        let mut queued: Vec<Command> = self.stalled.take().into_iter().collect();
+        while let Ok(c) = self.rx.try_recv() {
+            queued.push(c);
+        }
+        for c in queued {
+            if let Command::Op(op) = c {
+                // With no connections left this fails every remaining frame.
+                self.apply_op(op);
+            }
+        }
+        self.publish();
+        self.regions.clear();
+    }
+}
