@@ -1,3 +1,4 @@
+pub mod endpoint;
 pub mod error;
 pub mod oob;
 pub mod reactor;
@@ -5,5 +6,8 @@ pub(crate) mod region;
 pub(crate) mod tcp;
 pub mod wire;
 
+pub use endpoint::{Config, Endpoint, EndpointBuilder, MemoryRegion, Mode, Transport};
 pub use error::{ConnId, Error, OpKind, Result};
+pub use reactor::{Shard, Transfer};
 pub use region::Access;
+pub use wire::{EndpointMetadata, RemoteBuf};

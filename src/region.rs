@@ -78,10 +78,6 @@ impl RegionTable {
         self.by_key.remove(&rkey);
     }
 
-    pub fn len(&self) -> usize {
-        self.by_key.len()
-    }
-
     pub fn clear(&mut self) {
         self.by_key.clear();
     }

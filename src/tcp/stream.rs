@@ -99,6 +99,12 @@ pub(crate) struct Stream {
     rx: Rx,
 }
 
+// SAFETY: the raw pointers in a stream's frames, pending requests and
+// receive state point into registered regions that the same structures keep
+// alive through `Arc<Region>` (or into buffers they own); moving the stream
+// to another thread moves those owners with it.
+unsafe impl Send for Stream {}
+
 enum Read {
     Got(usize),
     WouldBlock,

@@ -1,0 +1,225 @@
+//! `Config`: every knob of an endpoint, settable from code or read once from
+//! `FERRY_*` environment variables.
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::oob::IoPreference;
+
+/// How shards are driven.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// The endpoint starts one thread per shard.
+    Managed,
+    /// The caller takes the shards (`Endpoint::take_shards`) and polls them.
+    Embedded,
+}
+
+/// Which data path connections use (`FERRY_TRANSPORT`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// The best path available for the peer; today that is always tcp.
+    Auto,
+    Tcp,
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Address the control listener binds (`FERRY_LISTEN_ADDR`, default 0.0.0.0).
+    pub listen_addr: IpAddr,
+    /// Port it binds; 0 picks a free one (`FERRY_LISTEN_PORT`).
+    pub listen_port: u16,
+    /// Address put in the metadata (`FERRY_ADVERTISE_ADDR`). Default: the
+    /// listen address, or when that is unspecified the first non-loopback
+    /// IPv4 address of an up interface, else 127.0.0.1.
+    pub advertise_addr: Option<IpAddr>,
+    /// Number of shards (`FERRY_SHARDS`, default 1).
+    pub shards: usize,
+    pub mode: Mode,
+    /// Operations in flight across the endpoint (`FERRY_MAX_INFLIGHT_OPS`, default 4096).
+    pub max_inflight_ops: usize,
+    /// Request frames outstanding per stream (`FERRY_STREAM_INFLIGHT`, default 1024).
+    pub stream_inflight: usize,
+    /// Depth of each shard's submission queue (`FERRY_SQ_DEPTH`, default 4096).
+    pub sq_depth: usize,
+    /// TCP streams per connection (`FERRY_STREAMS`, default 1).
+    pub streams_per_conn: u16,
+    /// Operations larger than this are split into frames of this size,
+    /// dealt round-robin over the streams (`FERRY_CHUNK_BYTES`, default 4 MiB).
+    pub chunk_bytes: usize,
+    /// Connect and handshake deadline (`FERRY_CONNECT_TIMEOUT_MS`, default 5000).
+    pub connect_timeout_ms: u64,
+    /// A request with no response for this long fails its connection
+    /// (`FERRY_OP_TIMEOUT_MS`, default 10000).
+    pub op_timeout_ms: u64,
+    /// How long an idle managed shard spins before it parks (`FERRY_SPIN_US`, default 50).
+    pub spin_us: u64,
+    /// Control-path backend (`FERRY_IO=auto|uring|epoll`).
+    pub io: IoPreference,
+    /// Data path (`FERRY_TRANSPORT=auto|tcp`).
+    pub transport: Transport,
+    /// Pin managed shard threads to cores (`FERRY_PIN=1`, default off).
+    pub pin_cores: bool,
+    /// Notifications held for the application (`FERRY_INBOX_DEPTH`, default 1024).
+    pub inbox_depth: usize,
+    /// Log filter for the `ferry` binary (`FERRY_LOG`, default "warn"); the
+    /// library itself only emits `tracing` events.
+    pub log: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen_addr: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            listen_port: 0,
+            advertise_addr: None,
+            shards: 1,
+            mode: Mode::Managed,
+            max_inflight_ops: 4096,
+            stream_inflight: 1024,
+            sq_depth: 4096,
+            streams_per_conn: 1,
+            chunk_bytes: 4 << 20,
+            connect_timeout_ms: 5000,
+            op_timeout_ms: 10_000,
+            spin_us: 50,
+            io: IoPreference::Auto,
+            transport: Transport::Auto,
+            pin_cores: false,
+            inbox_depth: 1024,
+            log: "warn".to_owned(),
+        }
+    }
+}
+
+fn bad(name: &'static str, value: &str, reason: impl Into<String>) -> Error {
+    Error::Config { name, value: value.to_owned(), reason: reason.into() }
+}
+
+fn num<T: std::str::FromStr>(name: &'static str, v: &str, min: T, max: T) -> Result<T>
+where
+    T: PartialOrd + std::fmt::Display + Copy,
+{
+    let n: T = v.trim().parse().map_err(|_| bad(name, v, "not a number"))?;
+    if n < min || n > max {
+        return Err(bad(name, v, format!("must be in {min}..={max}")));
+    }
+    Ok(n)
+}
+
+impl Config {
+    /// Defaults overridden by every `FERRY_*` variable that is set.
+    pub fn from_env() -> Result<Config> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// As `from_env`, reading variables through `get` (for tests).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config> {
+        let mut c = Config::default();
+        if let Some(v) = get("FERRY_LISTEN_ADDR") {
+            c.listen_addr = v.trim().parse().map_err(|_| bad("FERRY_LISTEN_ADDR", &v, "not an IP address"))?;
+        }
+        if let Some(v) = get("FERRY_LISTEN_PORT") {
+            c.listen_port = num("FERRY_LISTEN_PORT", &v, 0, u16::MAX)?;
+        }
+        if let Some(v) = get("FERRY_ADVERTISE_ADDR") {
+            c.advertise_addr =
+                Some(v.trim().parse().map_err(|_| bad("FERRY_ADVERTISE_ADDR", &v, "not an IP address"))?);
+        }
+        if let Some(v) = get("FERRY_SHARDS") {
+            c.shards = num("FERRY_SHARDS", &v, 1, 256)?;
+        }
+        if let Some(v) = get("FERRY_MAX_INFLIGHT_OPS") {
+            c.max_inflight_ops = num("FERRY_MAX_INFLIGHT_OPS", &v, 1, 1 << 20)?;
+        }
+        if let Some(v) = get("FERRY_STREAM_INFLIGHT") {
+            c.stream_inflight = num("FERRY_STREAM_INFLIGHT", &v, 1, 1 << 20)?;
+        }
+        if let Some(v) = get("FERRY_SQ_DEPTH") {
+            c.sq_depth = num("FERRY_SQ_DEPTH", &v, 1, 1 << 20)?;
+        }
+        if let Some(v) = get("FERRY_STREAMS") {
+            c.streams_per_conn = num("FERRY_STREAMS", &v, 1, crate::wire::MAX_STREAMS)?;
+        }
+        if let Some(v) = get("FERRY_CHUNK_BYTES") {
+            c.chunk_bytes = num("FERRY_CHUNK_BYTES", &v, 4096, 1 << 30)?;
+        }
+        if let Some(v) = get("FERRY_CONNECT_TIMEOUT_MS") {
+            c.connect_timeout_ms = num("FERRY_CONNECT_TIMEOUT_MS", &v, 1, 3_600_000)?;
+        }
+        if let Some(v) = get("FERRY_OP_TIMEOUT_MS") {
+            c.op_timeout_ms = num("FERRY_OP_TIMEOUT_MS", &v, 1, 3_600_000)?;
+        }
+        if let Some(v) = get("FERRY_SPIN_US") {
+            c.spin_us = num("FERRY_SPIN_US", &v, 0, 10_000_000)?;
+        }
+        if let Some(v) = get("FERRY_IO") {
+            c.io = match v.trim() {
+                "auto" => IoPreference::Auto,
+                "uring" | "io_uring" => IoPreference::Uring,
+                "epoll" => IoPreference::Epoll,
+                _ => return Err(bad("FERRY_IO", &v, "expected auto, uring or epoll")),
+            };
+        }
+        if let Some(v) = get("FERRY_TRANSPORT") {
+            c.transport = match v.trim() {
+                "auto" => Transport::Auto,
+                "tcp" => Transport::Tcp,
+                _ => return Err(bad("FERRY_TRANSPORT", &v, "expected auto or tcp (the transports this build has)")),
+            };
+        }
+        if let Some(v) = get("FERRY_PIN") {
+            c.pin_cores = match v.trim() {
+                "1" | "true" | "yes" => true,
+                "0" | "false" | "no" => false,
+                _ => return Err(bad("FERRY_PIN", &v, "expected 0 or 1")),
+            };
+        }
+        if let Some(v) = get("FERRY_INBOX_DEPTH") {
+            c.inbox_depth = num("FERRY_INBOX_DEPTH", &v, 1, 1 << 20)?;
+        }
+        if let Some(v) = get("FERRY_LOG") {
+            c.log = v;
+        }
+        Ok(c)
+    }
+
+    pub fn connect_timeout(&self) -> Duration {
+        Duration::from_millis(self.connect_timeout_ms)
+    }
+
+    pub fn op_timeout(&self) -> Duration {
+        Duration::from_millis(self.op_timeout_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let v: Vec<(String, String)> = pairs.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect();
+        move |k| v.iter().find(|(a, _)| a == k).map(|(_, b)| b.clone())
+    }
+
+    #[test]
+    fn reads_and_validates_variables() {
+        let c = Config::from_lookup(env(&[
+            ("FERRY_SHARDS", "3"),
+            ("FERRY_IO", "epoll"),
+            ("FERRY_MAX_INFLIGHT_OPS", "77"),
+            ("FERRY_LISTEN_ADDR", "::1"),
+        ]))
+        .unwrap();
+        assert_eq!(c.shards, 3);
+        assert_eq!(c.io, IoPreference::Epoll);
+        assert_eq!(c.max_inflight_ops, 77);
+        assert!(c.listen_addr.is_ipv6());
+        let e = Config::from_lookup(env(&[("FERRY_SHARDS", "0")])).unwrap_err();
+        assert!(e.to_string().contains("FERRY_SHARDS=\"0\""), "{e}");
+        let e = Config::from_lookup(env(&[("FERRY_TRANSPORT", "carrier-pigeon")])).unwrap_err();
+        assert!(e.to_string().contains("carrier-pigeon"), "{e}");
+        assert!(Config::from_lookup(env(&[("FERRY_OP_TIMEOUT_MS", "x")])).is_err());
+    }
+}

@@ -1,0 +1,156 @@
+//! `MemoryRegion`: the application's handle to registered memory.
+
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use super::Inner;
+use crate::error::{Error, Result};
+use crate::region::{Access, Region};
+use crate::wire::RemoteBuf;
+
+/// Registered memory. Peers may WRITE into it or READ from it at any time
+/// while it is registered and advertised, so its bytes can change under the
+/// application, as with any DMA target: read them with [`read_at`] or through
+/// the `unsafe` slice accessors.
+///
+/// Dropping the handle deregisters the region. Memory the engine owns
+/// (from `register` / `alloc`) stays alive until the last in-flight use of
+/// it ends; raw memory (`register_raw`) is waited for, so that the caller
+/// may free it after `deregister` returns.
+///
+/// [`read_at`]: MemoryRegion::read_at
+pub struct MemoryRegion {
+    pub(crate) inner: Arc<Region>,
+    pub(crate) ep: Weak<Inner>,
+    pub(crate) live: bool,
+}
+
+impl std::fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("addr", &format_args!("{:#x}", self.inner.addr()))
+            .field("len", &self.inner.len)
+            .field("rkey", &format_args!("{:#x}", self.inner.rkey))
+            .field("access", &self.inner.access)
+            .finish()
+    }
+}
+
+impl MemoryRegion {
+    pub fn len(&self) -> usize {
+        self.inner.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.inner.len == 0
+    }
+
+    pub fn addr(&self) -> u64 {
+        self.inner.addr()
+    }
+
+    pub fn rkey(&self) -> u32 {
+        self.inner.rkey
+    }
+
+    pub fn access(&self) -> Access {
+        self.inner.access
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.inner.ptr
+    }
+
+    pub(crate) fn check_range(&self, offset: usize, len: usize) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.inner.len => Ok(()),
+            _ => Err(Error::OutOfRange { offset, len, region_len: self.inner.len }),
+        }
+    }
+
+    /// Copies `dst.len()` bytes starting at `offset` out of the region.
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.check_range(offset, dst.len())?;
+        // SAFETY: the range is inside the live region; a concurrent remote
+        // write can change the bytes we copy, never their validity (u8).
+        unsafe { std::ptr::copy_nonoverlapping(self.inner.ptr.add(offset), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Copies `src` into the region at `offset`.
+    pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check_range(offset, src.len())?;
+        // SAFETY: as in `read_at`.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.inner.ptr.add(offset), src.len()) };
+        Ok(())
+    }
+
+    /// The region's bytes as a slice.
+    ///
+    /// # Safety
+    /// No peer may write to the region, and no local transfer may READ into
+    /// it, while the slice lives.
+    pub unsafe fn as_slice(&self) -> &[u8] {
+        // SAFETY: the region is live; exclusivity is the caller's promise.
+        unsafe { std::slice::from_raw_parts(self.inner.ptr, self.inner.len) }
+    }
+
+    /// The region's bytes as a mutable slice.
+    ///
+    /// # Safety
+    /// No peer may read or write the region, and no local transfer may use
+    /// it, while the slice lives.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
+        // SAFETY: as for `as_slice`.
+        unsafe { std::slice::from_raw_parts_mut(self.inner.ptr, self.inner.len) }
+    }
+
+    /// Describes `[offset, offset + len)` for a peer (the seed's `advertise`).
+    pub fn advertise(&self, offset: usize, len: usize) -> Result<RemoteBuf> {
+        self.check_range(offset, len)?;
+        let size = u32::try_from(len).map_err(|_| Error::Unsupported {
+            what: "advertising more than 4 GiB - 1 in one RemoteBuf",
+            reason: format!("len {len}"),
+        })?;
+        Ok(RemoteBuf { addr: self.addr() + offset as u64, size, rkey: self.rkey(), nmsgs: 1, ..Default::default() })
+    }
+
+    /// Removes the registration from every shard and waits (up to `timeout`)
+    /// until no transfer uses the memory any more.
+    pub(crate) fn retire(&mut self, timeout: Duration) -> Result<()> {
+        if !self.live {
+            return Ok(());
+        }
+        self.live = false;
+        let Some(ep) = self.ep.upgrade() else { return Ok(()) };
+        ep.forget_region(self.inner.rkey);
+        let deadline = Instant::now() + timeout;
+        // Each shard table and each frame in flight holds a reference.
+        while Arc::strong_count(&self.inner) > 1 {
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout { what: "in-flight transfers on a deregistered region", timeout_ms: timeout.as_millis() as u64 });
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        let timeout = self.ep.upgrade().map_or(Duration::ZERO, |ep| ep.cfg.op_timeout());
+        let owned = matches!(self.inner._backing, crate::region::Backing::Owned(_));
+        if owned {
+            // The Arc keeps owned memory alive; no need to wait.
+            if self.live {
+                self.live = false;
+                if let Some(ep) = self.ep.upgrade() {
+                    ep.forget_region(self.inner.rkey);
+                }
+            }
+        } else if let Err(e) = self.retire(timeout) {
+            tracing::error!(rkey = self.inner.rkey, "dropping a raw region still in use: {e}");
+        }
+    }
+}

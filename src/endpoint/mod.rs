@@ -1,0 +1,624 @@
+//! The public API, mirroring the seed's `Endpoint`: metadata, connections,
+//! registration, advertisement, one-sided WRITE/READ (single, vectored,
+//! async) and notifications. Only this module knows every other one.
+
+mod config;
+mod memory;
+
+use std::collections::{HashMap, VecDeque};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tracing::{info, warn};
+
+pub use config::{Config, Mode, Transport};
+pub use memory::MemoryRegion;
+
+use crate::error::{ConnId, Error, OpKind, Result};
+use crate::oob::handshake::{self, Assembler};
+use crate::oob::{self, Ctl, IoBackend};
+use crate::reactor::completion::CompletionTable;
+use crate::reactor::{Command, OpCmd, OpDesc, OpParts, RegionCmd, Shard, ShardConfig, ShardHandle, Transfer};
+use crate::region::{Access, Backing, Region};
+use crate::tcp::StreamLimits;
+use crate::wire::{EndpointMetadata, Hello, RemoteBuf, MAX_NOTIFY_BYTES};
+
+/// Half-assembled multi-stream connections an acceptor holds at most.
+const MAX_PARTIAL_CONNS: usize = 64;
+
+/// Builds an [`Endpoint`].
+#[derive(Debug, Clone, Default)]
+pub struct EndpointBuilder {
+    config: Option<Config>,
+}
+
+impl EndpointBuilder {
+    /// Uses `config` instead of `Config::from_env()`.
+    pub fn config(mut self, config: Config) -> Self {
+        self.config = Some(config);
+        self
+    }
+
+    /// Binds the control listener, starts the shards (managed mode) and
+    /// returns the endpoint.
+    pub fn build(self) -> Result<Endpoint> {
+        let cfg = match self.config {
+            Some(c) => c,
+            None => Config::from_env()?,
+        };
+        Endpoint::start(cfg)
+    }
+}
+
+/// A connection's record on the control side.
+struct ConnInfo {
+    peer: SocketAddr,
+}
+
+pub(crate) struct Inner {
+    pub(crate) cfg: Config,
+    id: u64,
+    backend: IoBackend,
+    backend_note: Option<String>,
+    listener: TcpListener,
+    metadata: EndpointMetadata,
+    shards: Vec<ShardHandle>,
+    table: Arc<CompletionTable>,
+    next_conn: AtomicU64,
+    next_rkey: AtomicU32,
+    conns: Mutex<HashMap<ConnId, ConnInfo>>,
+    remotes: Mutex<HashMap<SocketAddr, ConnId>>,
+    inbox: Mutex<Receiver<(ConnId, Vec<u8>)>>,
+    acceptor: Mutex<Assembler<std::net::TcpStream>>,
+    accepted: Mutex<VecDeque<(ConnId, SocketAddr)>>,
+    accepted_cv: Condvar,
+    passive: Mutex<Option<(Arc<AtomicBool>, JoinHandle<()>)>>,
+}
+
+/// A transfer engine endpoint: one control listener, N shards, and the
+/// connections and registrations they serve.
+pub struct Endpoint {
+    inner: Arc<Inner>,
+    threads: Vec<JoinHandle<()>>,
+    embedded: Mutex<Vec<Shard>>,
+}
+
+fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom writes at most b.len() bytes into b.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n == b.len() as isize {
+        return u64::from_le_bytes(b);
+    }
+    // getrandom cannot fail for 8 bytes on Linux >= 3.17; mix clock and pid if it did.
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    (t.as_nanos() as u64) ^ ((std::process::id() as u64) << 32)
+}
+
+/// The first non-loopback IPv4 address of an interface that is up.
+fn primary_ipv4() -> Option<IpAddr> {
+    let mut ifa: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `ifa` with a list we free below.
+    if unsafe { libc::getifaddrs(&mut ifa) } != 0 {
+        return None;
+    }
+    let mut cur = ifa;
+    let mut found = None;
+    while !cur.is_null() {
+        // SAFETY: `cur` is a node of the list getifaddrs returned.
+        let a = unsafe { &*cur };
+        let up = a.ifa_flags & libc::IFF_UP as u32 != 0;
+        let lo = a.ifa_flags & libc::IFF_LOOPBACK as u32 != 0;
+        // SAFETY: ifa_addr, when non-null, points to a sockaddr whose family says its type.
+        if up && !lo && !a.ifa_addr.is_null() && unsafe { (*a.ifa_addr).sa_family } as i32 == libc::AF_INET {
+            // SAFETY: the family is AF_INET, so this is a sockaddr_in.
+            let sin = unsafe { &*(a.ifa_addr as *const libc::sockaddr_in) };
+            found = Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))));
+            break;
+        }
+        cur = a.ifa_next;
+    }
+    // SAFETY: `ifa` came from getifaddrs and is freed once.
+    unsafe { libc::freeifaddrs(ifa) };
+    found
+}
+
+fn pin_to_core(core: usize) {
+    // SAFETY: cpu_set_t is plain bits; CPU_SET and sched_setaffinity(0, ..)
+    // act on this thread only.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(core, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            warn!(core, "could not pin shard thread: {}", std::io::Error::last_os_error());
+        }
+    }
+}
+
+impl Endpoint {
+    pub fn builder() -> EndpointBuilder {
+        EndpointBuilder::default()
+    }
+
+    fn start(cfg: Config) -> Result<Endpoint> {
+        let (backend, note) = oob::choose(cfg.io)?;
+        if let Some(why) = &note {
+            info!("control path uses {backend}: {why}");
+        }
+        let listener =
+            TcpListener::bind((cfg.listen_addr, cfg.listen_port)).map_err(|e| Error::io("bind control listener", e))?;
+        listener.set_nonblocking(backend == IoBackend::Epoll).map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
+        let local = listener.local_addr().map_err(|e| Error::io("getsockname", e))?;
+        let adv = cfg.advertise_addr.unwrap_or_else(|| {
+            if local.ip().is_unspecified() {
+                primary_ipv4().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
+            } else {
+                local.ip()
+            }
+        });
+        let metadata = EndpointMetadata::new(adv, local.port(), "")?;
+        let table = CompletionTable::new(cfg.max_inflight_ops);
+        let (inbox_tx, inbox_rx) = mpsc::sync_channel(cfg.inbox_depth);
+        let scfg = ShardConfig {
+            spin: Duration::from_micros(cfg.spin_us),
+            op_timeout: cfg.op_timeout(),
+            chunk_bytes: cfg.chunk_bytes,
+            sq_depth: cfg.sq_depth,
+        };
+        let mut shards = Vec::new();
+        let mut handles = Vec::new();
+        for i in 0..cfg.shards {
+            let (s, h) = Shard::new(i, scfg.clone(), table.clone(), inbox_tx.clone())?;
+            shards.push(s);
+            handles.push(h);
+        }
+        let inner = Arc::new(Inner {
+            id: random_u64(),
+            backend,
+            backend_note: note,
+            listener,
+            metadata,
+            shards: handles,
+            table,
+            next_conn: AtomicU64::new(1),
+            next_rkey: AtomicU32::new((random_u64() as u32) | 1),
+            conns: Mutex::new(HashMap::new()),
+            remotes: Mutex::new(HashMap::new()),
+            inbox: Mutex::new(inbox_rx),
+            acceptor: Mutex::new(Assembler::new(MAX_PARTIAL_CONNS, cfg.connect_timeout())),
+            accepted: Mutex::new(VecDeque::new()),
+            accepted_cv: Condvar::new(),
+            passive: Mutex::new(None),
+            cfg,
+        });
+        let mut threads = Vec::new();
+        let mut embedded = Vec::new();
+        match inner.cfg.mode {
+            Mode::Managed => {
+                let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let pin = inner.cfg.pin_cores;
+                for s in shards {
+                    let id = s.id();
+                    let t = std::thread::Builder::new()
+                        .name(format!("ferry-shard-{id}"))
+                        .spawn(move || {
+                            if pin {
+                                pin_to_core(id % ncpu);
+                            }
+                            s.run()
+                        })
+                        .map_err(|e| Error::io("spawn shard thread", e))?;
+                    threads.push(t);
+                }
+            }
+            Mode::Embedded => embedded = shards,
+        }
+        info!(id = inner.id, addr = %local, backend = %backend, shards = inner.cfg.shards, "endpoint started");
+        Ok(Endpoint { inner, threads, embedded: Mutex::new(embedded) })
+    }
+
+    /// The endpoint's metadata (what a peer needs to connect).
+    pub fn metadata(&self) -> &EndpointMetadata {
+        &self.inner.metadata
+    }
+
+    /// The metadata in the seed's byte format.
+    pub fn metadata_bytes(&self) -> Vec<u8> {
+        self.inner.metadata.encode()
+    }
+
+    /// Random identity of this endpoint, sent in every handshake.
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.inner.cfg
+    }
+
+    /// The control-path backend in use, and why io_uring was not, if not.
+    pub fn io_backend(&self) -> (IoBackend, Option<&str>) {
+        (self.inner.backend, self.inner.backend_note.as_deref())
+    }
+
+    /// Embedded mode: hands the shards to the caller, once. The caller must
+    /// call [`Shard::poll`] on each, or nothing moves.
+    pub fn take_shards(&self) -> Vec<Shard> {
+        std::mem::take(&mut *self.embedded.lock().expect("lock"))
+    }
+
+    /// Operations in flight or completed but not yet reaped.
+    pub fn inflight_ops(&self) -> usize {
+        self.inner.table.in_use()
+    }
+
+    // ---- connections -------------------------------------------------
+
+    /// Connects to the endpoint listening at `addr`.
+    pub fn connect(&self, addr: SocketAddr) -> Result<ConnId> {
+        self.inner.connect(addr)
+    }
+
+    /// Connects to the endpoint that `metadata` (seed byte format) names,
+    /// reusing the connection if one to that address exists.
+    pub fn add_remote(&self, metadata: &[u8]) -> Result<ConnId> {
+        let m = EndpointMetadata::decode(metadata)?;
+        let addr = m.socket_addr();
+        if let Some(&c) = self.inner.remotes.lock().expect("lock").get(&addr) {
+            return Ok(c);
+        }
+        let c = self.inner.connect(addr)?;
+        let mut remotes = self.inner.remotes.lock().expect("lock");
+        // Another thread may have raced us; keep the first, close ours.
+        if let Some(&first) = remotes.get(&addr) {
+            drop(remotes);
+            let _ = self.remove_remote(c);
+            return Ok(first);
+        }
+        remotes.insert(addr, c);
+        Ok(c)
+    }
+
+    /// Closes a connection; its in-flight operations fail.
+    pub fn remove_remote(&self, conn: ConnId) -> Result<()> {
+        let info = self.inner.conns.lock().expect("lock").remove(&conn);
+        let Some(info) = info else { return Err(Error::UnknownConn { conn }) };
+        self.inner.remotes.lock().expect("lock").retain(|_, c| *c != conn);
+        let deadline = Instant::now() + self.inner.cfg.connect_timeout();
+        self.inner.shard_of(conn).submit_blocking(Command::RemoveConn(conn), deadline)?;
+        info!(%conn, peer = %info.peer, "connection removed");
+        Ok(())
+    }
+
+    /// Waits up to `timeout` for one incoming connection.
+    pub fn accept(&self, timeout: Duration) -> Result<(ConnId, SocketAddr)> {
+        if self.inner.passive.lock().expect("lock").is_some() {
+            return self.inner.next_accepted(timeout);
+        }
+        self.inner.accept_one(timeout)
+    }
+
+    /// Accepts connections in the background until [`stop_accept`]; they
+    /// become usable as they arrive and are reported by [`accept`].
+    ///
+    /// [`stop_accept`]: Endpoint::stop_accept
+    /// [`accept`]: Endpoint::accept
+    pub fn start_passive_accept(&self) -> Result<()> {
+        let mut p = self.inner.passive.lock().expect("lock");
+        if p.is_some() {
+            return Ok(());
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let (inner, stop2) = (self.inner.clone(), stop.clone());
+        let t = std::thread::Builder::new()
+            .name("ferry-accept".to_owned())
+            .spawn(move || {
+                while !stop2.load(Ordering::Relaxed) {
+                    match inner.accept_one(Duration::from_millis(100)) {
+                        Ok(got) => {
+                            let mut q = inner.accepted.lock().expect("lock");
+                            q.push_back(got);
+                            if q.len() > 4096 {
+                                q.pop_front();
+                            }
+                            inner.accepted_cv.notify_all();
+                        }
+                        Err(Error::AcceptTimeout { .. }) => {}
+                        Err(e) => {
+                            warn!("passive accept: {e}");
+                            std::thread::sleep(Duration::from_millis(10));
+                        }
+                    }
+                }
+            })
+            .map_err(|e| Error::io("spawn accept thread", e))?;
+        *p = Some((stop, t));
+        Ok(())
+    }
+
+    pub fn stop_accept(&self) {
+        let p = self.inner.passive.lock().expect("lock").take();
+        if let Some((stop, t)) = p {
+            stop.store(true, Ordering::Relaxed);
+            let _ = t.join();
+        }
+    }
+
+    // ---- memory ------------------------------------------------------
+
+    /// Registers a buffer the engine takes and keeps alive, with remote read
+    /// and write allowed.
+    pub fn register(&self, buf: impl Into<Box<[u8]>>) -> Result<MemoryRegion> {
+        self.register_with(buf, Access::all())
+    }
+
+    pub fn register_with(&self, buf: impl Into<Box<[u8]>>, access: Access) -> Result<MemoryRegion> {
+        let mut b: Box<[u8]> = buf.into();
+        let (ptr, len) = (b.as_mut_ptr(), b.len());
+        self.inner.add_region(ptr, len, access, Backing::Owned(b))
+    }
+
+    /// Allocates and registers `len` zeroed bytes.
+    pub fn alloc(&self, len: usize) -> Result<MemoryRegion> {
+        self.register(vec![0u8; len])
+    }
+
+    /// Registers several buffers (the seed's `regv`).
+    pub fn regv(&self, bufs: Vec<Box<[u8]>>) -> Result<Vec<MemoryRegion>> {
+        bufs.into_iter().map(|b| self.register(b)).collect()
+    }
+
+    /// Registers memory the caller owns.
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` must be valid for reads and writes from now until
+    /// the returned region has been deregistered (`deregister` returned, or
+    /// the handle was dropped); peers may write it at any time meanwhile.
+    pub unsafe fn register_raw(&self, ptr: *mut u8, len: usize, access: Access) -> Result<MemoryRegion> {
+        self.inner.add_region(ptr, len, access, Backing::Raw)
+    }
+
+    /// Deregisters a region, waiting until no transfer still uses it.
+    pub fn deregister(&self, mut mr: MemoryRegion) -> Result<()> {
+        mr.retire(self.inner.cfg.op_timeout())
+    }
+
+    /// Describes `[offset, offset + len)` of `mr` for a peer.
+    pub fn advertise(&self, mr: &MemoryRegion, offset: usize, len: usize) -> Result<RemoteBuf> {
+        mr.advertise(offset, len)
+    }
+
+    /// Advertises several windows (the seed's `advertisev`).
+    pub fn advertisev(&self, windows: &[(&MemoryRegion, usize, usize)]) -> Result<Vec<RemoteBuf>> {
+        windows.iter().map(|(m, o, l)| m.advertise(*o, *l)).collect()
+    }
+
+    // ---- one-sided operations ------------------------------------------
+
+    /// Starts a WRITE of `mr[offset..offset + len]` to the start of `remote`.
+    pub fn write_async(
+        &self,
+        conn: ConnId,
+        mr: &MemoryRegion,
+        offset: usize,
+        len: usize,
+        remote: &RemoteBuf,
+    ) -> Result<Transfer> {
+        let d = desc(mr, offset, len, remote)?;
+        self.inner.submit(conn, OpKind::Write, OpParts::One(d))
+    }
+
+    /// Starts a READ of the start of `remote` into `mr[offset..offset + len]`.
+    pub fn read_async(
+        &self,
+        conn: ConnId,
+        mr: &MemoryRegion,
+        offset: usize,
+        len: usize,
+        remote: &RemoteBuf,
+    ) -> Result<Transfer> {
+        let d = desc(mr, offset, len, remote)?;
+        self.inner.submit(conn, OpKind::Read, OpParts::One(d))
+    }
+
+    /// Starts one WRITE per (local slice, remote buffer) pair as one transfer.
+    pub fn writev_async(&self, conn: ConnId, locals: &[(&MemoryRegion, usize, usize)], remotes: &[RemoteBuf]) -> Result<Transfer> {
+        let parts = descs(locals, remotes)?;
+        self.inner.submit(conn, OpKind::Write, parts)
+    }
+
+    /// Starts one READ per (local slice, remote buffer) pair as one transfer.
+    pub fn readv_async(&self, conn: ConnId, locals: &[(&MemoryRegion, usize, usize)], remotes: &[RemoteBuf]) -> Result<Transfer> {
+        let parts = descs(locals, remotes)?;
+        self.inner.submit(conn, OpKind::Read, parts)
+    }
+
+    /// WRITE and wait. Needs managed shards, or embedded ones polled by
+    /// another thread.
+    pub fn write(&self, conn: ConnId, mr: &MemoryRegion, offset: usize, len: usize, remote: &RemoteBuf) -> Result<()> {
+        self.write_async(conn, mr, offset, len, remote)?.wait()
+    }
+
+    /// READ and wait (see [`write`](Endpoint::write)).
+    pub fn read(&self, conn: ConnId, mr: &MemoryRegion, offset: usize, len: usize, remote: &RemoteBuf) -> Result<()> {
+        self.read_async(conn, mr, offset, len, remote)?.wait()
+    }
+
+    pub fn writev(&self, conn: ConnId, locals: &[(&MemoryRegion, usize, usize)], remotes: &[RemoteBuf]) -> Result<()> {
+        self.writev_async(conn, locals, remotes)?.wait()
+    }
+
+    pub fn readv(&self, conn: ConnId, locals: &[(&MemoryRegion, usize, usize)], remotes: &[RemoteBuf]) -> Result<()> {
+        self.readv_async(conn, locals, remotes)?.wait()
+    }
+
+    // ---- notifications -------------------------------------------------
+
+    /// Sends a small message (at most 4096 bytes) to the peer's inbox.
+    pub fn send_notification(&self, conn: ConnId, msg: &[u8]) -> Result<()> {
+        if msg.len() > MAX_NOTIFY_BYTES {
+            return Err(Error::NotifyTooLong { len: msg.len(), max: MAX_NOTIFY_BYTES });
+        }
+        if !self.inner.conns.lock().expect("lock").contains_key(&conn) {
+            return Err(Error::UnknownConn { conn });
+        }
+        let deadline = Instant::now() + self.inner.cfg.connect_timeout();
+        self.inner.shard_of(conn).submit_blocking(Command::Notify { conn, payload: msg.to_vec() }, deadline)
+    }
+
+    /// Waits up to `timeout` for a notification from any peer.
+    pub fn recv_notification(&self, timeout: Duration) -> Result<(ConnId, Vec<u8>)> {
+        match self.inner.inbox.lock().expect("lock").recv_timeout(timeout) {
+            Ok(n) => Ok(n),
+            Err(RecvTimeoutError::Timeout) => {
+                Err(Error::Timeout { what: "a notification", timeout_ms: timeout.as_millis() as u64 })
+            }
+            Err(RecvTimeoutError::Disconnected) => Err(Error::Shutdown),
+        }
+    }
+
+    /// A notification if one is waiting.
+    pub fn try_recv_notification(&self) -> Option<(ConnId, Vec<u8>)> {
+        self.inner.inbox.lock().expect("lock").try_recv().ok()
+    }
+}
+
+fn desc(mr: &MemoryRegion, offset: usize, len: usize, remote: &RemoteBuf) -> Result<OpDesc> {
+    mr.check_range(offset, len)?;
+    if len > remote.size as usize {
+        return Err(Error::RemoteTooSmall { len, remote_size: remote.size });
+    }
+    Ok(OpDesc { local: mr.inner.clone(), local_off: offset, len, remote_addr: remote.addr, rkey: remote.rkey })
+}
+
+fn descs(locals: &[(&MemoryRegion, usize, usize)], remotes: &[RemoteBuf]) -> Result<OpParts> {
+    if locals.len() != remotes.len() {
+        return Err(Error::VectorMismatch { locals: locals.len(), remotes: remotes.len() });
+    }
+    if locals.is_empty() {
+        return Err(Error::EmptyVector);
+    }
+    let v = locals.iter().zip(remotes).map(|((m, o, l), r)| desc(m, *o, *l, r)).collect::<Result<Vec<_>>>()?;
+    Ok(OpParts::Many(v))
+}
+
+impl Inner {
+    fn shard_of(&self, conn: ConnId) -> &ShardHandle {
+        &self.shards[(conn.0 % self.shards.len() as u64) as usize]
+    }
+
+    fn submit(&self, conn: ConnId, kind: OpKind, parts: OpParts) -> Result<Transfer> {
+        let t = self.table.claim().ok_or(Error::TooManyInflight { max: self.table.capacity() })?;
+        let cmd = OpCmd { conn, kind, slot: t.slot(), parts, next_desc: 0, next_off: 0, emitted: 0 };
+        match self.shard_of(conn).submit(Command::Op(cmd)) {
+            Ok(()) => Ok(t),
+            Err((e, _)) => {
+                // Never submitted: complete it ourselves so the slot frees.
+                self.table.complete(t.slot(), Ok(()));
+                drop(t);
+                Err(e)
+            }
+        }
+    }
+
+    fn add_region(self: &Arc<Self>, ptr: *mut u8, len: usize, access: Access, backing: Backing) -> Result<MemoryRegion> {
+        if ptr.is_null() && len > 0 {
+            return Err(Error::Unsupported { what: "registering a null pointer", reason: format!("len {len}") });
+        }
+        let rkey = self.next_rkey.fetch_add(1, Ordering::Relaxed);
+        let r = Arc::new(Region { ptr, len, rkey, access, _backing: backing });
+        for s in &self.shards {
+            s.region(RegionCmd::Add(r.clone()))?;
+        }
+        Ok(MemoryRegion { inner: r, ep: Arc::downgrade(self), live: true })
+    }
+
+    pub(crate) fn forget_region(&self, rkey: u32) {
+        for s in &self.shards {
+            let _ = s.region(RegionCmd::Remove(rkey));
+        }
+    }
+
+    fn stream_hello(&self) -> Hello {
+        Hello {
+            endpoint_id: self.id,
+            caps: 0,
+            conn_nonce: random_u64(),
+            stream_idx: 0,
+            stream_count: self.cfg.streams_per_conn,
+            max_inflight: self.cfg.stream_inflight as u32,
+        }
+    }
+
+    fn connect(&self, addr: SocketAddr) -> Result<ConnId> {
+        let mut ctl = Ctl::new(self.backend)?;
+        let (streams, ack) = handshake::connect(&mut ctl, addr, self.stream_hello(), self.cfg.connect_timeout())?;
+        self.adopt(streams, ack, addr)
+    }
+
+    fn adopt(&self, streams: Vec<std::net::TcpStream>, peer_hello: Hello, peer: SocketAddr) -> Result<ConnId> {
+        let conn = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
+        let limits = StreamLimits { own_max: self.cfg.stream_inflight, peer_max: peer_hello.max_inflight as usize };
+        let deadline = Instant::now() + self.cfg.connect_timeout();
+        self.conns.lock().expect("lock").insert(conn, ConnInfo { peer });
+        self.shard_of(conn).submit_blocking(Command::AddConn { conn, streams, limits }, deadline)?;
+        info!(%conn, %peer, streams = self.cfg.streams_per_conn, "connected");
+        Ok(conn)
+    }
+
+    fn accept_one(&self, timeout: Duration) -> Result<(ConnId, SocketAddr)> {
+        let deadline = Instant::now() + timeout;
+        let mut ctl = Ctl::new(self.backend)?;
+        loop {
+            let Some(left) = oob::remaining(deadline) else {
+                return Err(Error::AcceptTimeout { timeout_ms: oob::ms(timeout) });
+            };
+            let Some((s, peer)) = ctl.accept(&self.listener, left)? else { continue };
+            let hs_deadline = Instant::now() + self.cfg.connect_timeout();
+            let hello = match handshake::serve(&mut ctl, &s, peer, self.stream_hello(), hs_deadline) {
+                Ok(h) => h,
+                Err(e) => {
+                    warn!(%peer, "handshake failed: {e}");
+                    continue;
+                }
+            };
+            let group = self.acceptor.lock().expect("lock").offer(hello, peer, s, Instant::now());
+            match group {
+                Ok(Some(g)) => return Ok((self.adopt(g.streams, g.hello, g.peer)?, g.peer)),
+                Ok(None) => {}
+                Err(why) => warn!(%peer, "stream refused: {why}"),
+            }
+        }
+    }
+
+    fn next_accepted(&self, timeout: Duration) -> Result<(ConnId, SocketAddr)> {
+        let deadline = Instant::now() + timeout;
+        let mut q = self.accepted.lock().expect("lock");
+        loop {
+            if let Some(got) = q.pop_front() {
+                return Ok(got);
+            }
+            let Some(left) = oob::remaining(deadline) else {
+                return Err(Error::AcceptTimeout { timeout_ms: oob::ms(timeout) });
+            };
+            q = self.accepted_cv.wait_timeout(q, left).expect("lock").0;
+        }
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        self.stop_accept();
+        for s in &self.inner.shards {
+            s.wake.shutdown.store(true, Ordering::SeqCst);
+            let _ = s.wake.waker.wake();
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
