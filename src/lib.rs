@@ -11,3 +11,5 @@ pub use error::{ConnId, Error, OpKind, Result};
 pub use reactor::{Shard, Transfer};
 pub use region::Access;
 pub use wire::{EndpointMetadata, RemoteBuf};
+#[doc(hidden)]
+pub mod testkit;

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use mio::{Events, Interest, Poll, Token, Waker};
 use slab::Slab;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use super::completion::CompletionTable;
 use super::queue::{Command, OpCmd, RegionCmd, ShardHandle, WakeState};
@@ -27,6 +27,9 @@ const TIMEOUT_CHECK_EVERY: u32 = 1024;
 /// Dead connections remembered, so later calls on them get the error that
 /// killed them; past this the memory is cleared.
 const FAILED_MEMORY: usize = 4096;
+/// Up to this many streams, `poll` tries every socket instead of asking
+/// epoll (it still parks on epoll).
+const DIRECT_POLL_MAX_STREAMS: usize = 4;
 /// Streams a connection may have (the handshake caps it too).
 const MAX_STREAMS: usize = 64;
 
@@ -71,6 +74,7 @@ pub struct Shard {
     to_fail: Vec<(usize, String)>,
     inbox: SyncSender<(ConnId, Vec<u8>)>,
     iter: u32,
+    stream_count: usize,
 }
 
 /// Region lookups that first catch up on registrations the endpoint has
@@ -167,6 +171,7 @@ impl Shard {
             to_fail: Vec::new(),
             inbox,
             iter: 0,
+            stream_count: 0,
         };
         Ok((shard, handle))
     }
@@ -182,6 +187,13 @@ impl Shard {
 
     /// Runs one pass of the loop; returns how much work it found (0: idle).
     pub fn poll(&mut self) -> usize {
+        if !self.conns.is_empty() && !self.direct_poll() {
+            match self.epoll.poll(&mut self.events, Some(Duration::ZERO)) {
+                Ok(()) => self.apply_events(),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => warn!(shard = self.id, "epoll_wait failed: {e}"),
+            }
+        }
         let mut work = apply_region_updates(&mut self.regions, &self.region_rx);
         work += self.drain_commands();
         work += self.service_conns();
@@ -202,7 +214,7 @@ impl Shard {
         if self.poll() == 0 {
             let wait = max.min(self.cfg.op_timeout / 4).max(Duration::from_millis(1));
             match self.epoll.poll(&mut self.events, Some(wait)) {
-                Ok(()) => {}
+                Ok(()) => self.apply_events(),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => warn!(shard = self.id, "epoll_wait failed: {e}"),
             }
@@ -222,6 +234,30 @@ impl Shard {
                 idle_since = Instant::now();
             } else {
                 std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// With few streams, trying each socket directly costs fewer syscalls
+    /// (and less latency) than asking epoll which are ready first.
+    fn direct_poll(&self) -> bool {
+        self.stream_count <= DIRECT_POLL_MAX_STREAMS
+    }
+
+    /// Marks the streams epoll reported ready.
+    fn apply_events(&mut self) {
+        for ev in self.events.iter() {
+            let t = ev.token();
+            if t == WAKER {
+                continue;
+            }
+            let (key, idx) = (t.0 / MAX_STREAMS, t.0 % MAX_STREAMS);
+            let Some(s) = self.conns.get_mut(key).and_then(|c| c.streams.get_mut(idx)) else { continue };
+            if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
+                s.readable = true;
+            }
+            if ev.is_writable() || ev.is_write_closed() || ev.is_error() {
+                s.writable = true;
             }
         }
     }
@@ -347,6 +383,7 @@ impl Shard {
                 .map_err(|e| Error::io("epoll_ctl", e))?;
             out.push(Stream::new(m, limits));
         }
+        self.stream_count += out.len();
         entry.insert(Conn { id: conn, streams: out, next: 0 });
         self.by_id.insert(conn, key);
         debug!(shard = self.id, %conn, "connection adopted");
@@ -362,6 +399,7 @@ impl Shard {
 
     fn drop_conn(&mut self, idx: usize, reason: String) {
         let mut conn = self.conns.remove(idx);
+        self.stream_count -= conn.streams.len();
         self.by_id.remove(&conn.id);
         let err = Error::ConnFailed { conn: conn.id, reason };
         let mut sink = ShardSink { done: &mut self.done, inbox: &self.inbox, conn: conn.id };
@@ -376,12 +414,19 @@ impl Shard {
 
     fn service_conns(&mut self) -> usize {
         let mut work = 0;
+        let direct = self.direct_poll();
         let mut regions = LiveRegions { table: &mut self.regions, updates: &self.region_rx };
         for (idx, conn) in self.conns.iter_mut() {
             let mut sink = ShardSink { done: &mut self.done, inbox: &self.inbox, conn: conn.id };
             for s in conn.streams.iter_mut() {
+                if direct {
+                    s.readable = true;
+                    s.writable = true;
+                }
                 let step = (|| {
                     let mut w = s.flush()? as usize;
+                    // One read's worth of frames per poll: replies go out and
+                    // completions are published before the next read.
                     w += s.on_readable(&mut regions, &mut sink)? as usize;
                     if s.has_tx() {
                         w += s.flush()? as usize;
@@ -399,7 +444,12 @@ impl Shard {
         }
         let mut to_fail = std::mem::take(&mut self.to_fail);
         for (idx, reason) in to_fail.drain(..) {
-            warn!(shard = self.id, conn = %self.conns[idx].id, "connection failed: {reason}");
+            let c = &self.conns[idx];
+            if c.streams.iter().any(|s| s.has_pending()) {
+                warn!(shard = self.id, conn = %c.id, "connection failed: {reason}");
+            } else {
+                info!(shard = self.id, conn = %c.id, "connection closed: {reason}");
+            }
             self.drop_conn(idx, reason);
             work += 1;
         }

@@ -85,6 +85,10 @@ enum Rx {
 
 pub(crate) struct Stream {
     pub sock: mio::net::TcpStream,
+    /// Readiness learned from epoll (edge-triggered), cleared when a
+    /// syscall says EAGAIN: an idle stream costs no syscall per poll.
+    pub readable: bool,
+    pub writable: bool,
     limits: StreamLimits,
     tx: VecDeque<TxFrame>,
     /// Bytes of `tx.front()` already written.
@@ -114,6 +118,8 @@ impl Stream {
     pub fn new(sock: mio::net::TcpStream, limits: StreamLimits) -> Self {
         Self {
             sock,
+            readable: true,
+            writable: true,
             limits,
             tx: VecDeque::with_capacity(limits.own_max + limits.peer_max + NOTIFY_QUEUE),
             head_sent: 0,
@@ -137,6 +143,10 @@ impl Stream {
 
     pub fn has_tx(&self) -> bool {
         !self.tx.is_empty()
+    }
+
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
     }
 
     pub fn oldest_pending(&self) -> Option<Instant> {
@@ -206,7 +216,7 @@ impl Stream {
     pub fn flush(&mut self) -> Result<bool, String> {
         let fd = self.sock.as_raw_fd();
         let mut progress = false;
-        while !self.tx.is_empty() {
+        while self.writable && !self.tx.is_empty() {
             let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
             let mut iov = [empty; MAX_IOV];
             let mut n_iov = 0;
@@ -238,7 +248,10 @@ impl Stream {
             if n < 0 {
                 let e = io::Error::last_os_error();
                 match e.kind() {
-                    io::ErrorKind::WouldBlock => return Ok(progress),
+                    io::ErrorKind::WouldBlock => {
+                        self.writable = false;
+                        return Ok(progress);
+                    }
                     io::ErrorKind::Interrupted => continue,
                     _ => return Err(format!("send failed: {e}")),
                 }
@@ -293,7 +306,10 @@ impl Stream {
             if n < 0 {
                 let e = io::Error::last_os_error();
                 match e.kind() {
-                    io::ErrorKind::WouldBlock => return Ok(Read::WouldBlock),
+                    io::ErrorKind::WouldBlock => {
+                        self.readable = false;
+                        return Ok(Read::WouldBlock);
+                    }
                     io::ErrorKind::Interrupted => continue,
                     _ => return Err(format!("receive failed: {e}")),
                 }
@@ -312,9 +328,19 @@ impl Stream {
     pub fn on_readable(&mut self, regions: &mut impl Regions, sink: &mut impl Sink) -> Result<bool, String> {
         let mut progress = false;
         loop {
+            // Frames already buffered are handled even when the socket is dry.
+            if !self.readable && self.re - self.rs < HDR && matches!(self.rx, Rx::Header) {
+                return Ok(progress);
+            }
             match &mut self.rx {
                 Rx::Header => {
                     if self.re - self.rs < HDR {
+                        // Hand back what this read brought (replies to send,
+                        // completions to publish) before the next read: that
+                        // read is usually EAGAIN, and someone is waiting.
+                        if progress {
+                            return Ok(progress);
+                        }
                         match self.read(None)? {
                             Read::WouldBlock => return Ok(progress),
                             Read::Got(_) => {

@@ -1,0 +1,39 @@
+//! `ferry info`: what works on this machine.
+
+use anyhow::Result;
+use ferry::oob;
+
+use crate::args::Args;
+
+pub const HELP: &str = "\
+ferry info: which transports and control-path backends are usable here
+
+For each one that is not usable, says why. No flags.";
+
+pub fn run(a: Args) -> Result<()> {
+    a.finish()?;
+    let cfg = ferry::Config::from_env();
+    match &cfg {
+        Ok(_) => println!("config          ok (FERRY_* variables parsed)"),
+        Err(e) => println!("config          error: {e}"),
+    }
+    println!("transports:");
+    println!("  tcp           usable: kernel TCP, the default network path");
+    println!("  verbs (rdma)  not usable: this build has no RDMA verbs transport yet");
+    println!("  cuda-ipc      not usable: this build has no GPU path yet");
+    println!("  shm           not usable: this build has no same-host shared-memory path yet");
+    println!("control path:");
+    match oob::probe_uring() {
+        Ok(()) => println!("  io_uring      usable"),
+        Err(why) => println!("  io_uring      not usable: {why}"),
+    }
+    println!("  epoll         usable (fallback, or FERRY_IO=epoll)");
+    if let Ok(c) = cfg {
+        match oob::choose(c.io) {
+            Ok((b, None)) => println!("  selected      {b}"),
+            Ok((b, Some(why))) => println!("  selected      {b} ({why})"),
+            Err(e) => println!("  selected      none: {e}"),
+        }
+    }
+    Ok(())
+}

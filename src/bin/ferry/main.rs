@@ -1,0 +1,66 @@
+//! The `ferry` command-line tool.
+
+mod args;
+mod bench;
+mod info;
+mod raw;
+mod serve;
+
+use anyhow::Result;
+
+use args::Args;
+
+const HELP: &str = "\
+ferry: one-sided WRITE/READ between registered memory regions
+
+Usage: ferry <command> [flags]
+
+Commands:
+  bench      measure WRITE/READ throughput and latency against a target
+             process it starts (the main job; try `ferry bench --baseline`)
+  info       which transports and control-path backends work here, and why
+             the others do not
+  serve      run a target endpoint until stdin closes (used by bench and tests)
+  help       this text; `ferry <command> --help` for a command's flags
+
+Environment (read once at start; see README.md for all of them):
+  FERRY_LOG=warn|info|debug|trace   log level (default warn)
+  FERRY_IO=auto|uring|epoll         control-path backend
+  FERRY_TRANSPORT=auto|tcp          data path
+  FERRY_MAX_INFLIGHT_OPS, FERRY_STREAMS, FERRY_SHARDS, FERRY_*_TIMEOUT_MS ...";
+
+fn init_logs() {
+    let level = std::env::var("FERRY_LOG").unwrap_or_else(|_| "warn".into());
+    let filter = match level.trim().to_ascii_lowercase().as_str() {
+        "off" => tracing::level_filters::LevelFilter::OFF,
+        "error" => tracing::level_filters::LevelFilter::ERROR,
+        "info" => tracing::level_filters::LevelFilter::INFO,
+        "debug" => tracing::level_filters::LevelFilter::DEBUG,
+        "trace" => tracing::level_filters::LevelFilter::TRACE,
+        _ => tracing::level_filters::LevelFilter::WARN,
+    };
+    tracing_subscriber::fmt().with_max_level(filter).with_writer(std::io::stderr).init();
+}
+
+fn main() -> Result<()> {
+    init_logs();
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let Some(cmd) = argv.first() else {
+        println!("{HELP}");
+        return Ok(());
+    };
+    let rest = &argv[1..];
+    let wants_help = rest.iter().any(|a| a == "--help" || a == "-h");
+    match cmd.as_str() {
+        "help" | "--help" | "-h" => println!("{HELP}"),
+        "bench" if wants_help => println!("{}", bench::HELP),
+        "bench" => bench::run(Args::parse(rest, &["latency", "baseline", "json"])?)?,
+        "info" if wants_help => println!("{}", info::HELP),
+        "info" => info::run(Args::parse(rest, &[])?)?,
+        "serve" if wants_help => println!("{}", serve::HELP),
+        "serve" => serve::run(Args::parse(rest, &[])?)?,
+        "raw-peer" => raw::serve()?,
+        other => anyhow::bail!("unknown command {other:?}; see `ferry help`"),
+    }
+    Ok(())
+}

@@ -1,0 +1,106 @@
+//! `ferry serve`: a target endpoint in its own process. It registers memory,
+//! prints what a peer needs on stdout, accepts connections and answers a few
+//! text notifications, until its stdin closes.
+
+use std::io::{Read, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use ferry::testkit::{fill_pattern, fnv64, hex};
+use ferry::{Access, Config, Endpoint};
+
+use crate::args::{parse_size, Args};
+
+pub const HELP: &str = "\
+ferry serve: run a target endpoint until stdin closes
+
+Registers --bytes of memory filled with the test pattern (seed --seed),
+plus a 4 KiB read-only and a 4 KiB write-only region, prints
+
+  META <hex endpoint metadata>
+  RBUF <hex RemoteBuf of the whole region>
+  RBUF_RO <hex RemoteBuf>   RBUF_WO <hex RemoteBuf>
+  READY
+
+and accepts connections in the background. Notifications it answers:
+  hash OFF LEN      -> \"hash <fnv64 of the bytes, hex>\"
+  fill OFF LEN SEED -> refills with the pattern, \"ok\"
+  echo TEXT         -> \"echo TEXT\"
+
+Flags:
+  --bytes SIZE     memory to register (default 64M; K/M/G suffixes)
+  --seed N         pattern seed, 0-255 (default 0)
+  --listen ADDR    address to listen on (default 127.0.0.1)
+  --shards N       shards (default 1)
+Environment: every FERRY_* variable (see the README).";
+
+pub fn run(mut a: Args) -> Result<()> {
+    let bytes = parse_size(&a.value("bytes").unwrap_or_else(|| "64M".into()))?;
+    let seed: u8 = a.parsed("seed", 0)?;
+    let listen = a.value("listen").unwrap_or_else(|| "127.0.0.1".into());
+    let shards: usize = a.parsed("shards", 1)?;
+    a.finish()?;
+    let mut cfg = Config::from_env()?;
+    cfg.listen_addr = listen.parse().with_context(|| format!("--listen {listen}"))?;
+    cfg.shards = shards;
+    let ep = Endpoint::builder().config(cfg).build()?;
+    let mut buf = vec![0u8; bytes];
+    fill_pattern(&mut buf, 0, seed);
+    let main = ep.register(buf)?;
+    let ro = ep.register_with(vec![7u8; 4096], Access::REMOTE_READ)?;
+    let wo = ep.register_with(vec![0u8; 4096], Access::REMOTE_WRITE)?;
+    let rb = |m: &ferry::MemoryRegion| -> Result<String> { Ok(hex(&m.advertise(0, m.len())?.encode())) };
+    ep.start_passive_accept()?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "META {}", hex(&ep.metadata_bytes()))?;
+    writeln!(out, "RBUF {}", rb(&main)?)?;
+    writeln!(out, "RBUF_RO {}", rb(&ro)?)?;
+    writeln!(out, "RBUF_WO {}", rb(&wo)?)?;
+    writeln!(out, "READY")?;
+    out.flush()?;
+    drop(out);
+
+    let closed = Arc::new(AtomicBool::new(false));
+    let c2 = closed.clone();
+    std::thread::spawn(move || {
+        let mut sink = Vec::new();
+        let _ = std::io::stdin().lock().read_to_end(&mut sink);
+        c2.store(true, Ordering::SeqCst);
+    });
+    while !closed.load(Ordering::SeqCst) {
+        let Ok((conn, msg)) = ep.recv_notification(Duration::from_millis(50)) else { continue };
+        let reply = match answer(&main, &msg) {
+            Ok(r) => r,
+            Err(e) => format!("error {e}"),
+        };
+        if let Err(e) = ep.send_notification(conn, reply.as_bytes()) {
+            eprintln!("ferry serve: reply to {conn}: {e}");
+        }
+    }
+    Ok(())
+}
+
+fn answer(main: &ferry::MemoryRegion, msg: &[u8]) -> Result<String> {
+    let text = std::str::from_utf8(msg)?;
+    let w: Vec<&str> = text.split_whitespace().collect();
+    let num = |i: usize| -> Result<usize> { Ok(w.get(i).context("missing argument")?.parse()?) };
+    match w.first().copied() {
+        Some("hash") => {
+            let (off, len) = (num(1)?, num(2)?);
+            let mut b = vec![0u8; len];
+            main.read_at(off, &mut b)?;
+            Ok(format!("hash {:016x}", fnv64(&b)))
+        }
+        Some("fill") => {
+            let (off, len, seed) = (num(1)?, num(2)?, num(3)?);
+            let mut b = vec![0u8; len];
+            fill_pattern(&mut b, off as u64, seed as u8);
+            main.write_at(off, &b)?;
+            Ok("ok".into())
+        }
+        Some("echo") => Ok(text.to_owned()),
+        _ => bail!("unknown request {text:?}"),
+    }
+}
