@@ -118,6 +118,7 @@ impl Error {
             }
             Error::Timeout { what, timeout_ms } => Error::Timeout { what, timeout_ms: *timeout_ms },
             Error::Shutdown => Error::Shutdown,
+            Error::UnknownConn { conn } => Error::UnknownConn { conn: *conn },
             other => Error::ConnFailed { conn: ConnId(u64::MAX), reason: other.to_string() },
         }
     }

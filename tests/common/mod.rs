@@ -1,0 +1,101 @@
+//! Shared test helpers: a `ferry serve` target in its own process, and
+//! client endpoints on 127.0.0.1.
+
+#![allow(dead_code)]
+
+use std::io::BufReader;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use ferry::oob::IoPreference;
+use ferry::testkit::{read_served, Served};
+use ferry::{Config, ConnId, Endpoint, Mode};
+
+/// The control-path backends a suite runs on. io_uring is reported as
+/// skipped (not passed) where the kernel refuses it.
+pub fn backend_available(io: IoPreference) -> bool {
+    if io == IoPreference::Uring {
+        if let Err(why) = ferry::oob::probe_uring() {
+            println!("skipped: io_uring is not usable here: {why}");
+            return false;
+        }
+    }
+    true
+}
+
+pub fn io_name(io: IoPreference) -> &'static str {
+    match io {
+        IoPreference::Uring => "uring",
+        IoPreference::Epoll => "epoll",
+        IoPreference::Auto => "auto",
+    }
+}
+
+pub fn config(io: IoPreference) -> Config {
+    Config {
+        listen_addr: "127.0.0.1".parse().unwrap(),
+        io,
+        op_timeout_ms: 5000,
+        connect_timeout_ms: 3000,
+        ..Config::default()
+    }
+}
+
+pub fn client(io: IoPreference) -> Endpoint {
+    Endpoint::builder().config(config(io)).build().expect("client endpoint")
+}
+
+pub fn embedded(io: IoPreference) -> Endpoint {
+    Endpoint::builder().config(Config { mode: Mode::Embedded, ..config(io) }).build().expect("embedded endpoint")
+}
+
+/// A `ferry serve` process; killed when dropped.
+pub struct Target {
+    pub child: Child,
+    pub served: Served,
+}
+
+impl Target {
+    pub fn start(io: IoPreference, bytes: usize, env: &[(&str, &str)]) -> Target {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferry"));
+        cmd.args(["serve", "--bytes", &bytes.to_string()])
+            .env("FERRY_IO", io_name(io))
+            .env("FERRY_LOG", "error")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("spawn ferry serve");
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let served = read_served(&mut out).expect("ferry serve output");
+        Target { child, served }
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Sends a text request to `ferry serve` and waits for its answer.
+pub fn ask(ep: &Endpoint, conn: ConnId, req: &str) -> String {
+    ep.send_notification(conn, req.as_bytes()).expect("send notification");
+    let (from, msg) = ep.recv_notification(Duration::from_secs(10)).expect("notification reply");
+    assert_eq!(from, conn);
+    String::from_utf8(msg).unwrap()
+}
+
+/// The target's hash of its bytes [off, off + len).
+pub fn remote_hash(ep: &Endpoint, conn: ConnId, off: usize, len: usize) -> u64 {
+    let a = ask(ep, conn, &format!("hash {off} {len}"));
+    let h = a.strip_prefix("hash ").unwrap_or_else(|| panic!("bad answer {a:?}"));
+    u64::from_str_radix(h, 16).unwrap()
+}
