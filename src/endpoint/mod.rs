@@ -7,7 +7,7 @@ mod memory;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -29,6 +29,10 @@ use crate::wire::{EndpointMetadata, Hello, RemoteBuf, MAX_NOTIFY_BYTES};
 
 /// Half-assembled multi-stream connections an acceptor holds at most.
 const MAX_PARTIAL_CONNS: usize = 64;
+/// Incoming handshakes in progress at once; more are dropped.
+const MAX_HANDSHAKES: usize = 64;
+/// Accepted connections waiting for `accept()` to report them.
+const MAX_ACCEPTED_QUEUE: usize = 4096;
 
 /// Builds an [`Endpoint`].
 #[derive(Debug, Clone, Default)]
@@ -77,6 +81,7 @@ pub(crate) struct Inner {
     accepted: Mutex<VecDeque<(ConnId, SocketAddr)>>,
     accepted_cv: Condvar,
     passive: Mutex<Option<(Arc<AtomicBool>, JoinHandle<()>)>>,
+    handshakes: AtomicUsize,
 }
 
 /// A transfer engine endpoint: one control listener, N shards, and the
@@ -193,6 +198,7 @@ impl Endpoint {
             accepted: Mutex::new(VecDeque::new()),
             accepted_cv: Condvar::new(),
             passive: Mutex::new(None),
+            handshakes: AtomicUsize::new(0),
             cfg,
         });
         let mut threads = Vec::new();
@@ -317,21 +323,17 @@ impl Endpoint {
         let t = std::thread::Builder::new()
             .name("ferry-accept".to_owned())
             .spawn(move || {
+                let mut ctl = match Ctl::new(inner.backend) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        warn!("passive accept cannot start: {e}");
+                        return;
+                    }
+                };
                 while !stop2.load(Ordering::Relaxed) {
-                    match inner.accept_one(Duration::from_millis(100)) {
-                        Ok(got) => {
-                            let mut q = inner.accepted.lock().expect("lock");
-                            q.push_back(got);
-                            if q.len() > 4096 {
-                                q.pop_front();
-                            }
-                            inner.accepted_cv.notify_all();
-                        }
-                        Err(Error::AcceptTimeout { .. }) => {}
-                        Err(e) => {
-                            warn!("passive accept: {e}");
-                            std::thread::sleep(Duration::from_millis(10));
-                        }
+                    if let Err(e) = inner.accept_step(&mut ctl, Duration::from_millis(100)) {
+                        warn!("passive accept: {e}");
+                        std::thread::sleep(Duration::from_millis(10));
                     }
                 }
             })
@@ -570,28 +572,65 @@ impl Inner {
         Ok(conn)
     }
 
-    fn accept_one(&self, timeout: Duration) -> Result<(ConnId, SocketAddr)> {
+    /// Accepts sockets for up to `timeout`; each one's handshake runs on a
+    /// short-lived thread of its own, so a silent or slow client cannot hold
+    /// up the ones behind it. Finished connections land in `accepted`.
+    fn accept_step(self: &Arc<Self>, ctl: &mut Ctl, timeout: Duration) -> Result<()> {
+        let Some((s, peer)) = ctl.accept(&self.listener, timeout)? else { return Ok(()) };
+        if self.handshakes.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
+            self.handshakes.fetch_sub(1, Ordering::AcqRel);
+            warn!(%peer, "{MAX_HANDSHAKES} handshakes already in progress; connection dropped");
+            return Ok(());
+        }
+        let inner = self.clone();
+        let spawned = std::thread::Builder::new().name("ferry-handshake".to_owned()).spawn(move || {
+            if let Err(e) = inner.handshake_accepted(s, peer) {
+                warn!(%peer, "incoming connection failed: {e}");
+            }
+            inner.handshakes.fetch_sub(1, Ordering::AcqRel);
+        });
+        if let Err(e) = spawned {
+            self.handshakes.fetch_sub(1, Ordering::AcqRel);
+            return Err(Error::io("spawn handshake thread", e));
+        }
+        Ok(())
+    }
+
+    fn handshake_accepted(&self, s: std::net::TcpStream, peer: SocketAddr) -> Result<()> {
+        let mut ctl = Ctl::new(self.backend)?;
+        let deadline = Instant::now() + self.cfg.connect_timeout();
+        let hello = handshake::serve(&mut ctl, &s, peer, self.stream_hello(), deadline)?;
+        let group = self.acceptor.lock().expect("lock").offer(hello, peer, s, Instant::now());
+        match group {
+            Ok(Some(g)) => {
+                let conn = self.adopt(g.streams, g.hello, g.peer)?;
+                let mut q = self.accepted.lock().expect("lock");
+                if q.len() >= MAX_ACCEPTED_QUEUE {
+                    let (old, _) = q.pop_front().expect("non-empty");
+                    warn!(conn = %old, "nobody called accept(); forgetting the oldest accepted connection (it stays usable)");
+                }
+                q.push_back((conn, g.peer));
+                self.accepted_cv.notify_all();
+                Ok(())
+            }
+            Ok(None) => Ok(()),
+            Err(why) => Err(Error::Handshake { peer, reason: why }),
+        }
+    }
+
+    fn accept_one(self: &Arc<Self>, timeout: Duration) -> Result<(ConnId, SocketAddr)> {
         let deadline = Instant::now() + timeout;
         let mut ctl = Ctl::new(self.backend)?;
         loop {
+            if let Some(got) = self.accepted.lock().expect("lock").pop_front() {
+                return Ok(got);
+            }
             let Some(left) = oob::remaining(deadline) else {
                 return Err(Error::AcceptTimeout { timeout_ms: oob::ms(timeout) });
             };
-            let Some((s, peer)) = ctl.accept(&self.listener, left)? else { continue };
-            let hs_deadline = Instant::now() + self.cfg.connect_timeout();
-            let hello = match handshake::serve(&mut ctl, &s, peer, self.stream_hello(), hs_deadline) {
-                Ok(h) => h,
-                Err(e) => {
-                    warn!(%peer, "handshake failed: {e}");
-                    continue;
-                }
-            };
-            let group = self.acceptor.lock().expect("lock").offer(hello, peer, s, Instant::now());
-            match group {
-                Ok(Some(g)) => return Ok((self.adopt(g.streams, g.hello, g.peer)?, g.peer)),
-                Ok(None) => {}
-                Err(why) => warn!(%peer, "stream refused: {why}"),
-            }
+            // Short steps, so a connection whose handshake finished on its
+            // own thread is returned promptly.
+            self.accept_step(&mut ctl, left.min(Duration::from_millis(5)))?;
         }
     }
 
