@@ -78,9 +78,19 @@ pub enum Error {
     #[error("{conn} failed: {reason}")]
     ConnFailed { conn: ConnId, reason: String },
     #[error("target refused {op} of {len} bytes at {addr:#x} (rkey {rkey:#x}): {status}")]
-    Remote { op: OpKind, status: Status, rkey: u32, addr: u64, len: u64 },
+    Remote {
+        op: OpKind,
+        status: Status,
+        rkey: u32,
+        addr: u64,
+        len: u64,
+    },
     #[error("range offset {offset} + len {len} is outside the {region_len}-byte region")]
-    OutOfRange { offset: usize, len: usize, region_len: usize },
+    OutOfRange {
+        offset: usize,
+        len: usize,
+        region_len: usize,
+    },
     #[error("{len} bytes do not fit the {remote_size}-byte remote buffer")]
     RemoteTooSmall { len: usize, remote_size: u32 },
     #[error("vectored op has {locals} local slices but {remotes} remote buffers")]
@@ -96,7 +106,11 @@ pub enum Error {
     #[error("notification of {len} bytes exceeds the {max}-byte limit")]
     NotifyTooLong { len: usize, max: usize },
     #[error("config {name}={value:?}: {reason}")]
-    Config { name: &'static str, value: String, reason: String },
+    Config {
+        name: &'static str,
+        value: String,
+        reason: String,
+    },
     #[error("{what} is not possible: {reason}")]
     Unsupported { what: &'static str, reason: String },
     #[error("the endpoint is shut down")]
@@ -112,14 +126,33 @@ impl Error {
     /// waiters (a dead connection fails every op on it).
     pub(crate) fn duplicate(&self) -> Error {
         match self {
-            Error::ConnFailed { conn, reason } => Error::ConnFailed { conn: *conn, reason: reason.clone() },
-            Error::Remote { op, status, rkey, addr, len } => {
-                Error::Remote { op: *op, status: *status, rkey: *rkey, addr: *addr, len: *len }
-            }
-            Error::Timeout { what, timeout_ms } => Error::Timeout { what, timeout_ms: *timeout_ms },
+            Error::ConnFailed { conn, reason } => Error::ConnFailed {
+                conn: *conn,
+                reason: reason.clone(),
+            },
+            Error::Remote {
+                op,
+                status,
+                rkey,
+                addr,
+                len,
+            } => Error::Remote {
+                op: *op,
+                status: *status,
+                rkey: *rkey,
+                addr: *addr,
+                len: *len,
+            },
+            Error::Timeout { what, timeout_ms } => Error::Timeout {
+                what,
+                timeout_ms: *timeout_ms,
+            },
             Error::Shutdown => Error::Shutdown,
             Error::UnknownConn { conn } => Error::UnknownConn { conn: *conn },
-            other => Error::ConnFailed { conn: ConnId(u64::MAX), reason: other.to_string() },
+            other => Error::ConnFailed {
+                conn: ConnId(u64::MAX),
+                reason: other.to_string(),
+            },
         }
     }
 }

@@ -1,3 +1,62 @@
+//! # ferry
+//!
+//! An embeddable engine that moves bytes between registered memory regions
+//! of this process, another process or another host, with one-sided WRITE
+//! and READ: the initiator names a peer's advertised buffer and the peer's
+//! application does nothing per transfer. It re-implements the UCCL P2P
+//! engine's `Endpoint` as a Rust library, keeping its byte formats
+//! (endpoint metadata, the 64-byte `FifoItem` as [`RemoteBuf`]).
+//!
+//! ## The loop
+//!
+//! An [`Endpoint`] owns a control listener and N [`Shard`]s. A shard is one
+//! thread's worth of engine: it owns a set of connections and, in one
+//! run-to-completion loop ([`Shard::poll`]), applies registration updates,
+//! takes operations from its bounded submission queue, writes frames, reads
+//! and serves the peer's frames, and publishes completions to a fixed table
+//! that [`Transfer`] handles poll or wait on. Nothing on that path takes a
+//! lock or allocates per operation. In *managed* mode the endpoint runs each
+//! shard on its own thread, which spins briefly when idle and then parks in
+//! `epoll_wait`; in *embedded* mode ([`Mode::Embedded`]) the caller takes the
+//! shards and polls them from its own loop, and ferry starts no thread.
+//!
+//! ## The paths
+//!
+//! * **control** ([`oob`]): connect, accept and the handshake, on io_uring,
+//!   or on epoll where io_uring is refused (`FERRY_IO`).
+//! * **tcp**: one-sided WRITE/READ over kernel TCP, payload sent from and
+//!   received into registered memory; the target checks key, bounds and
+//!   access of every request.
+//!
+//! ## Example
+//!
+//! ```
+//! use std::time::Duration;
+//! use ferry::{Config, Endpoint};
+//!
+//! # fn main() -> ferry::Result<()> {
+//! let cfg = Config { listen_addr: "127.0.0.1".parse().unwrap(), ..Config::default() };
+//! let target = Endpoint::builder().config(cfg.clone()).build()?;
+//! let initiator = Endpoint::builder().config(cfg).build()?;
+//! target.start_passive_accept()?;
+//!
+//! // The target registers memory and advertises a window of it.
+//! let dst = target.alloc(4096)?;
+//! let window = dst.advertise(0, 4096)?; // send window.encode() to the peer
+//!
+//! // The initiator connects from the target's metadata and writes.
+//! let conn = initiator.add_remote(&target.metadata_bytes())?;
+//! let src = initiator.register(b"hello, ferry".to_vec())?;
+//! initiator.write(conn, &src, 0, 12, &window)?;
+//!
+//! let mut got = [0u8; 12];
+//! dst.read_at(0, &mut got)?;
+//! assert_eq!(&got, b"hello, ferry");
+//! # let _ = Duration::ZERO;
+//! # Ok(())
+//! # }
+//! ```
+
 pub mod endpoint;
 pub mod error;
 pub mod oob;
@@ -6,10 +65,11 @@ pub(crate) mod region;
 pub(crate) mod tcp;
 pub mod wire;
 
+#[doc(hidden)]
+pub mod testkit;
+
 pub use endpoint::{Config, Endpoint, EndpointBuilder, MemoryRegion, Mode, Transport};
 pub use error::{ConnId, Error, OpKind, Result};
 pub use reactor::{Shard, Transfer};
 pub use region::Access;
 pub use wire::{EndpointMetadata, RemoteBuf};
-#[doc(hidden)]
-pub mod testkit;

@@ -45,6 +45,19 @@ unsafe impl Send for Region {}
 // SAFETY: see `Send`; shared references only read the immutable fields.
 unsafe impl Sync for Region {}
 
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Region {{ addr: {:#x}, len: {}, rkey: {:#x}, access: {:?} }}",
+            self.addr(),
+            self.len,
+            self.rkey,
+            self.access
+        )
+    }
+}
+
 impl Region {
     pub fn addr(&self) -> u64 {
         self.ptr as u64
@@ -54,11 +67,23 @@ impl Region {
 /// Where a stream looks up the registration a request names.
 pub(crate) trait Regions {
     /// As `RegionTable::check`, returning a counted handle to the region.
-    fn check(&mut self, rkey: u32, addr: u64, len: u64, need: Access) -> Result<(Arc<Region>, usize), Status>;
+    fn check(
+        &mut self,
+        rkey: u32,
+        addr: u64,
+        len: u64,
+        need: Access,
+    ) -> Result<(Arc<Region>, usize), Status>;
 }
 
 impl Regions for RegionTable {
-    fn check(&mut self, rkey: u32, addr: u64, len: u64, need: Access) -> Result<(Arc<Region>, usize), Status> {
+    fn check(
+        &mut self,
+        rkey: u32,
+        addr: u64,
+        len: u64,
+        need: Access,
+    ) -> Result<(Arc<Region>, usize), Status> {
         RegionTable::check(self, rkey, addr, len, need).map(|(r, off)| (r.clone(), off))
     }
 }
@@ -86,7 +111,13 @@ impl RegionTable {
     /// registration, `[addr, addr + len)` must lie inside it without
     /// wrapping, and the registration must permit `need`. Returns the region
     /// and the byte offset of `addr` within it.
-    pub fn check(&self, rkey: u32, addr: u64, len: u64, need: Access) -> Result<(&Arc<Region>, usize), Status> {
+    pub fn check(
+        &self,
+        rkey: u32,
+        addr: u64,
+        len: u64,
+        need: Access,
+    ) -> Result<(&Arc<Region>, usize), Status> {
         let r = self.by_key.get(&rkey).ok_or(Status::UnknownKey)?;
         if !r.access.contains(need) {
             return Err(Status::AccessDenied);
@@ -106,7 +137,13 @@ mod tests {
 
     fn table(buf: &mut [u8], access: Access) -> (RegionTable, u64) {
         let mut t = RegionTable::default();
-        let r = Region { ptr: buf.as_mut_ptr(), len: buf.len(), rkey: 7, access, _backing: Backing::Raw };
+        let r = Region {
+            ptr: buf.as_mut_ptr(),
+            len: buf.len(),
+            rkey: 7,
+            access,
+            _backing: Backing::Raw,
+        };
         let base = r.addr();
         t.insert(Arc::new(r));
         (t, base)
@@ -117,13 +154,38 @@ mod tests {
         let mut buf = vec![0u8; 100];
         let (t, base) = table(&mut buf, Access::REMOTE_WRITE);
         assert_eq!(t.check(7, base, 100, Access::REMOTE_WRITE).unwrap().1, 0);
-        assert_eq!(t.check(7, base + 99, 1, Access::REMOTE_WRITE).unwrap().1, 99);
-        assert_eq!(t.check(7, base + 100, 0, Access::REMOTE_WRITE).unwrap().1, 100);
-        assert_eq!(t.check(8, base, 1, Access::REMOTE_WRITE).unwrap_err(), Status::UnknownKey);
-        assert_eq!(t.check(7, base, 101, Access::REMOTE_WRITE).unwrap_err(), Status::OutOfBounds);
-        assert_eq!(t.check(7, base - 1, 1, Access::REMOTE_WRITE).unwrap_err(), Status::OutOfBounds);
-        assert_eq!(t.check(7, u64::MAX, 2, Access::REMOTE_WRITE).unwrap_err(), Status::OutOfBounds);
-        assert_eq!(t.check(7, base + 1, u64::MAX, Access::REMOTE_WRITE).unwrap_err(), Status::OutOfBounds);
-        assert_eq!(t.check(7, base, 1, Access::REMOTE_READ).unwrap_err(), Status::AccessDenied);
+        assert_eq!(
+            t.check(7, base + 99, 1, Access::REMOTE_WRITE).unwrap().1,
+            99
+        );
+        assert_eq!(
+            t.check(7, base + 100, 0, Access::REMOTE_WRITE).unwrap().1,
+            100
+        );
+        assert_eq!(
+            t.check(8, base, 1, Access::REMOTE_WRITE).unwrap_err(),
+            Status::UnknownKey
+        );
+        assert_eq!(
+            t.check(7, base, 101, Access::REMOTE_WRITE).unwrap_err(),
+            Status::OutOfBounds
+        );
+        assert_eq!(
+            t.check(7, base - 1, 1, Access::REMOTE_WRITE).unwrap_err(),
+            Status::OutOfBounds
+        );
+        assert_eq!(
+            t.check(7, u64::MAX, 2, Access::REMOTE_WRITE).unwrap_err(),
+            Status::OutOfBounds
+        );
+        assert_eq!(
+            t.check(7, base + 1, u64::MAX, Access::REMOTE_WRITE)
+                .unwrap_err(),
+            Status::OutOfBounds
+        );
+        assert_eq!(
+            t.check(7, base, 1, Access::REMOTE_READ).unwrap_err(),
+            Status::AccessDenied
+        );
     }
 }

@@ -30,19 +30,27 @@ fn passive_accept_and_both_sides_initiate() {
     fill_pattern(&mut p, 0, 3);
     ma.write_at(0, &p).unwrap();
     // a writes into b, then b reads from a: the connection is two-way.
-    a.write(ca, &ma, 0, 1 << 16, &mb.advertise(0, 1 << 16).unwrap()).unwrap();
+    a.write(ca, &ma, 0, 1 << 16, &mb.advertise(0, 1 << 16).unwrap())
+        .unwrap();
     let mut got = vec![0u8; 1 << 16];
     mb.read_at(0, &mut got).unwrap();
     assert_eq!(check_pattern(&got, 0, 3), None);
     mb.write_at(0, &[0u8; 1 << 16]).unwrap();
-    b.read(cb, &mb, 0, 1 << 16, &ma.advertise(0, 1 << 16).unwrap()).unwrap();
+    b.read(cb, &mb, 0, 1 << 16, &ma.advertise(0, 1 << 16).unwrap())
+        .unwrap();
     mb.read_at(0, &mut got).unwrap();
     assert_eq!(check_pattern(&got, 0, 3), None);
     // Notifications both ways.
     a.send_notification(ca, b"to b").unwrap();
-    assert_eq!(b.recv_notification(Duration::from_secs(5)).unwrap(), (cb, b"to b".to_vec()));
+    assert_eq!(
+        b.recv_notification(Duration::from_secs(5)).unwrap(),
+        (cb, b"to b".to_vec())
+    );
     b.send_notification(cb, b"to a").unwrap();
-    assert_eq!(a.recv_notification(Duration::from_secs(5)).unwrap(), (ca, b"to a".to_vec()));
+    assert_eq!(
+        a.recv_notification(Duration::from_secs(5)).unwrap(),
+        (ca, b"to a".to_vec())
+    );
     b.stop_accept();
 }
 
@@ -58,7 +66,9 @@ fn embedded_shard_is_driven_by_the_caller() {
     let remote = target.alloc(4096).unwrap();
     remote.write_at(0, b"embedded").unwrap();
     let local = ep.alloc(4096).unwrap();
-    let mut t = ep.read_async(conn, &local, 0, 8, &remote.advertise(0, 4096).unwrap()).unwrap();
+    let mut t = ep
+        .read_async(conn, &local, 0, 8, &remote.advertise(0, 4096).unwrap())
+        .unwrap();
     // Nothing moves until the caller polls.
     std::thread::sleep(Duration::from_millis(50));
     assert!(t.poll().is_none());
@@ -79,7 +89,10 @@ fn embedded_shard_is_driven_by_the_caller() {
 
 #[test]
 fn connections_spread_over_shards() {
-    let cfg = Config { shards: 3, ..config(IoPreference::Auto) };
+    let cfg = Config {
+        shards: 3,
+        ..config(IoPreference::Auto)
+    };
     let ep = Endpoint::builder().config(cfg).build().unwrap();
     let peers: Vec<Endpoint> = (0..4).map(|_| client(IoPreference::Auto)).collect();
     for p in &peers {
@@ -92,7 +105,8 @@ fn connections_spread_over_shards() {
         let mut src = vec![0u8; 1 << 20];
         fill_pattern(&mut src, 0, i as u8);
         local.write_at(0, &src).unwrap();
-        ep.write(conn, &local, 0, 1 << 20, &m.advertise(0, 1 << 20).unwrap()).unwrap();
+        ep.write(conn, &local, 0, 1 << 20, &m.advertise(0, 1 << 20).unwrap())
+            .unwrap();
         let mut got = vec![0u8; 1 << 20];
         m.read_at(0, &mut got).unwrap();
         assert_eq!(check_pattern(&got, 0, i as u8), None, "peer {i}");
@@ -103,14 +117,20 @@ fn connections_spread_over_shards() {
 fn in_flight_ops_are_bounded() {
     let target = client(IoPreference::Auto);
     target.start_passive_accept().unwrap();
-    let cfg = Config { max_inflight_ops: 4, mode: Mode::Embedded, ..config(IoPreference::Auto) };
+    let cfg = Config {
+        max_inflight_ops: 4,
+        mode: Mode::Embedded,
+        ..config(IoPreference::Auto)
+    };
     let ep = Endpoint::builder().config(cfg).build().unwrap();
     let mut shard = ep.take_shards().pop().unwrap();
     let conn = ep.add_remote(&target.metadata_bytes()).unwrap();
     let remote = target.alloc(4096).unwrap();
     let rb = remote.advertise(0, 4096).unwrap();
     let local = ep.alloc(4096).unwrap();
-    let mut ts: Vec<_> = (0..4).map(|_| ep.write_async(conn, &local, 0, 64, &rb).unwrap()).collect();
+    let mut ts: Vec<_> = (0..4)
+        .map(|_| ep.write_async(conn, &local, 0, 64, &rb).unwrap())
+        .collect();
     let e = ep.write_async(conn, &local, 0, 64, &rb).unwrap_err();
     assert!(matches!(e, Error::TooManyInflight { max: 4 }), "{e}");
     // Dropping an in-flight transfer frees its slot once the op ends.
@@ -127,7 +147,11 @@ fn in_flight_ops_are_bounded() {
 fn submission_queue_full_is_back_pressure() {
     let target = client(IoPreference::Auto);
     target.start_passive_accept().unwrap();
-    let cfg = Config { sq_depth: 2, mode: Mode::Embedded, ..config(IoPreference::Auto) };
+    let cfg = Config {
+        sq_depth: 2,
+        mode: Mode::Embedded,
+        ..config(IoPreference::Auto)
+    };
     let ep = Endpoint::builder().config(cfg).build().unwrap();
     let mut shard = ep.take_shards().pop().unwrap();
     let conn = ep.add_remote(&target.metadata_bytes()).unwrap();
@@ -135,9 +159,21 @@ fn submission_queue_full_is_back_pressure() {
     let remote = target.alloc(4096).unwrap();
     let rb = remote.advertise(0, 4096).unwrap();
     let local = ep.alloc(4096).unwrap();
-    let mut ts = vec![ep.write_async(conn, &local, 0, 8, &rb).unwrap(), ep.write_async(conn, &local, 0, 8, &rb).unwrap()];
+    let mut ts = [
+        ep.write_async(conn, &local, 0, 8, &rb).unwrap(),
+        ep.write_async(conn, &local, 0, 8, &rb).unwrap(),
+    ];
     let e = ep.write_async(conn, &local, 0, 8, &rb).unwrap_err();
-    assert!(matches!(e, Error::QueueFull { shard: 0, capacity: 2 }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::QueueFull {
+                shard: 0,
+                capacity: 2
+            }
+        ),
+        "{e}"
+    );
     assert_eq!(ep.inflight_ops(), 2, "a refused op holds no slot");
     while ts.iter_mut().any(|t| !t.is_done()) {
         shard.poll();
@@ -150,7 +186,8 @@ fn raw_registration_and_deregistration() {
     let mut mine = vec![0u8; 8192];
     // SAFETY: `mine` outlives the region: it is deregistered below, before
     // `mine` is dropped.
-    let raw = unsafe { b.register_raw(mine.as_mut_ptr(), mine.len(), Access::REMOTE_WRITE) }.unwrap();
+    let raw =
+        unsafe { b.register_raw(mine.as_mut_ptr(), mine.len(), Access::REMOTE_WRITE) }.unwrap();
     let rb = raw.advertise(100, 50).unwrap();
     let src = a.register(vec![9u8; 50]).unwrap();
     a.write(ca, &src, 0, 50, &rb).unwrap();
@@ -159,7 +196,16 @@ fn raw_registration_and_deregistration() {
     assert!(mine[..100].iter().all(|&x| x == 0));
     // The key is gone now: the peer is refused.
     let e = a.write(ca, &src, 0, 50, &rb).unwrap_err();
-    assert!(matches!(e, Error::Remote { status: ferry::wire::Status::UnknownKey, .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::Remote {
+                status: ferry::wire::Status::UnknownKey,
+                ..
+            }
+        ),
+        "{e}"
+    );
     drop(mine);
 }
 
@@ -179,7 +225,8 @@ fn garbage_on_the_control_port_does_not_hurt_the_listener() {
         let conn = ep.add_remote(&target.metadata_bytes()).unwrap();
         let m = target.alloc(64).unwrap();
         let local = ep.alloc(64).unwrap();
-        ep.read(conn, &local, 0, 64, &m.advertise(0, 64).unwrap()).unwrap();
+        ep.read(conn, &local, 0, 64, &m.advertise(0, 64).unwrap())
+            .unwrap();
     }
 }
 
@@ -189,8 +236,16 @@ fn metadata_names_the_listener() {
     let m = ep.metadata();
     assert_eq!(m.addr, "127.0.0.1".parse::<std::net::IpAddr>().unwrap());
     assert_ne!(m.port, 0);
-    assert_eq!(ferry::EndpointMetadata::decode(&ep.metadata_bytes()).unwrap(), *m);
-    let v6 = Endpoint::builder().config(Config { listen_addr: "::1".parse().unwrap(), ..config(IoPreference::Auto) }).build();
+    assert_eq!(
+        ferry::EndpointMetadata::decode(&ep.metadata_bytes()).unwrap(),
+        *m
+    );
+    let v6 = Endpoint::builder()
+        .config(Config {
+            listen_addr: "::1".parse().unwrap(),
+            ..config(IoPreference::Auto)
+        })
+        .build();
     match v6 {
         Ok(v6) => {
             assert_eq!(v6.metadata_bytes().len(), 19);

@@ -49,7 +49,17 @@ fn setup(io: IoPreference, bytes: usize) -> (Target, ferry::Endpoint, ferry::Con
 
 /// READ checks against the target's initial pattern; WRITE is checked by
 /// the target's own hash of its memory, then read back.
-fn round_trip(ep: &ferry::Endpoint, conn: ferry::ConnId, rb: &RemoteBuf, local: &ferry::MemoryRegion, roff: usize, loff: usize, len: usize, seed: u8) {
+#[allow(clippy::too_many_arguments)]
+fn round_trip(
+    ep: &ferry::Endpoint,
+    conn: ferry::ConnId,
+    rb: &RemoteBuf,
+    local: &ferry::MemoryRegion,
+    roff: usize,
+    loff: usize,
+    len: usize,
+    seed: u8,
+) {
     let win = rb.slice(roff as u32, len as u32).unwrap();
     ep.read(conn, local, loff, len, &win).unwrap();
     let mut got = vec![0u8; len];
@@ -61,7 +71,11 @@ fn round_trip(ep: &ferry::Endpoint, conn: ferry::ConnId, rb: &RemoteBuf, local: 
     fill_pattern(&mut src, roff as u64, seed);
     local.write_at(loff, &src).unwrap();
     ep.write(conn, local, loff, len, &win).unwrap();
-    assert_eq!(remote_hash(ep, conn, roff, len), fnv64(&src), "WRITE of {len} B at remote {roff}");
+    assert_eq!(
+        remote_hash(ep, conn, roff, len),
+        fnv64(&src),
+        "WRITE of {len} B at remote {roff}"
+    );
     local.write_at(loff, &vec![0u8; len]).unwrap();
     ep.read(conn, local, loff, len, &win).unwrap();
     local.read_at(loff, &mut got).unwrap();
@@ -74,7 +88,24 @@ fn byte_exact_sizes_and_unaligned_offsets(io: IoPreference) {
     let (_t, ep, conn) = setup(io, 40 * MIB);
     let rb = _t.served.rbuf;
     let local = ep.alloc(40 * MIB).unwrap();
-    let sizes = [1usize, 2, 3, 7, 8, 31, 32, 33, 4095, 4096, 4097, 65_535, 65_536 + 3, MIB + 1, 4 * MIB - 7, 16 * MIB];
+    let sizes = [
+        1usize,
+        2,
+        3,
+        7,
+        8,
+        31,
+        32,
+        33,
+        4095,
+        4096,
+        4097,
+        65_535,
+        65_536 + 3,
+        MIB + 1,
+        4 * MIB - 7,
+        16 * MIB,
+    ];
     for (i, &len) in sizes.iter().enumerate() {
         let roff = [0usize, 1, 3, 4093, 65_537][i % 5];
         let loff = [0usize, 5, 1, 7, 4099][(i + 2) % 5];
@@ -85,7 +116,16 @@ fn byte_exact_sizes_and_unaligned_offsets(io: IoPreference) {
 fn large_transfer_256_mib(io: IoPreference) {
     let (_t, ep, conn) = setup(io, 256 * MIB + 4096);
     let local = ep.alloc(256 * MIB + 4096).unwrap();
-    round_trip(&ep, conn, &_t.served.rbuf, &local, 4096 - 3, 1, 256 * MIB, 0x77);
+    round_trip(
+        &ep,
+        conn,
+        &_t.served.rbuf,
+        &local,
+        4096 - 3,
+        1,
+        256 * MIB,
+        0x77,
+    );
 }
 
 fn vectored_ops(io: IoPreference) {
@@ -93,24 +133,41 @@ fn vectored_ops(io: IoPreference) {
     let rb = t.served.rbuf;
     let locals: Vec<_> = (0..8).map(|_| ep.alloc(MIB).unwrap()).collect();
     let lens = [1usize, 100, 4096, 5000, 65_536, 1000, MIB - 1, 3];
-    let remotes: Vec<RemoteBuf> = (0..8).map(|i| rb.slice((i * MIB + i) as u32, lens[i] as u32).unwrap()).collect();
-    let pieces: Vec<(&ferry::MemoryRegion, usize, usize)> = locals.iter().zip(lens).map(|(m, l)| (m, 0, l)).collect();
+    let remotes: Vec<RemoteBuf> = (0..8)
+        .map(|i| rb.slice((i * MIB + i) as u32, lens[i] as u32).unwrap())
+        .collect();
+    let pieces: Vec<(&ferry::MemoryRegion, usize, usize)> =
+        locals.iter().zip(lens).map(|(m, l)| (m, 0, l)).collect();
     ep.readv(conn, &pieces, &remotes).unwrap();
     for i in 0..8 {
         let mut got = vec![0u8; lens[i]];
         locals[i].read_at(0, &mut got).unwrap();
-        assert_eq!(check_pattern(&got, (i * MIB + i) as u64, 0), None, "readv piece {i}");
+        assert_eq!(
+            check_pattern(&got, (i * MIB + i) as u64, 0),
+            None,
+            "readv piece {i}"
+        );
         let mut src = vec![0u8; lens[i]];
         fill_pattern(&mut src, 0, i as u8 + 50);
         locals[i].write_at(0, &src).unwrap();
     }
     ep.writev(conn, &pieces, &remotes).unwrap();
-    for i in 0..8 {
-        let mut src = vec![0u8; lens[i]];
+    for (i, &len) in lens.iter().enumerate() {
+        let mut src = vec![0u8; len];
         fill_pattern(&mut src, 0, i as u8 + 50);
-        assert_eq!(remote_hash(&ep, conn, i * MIB + i, lens[i]), fnv64(&src), "writev piece {i}");
+        assert_eq!(
+            remote_hash(&ep, conn, i * MIB + i, len),
+            fnv64(&src),
+            "writev piece {i}"
+        );
     }
-    assert!(matches!(ep.writev(conn, &pieces[..2], &remotes[..3]), Err(Error::VectorMismatch { locals: 2, remotes: 3 })));
+    assert!(matches!(
+        ep.writev(conn, &pieces[..2], &remotes[..3]),
+        Err(Error::VectorMismatch {
+            locals: 2,
+            remotes: 3
+        })
+    ));
     assert!(matches!(ep.readv(conn, &[], &[]), Err(Error::EmptyVector)));
 }
 
@@ -119,10 +176,26 @@ fn async_ops_complete_out_of_order(io: IoPreference) {
     let rb = t.served.rbuf;
     let local = ep.alloc(64 * MIB).unwrap();
     // Big and small ops mixed; waited on newest first.
-    let plan: Vec<(usize, usize)> = (0..24).map(|i| (i * 2 * MIB + i, if i % 3 == 0 { 2 * MIB - 100 } else { 10 + i })).collect();
+    let plan: Vec<(usize, usize)> = (0..24)
+        .map(|i| {
+            (
+                i * 2 * MIB + i,
+                if i % 3 == 0 { 2 * MIB - 100 } else { 10 + i },
+            )
+        })
+        .collect();
     let mut ts: Vec<_> = plan
         .iter()
-        .map(|&(off, len)| ep.read_async(conn, &local, off, len, &rb.slice(off as u32, len as u32).unwrap()).unwrap())
+        .map(|&(off, len)| {
+            ep.read_async(
+                conn,
+                &local,
+                off,
+                len,
+                &rb.slice(off as u32, len as u32).unwrap(),
+            )
+            .unwrap()
+        })
         .collect();
     let mut seen_done_early = 0;
     while let Some(mut t) = ts.pop() {
@@ -130,13 +203,20 @@ fn async_ops_complete_out_of_order(io: IoPreference) {
             seen_done_early += 1;
         }
         t.wait_timeout(Duration::from_secs(20)).unwrap();
-        assert!(t.poll().unwrap().is_ok(), "poll after completion repeats the outcome");
+        assert!(
+            t.poll().unwrap().is_ok(),
+            "poll after completion repeats the outcome"
+        );
     }
     let _ = seen_done_early;
     for &(off, len) in &plan {
         let mut got = vec![0u8; len];
         local.read_at(off, &mut got).unwrap();
-        assert_eq!(check_pattern(&got, off as u64, 0), None, "async read at {off}");
+        assert_eq!(
+            check_pattern(&got, off as u64, 0),
+            None,
+            "async read at {off}"
+        );
     }
     assert_eq!(ep.inflight_ops(), 0, "every slot was freed");
 }
@@ -149,7 +229,16 @@ fn thousand_ops_in_flight(io: IoPreference) {
     fill_pattern(&mut src, 0, 0x42);
     local.write_at(0, &src).unwrap();
     let ts: Vec<_> = (0..1000)
-        .map(|i| ep.write_async(conn, &local, i * 4096, 4096, &rb.slice((i * 4096) as u32, 4096).unwrap()).unwrap())
+        .map(|i| {
+            ep.write_async(
+                conn,
+                &local,
+                i * 4096,
+                4096,
+                &rb.slice((i * 4096) as u32, 4096).unwrap(),
+            )
+            .unwrap()
+        })
         .collect();
     assert!(ep.inflight_ops() > 0);
     for t in ts {
@@ -173,32 +262,82 @@ fn bad_key_bounds_and_access_keep_connection_usable(io: IoPreference) {
         other => panic!("expected a refusal from the target, got {other:?}"),
     };
     // Unknown key, on WRITE (its payload must be skipped) and READ.
-    let bad_key = RemoteBuf { rkey: s.rbuf.rkey ^ 0x5555, ..s.rbuf };
-    assert_eq!(remote_status(ep.write(conn, &local, 0, 4096, &bad_key)), Status::UnknownKey);
+    let bad_key = RemoteBuf {
+        rkey: s.rbuf.rkey ^ 0x5555,
+        ..s.rbuf
+    };
+    assert_eq!(
+        remote_status(ep.write(conn, &local, 0, 4096, &bad_key)),
+        Status::UnknownKey
+    );
     still_works();
-    assert_eq!(remote_status(ep.read(conn, &local, 0, 4096, &bad_key)), Status::UnknownKey);
+    assert_eq!(
+        remote_status(ep.read(conn, &local, 0, 4096, &bad_key)),
+        Status::UnknownKey
+    );
     still_works();
     // Out of bounds: past the end, before the start, and wrapping around.
-    let past = RemoteBuf { addr: s.rbuf.addr + MIB as u64 - 10, size: 4096, ..s.rbuf };
-    assert_eq!(remote_status(ep.write(conn, &local, 0, 100, &past)), Status::OutOfBounds);
+    let past = RemoteBuf {
+        addr: s.rbuf.addr + MIB as u64 - 10,
+        size: 4096,
+        ..s.rbuf
+    };
+    assert_eq!(
+        remote_status(ep.write(conn, &local, 0, 100, &past)),
+        Status::OutOfBounds
+    );
     still_works();
-    let before = RemoteBuf { addr: s.rbuf.addr - 1, ..s.rbuf };
-    assert_eq!(remote_status(ep.read(conn, &local, 0, 10, &before)), Status::OutOfBounds);
-    let wrap = RemoteBuf { addr: u64::MAX - 5, size: 4096, ..s.rbuf };
-    assert_eq!(remote_status(ep.read(conn, &local, 0, 100, &wrap)), Status::OutOfBounds);
+    let before = RemoteBuf {
+        addr: s.rbuf.addr - 1,
+        ..s.rbuf
+    };
+    assert_eq!(
+        remote_status(ep.read(conn, &local, 0, 10, &before)),
+        Status::OutOfBounds
+    );
+    let wrap = RemoteBuf {
+        addr: u64::MAX - 5,
+        size: 4096,
+        ..s.rbuf
+    };
+    assert_eq!(
+        remote_status(ep.read(conn, &local, 0, 100, &wrap)),
+        Status::OutOfBounds
+    );
     still_works();
     // Permissions.
-    assert_eq!(remote_status(ep.write(conn, &local, 0, 16, &s.rbuf_ro)), Status::AccessDenied);
-    assert_eq!(remote_status(ep.read(conn, &local, 0, 16, &s.rbuf_wo)), Status::AccessDenied);
+    assert_eq!(
+        remote_status(ep.write(conn, &local, 0, 16, &s.rbuf_ro)),
+        Status::AccessDenied
+    );
+    assert_eq!(
+        remote_status(ep.read(conn, &local, 0, 16, &s.rbuf_wo)),
+        Status::AccessDenied
+    );
     ep.read(conn, &local, 0, 16, &s.rbuf_ro).unwrap();
     ep.write(conn, &local, 0, 16, &s.rbuf_wo).unwrap();
     // A refusal in the middle of a vector fails the transfer; the others land.
     let pieces = [(&local, 0usize, 8usize), (&local, 8, 8)];
-    let e = ep.writev(conn, &pieces, &[s.rbuf.slice(0, 8).unwrap(), bad_key]).unwrap_err();
-    assert!(matches!(e, Error::Remote { status: Status::UnknownKey, .. }), "{e}");
+    let e = ep
+        .writev(conn, &pieces, &[s.rbuf.slice(0, 8).unwrap(), bad_key])
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Remote {
+                status: Status::UnknownKey,
+                ..
+            }
+        ),
+        "{e}"
+    );
     let mut first = [0u8; 8];
     local.read_at(0, &mut first).unwrap();
-    assert_eq!(remote_hash(&ep, conn, 0, 8), fnv64(&first), "the good piece landed");
+    assert_eq!(
+        remote_hash(&ep, conn, 0, 8),
+        fnv64(&first),
+        "the good piece landed"
+    );
     assert_eq!(ask(&ep, conn, "fill 0 8 0"), "ok");
     still_works();
 }
@@ -209,14 +348,38 @@ fn local_argument_errors(io: IoPreference) {
     let local = ep.alloc(4096).unwrap();
     // Longer than the advertised window: refused before anything is sent.
     let small = rb.slice(0, 100).unwrap();
-    assert!(matches!(ep.write(conn, &local, 0, 101, &small), Err(Error::RemoteTooSmall { len: 101, remote_size: 100 })));
+    assert!(matches!(
+        ep.write(conn, &local, 0, 101, &small),
+        Err(Error::RemoteTooSmall {
+            len: 101,
+            remote_size: 100
+        })
+    ));
     // Outside the local region.
-    assert!(matches!(ep.read(conn, &local, 4000, 100, &rb), Err(Error::OutOfRange { offset: 4000, len: 100, region_len: 4096 })));
-    assert!(matches!(ep.read(conn, &local, usize::MAX, 2, &rb), Err(Error::OutOfRange { .. })));
+    assert!(matches!(
+        ep.read(conn, &local, 4000, 100, &rb),
+        Err(Error::OutOfRange {
+            offset: 4000,
+            len: 100,
+            region_len: 4096
+        })
+    ));
+    assert!(matches!(
+        ep.read(conn, &local, usize::MAX, 2, &rb),
+        Err(Error::OutOfRange { .. })
+    ));
     // A connection id that was never opened.
-    let e = ep.write(ferry::ConnId(999_999), &local, 0, 8, &rb).unwrap_err();
+    let e = ep
+        .write(ferry::ConnId(999_999), &local, 0, 8, &rb)
+        .unwrap_err();
     assert!(matches!(e, Error::UnknownConn { .. }), "{e}");
-    assert!(matches!(ep.send_notification(conn, &[0u8; 5000]), Err(Error::NotifyTooLong { len: 5000, max: 4096 })));
+    assert!(matches!(
+        ep.send_notification(conn, &[0u8; 5000]),
+        Err(Error::NotifyTooLong {
+            len: 5000,
+            max: 4096
+        })
+    ));
 }
 
 fn peer_killed_mid_transfer_fails_within_timeout(io: IoPreference) {
@@ -247,7 +410,10 @@ fn peer_killed_mid_transfer_fails_within_timeout(io: IoPreference) {
     }
     let took = killed.elapsed();
     assert!(failed > 0, "killing the peer failed no transfer");
-    assert!(took < Duration::from_millis(5000 + 1000), "errors took {took:?}, the op timeout is 5 s");
+    assert!(
+        took < Duration::from_millis(5000 + 1000),
+        "errors took {took:?}, the op timeout is 5 s"
+    );
     // The error stays on the connection.
     let e = ep.write(conn, &local, 0, 8, &rb).unwrap_err();
     assert!(matches!(e, Error::ConnFailed { .. }), "{e}");
@@ -261,7 +427,9 @@ fn connect_errors_within_timeout(io: IoPreference) {
         l.local_addr().unwrap().port()
     };
     let start = Instant::now();
-    let e = ep.connect(format!("127.0.0.1:{port}").parse().unwrap()).unwrap_err();
+    let e = ep
+        .connect(format!("127.0.0.1:{port}").parse().unwrap())
+        .unwrap_err();
     assert!(matches!(e, Error::Connect { .. }), "{e}");
     assert!(start.elapsed() < Duration::from_secs(3));
     // A listener that accepts but never answers the handshake: timeout.
@@ -269,9 +437,21 @@ fn connect_errors_within_timeout(io: IoPreference) {
     let addr = silent.local_addr().unwrap();
     let start = Instant::now();
     let e = ep.connect(addr).unwrap_err();
-    assert!(matches!(e, Error::ConnectTimeout { timeout_ms: 3000, .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::ConnectTimeout {
+                timeout_ms: 3000,
+                ..
+            }
+        ),
+        "{e}"
+    );
     let took = start.elapsed();
-    assert!(took >= Duration::from_millis(2900) && took < Duration::from_secs(6), "took {took:?}");
+    assert!(
+        took >= Duration::from_millis(2900) && took < Duration::from_secs(6),
+        "took {took:?}"
+    );
     // A listener that answers with garbage: a handshake error naming it.
     let garbage = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let gaddr = garbage.local_addr().unwrap();
@@ -286,7 +466,10 @@ fn connect_errors_within_timeout(io: IoPreference) {
     h.join().unwrap();
     // Accept with nobody coming.
     let start = Instant::now();
-    assert!(matches!(ep.accept(Duration::from_millis(300)), Err(Error::AcceptTimeout { timeout_ms: 300 })));
+    assert!(matches!(
+        ep.accept(Duration::from_millis(300)),
+        Err(Error::AcceptTimeout { timeout_ms: 300 })
+    ));
     assert!(start.elapsed() < Duration::from_secs(2));
 }
 
@@ -295,12 +478,18 @@ fn bad_metadata_is_an_error(io: IoPreference) {
     let ep = client(io);
     let meta = &t.served.meta;
     for cut in [0, 1, 6, meta.len() - 1] {
-        assert!(matches!(ep.add_remote(&meta[..cut]), Err(Error::Decode(_))), "truncated to {cut}");
+        assert!(
+            matches!(ep.add_remote(&meta[..cut]), Err(Error::Decode(_))),
+            "truncated to {cut}"
+        );
     }
     let mut long = meta.clone();
     long.extend_from_slice(&[0u8; 300]);
     assert!(matches!(ep.add_remote(&long), Err(Error::Decode(_))));
-    assert!(matches!(ep.add_remote(&[0xffu8; 19]), Err(Error::Decode(_))));
+    assert!(matches!(
+        ep.add_remote(&[0xffu8; 19]),
+        Err(Error::Decode(_))
+    ));
     // Good metadata still works, and is memoized.
     let a = ep.add_remote(meta).unwrap();
     let b = ep.add_remote(meta).unwrap();
@@ -316,7 +505,10 @@ fn notifications_and_remove_remote(io: IoPreference) {
     ep.remove_remote(conn).unwrap();
     let e = ep.read(conn, &local, 0, 8, &t.served.rbuf).unwrap_err();
     assert!(matches!(e, Error::UnknownConn { .. }), "{e}");
-    assert!(matches!(ep.remove_remote(conn), Err(Error::UnknownConn { .. })));
+    assert!(matches!(
+        ep.remove_remote(conn),
+        Err(Error::UnknownConn { .. })
+    ));
     // A new connection to the same peer works.
     let c2 = ep.add_remote(&t.served.meta).unwrap();
     assert_ne!(c2, conn);
@@ -325,7 +517,11 @@ fn notifications_and_remove_remote(io: IoPreference) {
 
 fn several_streams_chunked(io: IoPreference) {
     let t = Target::start(io, 32 * MIB, &[]);
-    let cfg = ferry::Config { streams_per_conn: 4, chunk_bytes: 64 * 1024, ..config(io) };
+    let cfg = ferry::Config {
+        streams_per_conn: 4,
+        chunk_bytes: 64 * 1024,
+        ..config(io)
+    };
     let ep = ferry::Endpoint::builder().config(cfg).build().unwrap();
     let conn = ep.add_remote(&t.served.meta).unwrap();
     let local = ep.alloc(32 * MIB).unwrap();

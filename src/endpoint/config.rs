@@ -94,12 +94,16 @@ impl Default for Config {
 }
 
 fn bad(name: &'static str, value: &str, reason: impl Into<String>) -> Error {
-    Error::Config { name, value: value.to_owned(), reason: reason.into() }
+    Error::Config {
+        name,
+        value: value.to_owned(),
+        reason: reason.into(),
+    }
 }
 
-fn num<T: std::str::FromStr>(name: &'static str, v: &str, min: T, max: T) -> Result<T>
+fn num<T>(name: &'static str, v: &str, min: T, max: T) -> Result<T>
 where
-    T: PartialOrd + std::fmt::Display + Copy,
+    T: std::str::FromStr + PartialOrd + std::fmt::Display + Copy,
 {
     let n: T = v.trim().parse().map_err(|_| bad(name, v, "not a number"))?;
     if n < min || n > max {
@@ -118,14 +122,20 @@ impl Config {
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config> {
         let mut c = Config::default();
         if let Some(v) = get("FERRY_LISTEN_ADDR") {
-            c.listen_addr = v.trim().parse().map_err(|_| bad("FERRY_LISTEN_ADDR", &v, "not an IP address"))?;
+            c.listen_addr = v
+                .trim()
+                .parse()
+                .map_err(|_| bad("FERRY_LISTEN_ADDR", &v, "not an IP address"))?;
         }
         if let Some(v) = get("FERRY_LISTEN_PORT") {
             c.listen_port = num("FERRY_LISTEN_PORT", &v, 0, u16::MAX)?;
         }
         if let Some(v) = get("FERRY_ADVERTISE_ADDR") {
-            c.advertise_addr =
-                Some(v.trim().parse().map_err(|_| bad("FERRY_ADVERTISE_ADDR", &v, "not an IP address"))?);
+            c.advertise_addr = Some(
+                v.trim()
+                    .parse()
+                    .map_err(|_| bad("FERRY_ADVERTISE_ADDR", &v, "not an IP address"))?,
+            );
         }
         if let Some(v) = get("FERRY_SHARDS") {
             c.shards = num("FERRY_SHARDS", &v, 1, 256)?;
@@ -166,7 +176,13 @@ impl Config {
             c.transport = match v.trim() {
                 "auto" => Transport::Auto,
                 "tcp" => Transport::Tcp,
-                _ => return Err(bad("FERRY_TRANSPORT", &v, "expected auto or tcp (the transports this build has)")),
+                _ => {
+                    return Err(bad(
+                        "FERRY_TRANSPORT",
+                        &v,
+                        "expected auto or tcp (the transports this build has)",
+                    ))
+                }
             };
         }
         if let Some(v) = get("FERRY_PIN") {
@@ -199,7 +215,10 @@ mod tests {
     use super::*;
 
     fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
-        let v: Vec<(String, String)> = pairs.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect();
+        let v: Vec<(String, String)> = pairs
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect();
         move |k| v.iter().find(|(a, _)| a == k).map(|(_, b)| b.clone())
     }
 

@@ -64,7 +64,11 @@ impl MemoryRegion {
     pub(crate) fn check_range(&self, offset: usize, len: usize) -> Result<()> {
         match offset.checked_add(len) {
             Some(end) if end <= self.inner.len => Ok(()),
-            _ => Err(Error::OutOfRange { offset, len, region_len: self.inner.len }),
+            _ => Err(Error::OutOfRange {
+                offset,
+                len,
+                region_len: self.inner.len,
+            }),
         }
     }
 
@@ -73,7 +77,9 @@ impl MemoryRegion {
         self.check_range(offset, dst.len())?;
         // SAFETY: the range is inside the live region; a concurrent remote
         // write can change the bytes we copy, never their validity (u8).
-        unsafe { std::ptr::copy_nonoverlapping(self.inner.ptr.add(offset), dst.as_mut_ptr(), dst.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.inner.ptr.add(offset), dst.as_mut_ptr(), dst.len())
+        };
         Ok(())
     }
 
@@ -81,7 +87,9 @@ impl MemoryRegion {
     pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check_range(offset, src.len())?;
         // SAFETY: as in `read_at`.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.inner.ptr.add(offset), src.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.inner.ptr.add(offset), src.len())
+        };
         Ok(())
     }
 
@@ -113,7 +121,13 @@ impl MemoryRegion {
             what: "advertising more than 4 GiB - 1 in one RemoteBuf",
             reason: format!("len {len}"),
         })?;
-        Ok(RemoteBuf { addr: self.addr() + offset as u64, size, rkey: self.rkey(), nmsgs: 1, ..Default::default() })
+        Ok(RemoteBuf {
+            addr: self.addr() + offset as u64,
+            size,
+            rkey: self.rkey(),
+            nmsgs: 1,
+            ..Default::default()
+        })
     }
 
     /// Removes the registration from every shard and waits (up to `timeout`)
@@ -123,13 +137,18 @@ impl MemoryRegion {
             return Ok(());
         }
         self.live = false;
-        let Some(ep) = self.ep.upgrade() else { return Ok(()) };
+        let Some(ep) = self.ep.upgrade() else {
+            return Ok(());
+        };
         ep.forget_region(self.inner.rkey);
         let deadline = Instant::now() + timeout;
         // Each shard table and each frame in flight holds a reference.
         while Arc::strong_count(&self.inner) > 1 {
             if Instant::now() >= deadline {
-                return Err(Error::Timeout { what: "in-flight transfers on a deregistered region", timeout_ms: timeout.as_millis() as u64 });
+                return Err(Error::Timeout {
+                    what: "in-flight transfers on a deregistered region",
+                    timeout_ms: timeout.as_millis() as u64,
+                });
             }
             std::thread::sleep(Duration::from_micros(100));
         }
@@ -139,7 +158,10 @@ impl MemoryRegion {
 
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
-        let timeout = self.ep.upgrade().map_or(Duration::ZERO, |ep| ep.cfg.op_timeout());
+        let timeout = self
+            .ep
+            .upgrade()
+            .map_or(Duration::ZERO, |ep| ep.cfg.op_timeout());
         let owned = matches!(self.inner._backing, crate::region::Backing::Owned(_));
         if owned {
             // The Arc keeps owned memory alive; no need to wait.
@@ -150,7 +172,10 @@ impl Drop for MemoryRegion {
                 }
             }
         } else if let Err(e) = self.retire(timeout) {
-            tracing::error!(rkey = self.inner.rkey, "dropping a raw region still in use: {e}");
+            tracing::error!(
+                rkey = self.inner.rkey,
+                "dropping a raw region still in use: {e}"
+            );
         }
     }
 }

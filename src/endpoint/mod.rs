@@ -22,7 +22,9 @@ use crate::error::{ConnId, Error, OpKind, Result};
 use crate::oob::handshake::{self, Assembler};
 use crate::oob::{self, Ctl, IoBackend};
 use crate::reactor::completion::CompletionTable;
-use crate::reactor::{Command, OpCmd, OpDesc, OpParts, RegionCmd, Shard, ShardConfig, ShardHandle, Transfer};
+use crate::reactor::{
+    Command, OpCmd, OpDesc, OpParts, RegionCmd, Shard, ShardConfig, ShardHandle, Transfer,
+};
 use crate::region::{Access, Backing, Region};
 use crate::tcp::StreamLimits;
 use crate::wire::{EndpointMetadata, Hello, RemoteBuf, MAX_NOTIFY_BYTES};
@@ -100,7 +102,9 @@ fn random_u64() -> u64 {
         return u64::from_le_bytes(b);
     }
     // getrandom cannot fail for 8 bytes on Linux >= 3.17; mix clock and pid if it did.
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
     (t.as_nanos() as u64) ^ ((std::process::id() as u64) << 32)
 }
 
@@ -118,11 +122,15 @@ fn primary_ipv4() -> Option<IpAddr> {
         let a = unsafe { &*cur };
         let up = a.ifa_flags & libc::IFF_UP as u32 != 0;
         let lo = a.ifa_flags & libc::IFF_LOOPBACK as u32 != 0;
-        // SAFETY: ifa_addr, when non-null, points to a sockaddr whose family says its type.
-        if up && !lo && !a.ifa_addr.is_null() && unsafe { (*a.ifa_addr).sa_family } as i32 == libc::AF_INET {
+        // SAFETY: ifa_addr, when non-null, points to a sockaddr whose family
+        // field says which sockaddr type it is.
+        let family = (!a.ifa_addr.is_null()).then(|| unsafe { (*a.ifa_addr).sa_family } as i32);
+        if up && !lo && family == Some(libc::AF_INET) {
             // SAFETY: the family is AF_INET, so this is a sockaddr_in.
             let sin = unsafe { &*(a.ifa_addr as *const libc::sockaddr_in) };
-            found = Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr))));
+            found = Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(
+                sin.sin_addr.s_addr,
+            ))));
             break;
         }
         cur = a.ifa_next;
@@ -139,7 +147,11 @@ fn pin_to_core(core: usize) {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(core, &mut set);
         if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-            warn!(core, "could not pin shard thread: {}", std::io::Error::last_os_error());
+            warn!(
+                core,
+                "could not pin shard thread: {}",
+                std::io::Error::last_os_error()
+            );
         }
     }
 }
@@ -154,10 +166,14 @@ impl Endpoint {
         if let Some(why) = &note {
             info!("control path uses {backend}: {why}");
         }
-        let listener =
-            TcpListener::bind((cfg.listen_addr, cfg.listen_port)).map_err(|e| Error::io("bind control listener", e))?;
-        listener.set_nonblocking(backend == IoBackend::Epoll).map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
-        let local = listener.local_addr().map_err(|e| Error::io("getsockname", e))?;
+        let listener = TcpListener::bind((cfg.listen_addr, cfg.listen_port))
+            .map_err(|e| Error::io("bind control listener", e))?;
+        listener
+            .set_nonblocking(backend == IoBackend::Epoll)
+            .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| Error::io("getsockname", e))?;
         let adv = cfg.advertise_addr.unwrap_or_else(|| {
             if local.ip().is_unspecified() {
                 primary_ipv4().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
@@ -224,7 +240,11 @@ impl Endpoint {
             Mode::Embedded => embedded = shards,
         }
         info!(id = inner.id, addr = %local, backend = %backend, shards = inner.cfg.shards, "endpoint started");
-        Ok(Endpoint { inner, threads, embedded: Mutex::new(embedded) })
+        Ok(Endpoint {
+            inner,
+            threads,
+            embedded: Mutex::new(embedded),
+        })
     }
 
     /// The endpoint's metadata (what a peer needs to connect).
@@ -292,10 +312,18 @@ impl Endpoint {
     /// Closes a connection; its in-flight operations fail.
     pub fn remove_remote(&self, conn: ConnId) -> Result<()> {
         let info = self.inner.conns.lock().expect("lock").remove(&conn);
-        let Some(info) = info else { return Err(Error::UnknownConn { conn }) };
-        self.inner.remotes.lock().expect("lock").retain(|_, c| *c != conn);
+        let Some(info) = info else {
+            return Err(Error::UnknownConn { conn });
+        };
+        self.inner
+            .remotes
+            .lock()
+            .expect("lock")
+            .retain(|_, c| *c != conn);
         let deadline = Instant::now() + self.inner.cfg.connect_timeout();
-        self.inner.shard_of(conn).submit_blocking(Command::RemoveConn(conn), deadline)?;
+        self.inner
+            .shard_of(conn)
+            .submit_blocking(Command::RemoveConn(conn), deadline)?;
         info!(%conn, peer = %info.peer, "connection removed");
         Ok(())
     }
@@ -380,7 +408,12 @@ impl Endpoint {
     /// `[ptr, ptr + len)` must be valid for reads and writes from now until
     /// the returned region has been deregistered (`deregister` returned, or
     /// the handle was dropped); peers may write it at any time meanwhile.
-    pub unsafe fn register_raw(&self, ptr: *mut u8, len: usize, access: Access) -> Result<MemoryRegion> {
+    pub unsafe fn register_raw(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<MemoryRegion> {
         self.inner.add_region(ptr, len, access, Backing::Raw)
     }
 
@@ -396,7 +429,10 @@ impl Endpoint {
 
     /// Advertises several windows (the seed's `advertisev`).
     pub fn advertisev(&self, windows: &[(&MemoryRegion, usize, usize)]) -> Result<Vec<RemoteBuf>> {
-        windows.iter().map(|(m, o, l)| m.advertise(*o, *l)).collect()
+        windows
+            .iter()
+            .map(|(m, o, l)| m.advertise(*o, *l))
+            .collect()
     }
 
     // ---- one-sided operations ------------------------------------------
@@ -428,33 +464,67 @@ impl Endpoint {
     }
 
     /// Starts one WRITE per (local slice, remote buffer) pair as one transfer.
-    pub fn writev_async(&self, conn: ConnId, locals: &[(&MemoryRegion, usize, usize)], remotes: &[RemoteBuf]) -> Result<Transfer> {
+    pub fn writev_async(
+        &self,
+        conn: ConnId,
+        locals: &[(&MemoryRegion, usize, usize)],
+        remotes: &[RemoteBuf],
+    ) -> Result<Transfer> {
         let parts = descs(locals, remotes)?;
         self.inner.submit(conn, OpKind::Write, parts)
     }
 
     /// Starts one READ per (local slice, remote buffer) pair as one transfer.
-    pub fn readv_async(&self, conn: ConnId, locals: &[(&MemoryRegion, usize, usize)], remotes: &[RemoteBuf]) -> Result<Transfer> {
+    pub fn readv_async(
+        &self,
+        conn: ConnId,
+        locals: &[(&MemoryRegion, usize, usize)],
+        remotes: &[RemoteBuf],
+    ) -> Result<Transfer> {
         let parts = descs(locals, remotes)?;
         self.inner.submit(conn, OpKind::Read, parts)
     }
 
     /// WRITE and wait. Needs managed shards, or embedded ones polled by
     /// another thread.
-    pub fn write(&self, conn: ConnId, mr: &MemoryRegion, offset: usize, len: usize, remote: &RemoteBuf) -> Result<()> {
+    pub fn write(
+        &self,
+        conn: ConnId,
+        mr: &MemoryRegion,
+        offset: usize,
+        len: usize,
+        remote: &RemoteBuf,
+    ) -> Result<()> {
         self.write_async(conn, mr, offset, len, remote)?.wait()
     }
 
     /// READ and wait (see [`write`](Endpoint::write)).
-    pub fn read(&self, conn: ConnId, mr: &MemoryRegion, offset: usize, len: usize, remote: &RemoteBuf) -> Result<()> {
+    pub fn read(
+        &self,
+        conn: ConnId,
+        mr: &MemoryRegion,
+        offset: usize,
+        len: usize,
+        remote: &RemoteBuf,
+    ) -> Result<()> {
         self.read_async(conn, mr, offset, len, remote)?.wait()
     }
 
-    pub fn writev(&self, conn: ConnId, locals: &[(&MemoryRegion, usize, usize)], remotes: &[RemoteBuf]) -> Result<()> {
+    pub fn writev(
+        &self,
+        conn: ConnId,
+        locals: &[(&MemoryRegion, usize, usize)],
+        remotes: &[RemoteBuf],
+    ) -> Result<()> {
         self.writev_async(conn, locals, remotes)?.wait()
     }
 
-    pub fn readv(&self, conn: ConnId, locals: &[(&MemoryRegion, usize, usize)], remotes: &[RemoteBuf]) -> Result<()> {
+    pub fn readv(
+        &self,
+        conn: ConnId,
+        locals: &[(&MemoryRegion, usize, usize)],
+        remotes: &[RemoteBuf],
+    ) -> Result<()> {
         self.readv_async(conn, locals, remotes)?.wait()
     }
 
@@ -463,22 +533,32 @@ impl Endpoint {
     /// Sends a small message (at most 4096 bytes) to the peer's inbox.
     pub fn send_notification(&self, conn: ConnId, msg: &[u8]) -> Result<()> {
         if msg.len() > MAX_NOTIFY_BYTES {
-            return Err(Error::NotifyTooLong { len: msg.len(), max: MAX_NOTIFY_BYTES });
+            return Err(Error::NotifyTooLong {
+                len: msg.len(),
+                max: MAX_NOTIFY_BYTES,
+            });
         }
         if !self.inner.conns.lock().expect("lock").contains_key(&conn) {
             return Err(Error::UnknownConn { conn });
         }
         let deadline = Instant::now() + self.inner.cfg.connect_timeout();
-        self.inner.shard_of(conn).submit_blocking(Command::Notify { conn, payload: msg.to_vec() }, deadline)
+        self.inner.shard_of(conn).submit_blocking(
+            Command::Notify {
+                conn,
+                payload: msg.to_vec(),
+            },
+            deadline,
+        )
     }
 
     /// Waits up to `timeout` for a notification from any peer.
     pub fn recv_notification(&self, timeout: Duration) -> Result<(ConnId, Vec<u8>)> {
         match self.inner.inbox.lock().expect("lock").recv_timeout(timeout) {
             Ok(n) => Ok(n),
-            Err(RecvTimeoutError::Timeout) => {
-                Err(Error::Timeout { what: "a notification", timeout_ms: timeout.as_millis() as u64 })
-            }
+            Err(RecvTimeoutError::Timeout) => Err(Error::Timeout {
+                what: "a notification",
+                timeout_ms: timeout.as_millis() as u64,
+            }),
             Err(RecvTimeoutError::Disconnected) => Err(Error::Shutdown),
         }
     }
@@ -492,19 +572,35 @@ impl Endpoint {
 fn desc(mr: &MemoryRegion, offset: usize, len: usize, remote: &RemoteBuf) -> Result<OpDesc> {
     mr.check_range(offset, len)?;
     if len > remote.size as usize {
-        return Err(Error::RemoteTooSmall { len, remote_size: remote.size });
+        return Err(Error::RemoteTooSmall {
+            len,
+            remote_size: remote.size,
+        });
     }
-    Ok(OpDesc { local: mr.inner.clone(), local_off: offset, len, remote_addr: remote.addr, rkey: remote.rkey })
+    Ok(OpDesc {
+        local: mr.inner.clone(),
+        local_off: offset,
+        len,
+        remote_addr: remote.addr,
+        rkey: remote.rkey,
+    })
 }
 
 fn descs(locals: &[(&MemoryRegion, usize, usize)], remotes: &[RemoteBuf]) -> Result<OpParts> {
     if locals.len() != remotes.len() {
-        return Err(Error::VectorMismatch { locals: locals.len(), remotes: remotes.len() });
+        return Err(Error::VectorMismatch {
+            locals: locals.len(),
+            remotes: remotes.len(),
+        });
     }
     if locals.is_empty() {
         return Err(Error::EmptyVector);
     }
-    let v = locals.iter().zip(remotes).map(|((m, o, l), r)| desc(m, *o, *l, r)).collect::<Result<Vec<_>>>()?;
+    let v = locals
+        .iter()
+        .zip(remotes)
+        .map(|((m, o, l), r)| desc(m, *o, *l, r))
+        .collect::<Result<Vec<_>>>()?;
     Ok(OpParts::Many(v))
 }
 
@@ -514,8 +610,18 @@ impl Inner {
     }
 
     fn submit(&self, conn: ConnId, kind: OpKind, parts: OpParts) -> Result<Transfer> {
-        let t = self.table.claim().ok_or(Error::TooManyInflight { max: self.table.capacity() })?;
-        let cmd = OpCmd { conn, kind, slot: t.slot(), parts, next_desc: 0, next_off: 0, emitted: 0 };
+        let t = self.table.claim().ok_or(Error::TooManyInflight {
+            max: self.table.capacity(),
+        })?;
+        let cmd = OpCmd {
+            conn,
+            kind,
+            slot: t.slot(),
+            parts,
+            next_desc: 0,
+            next_off: 0,
+            emitted: 0,
+        };
         match self.shard_of(conn).submit(Command::Op(cmd)) {
             Ok(()) => Ok(t),
             Err((e, _)) => {
@@ -527,16 +633,35 @@ impl Inner {
         }
     }
 
-    fn add_region(self: &Arc<Self>, ptr: *mut u8, len: usize, access: Access, backing: Backing) -> Result<MemoryRegion> {
+    fn add_region(
+        self: &Arc<Self>,
+        ptr: *mut u8,
+        len: usize,
+        access: Access,
+        backing: Backing,
+    ) -> Result<MemoryRegion> {
         if ptr.is_null() && len > 0 {
-            return Err(Error::Unsupported { what: "registering a null pointer", reason: format!("len {len}") });
+            return Err(Error::Unsupported {
+                what: "registering a null pointer",
+                reason: format!("len {len}"),
+            });
         }
         let rkey = self.next_rkey.fetch_add(1, Ordering::Relaxed);
-        let r = Arc::new(Region { ptr, len, rkey, access, _backing: backing });
+        let r = Arc::new(Region {
+            ptr,
+            len,
+            rkey,
+            access,
+            _backing: backing,
+        });
         for s in &self.shards {
             s.region(RegionCmd::Add(r.clone()))?;
         }
-        Ok(MemoryRegion { inner: r, ep: Arc::downgrade(self), live: true })
+        Ok(MemoryRegion {
+            inner: r,
+            ep: Arc::downgrade(self),
+            live: true,
+        })
     }
 
     pub(crate) fn forget_region(&self, rkey: u32) {
@@ -558,16 +683,39 @@ impl Inner {
 
     fn connect(&self, addr: SocketAddr) -> Result<ConnId> {
         let mut ctl = Ctl::new(self.backend)?;
-        let (streams, ack) = handshake::connect(&mut ctl, addr, self.stream_hello(), self.cfg.connect_timeout())?;
+        let (streams, ack) = handshake::connect(
+            &mut ctl,
+            addr,
+            self.stream_hello(),
+            self.cfg.connect_timeout(),
+        )?;
         self.adopt(streams, ack, addr)
     }
 
-    fn adopt(&self, streams: Vec<std::net::TcpStream>, peer_hello: Hello, peer: SocketAddr) -> Result<ConnId> {
+    fn adopt(
+        &self,
+        streams: Vec<std::net::TcpStream>,
+        peer_hello: Hello,
+        peer: SocketAddr,
+    ) -> Result<ConnId> {
         let conn = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
-        let limits = StreamLimits { own_max: self.cfg.stream_inflight, peer_max: peer_hello.max_inflight as usize };
+        let limits = StreamLimits {
+            own_max: self.cfg.stream_inflight,
+            peer_max: peer_hello.max_inflight as usize,
+        };
         let deadline = Instant::now() + self.cfg.connect_timeout();
-        self.conns.lock().expect("lock").insert(conn, ConnInfo { peer });
-        self.shard_of(conn).submit_blocking(Command::AddConn { conn, streams, limits }, deadline)?;
+        self.conns
+            .lock()
+            .expect("lock")
+            .insert(conn, ConnInfo { peer });
+        self.shard_of(conn).submit_blocking(
+            Command::AddConn {
+                conn,
+                streams,
+                limits,
+            },
+            deadline,
+        )?;
         info!(%conn, %peer, streams = self.cfg.streams_per_conn, "connected");
         Ok(conn)
     }
@@ -576,19 +724,23 @@ impl Inner {
     /// short-lived thread of its own, so a silent or slow client cannot hold
     /// up the ones behind it. Finished connections land in `accepted`.
     fn accept_step(self: &Arc<Self>, ctl: &mut Ctl, timeout: Duration) -> Result<()> {
-        let Some((s, peer)) = ctl.accept(&self.listener, timeout)? else { return Ok(()) };
+        let Some((s, peer)) = ctl.accept(&self.listener, timeout)? else {
+            return Ok(());
+        };
         if self.handshakes.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
             self.handshakes.fetch_sub(1, Ordering::AcqRel);
             warn!(%peer, "{MAX_HANDSHAKES} handshakes already in progress; connection dropped");
             return Ok(());
         }
         let inner = self.clone();
-        let spawned = std::thread::Builder::new().name("ferry-handshake".to_owned()).spawn(move || {
-            if let Err(e) = inner.handshake_accepted(s, peer) {
-                warn!(%peer, "incoming connection failed: {e}");
-            }
-            inner.handshakes.fetch_sub(1, Ordering::AcqRel);
-        });
+        let spawned = std::thread::Builder::new()
+            .name("ferry-handshake".to_owned())
+            .spawn(move || {
+                if let Err(e) = inner.handshake_accepted(s, peer) {
+                    warn!(%peer, "incoming connection failed: {e}");
+                }
+                inner.handshakes.fetch_sub(1, Ordering::AcqRel);
+            });
         if let Err(e) = spawned {
             self.handshakes.fetch_sub(1, Ordering::AcqRel);
             return Err(Error::io("spawn handshake thread", e));
@@ -600,7 +752,11 @@ impl Inner {
         let mut ctl = Ctl::new(self.backend)?;
         let deadline = Instant::now() + self.cfg.connect_timeout();
         let hello = handshake::serve(&mut ctl, &s, peer, self.stream_hello(), deadline)?;
-        let group = self.acceptor.lock().expect("lock").offer(hello, peer, s, Instant::now());
+        let group = self
+            .acceptor
+            .lock()
+            .expect("lock")
+            .offer(hello, peer, s, Instant::now());
         match group {
             Ok(Some(g)) => {
                 let conn = self.adopt(g.streams, g.hello, g.peer)?;
@@ -626,7 +782,9 @@ impl Inner {
                 return Ok(got);
             }
             let Some(left) = oob::remaining(deadline) else {
-                return Err(Error::AcceptTimeout { timeout_ms: oob::ms(timeout) });
+                return Err(Error::AcceptTimeout {
+                    timeout_ms: oob::ms(timeout),
+                });
             };
             // Short steps, so a connection whose handshake finished on its
             // own thread is returned promptly.
@@ -642,7 +800,9 @@ impl Inner {
                 return Ok(got);
             }
             let Some(left) = oob::remaining(deadline) else {
-                return Err(Error::AcceptTimeout { timeout_ms: oob::ms(timeout) });
+                return Err(Error::AcceptTimeout {
+                    timeout_ms: oob::ms(timeout),
+                });
             };
             q = self.accepted_cv.wait_timeout(q, left).expect("lock").0;
         }

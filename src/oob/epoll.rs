@@ -20,14 +20,19 @@ pub(crate) struct EpollCtl {
 
 impl EpollCtl {
     pub fn new() -> Result<Self> {
-        Ok(Self { poll: Poll::new().map_err(|e| Error::io("epoll_create", e))?, events: Events::with_capacity(4) })
+        Ok(Self {
+            poll: Poll::new().map_err(|e| Error::io("epoll_create", e))?,
+            events: Events::with_capacity(4),
+        })
     }
 
     /// Waits until `fd` is ready for `interest` or the timeout passes;
     /// returns whether it became ready.
     fn wait(&mut self, fd: i32, interest: Interest, timeout: Duration) -> io::Result<bool> {
         let mut src = SourceFd(&fd);
-        self.poll.registry().register(&mut src, Token(0), interest)?;
+        self.poll
+            .registry()
+            .register(&mut src, Token(0), interest)?;
         let res = loop {
             match self.poll.poll(&mut self.events, Some(timeout)) {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -42,7 +47,8 @@ impl EpollCtl {
     pub fn connect(&mut self, addr: SocketAddr, timeout: Duration) -> Result<TcpStream> {
         let sock = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))
             .map_err(|e| Error::io("socket", e))?;
-        sock.set_nonblocking(true).map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
+        sock.set_nonblocking(true)
+            .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
         match sock.connect(&SockAddr::from(addr)) {
             Ok(()) => return Ok(sock.into()),
             Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) => {}
@@ -52,15 +58,25 @@ impl EpollCtl {
             .wait(sock.as_raw_fd(), Interest::WRITABLE, timeout)
             .map_err(|e| Error::io("epoll_wait", e))?;
         if !ready {
-            return Err(Error::ConnectTimeout { addr, timeout_ms: ms(timeout) });
+            return Err(Error::ConnectTimeout {
+                addr,
+                timeout_ms: ms(timeout),
+            });
         }
-        if let Some(e) = sock.take_error().map_err(|e| Error::io("getsockopt(SO_ERROR)", e))? {
+        if let Some(e) = sock
+            .take_error()
+            .map_err(|e| Error::io("getsockopt(SO_ERROR)", e))?
+        {
             return Err(Error::Connect { addr, source: e });
         }
         Ok(sock.into())
     }
 
-    pub fn accept(&mut self, l: &TcpListener, timeout: Duration) -> Result<Option<(TcpStream, SocketAddr)>> {
+    pub fn accept(
+        &mut self,
+        l: &TcpListener,
+        timeout: Duration,
+    ) -> Result<Option<(TcpStream, SocketAddr)>> {
         let deadline = Instant::now() + timeout;
         loop {
             match l.accept() {
@@ -69,8 +85,11 @@ impl EpollCtl {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(Error::io("accept", e)),
             }
-            let Some(left) = remaining(deadline) else { return Ok(None) };
-            self.wait(l.as_raw_fd(), Interest::READABLE, left).map_err(|e| Error::io("epoll_wait", e))?;
+            let Some(left) = remaining(deadline) else {
+                return Ok(None);
+            };
+            self.wait(l.as_raw_fd(), Interest::READABLE, left)
+                .map_err(|e| Error::io("epoll_wait", e))?;
         }
     }
 
@@ -80,8 +99,12 @@ impl EpollCtl {
             match w.write(buf) {
                 Ok(n) => buf = &buf[n..],
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    let left = remaining(deadline).ok_or(Error::Timeout { what: "handshake send", timeout_ms: 0 })?;
-                    self.wait(s.as_raw_fd(), Interest::WRITABLE, left).map_err(|e| Error::io("epoll_wait", e))?;
+                    let left = remaining(deadline).ok_or(Error::Timeout {
+                        what: "handshake send",
+                        timeout_ms: 0,
+                    })?;
+                    self.wait(s.as_raw_fd(), Interest::WRITABLE, left)
+                        .map_err(|e| Error::io("epoll_wait", e))?;
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(Error::io("send", e)),
@@ -98,8 +121,12 @@ impl EpollCtl {
                 Ok(0) => return Err(Error::io("recv", io::ErrorKind::UnexpectedEof.into())),
                 Ok(n) => got += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    let left = remaining(deadline).ok_or(Error::Timeout { what: "handshake reply", timeout_ms: 0 })?;
-                    self.wait(s.as_raw_fd(), Interest::READABLE, left).map_err(|e| Error::io("epoll_wait", e))?;
+                    let left = remaining(deadline).ok_or(Error::Timeout {
+                        what: "handshake reply",
+                        timeout_ms: 0,
+                    })?;
+                    self.wait(s.as_raw_fd(), Interest::READABLE, left)
+                        .map_err(|e| Error::io("epoll_wait", e))?;
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(Error::io("recv", e)),

@@ -31,7 +31,11 @@ pub(crate) fn read_frame(ctl: &mut Ctl, s: &TcpStream, deadline: Instant) -> Res
 /// Checks the accepting side's answer to our `Hello`.
 pub(crate) fn check_ack(ours: &Hello, answer: ControlFrame, peer: SocketAddr) -> Result<Hello> {
     match answer {
-        ControlFrame::HelloAck(h) if h.conn_nonce == ours.conn_nonce && h.stream_idx == ours.stream_idx => Ok(h),
+        ControlFrame::HelloAck(h)
+            if h.conn_nonce == ours.conn_nonce && h.stream_idx == ours.stream_idx =>
+        {
+            Ok(h)
+        }
         ControlFrame::HelloAck(h) => Err(Error::Handshake {
             peer,
             reason: format!(
@@ -39,10 +43,14 @@ pub(crate) fn check_ack(ours: &Hello, answer: ControlFrame, peer: SocketAddr) ->
                 h.conn_nonce, h.stream_idx, ours.conn_nonce, ours.stream_idx
             ),
         }),
-        ControlFrame::Error { code, message } => {
-            Err(Error::Handshake { peer, reason: format!("refused by peer (code {code}): {message}") })
-        }
-        ControlFrame::Hello(_) => Err(Error::Handshake { peer, reason: "peer answered Hello with Hello".to_owned() }),
+        ControlFrame::Error { code, message } => Err(Error::Handshake {
+            peer,
+            reason: format!("refused by peer (code {code}): {message}"),
+        }),
+        ControlFrame::Hello(_) => Err(Error::Handshake {
+            peer,
+            reason: "peer answered Hello with Hello".to_owned(),
+        }),
     }
 }
 
@@ -59,24 +67,40 @@ pub(crate) fn connect(
     let mut first = None;
     for idx in 0..hello.stream_count {
         hello.stream_idx = idx;
-        let left = super::remaining(deadline).ok_or(Error::ConnectTimeout { addr, timeout_ms: super::ms(timeout) })?;
+        let left = super::remaining(deadline).ok_or(Error::ConnectTimeout {
+            addr,
+            timeout_ms: super::ms(timeout),
+        })?;
         let s = ctl.connect(addr, left)?;
         let map_timeout = |e: Error| match e {
-            Error::Timeout { .. } => Error::ConnectTimeout { addr, timeout_ms: super::ms(timeout) },
+            Error::Timeout { .. } => Error::ConnectTimeout {
+                addr,
+                timeout_ms: super::ms(timeout),
+            },
             e => e,
         };
-        ctl.send_all(&s, &ControlFrame::Hello(hello).encode(), deadline).map_err(map_timeout)?;
+        ctl.send_all(&s, &ControlFrame::Hello(hello).encode(), deadline)
+            .map_err(map_timeout)?;
         let answer = read_frame(ctl, &s, deadline).map_err(map_timeout)?;
         let ack = check_ack(&hello, answer, addr)?;
         first.get_or_insert(ack);
         streams.push(s);
     }
-    Ok((streams, first.expect("stream_count >= 1 is checked by the codec")))
+    Ok((
+        streams,
+        first.expect("stream_count >= 1 is checked by the codec"),
+    ))
 }
 
 /// Serves the handshake on one accepted socket: reads its `Hello`, answers,
 /// and returns the `Hello`. A bad `Hello` is answered with an `Error` frame.
-pub(crate) fn serve(ctl: &mut Ctl, s: &TcpStream, peer: SocketAddr, mut ours: Hello, deadline: Instant) -> Result<Hello> {
+pub(crate) fn serve(
+    ctl: &mut Ctl,
+    s: &TcpStream,
+    peer: SocketAddr,
+    mut ours: Hello,
+    deadline: Instant,
+) -> Result<Hello> {
     let theirs = match read_frame(ctl, s, deadline) {
         Ok(ControlFrame::Hello(h)) => h,
         Ok(other) => {
@@ -86,7 +110,10 @@ pub(crate) fn serve(ctl: &mut Ctl, s: &TcpStream, peer: SocketAddr, mut ours: He
         }
         Err(Error::Decode(e)) => {
             reject(ctl, s, &e.to_string(), deadline);
-            return Err(Error::Handshake { peer, reason: e.to_string() });
+            return Err(Error::Handshake {
+                peer,
+                reason: e.to_string(),
+            });
         }
         Err(e) => return Err(e),
     };
@@ -98,12 +125,16 @@ pub(crate) fn serve(ctl: &mut Ctl, s: &TcpStream, peer: SocketAddr, mut ours: He
 }
 
 fn reject(ctl: &mut Ctl, s: &TcpStream, reason: &str, deadline: Instant) {
-    let frame = ControlFrame::Error { code: REJECT_PROTOCOL, message: reason.to_owned() };
+    let frame = ControlFrame::Error {
+        code: REJECT_PROTOCOL,
+        message: reason.to_owned(),
+    };
     // Best effort: the peer may already be gone.
     let _ = ctl.send_all(s, &frame.encode(), deadline);
 }
 
 /// A connection whose sockets have all arrived.
+#[derive(Debug)]
 pub(crate) struct Group<S> {
     pub hello: Hello,
     pub peer: SocketAddr,
@@ -129,18 +160,36 @@ pub(crate) struct Assembler<S> {
 
 impl<S> Assembler<S> {
     pub fn new(max_partial: usize, ttl: Duration) -> Self {
-        Self { partial: HashMap::new(), max_partial, ttl }
+        Self {
+            partial: HashMap::new(),
+            max_partial,
+            ttl,
+        }
     }
 
     /// Adds one handshaken socket; returns the connection once complete.
-    pub fn offer(&mut self, hello: Hello, peer: SocketAddr, stream: S, now: Instant) -> Result<Option<Group<S>>, String> {
-        self.partial.retain(|_, p| now.duration_since(p.started) < self.ttl);
+    pub fn offer(
+        &mut self,
+        hello: Hello,
+        peer: SocketAddr,
+        stream: S,
+        now: Instant,
+    ) -> Result<Option<Group<S>>, String> {
+        self.partial
+            .retain(|_, p| now.duration_since(p.started) < self.ttl);
         if hello.stream_count == 1 {
-            return Ok(Some(Group { hello, peer, streams: vec![stream] }));
+            return Ok(Some(Group {
+                hello,
+                peer,
+                streams: vec![stream],
+            }));
         }
         let key = (hello.endpoint_id, hello.conn_nonce);
         if !self.partial.contains_key(&key) && self.partial.len() >= self.max_partial {
-            return Err(format!("{} connections are already half-open; refusing more", self.max_partial));
+            return Err(format!(
+                "{} connections are already half-open; refusing more",
+                self.max_partial
+            ));
         }
         let p = self.partial.entry(key).or_insert_with(|| Partial {
             hello,
@@ -165,8 +214,16 @@ impl<S> Assembler<S> {
             return Ok(None);
         }
         let p = self.partial.remove(&key).expect("present");
-        let streams = p.streams.into_iter().map(|s| s.expect("all arrived")).collect();
-        Ok(Some(Group { hello: p.hello, peer: p.peer, streams }))
+        let streams = p
+            .streams
+            .into_iter()
+            .map(|s| s.expect("all arrived"))
+            .collect();
+        Ok(Some(Group {
+            hello: p.hello,
+            peer: p.peer,
+            streams,
+        }))
     }
 }
 
@@ -175,7 +232,14 @@ mod tests {
     use super::*;
 
     fn hello(nonce: u64, idx: u16, count: u16) -> Hello {
-        Hello { endpoint_id: 1, caps: 0, conn_nonce: nonce, stream_idx: idx, stream_count: count, max_inflight: 64 }
+        Hello {
+            endpoint_id: 1,
+            caps: 0,
+            conn_nonce: nonce,
+            stream_idx: idx,
+            stream_count: count,
+            max_inflight: 64,
+        }
     }
 
     #[test]
@@ -196,11 +260,23 @@ mod tests {
         let now = Instant::now();
         let mut a = Assembler::new(1, Duration::from_secs(5));
         a.offer(hello(1, 0, 2), peer, 0, now).unwrap();
-        assert!(a.offer(hello(1, 0, 2), peer, 0, now).unwrap_err().contains("twice"));
-        assert!(a.offer(hello(1, 1, 3), peer, 0, now).unwrap_err().contains("3 streams"));
-        assert!(a.offer(hello(2, 0, 2), peer, 0, now).unwrap_err().contains("half-open"));
+        assert!(a
+            .offer(hello(1, 0, 2), peer, 0, now)
+            .unwrap_err()
+            .contains("twice"));
+        assert!(a
+            .offer(hello(1, 1, 3), peer, 0, now)
+            .unwrap_err()
+            .contains("3 streams"));
+        assert!(a
+            .offer(hello(2, 0, 2), peer, 0, now)
+            .unwrap_err()
+            .contains("half-open"));
         let later = now + Duration::from_secs(6);
-        assert!(a.offer(hello(2, 0, 2), peer, 0, later).unwrap().is_none(), "expired partial freed its place");
+        assert!(
+            a.offer(hello(2, 0, 2), peer, 0, later).unwrap().is_none(),
+            "expired partial freed its place"
+        );
     }
 
     #[test]
@@ -209,7 +285,15 @@ mod tests {
         let ours = hello(5, 0, 1);
         assert!(check_ack(&ours, ControlFrame::HelloAck(hello(5, 0, 1)), peer).is_ok());
         assert!(check_ack(&ours, ControlFrame::HelloAck(hello(6, 0, 1)), peer).is_err());
-        let e = check_ack(&ours, ControlFrame::Error { code: 1, message: "no".into() }, peer).unwrap_err();
+        let e = check_ack(
+            &ours,
+            ControlFrame::Error {
+                code: 1,
+                message: "no".into(),
+            },
+            peer,
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("refused by peer"));
     }
 }

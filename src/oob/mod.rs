@@ -49,8 +49,12 @@ pub fn probe_uring() -> std::result::Result<(), String> {
     match io_uring::IoUring::new(4) {
         Ok(_) => Ok(()),
         Err(e) => Err(match e.raw_os_error() {
-            Some(libc::EPERM) => "io_uring_setup refused with EPERM (seccomp or io_uring_disabled)".to_owned(),
-            Some(libc::ENOSYS) => "io_uring_setup is not implemented by this kernel (ENOSYS)".to_owned(),
+            Some(libc::EPERM) => {
+                "io_uring_setup refused with EPERM (seccomp or io_uring_disabled)".to_owned()
+            }
+            Some(libc::ENOSYS) => {
+                "io_uring_setup is not implemented by this kernel (ENOSYS)".to_owned()
+            }
             _ => format!("io_uring_setup failed: {e}"),
         }),
     }
@@ -62,7 +66,10 @@ pub fn choose(pref: IoPreference) -> Result<(IoBackend, Option<String>)> {
         IoPreference::Epoll => Ok((IoBackend::Epoll, Some("FERRY_IO=epoll".to_owned()))),
         IoPreference::Uring => match probe_uring() {
             Ok(()) => Ok((IoBackend::Uring, None)),
-            Err(why) => Err(Error::Unsupported { what: "FERRY_IO=uring", reason: why }),
+            Err(why) => Err(Error::Unsupported {
+                what: "FERRY_IO=uring",
+                reason: why,
+            }),
         },
         IoPreference::Auto => match probe_uring() {
             Ok(()) => Ok((IoBackend::Uring, None)),
@@ -73,14 +80,14 @@ pub fn choose(pref: IoPreference) -> Result<(IoBackend, Option<String>)> {
 
 /// One control-path worker: blocking calls with deadlines over one backend.
 pub(crate) enum Ctl {
-    Uring(uring::UringCtl),
+    Uring(Box<uring::UringCtl>),
     Epoll(epoll::EpollCtl),
 }
 
 impl Ctl {
     pub fn new(backend: IoBackend) -> Result<Ctl> {
         Ok(match backend {
-            IoBackend::Uring => Ctl::Uring(uring::UringCtl::new()?),
+            IoBackend::Uring => Ctl::Uring(Box::new(uring::UringCtl::new()?)),
             IoBackend::Epoll => Ctl::Epoll(epoll::EpollCtl::new()?),
         })
     }
@@ -96,19 +103,26 @@ impl Ctl {
             Ctl::Uring(c) => c.connect(addr, timeout),
             Ctl::Epoll(c) => c.connect(addr, timeout),
         }?;
-        s.set_nodelay(true).map_err(|e| Error::io("setsockopt(TCP_NODELAY)", e))?;
+        s.set_nodelay(true)
+            .map_err(|e| Error::io("setsockopt(TCP_NODELAY)", e))?;
         Ok(s)
     }
 
     /// Accepts one socket, or `Ok(None)` when the timeout passes first.
-    pub fn accept(&mut self, l: &TcpListener, timeout: Duration) -> Result<Option<(TcpStream, SocketAddr)>> {
+    pub fn accept(
+        &mut self,
+        l: &TcpListener,
+        timeout: Duration,
+    ) -> Result<Option<(TcpStream, SocketAddr)>> {
         let got = match self {
             Ctl::Uring(c) => c.accept(l.as_raw_fd(), timeout),
             Ctl::Epoll(c) => c.accept(l, timeout),
         }?;
         if let Some((s, _)) = &got {
-            s.set_nodelay(true).map_err(|e| Error::io("setsockopt(TCP_NODELAY)", e))?;
-            s.set_nonblocking(self.wants_nonblocking()).map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
+            s.set_nodelay(true)
+                .map_err(|e| Error::io("setsockopt(TCP_NODELAY)", e))?;
+            s.set_nonblocking(self.wants_nonblocking())
+                .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
         }
         Ok(got)
     }
@@ -129,7 +143,9 @@ impl Ctl {
 }
 
 pub(crate) fn remaining(deadline: Instant) -> Option<Duration> {
-    deadline.checked_duration_since(Instant::now()).filter(|d| !d.is_zero())
+    deadline
+        .checked_duration_since(Instant::now())
+        .filter(|d| !d.is_zero())
 }
 
 pub(crate) fn ms(d: Duration) -> u64 {

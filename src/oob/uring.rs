@@ -21,13 +21,17 @@ const TIMER: u64 = 2;
 
 impl UringCtl {
     pub fn new() -> Result<Self> {
-        Ok(Self { ring: IoUring::new(8).map_err(|e| Error::io("io_uring_setup", e))? })
+        Ok(Self {
+            ring: IoUring::new(8).map_err(|e| Error::io("io_uring_setup", e))?,
+        })
     }
 
     /// Submits `sqe` linked to a timeout and returns the operation's result:
     /// `Ok(n)` for a non-negative result, `Err(ETIME-like)` if it timed out.
     fn run(&mut self, sqe: squeue::Entry, timeout: Duration) -> io::Result<i32> {
-        let ts = types::Timespec::new().sec(timeout.as_secs()).nsec(timeout.subsec_nanos());
+        let ts = types::Timespec::new()
+            .sec(timeout.as_secs())
+            .nsec(timeout.subsec_nanos());
         let op = sqe.flags(squeue::Flags::IO_LINK).user_data(OP);
         let timer = opcode::LinkTimeout::new(&ts).build().user_data(TIMER);
         // SAFETY: the entries reference `ts` and buffers owned by our caller,
@@ -35,8 +39,10 @@ impl UringCtl {
         // completions before returning, so the kernel is done with them.
         unsafe {
             let mut sq = self.ring.submission();
-            sq.push(&op).map_err(|_| io::Error::other("io_uring submission queue full"))?;
-            sq.push(&timer).map_err(|_| io::Error::other("io_uring submission queue full"))?;
+            sq.push(&op)
+                .map_err(|_| io::Error::other("io_uring submission queue full"))?;
+            sq.push(&timer)
+                .map_err(|_| io::Error::other("io_uring submission queue full"))?;
         }
         let mut op_res = None;
         let mut seen = 0;
@@ -65,30 +71,42 @@ impl UringCtl {
         let sock = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))
             .map_err(|e| Error::io("socket", e))?;
         let sa = SockAddr::from(addr);
-        let sqe = opcode::Connect::new(types::Fd(fd_of(&sock)), sa.as_ptr() as *const _, sa.len()).build();
+        let sqe = opcode::Connect::new(types::Fd(fd_of(&sock)), sa.as_ptr() as *const _, sa.len())
+            .build();
         match self.run(sqe, timeout) {
             Ok(_) => Ok(sock.into()),
-            Err(e) if e.kind() == io::ErrorKind::TimedOut => {
-                Err(Error::ConnectTimeout { addr, timeout_ms: ms(timeout) })
-            }
+            Err(e) if e.kind() == io::ErrorKind::TimedOut => Err(Error::ConnectTimeout {
+                addr,
+                timeout_ms: ms(timeout),
+            }),
             Err(e) => Err(Error::Connect { addr, source: e }),
         }
     }
 
-    pub fn accept(&mut self, listener: RawFd, timeout: Duration) -> Result<Option<(TcpStream, SocketAddr)>> {
+    pub fn accept(
+        &mut self,
+        listener: RawFd,
+        timeout: Duration,
+    ) -> Result<Option<(TcpStream, SocketAddr)>> {
         // SAFETY: sockaddr_storage is plain bytes; all-zero is a valid value.
         let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
         let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-        let sqe = opcode::Accept::new(types::Fd(listener), &mut storage as *mut _ as *mut _, &mut len)
-            .flags(libc::SOCK_CLOEXEC)
-            .build();
+        let sqe = opcode::Accept::new(
+            types::Fd(listener),
+            &mut storage as *mut _ as *mut _,
+            &mut len,
+        )
+        .flags(libc::SOCK_CLOEXEC)
+        .build();
         match self.run(sqe, timeout) {
             Ok(fd) => {
                 // SAFETY: a successful accept returned a new socket fd we now own.
                 let stream = unsafe { TcpStream::from_raw_fd(fd) };
                 // SAFETY: the kernel filled `storage` with `len` bytes of address.
                 let sa = unsafe { SockAddr::new(storage, len) };
-                let peer = sa.as_socket().ok_or_else(|| Error::io("accept", io::Error::other("peer is not an IP socket")))?;
+                let peer = sa.as_socket().ok_or_else(|| {
+                    Error::io("accept", io::Error::other("peer is not an IP socket"))
+                })?;
                 Ok(Some((stream, peer)))
             }
             Err(e) if e.kind() == io::ErrorKind::TimedOut => Ok(None),
@@ -98,14 +116,20 @@ impl UringCtl {
 
     pub fn send_all(&mut self, fd: RawFd, mut buf: &[u8], deadline: Instant) -> Result<()> {
         while !buf.is_empty() {
-            let left = remaining(deadline).ok_or(Error::Timeout { what: "handshake send", timeout_ms: 0 })?;
+            let left = remaining(deadline).ok_or(Error::Timeout {
+                what: "handshake send",
+                timeout_ms: 0,
+            })?;
             let sqe = opcode::Send::new(types::Fd(fd), buf.as_ptr(), buf.len() as u32)
                 .flags(libc::MSG_NOSIGNAL)
                 .build();
             match self.run(sqe, left) {
                 Ok(n) => buf = &buf[n as usize..],
                 Err(e) if e.kind() == io::ErrorKind::TimedOut => {
-                    return Err(Error::Timeout { what: "handshake send", timeout_ms: ms(left) })
+                    return Err(Error::Timeout {
+                        what: "handshake send",
+                        timeout_ms: ms(left),
+                    })
                 }
                 Err(e) => return Err(Error::io("send (io_uring)", e)),
             }
@@ -116,14 +140,26 @@ impl UringCtl {
     pub fn recv_exact(&mut self, fd: RawFd, buf: &mut [u8], deadline: Instant) -> Result<()> {
         let mut got = 0;
         while got < buf.len() {
-            let left = remaining(deadline).ok_or(Error::Timeout { what: "handshake reply", timeout_ms: 0 })?;
+            let left = remaining(deadline).ok_or(Error::Timeout {
+                what: "handshake reply",
+                timeout_ms: 0,
+            })?;
             let rest = &mut buf[got..];
-            let sqe = opcode::Recv::new(types::Fd(fd), rest.as_mut_ptr(), rest.len() as u32).build();
+            let sqe =
+                opcode::Recv::new(types::Fd(fd), rest.as_mut_ptr(), rest.len() as u32).build();
             match self.run(sqe, left) {
-                Ok(0) => return Err(Error::io("recv (io_uring)", io::ErrorKind::UnexpectedEof.into())),
+                Ok(0) => {
+                    return Err(Error::io(
+                        "recv (io_uring)",
+                        io::ErrorKind::UnexpectedEof.into(),
+                    ))
+                }
                 Ok(n) => got += n as usize,
                 Err(e) if e.kind() == io::ErrorKind::TimedOut => {
-                    return Err(Error::Timeout { what: "handshake reply", timeout_ms: ms(left) })
+                    return Err(Error::Timeout {
+                        what: "handshake reply",
+                        timeout_ms: ms(left),
+                    })
                 }
                 Err(e) => return Err(Error::io("recv (io_uring)", e)),
             }

@@ -46,9 +46,15 @@ unsafe impl Send for CompletionTable {}
 impl CompletionTable {
     pub fn new(capacity: usize) -> Arc<Self> {
         let slots = (0..capacity)
-            .map(|_| Slot { state: AtomicU32::new(FREE), result: UnsafeCell::new(None) })
+            .map(|_| Slot {
+                state: AtomicU32::new(FREE),
+                result: UnsafeCell::new(None),
+            })
             .collect();
-        Arc::new(Self { slots, hint: AtomicUsize::new(0) })
+        Arc::new(Self {
+            slots,
+            hint: AtomicUsize::new(0),
+        })
     }
 
     pub fn capacity(&self) -> usize {
@@ -57,7 +63,10 @@ impl CompletionTable {
 
     /// Slots currently claimed (in flight or completed but not reaped).
     pub fn in_use(&self) -> usize {
-        self.slots.iter().filter(|s| s.state.load(Ordering::Relaxed) != FREE).count()
+        self.slots
+            .iter()
+            .filter(|s| s.state.load(Ordering::Relaxed) != FREE)
+            .count()
     }
 
     /// Claims a free slot, or `None` when all are in use.
@@ -68,10 +77,16 @@ impl CompletionTable {
             let j = (start + i) % n;
             let st = &self.slots[j].state;
             if st.load(Ordering::Relaxed) == FREE
-                && st.compare_exchange(FREE, PENDING, Ordering::Acquire, Ordering::Relaxed).is_ok()
+                && st
+                    .compare_exchange(FREE, PENDING, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
             {
                 self.hint.store(j + 1, Ordering::Relaxed);
-                return Some(Transfer { table: self.clone(), idx: j as u32, reaped: None });
+                return Some(Transfer {
+                    table: self.clone(),
+                    idx: j as u32,
+                    reaped: None,
+                });
             }
         }
         None
@@ -93,7 +108,12 @@ impl CompletionTable {
                 slot.state.store(FREE, Ordering::Release);
                 return;
             }
-            match slot.state.compare_exchange_weak(s, DONE | (s & WAITER), Ordering::Release, Ordering::Relaxed) {
+            match slot.state.compare_exchange_weak(
+                s,
+                DONE | (s & WAITER),
+                Ordering::Release,
+                Ordering::Relaxed,
+            ) {
                 Ok(_) => break,
                 Err(cur) => s = cur,
             }
@@ -114,7 +134,10 @@ pub struct Transfer {
 
 impl std::fmt::Debug for Transfer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Transfer").field("slot", &self.idx).field("done", &self.reaped.is_some()).finish()
+        f.debug_struct("Transfer")
+            .field("slot", &self.idx)
+            .field("done", &self.reaped.is_some())
+            .finish()
     }
 }
 
@@ -164,7 +187,9 @@ impl Transfer {
     pub fn wait(mut self) -> Result<()> {
         loop {
             match self.wait_timeout(Duration::from_secs(3600)) {
-                Err(Error::Timeout { what: "transfer", .. }) => continue,
+                Err(Error::Timeout {
+                    what: "transfer", ..
+                }) => continue,
                 other => return other,
             }
         }
@@ -185,7 +210,10 @@ impl Transfer {
                 continue;
             }
             let Some(left) = deadline.checked_duration_since(Instant::now()) else {
-                return Err(Error::Timeout { what: "transfer", timeout_ms: timeout.as_millis() as u64 });
+                return Err(Error::Timeout {
+                    what: "transfer",
+                    timeout_ms: timeout.as_millis() as u64,
+                });
             };
             let st = self.state();
             let s = st.load(Ordering::Acquire);
@@ -193,7 +221,9 @@ impl Transfer {
                 continue;
             }
             if s & WAITER == 0
-                && st.compare_exchange(s, s | WAITER, Ordering::Relaxed, Ordering::Relaxed).is_err()
+                && st
+                    .compare_exchange(s, s | WAITER, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_err()
             {
                 continue;
             }
@@ -243,7 +273,12 @@ fn futex_wait(a: &AtomicU32, expected: u32, timeout: Duration) {
 fn futex_wake(a: &AtomicU32) {
     // SAFETY: FUTEX_WAKE only uses the address as a key.
     unsafe {
-        libc::syscall(libc::SYS_futex, a.as_ptr(), libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG, i32::MAX);
+        libc::syscall(
+            libc::SYS_futex,
+            a.as_ptr(),
+            libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
+            i32::MAX,
+        );
     }
 }
 
@@ -261,12 +296,24 @@ mod tests {
         assert!(a.poll().is_none());
         t.complete(a.slot(), Ok(()));
         assert!(matches!(a.poll(), Some(Ok(()))));
-        assert!(matches!(a.poll(), Some(Ok(()))), "poll after completion repeats the outcome");
+        assert!(
+            matches!(a.poll(), Some(Ok(()))),
+            "poll after completion repeats the outcome"
+        );
         t.complete(
             b.slot(),
-            Err(Error::Remote { op: crate::OpKind::Read, status: Status::UnknownKey, rkey: 1, addr: 2, len: 3 }),
+            Err(Error::Remote {
+                op: crate::OpKind::Read,
+                status: Status::UnknownKey,
+                rkey: 1,
+                addr: 2,
+                len: 3,
+            }),
         );
-        assert!(matches!(b.wait_timeout(Duration::from_millis(1)), Err(Error::Remote { rkey: 1, .. })));
+        assert!(matches!(
+            b.wait_timeout(Duration::from_millis(1)),
+            Err(Error::Remote { rkey: 1, .. })
+        ));
         assert_eq!(t.in_use(), 0);
         drop((a, b));
         assert!(t.claim().is_some());
@@ -301,7 +348,10 @@ mod tests {
     fn wait_timeout_expires_and_transfer_stays_usable() {
         let t = CompletionTable::new(1);
         let mut a = t.claim().unwrap();
-        assert!(matches!(a.wait_timeout(Duration::from_millis(20)), Err(Error::Timeout { .. })));
+        assert!(matches!(
+            a.wait_timeout(Duration::from_millis(20)),
+            Err(Error::Timeout { .. })
+        ));
         t.complete(a.slot(), Ok(()));
         a.wait_timeout(Duration::from_millis(20)).unwrap();
     }

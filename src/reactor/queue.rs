@@ -46,9 +46,16 @@ pub(crate) struct OpCmd {
 
 pub(crate) enum Command {
     Op(OpCmd),
-    AddConn { conn: ConnId, streams: Vec<TcpStream>, limits: StreamLimits },
+    AddConn {
+        conn: ConnId,
+        streams: Vec<TcpStream>,
+        limits: StreamLimits,
+    },
     RemoveConn(ConnId),
-    Notify { conn: ConnId, payload: Vec<u8> },
+    Notify {
+        conn: ConnId,
+        payload: Vec<u8>,
+    },
 }
 
 /// Registration changes, on their own queue so that a shard can always
@@ -88,13 +95,22 @@ pub(crate) struct ShardHandle {
 
 impl ShardHandle {
     /// Queues a command; a full queue is back-pressure and hands it back.
+    // The large Err carries the command back to the caller; the hot path
+    // returns Ok and moves nothing.
+    #[allow(clippy::result_large_err)]
     pub fn submit(&self, cmd: Command) -> Result<(), (Error, Command)> {
         match self.tx.try_send(cmd) {
             Ok(()) => {
                 self.wake.wake_if_parked();
                 Ok(())
             }
-            Err(TrySendError::Full(c)) => Err((Error::QueueFull { shard: self.id, capacity: self.capacity }, c)),
+            Err(TrySendError::Full(c)) => Err((
+                Error::QueueFull {
+                    shard: self.id,
+                    capacity: self.capacity,
+                },
+                c,
+            )),
             Err(TrySendError::Disconnected(c)) => Err((Error::Shutdown, c)),
         }
     }

@@ -86,7 +86,13 @@ struct LiveRegions<'a> {
 }
 
 impl Regions for LiveRegions<'_> {
-    fn check(&mut self, rkey: u32, addr: u64, len: u64, need: Access) -> Result<(Arc<Region>, usize), Status> {
+    fn check(
+        &mut self,
+        rkey: u32,
+        addr: u64,
+        len: u64,
+        need: Access,
+    ) -> Result<(Arc<Region>, usize), Status> {
         match Regions::check(self.table, rkey, addr, len, need) {
             Err(Status::UnknownKey) => {
                 apply_region_updates(self.table, self.updates);
@@ -147,11 +153,21 @@ impl Shard {
     ) -> Result<(Shard, ShardHandle)> {
         let epoll = Poll::new().map_err(|e| Error::io("epoll_create", e))?;
         let waker = Waker::new(epoll.registry(), WAKER).map_err(|e| Error::io("eventfd", e))?;
-        let wake = Arc::new(WakeState { parked: AtomicBool::new(false), waker, shutdown: AtomicBool::new(false) });
+        let wake = Arc::new(WakeState {
+            parked: AtomicBool::new(false),
+            waker,
+            shutdown: AtomicBool::new(false),
+        });
         let (tx, rx) = mpsc::sync_channel(cfg.sq_depth);
         let (rtx, region_rx) = mpsc::channel();
         let ops = (0..table.capacity()).map(|_| LocalOp::default()).collect();
-        let handle = ShardHandle { id, capacity: cfg.sq_depth, tx, regions: rtx, wake: wake.clone() };
+        let handle = ShardHandle {
+            id,
+            capacity: cfg.sq_depth,
+            tx,
+            regions: rtx,
+            wake: wake.clone(),
+        };
         let shard = Shard {
             id,
             cfg,
@@ -212,7 +228,9 @@ impl Shard {
         // One more pass after announcing the park: a submitter that did not
         // see `parked` queued its item before it, so this pass finds it.
         if self.poll() == 0 {
-            let wait = max.min(self.cfg.op_timeout / 4).max(Duration::from_millis(1));
+            let wait = max
+                .min(self.cfg.op_timeout / 4)
+                .max(Duration::from_millis(1));
             match self.epoll.poll(&mut self.events, Some(wait)) {
                 Ok(()) => self.apply_events(),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -252,7 +270,9 @@ impl Shard {
                 continue;
             }
             let (key, idx) = (t.0 / MAX_STREAMS, t.0 % MAX_STREAMS);
-            let Some(s) = self.conns.get_mut(key).and_then(|c| c.streams.get_mut(idx)) else { continue };
+            let Some(s) = self.conns.get_mut(key).and_then(|c| c.streams.get_mut(idx)) else {
+                continue;
+            };
             if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
                 s.readable = true;
             }
@@ -288,7 +308,10 @@ impl Shard {
 
     fn conn_error(&self, conn: ConnId) -> Error {
         match self.failed.get(&conn) {
-            Some(reason) => Error::ConnFailed { conn, reason: reason.clone() },
+            Some(reason) => Error::ConnFailed {
+                conn,
+                reason: reason.clone(),
+            },
             None => Error::UnknownConn { conn },
         }
     }
@@ -297,7 +320,11 @@ impl Shard {
     fn apply(&mut self, cmd: Command) -> Option<Command> {
         match cmd {
             Command::Op(op) => self.apply_op(op).map(Command::Op),
-            Command::AddConn { conn, streams, limits } => {
+            Command::AddConn {
+                conn,
+                streams,
+                limits,
+            } => {
                 if let Err(e) = self.add_conn(conn, streams, limits) {
                     warn!(shard = self.id, %conn, "could not adopt connection: {e}");
                     self.remember_failed(conn, e.to_string());
@@ -329,9 +356,17 @@ impl Shard {
 
     fn apply_op(&mut self, mut op: OpCmd) -> Option<OpCmd> {
         let chunk = self.cfg.chunk_bytes;
-        let total: u32 = op.parts.as_slice().iter().map(|d| frames_of(d.len, chunk)).sum();
+        let total: u32 = op
+            .parts
+            .as_slice()
+            .iter()
+            .map(|d| frames_of(d.len, chunk))
+            .sum();
         if op.emitted == 0 {
-            self.ops[op.slot as usize] = LocalOp { remaining: total, error: None };
+            self.ops[op.slot as usize] = LocalOp {
+                remaining: total,
+                error: None,
+            };
         }
         let Some(&idx) = self.by_id.get(&op.conn) else {
             let err = self.conn_error(op.conn);
@@ -355,7 +390,17 @@ impl Shard {
             // SAFETY: the endpoint checked local_off + len <= region len
             // before submitting, and next_off < len (or both are 0).
             let local = unsafe { d.local.ptr.add(d.local_off + op.next_off) };
-            s.push_request(op.kind, op.slot, op_id, d.rkey, d.remote_addr + op.next_off as u64, local, n, &d.local, now);
+            s.push_request(
+                op.kind,
+                op.slot,
+                op_id,
+                d.rkey,
+                d.remote_addr + op.next_off as u64,
+                local,
+                n,
+                &d.local,
+                now,
+            );
             conn.next = conn.next.wrapping_add(1);
             op.emitted += 1;
             op.next_off += n;
@@ -367,24 +412,41 @@ impl Shard {
         None
     }
 
-    fn add_conn(&mut self, conn: ConnId, streams: Vec<std::net::TcpStream>, limits: StreamLimits) -> Result<()> {
+    fn add_conn(
+        &mut self,
+        conn: ConnId,
+        streams: Vec<std::net::TcpStream>,
+        limits: StreamLimits,
+    ) -> Result<()> {
         if streams.is_empty() || streams.len() > MAX_STREAMS {
-            return Err(Error::Unsupported { what: "connection", reason: format!("{} streams", streams.len()) });
+            return Err(Error::Unsupported {
+                what: "connection",
+                reason: format!("{} streams", streams.len()),
+            });
         }
         let entry = self.conns.vacant_entry();
         let key = entry.key();
         let mut out = Vec::with_capacity(streams.len());
         for (i, s) in streams.into_iter().enumerate() {
-            s.set_nonblocking(true).map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
+            s.set_nonblocking(true)
+                .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
             let mut m = mio::net::TcpStream::from_std(s);
             self.epoll
                 .registry()
-                .register(&mut m, Token(key * MAX_STREAMS + i), Interest::READABLE | Interest::WRITABLE)
+                .register(
+                    &mut m,
+                    Token(key * MAX_STREAMS + i),
+                    Interest::READABLE | Interest::WRITABLE,
+                )
                 .map_err(|e| Error::io("epoll_ctl", e))?;
             out.push(Stream::new(m, limits));
         }
         self.stream_count += out.len();
-        entry.insert(Conn { id: conn, streams: out, next: 0 });
+        entry.insert(Conn {
+            id: conn,
+            streams: out,
+            next: 0,
+        });
         self.by_id.insert(conn, key);
         debug!(shard = self.id, %conn, "connection adopted");
         Ok(())
@@ -401,8 +463,15 @@ impl Shard {
         let mut conn = self.conns.remove(idx);
         self.stream_count -= conn.streams.len();
         self.by_id.remove(&conn.id);
-        let err = Error::ConnFailed { conn: conn.id, reason };
-        let mut sink = ShardSink { done: &mut self.done, inbox: &self.inbox, conn: conn.id };
+        let err = Error::ConnFailed {
+            conn: conn.id,
+            reason,
+        };
+        let mut sink = ShardSink {
+            done: &mut self.done,
+            inbox: &self.inbox,
+            conn: conn.id,
+        };
         for s in conn.streams.iter_mut() {
             s.fail_pending(&err, &mut sink);
             let _ = self.epoll.registry().deregister(&mut s.sock);
@@ -415,9 +484,16 @@ impl Shard {
     fn service_conns(&mut self) -> usize {
         let mut work = 0;
         let direct = self.direct_poll();
-        let mut regions = LiveRegions { table: &mut self.regions, updates: &self.region_rx };
+        let mut regions = LiveRegions {
+            table: &mut self.regions,
+            updates: &self.region_rx,
+        };
         for (idx, conn) in self.conns.iter_mut() {
-            let mut sink = ShardSink { done: &mut self.done, inbox: &self.inbox, conn: conn.id };
+            let mut sink = ShardSink {
+                done: &mut self.done,
+                inbox: &self.inbox,
+                conn: conn.id,
+            };
             for s in conn.streams.iter_mut() {
                 if direct {
                     s.readable = true;
@@ -460,9 +536,19 @@ impl Shard {
     fn check_timeouts(&mut self, now: Instant) {
         let limit = self.cfg.op_timeout;
         for (idx, conn) in self.conns.iter() {
-            let stuck = conn.streams.iter().filter_map(|s| s.oldest_pending()).any(|t| now.duration_since(t) > limit);
+            let stuck = conn
+                .streams
+                .iter()
+                .filter_map(|s| s.oldest_pending())
+                .any(|t| now.duration_since(t) > limit);
             if stuck {
-                self.to_fail.push((idx, format!("no response to a request within {} ms (op timeout)", limit.as_millis())));
+                self.to_fail.push((
+                    idx,
+                    format!(
+                        "no response to a request within {} ms (op timeout)",
+                        limit.as_millis()
+                    ),
+                ));
             }
         }
         let mut to_fail = std::mem::take(&mut self.to_fail);
@@ -482,7 +568,8 @@ impl Shard {
             }
             op.remaining -= 1;
             if op.remaining == 0 {
-                self.table.complete(slot, op.error.take().map_or(Ok(()), Err));
+                self.table
+                    .complete(slot, op.error.take().map_or(Ok(()), Err));
             }
         }
         n

@@ -77,9 +77,20 @@ enum After {
 
 enum Rx {
     Header,
-    Payload { dst: *mut u8, left: usize, then: After, _keep: Option<Arc<Region>> },
-    Discard { left: usize, then: After },
-    Notify { buf: Vec<u8>, want: usize },
+    Payload {
+        dst: *mut u8,
+        left: usize,
+        then: After,
+        _keep: Option<Arc<Region>>,
+    },
+    Discard {
+        left: usize,
+        then: After,
+    },
+    Notify {
+        buf: Vec<u8>,
+        want: usize,
+    },
     NotifyBlocked(Vec<u8>),
 }
 
@@ -175,7 +186,13 @@ impl Stream {
             OpKind::Read => (DataKind::ReadReq, std::ptr::null(), 0),
         };
         let hdr = DataHeader::request(dk, rkey, op_id, addr, len as u64).encode();
-        self.tx.push_back(TxFrame { hdr, payload, len: plen, class: FrameClass::Request, _keep: Keep::None });
+        self.tx.push_back(TxFrame {
+            hdr,
+            payload,
+            len: plen,
+            class: FrameClass::Request,
+            _keep: Keep::None,
+        });
         self.pending.push_back(Pending {
             slot,
             op_id,
@@ -194,14 +211,26 @@ impl Stream {
         let hdr = DataHeader::request(DataKind::Notify, 0, 0, 0, payload.len() as u64).encode();
         let (ptr, len) = (payload.as_ptr(), payload.len());
         self.notify_queued += 1;
-        self.tx.push_back(TxFrame { hdr, payload: ptr, len, class: FrameClass::Notify, _keep: Keep::Bytes(payload) });
+        self.tx.push_back(TxFrame {
+            hdr,
+            payload: ptr,
+            len,
+            class: FrameClass::Notify,
+            _keep: Keep::Bytes(payload),
+        });
     }
 
     fn push_response(&mut self, hdr: DataHeader, payload: *const u8, keep: Keep) {
         let len = hdr.payload_len() as usize;
         // Room is guaranteed: responses never exceed the peer's declared
         // in-flight limit, which `take_request` enforces.
-        self.tx.push_back(TxFrame { hdr: hdr.encode(), payload, len, class: FrameClass::Response, _keep: keep });
+        self.tx.push_back(TxFrame {
+            hdr: hdr.encode(),
+            payload,
+            len,
+            class: FrameClass::Response,
+            _keep: keep,
+        });
     }
 
     /// Fails every outstanding request of this stream.
@@ -217,7 +246,10 @@ impl Stream {
         let fd = self.sock.as_raw_fd();
         let mut progress = false;
         while self.writable && !self.tx.is_empty() {
-            let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
+            let empty = libc::iovec {
+                iov_base: std::ptr::null_mut(),
+                iov_len: 0,
+            };
             let mut iov = [empty; MAX_IOV];
             let mut n_iov = 0;
             let mut skip = self.head_sent;
@@ -226,7 +258,10 @@ impl Stream {
                     break;
                 }
                 if skip < HDR {
-                    iov[n_iov] = libc::iovec { iov_base: f.hdr[skip..].as_ptr() as *mut _, iov_len: HDR - skip };
+                    iov[n_iov] = libc::iovec {
+                        iov_base: f.hdr[skip..].as_ptr() as *mut _,
+                        iov_len: HDR - skip,
+                    };
                     n_iov += 1;
                     skip = 0;
                 } else {
@@ -235,7 +270,10 @@ impl Stream {
                 if f.len > skip {
                     // SAFETY: `skip < f.len`, so the pointer stays inside the payload.
                     let base = unsafe { f.payload.add(skip) };
-                    iov[n_iov] = libc::iovec { iov_base: base as *mut _, iov_len: f.len - skip };
+                    iov[n_iov] = libc::iovec {
+                        iov_base: base as *mut _,
+                        iov_len: f.len - skip,
+                    };
                     n_iov += 1;
                 }
                 skip = 0;
@@ -259,7 +297,10 @@ impl Stream {
             progress = true;
             let mut n = n as usize;
             while n > 0 {
-                let f = self.tx.front().expect("bytes written belong to queued frames");
+                let f = self
+                    .tx
+                    .front()
+                    .expect("bytes written belong to queued frames");
                 let left = HDR + f.len - self.head_sent;
                 if n < left {
                     self.head_sent += n;
@@ -289,15 +330,24 @@ impl Stream {
             self.rs = 0;
         }
         let spare = &mut self.rbuf[self.re..];
-        let mut iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 2];
+        let mut iov = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; 2];
         let mut n_iov = 0;
         let mut first = 0;
         if let Some((p, len)) = dst {
-            iov[0] = libc::iovec { iov_base: p as *mut _, iov_len: len };
+            iov[0] = libc::iovec {
+                iov_base: p as *mut _,
+                iov_len: len,
+            };
             n_iov = 1;
             first = len;
         }
-        iov[n_iov] = libc::iovec { iov_base: spare.as_mut_ptr() as *mut _, iov_len: spare.len() };
+        iov[n_iov] = libc::iovec {
+            iov_base: spare.as_mut_ptr() as *mut _,
+            iov_len: spare.len(),
+        };
         n_iov += 1;
         loop {
             // SAFETY: `dst` is registered memory the caller checked to hold
@@ -325,7 +375,11 @@ impl Stream {
 
     /// Reads and handles frames until the socket would block. Returns
     /// whether anything happened; `Err` means the stream is broken.
-    pub fn on_readable(&mut self, regions: &mut impl Regions, sink: &mut impl Sink) -> Result<bool, String> {
+    pub fn on_readable(
+        &mut self,
+        regions: &mut impl Regions,
+        sink: &mut impl Sink,
+    ) -> Result<bool, String> {
         let mut progress = false;
         loop {
             // Frames already buffered are handled even when the socket is dry.
@@ -349,7 +403,8 @@ impl Stream {
                             }
                         }
                     }
-                    let h = DataHeader::decode(&self.rbuf[self.rs..self.rs + HDR]).map_err(|e| e.to_string())?;
+                    let h = DataHeader::decode(&self.rbuf[self.rs..self.rs + HDR])
+                        .map_err(|e| e.to_string())?;
                     self.rs += HDR;
                     self.on_header(h, regions, sink)?;
                     progress = true;
@@ -360,7 +415,9 @@ impl Stream {
                     if n > 0 {
                         // SAFETY: `dst` has `left` writable bytes (checked when the
                         // state was entered); the source is our buffer.
-                        unsafe { std::ptr::copy_nonoverlapping(self.rbuf[self.rs..].as_ptr(), *dst, n) };
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(self.rbuf[self.rs..].as_ptr(), *dst, n)
+                        };
                         self.rs += n;
                         // SAFETY: n <= left, so this stays within the destination.
                         *dst = unsafe { dst.add(n) };
@@ -381,7 +438,10 @@ impl Stream {
                         }
                         continue;
                     }
-                    let Rx::Payload { then, .. } = std::mem::replace(&mut self.rx, Rx::Header) else { unreachable!() };
+                    let Rx::Payload { then, .. } = std::mem::replace(&mut self.rx, Rx::Header)
+                    else {
+                        unreachable!()
+                    };
                     self.finish(then, sink);
                 }
                 Rx::Discard { left, .. } => {
@@ -395,7 +455,10 @@ impl Stream {
                         }
                         continue;
                     }
-                    let Rx::Discard { then, .. } = std::mem::replace(&mut self.rx, Rx::Header) else { unreachable!() };
+                    let Rx::Discard { then, .. } = std::mem::replace(&mut self.rx, Rx::Header)
+                    else {
+                        unreachable!()
+                    };
                     self.finish(then, sink);
                 }
                 Rx::Notify { buf, want } => {
@@ -409,7 +472,9 @@ impl Stream {
                         }
                         continue;
                     }
-                    let Rx::Notify { buf, .. } = std::mem::replace(&mut self.rx, Rx::Header) else { unreachable!() };
+                    let Rx::Notify { buf, .. } = std::mem::replace(&mut self.rx, Rx::Header) else {
+                        unreachable!()
+                    };
                     if let Err(back) = sink.notify(buf) {
                         self.rx = Rx::NotifyBlocked(back);
                         return Ok(progress);
@@ -417,7 +482,9 @@ impl Stream {
                     progress = true;
                 }
                 Rx::NotifyBlocked(_) => {
-                    let Rx::NotifyBlocked(buf) = std::mem::replace(&mut self.rx, Rx::Header) else { unreachable!() };
+                    let Rx::NotifyBlocked(buf) = std::mem::replace(&mut self.rx, Rx::Header) else {
+                        unreachable!()
+                    };
                     if let Err(back) = sink.notify(buf) {
                         // The inbox is full: leave the socket unread, which
                         // pushes back on the sender through TCP.
@@ -441,11 +508,19 @@ impl Stream {
         Ok(())
     }
 
-    fn on_header(&mut self, h: DataHeader, regions: &mut impl Regions, sink: &mut impl Sink) -> Result<(), String> {
+    fn on_header(
+        &mut self,
+        h: DataHeader,
+        regions: &mut impl Regions,
+        sink: &mut impl Sink,
+    ) -> Result<(), String> {
         match h.kind {
             DataKind::WriteReq => {
                 self.take_request()?;
-                let then_ok = |status| After::Ack { op_id: h.op_id, status };
+                let then_ok = |status| After::Ack {
+                    op_id: h.op_id,
+                    status,
+                };
                 self.rx = match regions.check(h.rkey, h.addr, h.len, Access::REMOTE_WRITE) {
                     Ok((r, off)) => Rx::Payload {
                         // SAFETY: `check` proved [off, off + len) lies inside the region.
@@ -454,7 +529,10 @@ impl Stream {
                         then: then_ok(Status::Ok),
                         _keep: Some(r),
                     },
-                    Err(status) => Rx::Discard { left: h.len as usize, then: then_ok(status) },
+                    Err(status) => Rx::Discard {
+                        left: h.len as usize,
+                        then: then_ok(status),
+                    },
                 };
             }
             DataKind::ReadReq => {
@@ -463,7 +541,8 @@ impl Stream {
                     Ok((r, off)) => {
                         // SAFETY: `check` proved [off, off + len) lies inside the region.
                         let src = unsafe { r.ptr.add(off) };
-                        let hdr = DataHeader::response(DataKind::ReadResp, Status::Ok, h.op_id, h.len);
+                        let hdr =
+                            DataHeader::response(DataKind::ReadResp, Status::Ok, h.op_id, h.len);
                         self.push_response(hdr, src, Keep::Region(r));
                     }
                     Err(status) => {
@@ -473,11 +552,21 @@ impl Stream {
                 }
             }
             DataKind::Notify => {
-                self.rx = Rx::Notify { buf: Vec::with_capacity(h.len as usize), want: h.len as usize };
+                self.rx = Rx::Notify {
+                    buf: Vec::with_capacity(h.len as usize),
+                    want: h.len as usize,
+                };
             }
             DataKind::WriteAck | DataKind::ReadResp => {
-                let p = self.pending.front().ok_or_else(|| format!("{:?} with no request outstanding", h.kind))?;
-                let want = if p.kind == OpKind::Write { DataKind::WriteAck } else { DataKind::ReadResp };
+                let p = self
+                    .pending
+                    .front()
+                    .ok_or_else(|| format!("{:?} with no request outstanding", h.kind))?;
+                let want = if p.kind == OpKind::Write {
+                    DataKind::WriteAck
+                } else {
+                    DataKind::ReadResp
+                };
                 if p.op_id != h.op_id || h.kind != want {
                     return Err(format!(
                         "response {:?} for op {:#x}, but the oldest request is {} op {:#x}",
@@ -486,16 +575,30 @@ impl Stream {
                 }
                 if h.kind == DataKind::ReadResp && h.status == Status::Ok {
                     if h.len != p.len as u64 {
-                        return Err(format!("READ response carries {} bytes, {} were asked", h.len, p.len));
+                        return Err(format!(
+                            "READ response carries {} bytes, {} were asked",
+                            h.len, p.len
+                        ));
                     }
-                    self.rx = Rx::Payload { dst: p.dst, left: p.len, then: After::ReadDone, _keep: None };
+                    self.rx = Rx::Payload {
+                        dst: p.dst,
+                        left: p.len,
+                        then: After::ReadDone,
+                        _keep: None,
+                    };
                     return Ok(());
                 }
                 let p = self.pending.pop_front().expect("front exists");
                 let result = if h.status == Status::Ok {
                     Ok(())
                 } else {
-                    Err(Error::Remote { op: p.kind, status: h.status, rkey: p.rkey, addr: p.addr, len: p.len as u64 })
+                    Err(Error::Remote {
+                        op: p.kind,
+                        status: h.status,
+                        rkey: p.rkey,
+                        addr: p.addr,
+                        len: p.len as u64,
+                    })
                 };
                 sink.done(p.slot, result);
             }
@@ -510,7 +613,10 @@ impl Stream {
                 self.push_response(hdr, std::ptr::null(), Keep::None);
             }
             After::ReadDone => {
-                let p = self.pending.pop_front().expect("a READ response matched the front request");
+                let p = self
+                    .pending
+                    .pop_front()
+                    .expect("a READ response matched the front request");
                 sink.done(p.slot, Ok(()));
             }
         }

@@ -8,19 +8,39 @@ use thiserror::Error;
 #[non_exhaustive]
 pub enum DecodeError {
     #[error("{what}: truncated: needed {needed} bytes, got {got}")]
-    Truncated { what: &'static str, needed: usize, got: usize },
+    Truncated {
+        what: &'static str,
+        needed: usize,
+        got: usize,
+    },
     #[error("{what}: {extra} trailing bytes after a complete value")]
     TrailingBytes { what: &'static str, extra: usize },
     #[error("{what}: bad magic {got:#010x} (expected {expected:#010x})")]
-    BadMagic { what: &'static str, got: u32, expected: u32 },
+    BadMagic {
+        what: &'static str,
+        got: u32,
+        expected: u32,
+    },
     #[error("{what}: unsupported protocol version {got} (this build speaks {supported})")]
-    UnsupportedVersion { what: &'static str, got: u16, supported: u16 },
+    UnsupportedVersion {
+        what: &'static str,
+        got: u16,
+        supported: u16,
+    },
     #[error("{what}: unknown kind {got:#04x}")]
     UnknownKind { what: &'static str, got: u8 },
     #[error("{what}: length {len} exceeds the cap of {max}")]
-    TooLong { what: &'static str, len: u64, max: u64 },
+    TooLong {
+        what: &'static str,
+        len: u64,
+        max: u64,
+    },
     #[error("{what}: {len} bytes fits no known layout ({expected})")]
-    BadLength { what: &'static str, len: usize, expected: &'static str },
+    BadLength {
+        what: &'static str,
+        len: usize,
+        expected: &'static str,
+    },
     #[error("{what}: {reason}")]
     Invalid { what: &'static str, reason: String },
 }
@@ -82,7 +102,10 @@ impl<'a> Reader<'a> {
         if extra == 0 {
             Ok(())
         } else {
-            Err(DecodeError::TrailingBytes { what: self.what, extra })
+            Err(DecodeError::TrailingBytes {
+                what: self.what,
+                extra,
+            })
         }
     }
 }
@@ -97,7 +120,11 @@ mod tests {
         assert_eq!(r.u16_le().unwrap(), 0x0201);
         assert_eq!(
             r.u32_le(),
-            Err(DecodeError::Truncated { what: "x", needed: 6, got: 3 })
+            Err(DecodeError::Truncated {
+                what: "x",
+                needed: 6,
+                got: 3
+            })
         );
     }
 
@@ -105,13 +132,22 @@ mod tests {
     fn finish_rejects_trailing_bytes() {
         let mut r = Reader::new(&[1, 2, 3], "x");
         r.u8().unwrap();
-        assert_eq!(r.finish(), Err(DecodeError::TrailingBytes { what: "x", extra: 2 }));
+        assert_eq!(
+            r.finish(),
+            Err(DecodeError::TrailingBytes {
+                what: "x",
+                extra: 2
+            })
+        );
     }
 
     #[test]
     fn huge_length_does_not_overflow() {
         let mut r = Reader::new(&[0; 4], "x");
         r.u8().unwrap();
-        assert!(matches!(r.bytes(usize::MAX), Err(DecodeError::Truncated { .. })));
+        assert!(matches!(
+            r.bytes(usize::MAX),
+            Err(DecodeError::Truncated { .. })
+        ));
     }
 }

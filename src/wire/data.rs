@@ -73,11 +73,25 @@ pub struct DataHeader {
 
 impl DataHeader {
     pub fn request(kind: DataKind, rkey: u32, op_id: u64, addr: u64, len: u64) -> Self {
-        Self { kind, status: Status::Ok, rkey, op_id, addr, len }
+        Self {
+            kind,
+            status: Status::Ok,
+            rkey,
+            op_id,
+            addr,
+            len,
+        }
     }
 
     pub fn response(kind: DataKind, status: Status, op_id: u64, len: u64) -> Self {
-        Self { kind, status, rkey: 0, op_id, addr: 0, len }
+        Self {
+            kind,
+            status,
+            rkey: 0,
+            op_id,
+            addr: 0,
+            len,
+        }
     }
 
     /// Bytes of payload that follow this header on the wire.
@@ -111,28 +125,56 @@ impl DataHeader {
             got => return Err(DecodeError::UnknownKind { what: WHAT, got }),
         };
         let status_byte = r.u8()?;
-        let status = Status::from_u8(status_byte).ok_or_else(|| invalid(format!("unknown status {status_byte}")))?;
+        let status = Status::from_u8(status_byte)
+            .ok_or_else(|| invalid(format!("unknown status {status_byte}")))?;
         let reserved = r.u16_le()?;
-        let h = DataHeader { kind, status, rkey: r.u32_le()?, op_id: r.u64_le()?, addr: r.u64_le()?, len: r.u64_le()? };
+        let h = DataHeader {
+            kind,
+            status,
+            rkey: r.u32_le()?,
+            op_id: r.u64_le()?,
+            addr: r.u64_le()?,
+            len: r.u64_le()?,
+        };
         r.finish()?;
         if reserved != 0 {
-            return Err(invalid(format!("reserved field is {reserved:#06x}, must be 0")));
+            return Err(invalid(format!(
+                "reserved field is {reserved:#06x}, must be 0"
+            )));
         }
-        let cap = if kind == DataKind::Notify { MAX_NOTIFY_BYTES as u64 } else { MAX_FRAME_PAYLOAD };
+        let cap = if kind == DataKind::Notify {
+            MAX_NOTIFY_BYTES as u64
+        } else {
+            MAX_FRAME_PAYLOAD
+        };
         if h.len > cap {
-            return Err(DecodeError::TooLong { what: WHAT, len: h.len, max: cap });
+            return Err(DecodeError::TooLong {
+                what: WHAT,
+                len: h.len,
+                max: cap,
+            });
         }
         if !kind.is_response() && status != Status::Ok {
             return Err(invalid(format!("{kind:?} carries status {status:?}")));
         }
         if kind.is_response() && (h.rkey != 0 || h.addr != 0) {
-            return Err(invalid(format!("{kind:?} carries rkey {} addr {:#x}", h.rkey, h.addr)));
+            return Err(invalid(format!(
+                "{kind:?} carries rkey {} addr {:#x}",
+                h.rkey, h.addr
+            )));
         }
-        if (kind == DataKind::WriteAck || status != Status::Ok) && h.len != 0 && kind.is_response() {
-            return Err(invalid(format!("{kind:?} with status {status:?} carries len {}", h.len)));
+        if (kind == DataKind::WriteAck || status != Status::Ok) && h.len != 0 && kind.is_response()
+        {
+            return Err(invalid(format!(
+                "{kind:?} with status {status:?} carries len {}",
+                h.len
+            )));
         }
         if kind == DataKind::Notify && (h.rkey != 0 || h.addr != 0) {
-            return Err(invalid(format!("Notify carries rkey {} addr {:#x}", h.rkey, h.addr)));
+            return Err(invalid(format!(
+                "Notify carries rkey {} addr {:#x}",
+                h.rkey, h.addr
+            )));
         }
         Ok(h)
     }
@@ -166,7 +208,10 @@ mod tests {
         let good = DataHeader::request(DataKind::WriteReq, 1, 1, 1, 1).encode();
         let mut b = good;
         b[0] = 7;
-        assert!(matches!(DataHeader::decode(&b), Err(DecodeError::UnknownKind { got: 7, .. })));
+        assert!(matches!(
+            DataHeader::decode(&b),
+            Err(DecodeError::UnknownKind { got: 7, .. })
+        ));
         let mut b = good;
         b[2] = 1;
         assert!(DataHeader::decode(&b).is_err());
@@ -174,9 +219,19 @@ mod tests {
         b[1] = 2;
         assert!(DataHeader::decode(&b).is_err(), "requests carry no status");
         let n = DataHeader::request(DataKind::Notify, 0, 1, 0, 5000).encode();
-        assert!(matches!(DataHeader::decode(&n), Err(DecodeError::TooLong { len: 5000, max: 4096, .. })));
+        assert!(matches!(
+            DataHeader::decode(&n),
+            Err(DecodeError::TooLong {
+                len: 5000,
+                max: 4096,
+                ..
+            })
+        ));
         let r = DataHeader::response(DataKind::ReadResp, Status::UnknownKey, 1, 8).encode();
-        assert!(DataHeader::decode(&r).is_err(), "error responses carry no payload");
+        assert!(
+            DataHeader::decode(&r).is_err(),
+            "error responses carry no payload"
+        );
         assert!(DataHeader::decode(&good[..31]).is_err());
     }
 

@@ -84,7 +84,11 @@ impl ControlFrame {
         let mut r = Reader::new(header, what);
         let magic = r.u32_le()?;
         if magic != CONTROL_MAGIC {
-            return Err(DecodeError::BadMagic { what, got: magic, expected: CONTROL_MAGIC });
+            return Err(DecodeError::BadMagic {
+                what,
+                got: magic,
+                expected: CONTROL_MAGIC,
+            });
         }
         let version = r.u16_le()?;
         if version != PROTOCOL_VERSION {
@@ -100,11 +104,18 @@ impl ControlFrame {
         }
         let flags = r.u8()?;
         if flags != 0 {
-            return Err(DecodeError::Invalid { what, reason: format!("flags {flags:#04x} set; none are defined") });
+            return Err(DecodeError::Invalid {
+                what,
+                reason: format!("flags {flags:#04x} set; none are defined"),
+            });
         }
         let len = r.u32_le()? as usize;
         if len > MAX_CONTROL_BODY {
-            return Err(DecodeError::TooLong { what, len: len as u64, max: MAX_CONTROL_BODY as u64 });
+            return Err(DecodeError::TooLong {
+                what,
+                len: len as u64,
+                max: MAX_CONTROL_BODY as u64,
+            });
         }
         Ok(len)
     }
@@ -125,12 +136,19 @@ impl ControlFrame {
                 let code = r.u16_le()?;
                 let n = r.u16_le()? as usize;
                 if n > MAX_ERROR_MSG {
-                    return Err(DecodeError::TooLong { what, len: n as u64, max: MAX_ERROR_MSG as u64 });
+                    return Err(DecodeError::TooLong {
+                        what,
+                        len: n as u64,
+                        max: MAX_ERROR_MSG as u64,
+                    });
                 }
                 let msg = r.bytes(n)?;
                 r.finish()?;
                 let message = std::str::from_utf8(msg)
-                    .map_err(|e| DecodeError::Invalid { what, reason: format!("message is not UTF-8: {e}") })?
+                    .map_err(|e| DecodeError::Invalid {
+                        what,
+                        reason: format!("message is not UTF-8: {e}"),
+                    })?
                     .to_owned();
                 Ok(ControlFrame::Error { code, message })
             }
@@ -223,16 +241,26 @@ mod tests {
         let mut h: [u8; 12] = b[..12].try_into().unwrap();
         assert_eq!(ControlFrame::body_len(&h).unwrap(), 28);
         h[0] ^= 1;
-        assert!(matches!(ControlFrame::body_len(&h), Err(DecodeError::BadMagic { .. })));
+        assert!(matches!(
+            ControlFrame::body_len(&h),
+            Err(DecodeError::BadMagic { .. })
+        ));
         h[0] ^= 1;
         h[4] = 9;
         assert!(matches!(
             ControlFrame::body_len(&h),
-            Err(DecodeError::UnsupportedVersion { got: 9, supported: 1, .. })
+            Err(DecodeError::UnsupportedVersion {
+                got: 9,
+                supported: 1,
+                ..
+            })
         ));
         h[4] = 1;
         h[8..12].copy_from_slice(&100_000u32.to_le_bytes());
-        assert!(matches!(ControlFrame::body_len(&h), Err(DecodeError::TooLong { len: 100_000, .. })));
+        assert!(matches!(
+            ControlFrame::body_len(&h),
+            Err(DecodeError::TooLong { len: 100_000, .. })
+        ));
     }
 
     #[test]
@@ -243,7 +271,11 @@ mod tests {
         }
         b.push(0);
         assert!(ControlFrame::decode(&b).is_err());
-        let bad = Hello { stream_idx: 3, stream_count: 3, ..hello(&mut Rng(3)) };
+        let bad = Hello {
+            stream_idx: 3,
+            stream_count: 3,
+            ..hello(&mut Rng(3))
+        };
         assert!(ControlFrame::decode(&ControlFrame::Hello(bad).encode()).is_err());
     }
 

@@ -38,7 +38,11 @@ impl EndpointMetadata {
     /// Builds metadata, checking the bus id so that `encode` cannot fail.
     pub fn new(addr: IpAddr, port: u16, gpu_bdf: &str) -> Result<Self, DecodeError> {
         check_bdf(gpu_bdf.as_bytes())?;
-        Ok(Self { addr, port, gpu_bdf: gpu_bdf.to_owned() })
+        Ok(Self {
+            addr,
+            port,
+            gpu_bdf: gpu_bdf.to_owned(),
+        })
     }
 
     pub fn socket_addr(&self) -> SocketAddr {
@@ -98,7 +102,11 @@ fn decode_family(buf: &[u8], ip_len: usize) -> Result<EndpointMetadata, DecodeEr
     check_bdf(bdf)?;
     // check_bdf admits only ASCII, which is valid UTF-8.
     let gpu_bdf = String::from_utf8_lossy(bdf).into_owned();
-    Ok(EndpointMetadata { addr, port, gpu_bdf })
+    Ok(EndpointMetadata {
+        addr,
+        port,
+        gpu_bdf,
+    })
 }
 
 fn check_bdf(bdf: &[u8]) -> Result<(), DecodeError> {
@@ -156,7 +164,10 @@ mod tests {
         assert!(EndpointMetadata::decode(&[0xff; 300]).is_err());
         let mut bad = b.clone();
         bad[8] = 0;
-        assert!(matches!(EndpointMetadata::decode(&bad), Err(DecodeError::Invalid { .. })));
+        assert!(matches!(
+            EndpointMetadata::decode(&bad),
+            Err(DecodeError::Invalid { .. })
+        ));
         assert!(EndpointMetadata::new("1.2.3.4".parse().unwrap(), 1, &"a".repeat(65)).is_err());
     }
 
@@ -167,10 +178,14 @@ mod tests {
             let addr = if rng.below(2) == 0 {
                 IpAddr::V4(Ipv4Addr::from(rng.next() as u32))
             } else {
-                IpAddr::V6(Ipv6Addr::from(((rng.next() as u128) << 64) | rng.next() as u128))
+                IpAddr::V6(Ipv6Addr::from(
+                    ((rng.next() as u128) << 64) | rng.next() as u128,
+                ))
             };
             let n = rng.below(20) as usize;
-            let bdf: String = (0..n).map(|_| (b'!' + rng.below(94) as u8) as char).collect();
+            let bdf: String = (0..n)
+                .map(|_| (b'!' + rng.below(94) as u8) as char)
+                .collect();
             let m = EndpointMetadata::new(addr, rng.next() as u16, &bdf).unwrap();
             let b = m.encode();
             let d = EndpointMetadata::decode(&b).unwrap();

@@ -69,7 +69,11 @@ impl RemoteBuf {
         if end > self.size {
             return None;
         }
-        Some(RemoteBuf { addr: self.addr.checked_add(offset as u64)?, size: len, ..*self })
+        Some(RemoteBuf {
+            addr: self.addr.checked_add(offset as u64)?,
+            size: len,
+            ..*self
+        })
     }
 }
 
@@ -110,7 +114,11 @@ mod tests {
 
     #[test]
     fn slice_checks_bounds() {
-        let rb = RemoteBuf { addr: 100, size: 10, ..Default::default() };
+        let rb = RemoteBuf {
+            addr: 100,
+            size: 10,
+            ..Default::default()
+        };
         assert_eq!(rb.slice(2, 8).unwrap().addr, 102);
         assert!(rb.slice(2, 9).is_none());
         assert!(rb.slice(u32::MAX, 2).is_none());

@@ -42,11 +42,20 @@ pub fn config(io: IoPreference) -> Config {
 }
 
 pub fn client(io: IoPreference) -> Endpoint {
-    Endpoint::builder().config(config(io)).build().expect("client endpoint")
+    Endpoint::builder()
+        .config(config(io))
+        .build()
+        .expect("client endpoint")
 }
 
 pub fn embedded(io: IoPreference) -> Endpoint {
-    Endpoint::builder().config(Config { mode: Mode::Embedded, ..config(io) }).build().expect("embedded endpoint")
+    Endpoint::builder()
+        .config(Config {
+            mode: Mode::Embedded,
+            ..config(io)
+        })
+        .build()
+        .expect("embedded endpoint")
 }
 
 /// A `ferry serve` process; killed when dropped.
@@ -87,8 +96,11 @@ impl Drop for Target {
 
 /// Sends a text request to `ferry serve` and waits for its answer.
 pub fn ask(ep: &Endpoint, conn: ConnId, req: &str) -> String {
-    ep.send_notification(conn, req.as_bytes()).expect("send notification");
-    let (from, msg) = ep.recv_notification(Duration::from_secs(10)).expect("notification reply");
+    ep.send_notification(conn, req.as_bytes())
+        .expect("send notification");
+    let (from, msg) = ep
+        .recv_notification(Duration::from_secs(10))
+        .expect("notification reply");
     assert_eq!(from, conn);
     String::from_utf8(msg).unwrap()
 }
@@ -96,6 +108,8 @@ pub fn ask(ep: &Endpoint, conn: ConnId, req: &str) -> String {
 /// The target's hash of its bytes [off, off + len).
 pub fn remote_hash(ep: &Endpoint, conn: ConnId, off: usize, len: usize) -> u64 {
     let a = ask(ep, conn, &format!("hash {off} {len}"));
-    let h = a.strip_prefix("hash ").unwrap_or_else(|| panic!("bad answer {a:?}"));
+    let h = a
+        .strip_prefix("hash ")
+        .unwrap_or_else(|| panic!("bad answer {a:?}"));
     u64::from_str_radix(h, 16).unwrap()
 }

@@ -14,13 +14,17 @@ impl Args {
         let mut i = 0;
         while i < raw.len() {
             let a = &raw[i];
-            let Some(name) = a.strip_prefix("--") else { bail!("unexpected argument {a:?} (flags start with --)") };
+            let Some(name) = a.strip_prefix("--") else {
+                bail!("unexpected argument {a:?} (flags start with --)")
+            };
             if let Some((n, v)) = name.split_once('=') {
                 items.push((n.to_owned(), Some(v.to_owned())));
             } else if switches.contains(&name) {
                 items.push((name.to_owned(), None));
             } else {
-                let v = raw.get(i + 1).ok_or_else(|| anyhow!("--{name} needs a value"))?;
+                let v = raw
+                    .get(i + 1)
+                    .ok_or_else(|| anyhow!("--{name} needs a value"))?;
                 items.push((name.to_owned(), Some(v.clone())));
                 i += 1;
             }
@@ -86,7 +90,8 @@ pub fn parse_size(s: &str) -> Result<usize> {
         "G" | "GB" | "GIB" => 1 << 30,
         u => bail!("size {s:?}: unknown unit {u:?}"),
     };
-    n.checked_mul(mult).ok_or_else(|| anyhow!("size {s:?} overflows"))
+    n.checked_mul(mult)
+        .ok_or_else(|| anyhow!("size {s:?} overflows"))
 }
 
 pub fn fmt_size(n: usize) -> String {

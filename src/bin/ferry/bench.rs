@@ -155,16 +155,29 @@ struct Bench<'a> {
 
 impl Bench<'_> {
     fn submit(&self, op: OpKind, off: usize, size: usize) -> Result<Transfer> {
-        let rb = self.remote.slice(off as u32, size as u32).context("remote window")?;
+        let rb = self
+            .remote
+            .slice(off as u32, size as u32)
+            .context("remote window")?;
         Ok(match op {
-            OpKind::Write => self.ep.write_async(self.conn, &self.local, off, size, &rb)?,
+            OpKind::Write => self
+                .ep
+                .write_async(self.conn, &self.local, off, size, &rb)?,
             OpKind::Read => self.ep.read_async(self.conn, &self.local, off, size, &rb)?,
         })
     }
 
     /// Keeps `batch` ops of `size` in flight; returns (GB/s, ops/s, latencies in us, batch used).
-    fn throughput(&mut self, op: OpKind, size: usize, batch: usize, secs: f64) -> Result<(f64, f64, Vec<f64>, usize)> {
-        let slots = (self.local.len() / size).min(self.remote.size as usize / size).max(1);
+    fn throughput(
+        &mut self,
+        op: OpKind,
+        size: usize,
+        batch: usize,
+        secs: f64,
+    ) -> Result<(f64, f64, Vec<f64>, usize)> {
+        let slots = (self.local.len() / size)
+            .min(self.remote.size as usize / size)
+            .max(1);
         let batch = batch.min(slots);
         let warm = Duration::from_secs_f64((secs * 0.15).max(0.05));
         let t0 = Instant::now();
@@ -250,7 +263,10 @@ fn print_row(r: &Row, json: bool) {
         if !r.op.ends_with("_latency") {
             s += &format!("\"gbps\":{:.4},\"ops_per_s\":{:.0},", r.gbps, r.ops_per_s);
         }
-        s += &format!("\"p50_us\":{:.2},\"p99_us\":{:.2},\"p999_us\":{:.2}", r.p50_us, r.p99_us, r.p999_us);
+        s += &format!(
+            "\"p50_us\":{:.2},\"p99_us\":{:.2},\"p999_us\":{:.2}",
+            r.p50_us, r.p99_us, r.p999_us
+        );
         if let Some(b) = r.baseline_gbps {
             s += &format!(",\"baseline_gbps\":{b:.4},\"ratio\":{:.3}", r.gbps / b);
         }
@@ -293,7 +309,10 @@ pub fn run(a: Args) -> Result<()> {
     let o = parse(a)?;
     let max = *o.sizes.iter().max().expect("at least one size");
     let bytes = (max.saturating_mul(o.batch)).clamp(max, (1usize << 30).max(max));
-    eprintln!("ferry bench: starting target process ({} registered)", fmt_size(bytes));
+    eprintln!(
+        "ferry bench: starting target process ({} registered)",
+        fmt_size(bytes)
+    );
     let mut child = spawn_self(&["serve", "--bytes", &bytes.to_string()])?;
     let mut out = BufReader::new(child.stdout.take().context("child stdout")?);
     let _target = Peer(child);
@@ -309,9 +328,19 @@ pub fn run(a: Args) -> Result<()> {
     // Touch every page now, as an application's live buffers are: first-touch
     // page faults would otherwise be measured as transfer time.
     let local = ep.register(vec![0x3cu8; bytes])?;
-    let mut b = Bench { ep: &ep, shard, conn, local, remote: served.rbuf };
+    let mut b = Bench {
+        ep: &ep,
+        shard,
+        conn,
+        local,
+        remote: served.rbuf,
+    };
 
-    let raw_peer = if o.baseline { Some(raw::RawPeer::spawn()?) } else { None };
+    let raw_peer = if o.baseline {
+        Some(raw::RawPeer::spawn()?)
+    } else {
+        None
+    };
     if !o.json {
         let base = if o.baseline { "  raw GB/s   ratio" } else { "" };
         println!("transport tcp, control path {}", ep.io_backend().0);
@@ -361,7 +390,11 @@ pub fn run(a: Args) -> Result<()> {
             };
             print_row(
                 &Row {
-                    op: if op == OpKind::Write { "write_latency" } else { "read_latency" },
+                    op: if op == OpKind::Write {
+                        "write_latency"
+                    } else {
+                        "read_latency"
+                    },
                     block: 8,
                     batch: 1,
                     gbps: 0.0,

@@ -39,7 +39,10 @@ fn init_logs() {
         "trace" => tracing::level_filters::LevelFilter::TRACE,
         _ => tracing::level_filters::LevelFilter::WARN,
     };
-    tracing_subscriber::fmt().with_max_level(filter).with_writer(std::io::stderr).init();
+    tracing_subscriber::fmt()
+        .with_max_level(filter)
+        .with_writer(std::io::stderr)
+        .init();
 }
 
 fn main() -> Result<()> {

@@ -25,8 +25,15 @@ impl RawPeer {
         let mut out = BufReader::new(child.stdout.take().context("raw-peer stdout")?);
         let mut line = String::new();
         out.read_line(&mut line)?;
-        let port = line.trim().strip_prefix("PORT ").context("raw-peer did not print its port")?.parse()?;
-        Ok(RawPeer { _child: Peer(child), port })
+        let port = line
+            .trim()
+            .strip_prefix("PORT ")
+            .context("raw-peer did not print its port")?
+            .parse()?;
+        Ok(RawPeer {
+            _child: Peer(child),
+            port,
+        })
     }
 
     fn open(&self, mode: u8, size: usize) -> Result<TcpStream> {
@@ -57,7 +64,10 @@ impl RawPeer {
             s.read_exact(&mut ack)?;
             let secs = start.elapsed().as_secs_f64();
             if u64::from_le_bytes(ack) != sent {
-                bail!("raw sink counted {} bytes, we sent {sent}", u64::from_le_bytes(ack));
+                bail!(
+                    "raw sink counted {} bytes, we sent {sent}",
+                    u64::from_le_bytes(ack)
+                );
             }
             Ok(sent as f64 / secs / 1e9)
         } else {

@@ -43,7 +43,9 @@ pub fn run(mut a: Args) -> Result<()> {
     let shards: usize = a.parsed("shards", 1)?;
     a.finish()?;
     let mut cfg = Config::from_env()?;
-    cfg.listen_addr = listen.parse().with_context(|| format!("--listen {listen}"))?;
+    cfg.listen_addr = listen
+        .parse()
+        .with_context(|| format!("--listen {listen}"))?;
     cfg.shards = shards;
     let ep = Endpoint::builder().config(cfg).build()?;
     let mut buf = vec![0u8; bytes];
@@ -51,7 +53,8 @@ pub fn run(mut a: Args) -> Result<()> {
     let main = ep.register(buf)?;
     let ro = ep.register_with(vec![7u8; 4096], Access::REMOTE_READ)?;
     let wo = ep.register_with(vec![0u8; 4096], Access::REMOTE_WRITE)?;
-    let rb = |m: &ferry::MemoryRegion| -> Result<String> { Ok(hex(&m.advertise(0, m.len())?.encode())) };
+    let rb =
+        |m: &ferry::MemoryRegion| -> Result<String> { Ok(hex(&m.advertise(0, m.len())?.encode())) };
     ep.start_passive_accept()?;
     let mut out = std::io::stdout().lock();
     writeln!(out, "META {}", hex(&ep.metadata_bytes()))?;
@@ -70,7 +73,9 @@ pub fn run(mut a: Args) -> Result<()> {
         c2.store(true, Ordering::SeqCst);
     });
     while !closed.load(Ordering::SeqCst) {
-        let Ok((conn, msg)) = ep.recv_notification(Duration::from_millis(50)) else { continue };
+        let Ok((conn, msg)) = ep.recv_notification(Duration::from_millis(50)) else {
+            continue;
+        };
         let reply = match answer(&main, &msg) {
             Ok(r) => r,
             Err(e) => format!("error {e}"),
