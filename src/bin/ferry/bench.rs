@@ -34,7 +34,12 @@ Flags:
   --latency              also 8-byte one-op round trips: p50/p99/p999 in us
   --baseline             also plain one-stream TCP send/recv between two
                          processes (and a TCP ping-pong for --latency), same
-                         sizes, same run; prints ferry's ratio to it
+                         sizes, same memory footprint (blocks cycle through
+                         as many distinct buffers as ferry's run), same run;
+                         prints ferry's ratio to it
+  --rounds N             measure each point N times, alternating with the
+                         baseline, and report medians (default 3 with
+                         --baseline, else 1)
   --json                 one JSON object per line instead of a table
 Environment: FERRY_* variables apply to both processes (see the README).";
 
@@ -46,6 +51,7 @@ struct Opts {
     latency: bool,
     baseline: bool,
     json: bool,
+    rounds: usize,
 }
 
 struct Row {
@@ -58,6 +64,8 @@ struct Row {
     p99_us: f64,
     p999_us: f64,
     baseline_gbps: Option<f64>,
+    /// Median over rounds of ferry / baseline measured back to back.
+    ratio: Option<f64>,
     baseline_p50_us: Option<f64>,
     baseline_p99_us: Option<f64>,
 }
@@ -90,14 +98,20 @@ fn parse(mut a: Args) -> Result<Opts> {
     if !(seconds > 0.0 && seconds <= 600.0) {
         bail!("--seconds {seconds}: must be in (0, 600]");
     }
+    let baseline = a.switch("baseline");
+    let rounds: usize = a.parsed("rounds", if baseline { 3 } else { 1 })?;
+    if rounds == 0 || rounds > 100 {
+        bail!("--rounds {rounds}: must be 1..=100");
+    }
     let o = Opts {
         ops,
         sizes,
         batch,
         seconds,
         latency: a.switch("latency"),
-        baseline: a.switch("baseline"),
+        baseline,
         json: a.switch("json"),
+        rounds,
     };
     a.finish()?;
     Ok(o)
@@ -140,6 +154,10 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
+fn median(v: &[f64]) -> f64 {
+    percentile(&sorted(v.to_vec()), 0.5)
+}
+
 fn sorted(mut v: Vec<f64>) -> Vec<f64> {
     v.sort_by(|a, b| a.partial_cmp(b).expect("no NaN latencies"));
     v
@@ -151,6 +169,7 @@ struct Bench<'a> {
     conn: ConnId,
     local: MemoryRegion,
     remote: RemoteBuf,
+    spin: Duration,
 }
 
 impl Bench<'_> {
@@ -167,6 +186,13 @@ impl Bench<'_> {
         })
     }
 
+    /// Distinct `size`-byte windows the run cycles through.
+    fn slots(&self, size: usize) -> usize {
+        (self.local.len() / size)
+            .min(self.remote.size as usize / size)
+            .max(1)
+    }
+
     /// Keeps `batch` ops of `size` in flight; returns (GB/s, ops/s, latencies in us, batch used).
     fn throughput(
         &mut self,
@@ -179,14 +205,18 @@ impl Bench<'_> {
             .min(self.remote.size as usize / size)
             .max(1);
         let batch = batch.min(slots);
+        // The pipeline is kept full from start to `end`; throughput counts
+        // the operations that *complete* inside [warm_end, end], so bytes
+        // queued before the window or drained after it never skew the rate.
         let warm = Duration::from_secs_f64((secs * 0.15).max(0.05));
         let t0 = Instant::now();
         let warm_end = t0 + warm;
         let end = warm_end + Duration::from_secs_f64(secs);
         let mut inflight: VecDeque<(Transfer, Instant)> = VecDeque::with_capacity(batch);
         let mut lat = Vec::with_capacity(1 << 20);
-        let (mut k, mut bytes, mut ops) = (0usize, 0u64, 0u64);
-        let mut last_done = warm_end;
+        let mut k = 0usize;
+        let (mut first_done, mut last_done, mut done_in_window) = (None, warm_end, 0u64);
+        let mut idle_since = Instant::now();
         loop {
             let now = Instant::now();
             if now < end {
@@ -198,7 +228,13 @@ impl Bench<'_> {
             } else if inflight.is_empty() {
                 break;
             }
-            self.shard.poll();
+            // Like a managed shard: spin while busy, park when idle for a
+            // while, so the kernel's own work (softirqs) gets a core.
+            if self.shard.poll() > 0 {
+                idle_since = Instant::now();
+            } else if idle_since.elapsed() >= self.spin {
+                self.shard.park(Duration::from_millis(1));
+            }
             while let Some((t, _)) = inflight.front_mut() {
                 match t.poll() {
                     None => break,
@@ -206,20 +242,30 @@ impl Bench<'_> {
                         r.with_context(|| format!("{op} of {size} bytes"))?;
                         let (_, started) = inflight.pop_front().expect("front");
                         let done = Instant::now();
-                        if started >= warm_end && started < end {
+                        if done >= warm_end && done < end {
                             if lat.len() < lat.capacity() {
                                 lat.push((done - started).as_secs_f64() * 1e6);
                             }
-                            bytes += size as u64;
-                            ops += 1;
+                            first_done.get_or_insert(done);
                             last_done = done;
+                            done_in_window += 1;
                         }
                     }
                 }
             }
         }
-        let window = (last_done - warm_end).as_secs_f64().max(1e-9);
-        Ok((bytes as f64 / window / 1e9, ops as f64 / window, lat, batch))
+        // Rate between the first and last completion in the window: the
+        // bytes of the ops completed after the first one, over that time.
+        let Some(first) = first_done.filter(|_| done_in_window >= 2) else {
+            bail!(
+                "{op} of {}: fewer than 2 operations completed in {secs} s; use a longer --seconds",
+                fmt_size(size)
+            );
+        };
+        let window = (last_done - first).as_secs_f64().max(1e-9);
+        let ops = (done_in_window - 1) as f64;
+        let bytes = ops * size as f64;
+        Ok((bytes / window / 1e9, ops / window, lat, batch))
     }
 
     /// One op of 8 bytes at a time; returns latencies in us.
@@ -267,8 +313,8 @@ fn print_row(r: &Row, json: bool) {
             "\"p50_us\":{:.2},\"p99_us\":{:.2},\"p999_us\":{:.2}",
             r.p50_us, r.p99_us, r.p999_us
         );
-        if let Some(b) = r.baseline_gbps {
-            s += &format!(",\"baseline_gbps\":{b:.4},\"ratio\":{:.3}", r.gbps / b);
+        if let (Some(b), Some(ratio)) = (r.baseline_gbps, r.ratio) {
+            s += &format!(",\"baseline_gbps\":{b:.4},\"ratio\":{ratio:.3}");
         }
         if let (Some(p50), Some(p99)) = (r.baseline_p50_us, r.baseline_p99_us) {
             s += &format!(",\"baseline_p50_us\":{p50:.2},\"baseline_p99_us\":{p99:.2}");
@@ -288,9 +334,9 @@ fn print_row(r: &Row, json: bool) {
             r.p999_us
         );
     } else {
-        let base = match r.baseline_gbps {
-            Some(b) => format!("{:>10.3} {:>7.2}", b, r.gbps / b),
-            None => String::new(),
+        let base = match (r.baseline_gbps, r.ratio) {
+            (Some(b), Some(ratio)) => format!("{b:>10.3} {ratio:>7.2}"),
+            _ => String::new(),
         };
         println!(
             "{:<6} {:>9} {:>6} {:>9.3} {:>11.0} {:>10.1} {:>10.1}{base}",
@@ -328,22 +374,30 @@ pub fn run(a: Args) -> Result<()> {
     // Touch every page now, as an application's live buffers are: first-touch
     // page faults would otherwise be measured as transfer time.
     let local = ep.register(vec![0x3cu8; bytes])?;
+    let spin = Duration::from_micros(ep.config().spin_us);
     let mut b = Bench {
         ep: &ep,
         shard,
         conn,
         local,
         remote: served.rbuf,
+        spin,
     };
 
-    let raw_peer = if o.baseline {
+    let mut raw_peer = if o.baseline {
         Some(raw::RawPeer::spawn()?)
     } else {
         None
     };
     if !o.json {
         let base = if o.baseline { "  raw GB/s   ratio" } else { "" };
-        println!("transport tcp, control path {}", ep.io_backend().0);
+        println!(
+            "transport tcp, control path {}, {} round(s) of {} s per point{}",
+            ep.io_backend().0,
+            o.rounds,
+            o.seconds,
+            if o.rounds > 1 { " (medians)" } else { "" }
+        );
         println!(
             "{:<6} {:>9} {:>6} {:>9} {:>11} {:>10} {:>10}{base}",
             "op", "block", "batch", "GB/s", "ops/s", "p50 us", "p99 us"
@@ -354,24 +408,41 @@ pub fn run(a: Args) -> Result<()> {
     for &size in &o.sizes {
         for &op in &o.ops {
             i += 1;
-            eprintln!("[{i}/{total}] {} {} ...", op_name(op), fmt_size(size));
-            let (gbps, ops_per_s, lat, batch) = b.throughput(op, size, o.batch, o.seconds)?;
+            let (mut gbps, mut opss, mut lat, mut base, mut ratios) =
+                (vec![], vec![], vec![], vec![], vec![]);
+            let mut batch = o.batch;
+            for r in 0..o.rounds {
+                eprintln!(
+                    "[{i}/{total}] {} {} round {}/{} ...",
+                    op_name(op),
+                    fmt_size(size),
+                    r + 1,
+                    o.rounds
+                );
+                let (g, ops_per_s, l, b_used) = b.throughput(op, size, o.batch, o.seconds)?;
+                batch = b_used;
+                gbps.push(g);
+                opss.push(ops_per_s);
+                lat.extend(l);
+                if let Some(p) = &mut raw_peer {
+                    let raw = p.stream_gbps(op == OpKind::Read, size, b.slots(size), o.seconds)?;
+                    base.push(raw);
+                    ratios.push(g / raw);
+                }
+            }
             let lat = sorted(lat);
-            let baseline_gbps = match &raw_peer {
-                Some(p) => Some(p.stream_gbps(op == OpKind::Read, size, o.seconds)?),
-                None => None,
-            };
             print_row(
                 &Row {
                     op: op_name(op),
                     block: size,
                     batch,
-                    gbps,
-                    ops_per_s,
+                    gbps: median(&gbps),
+                    ops_per_s: median(&opss),
                     p50_us: percentile(&lat, 0.5),
                     p99_us: percentile(&lat, 0.99),
                     p999_us: percentile(&lat, 0.999),
-                    baseline_gbps,
+                    baseline_gbps: (!base.is_empty()).then(|| median(&base)),
+                    ratio: (!ratios.is_empty()).then(|| median(&ratios)),
                     baseline_p50_us: None,
                     baseline_p99_us: None,
                 },
@@ -382,12 +453,25 @@ pub fn run(a: Args) -> Result<()> {
     }
     if o.latency {
         for &op in &o.ops {
-            eprintln!("latency: {} 8 B round trips ...", op_name(op));
-            let lat = sorted(b.latency(op, o.seconds)?);
-            let base = match &raw_peer {
-                Some(p) => Some(sorted(p.ping_pong_us(o.seconds)?)),
-                None => None,
-            };
+            let (mut p50, mut p99, mut p999, mut b50, mut b99) =
+                (vec![], vec![], vec![], vec![], vec![]);
+            for r in 0..o.rounds {
+                eprintln!(
+                    "latency: {} 8 B round trips, round {}/{} ...",
+                    op_name(op),
+                    r + 1,
+                    o.rounds
+                );
+                let lat = sorted(b.latency(op, o.seconds)?);
+                p50.push(percentile(&lat, 0.5));
+                p99.push(percentile(&lat, 0.99));
+                p999.push(percentile(&lat, 0.999));
+                if let Some(p) = &mut raw_peer {
+                    let base = sorted(p.ping_pong_us(o.seconds)?);
+                    b50.push(percentile(&base, 0.5));
+                    b99.push(percentile(&base, 0.99));
+                }
+            }
             print_row(
                 &Row {
                     op: if op == OpKind::Write {
@@ -399,12 +483,13 @@ pub fn run(a: Args) -> Result<()> {
                     batch: 1,
                     gbps: 0.0,
                     ops_per_s: 0.0,
-                    p50_us: percentile(&lat, 0.5),
-                    p99_us: percentile(&lat, 0.99),
-                    p999_us: percentile(&lat, 0.999),
+                    p50_us: median(&p50),
+                    p99_us: median(&p99),
+                    p999_us: median(&p999),
                     baseline_gbps: None,
-                    baseline_p50_us: base.as_ref().map(|v| percentile(v, 0.5)),
-                    baseline_p99_us: base.as_ref().map(|v| percentile(v, 0.99)),
+                    ratio: None,
+                    baseline_p50_us: (!b50.is_empty()).then(|| median(&b50)),
+                    baseline_p99_us: (!b99.is_empty()).then(|| median(&b99)),
                 },
                 o.json,
             );

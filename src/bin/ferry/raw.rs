@@ -13,10 +13,14 @@ use crate::bench::{spawn_self, Peer};
 const SINK: u8 = 0;
 const SOURCE: u8 = 1;
 const PING: u8 = 2;
+/// mode u8 | block size u64 | blocks u64
+const HDR: usize = 17;
 
 pub struct RawPeer {
     _child: Peer,
     port: u16,
+    /// Reused across measurements, so no run pays for first-touch faults.
+    buf: Vec<u8>,
 }
 
 impl RawPeer {
@@ -33,30 +37,48 @@ impl RawPeer {
         Ok(RawPeer {
             _child: Peer(child),
             port,
+            buf: Vec::new(),
         })
     }
 
-    fn open(&self, mode: u8, size: usize) -> Result<TcpStream> {
+    fn open(&self, mode: u8, size: usize, slots: usize) -> Result<TcpStream> {
         let s = TcpStream::connect(("127.0.0.1", self.port))?;
         s.set_nodelay(true)?;
-        let mut hdr = [0u8; 9];
+        let mut hdr = [0u8; HDR];
         hdr[0] = mode;
-        hdr[1..].copy_from_slice(&(size as u64).to_le_bytes());
+        hdr[1..9].copy_from_slice(&(size as u64).to_le_bytes());
+        hdr[9..].copy_from_slice(&(slots as u64).to_le_bytes());
         (&s).write_all(&hdr)?;
+        // The peer answers once its buffers are ready, before timing starts.
+        let mut ready = [0u8; 1];
+        (&s).read_exact(&mut ready)?;
         Ok(s)
     }
 
     /// GB/s of one stream moving `size`-byte blocks for `secs`; `reverse`
-    /// sends from the peer to us (the READ direction).
-    pub fn stream_gbps(&self, reverse: bool, size: usize, secs: f64) -> Result<f64> {
-        let mut buf = vec![0x5au8; size];
+    /// sends from the peer to us (the READ direction). Both sides cycle
+    /// through `slots` distinct blocks, the memory footprint ferry's run of
+    /// the same point had, so that cache effects match.
+    pub fn stream_gbps(
+        &mut self,
+        reverse: bool,
+        size: usize,
+        slots: usize,
+        secs: f64,
+    ) -> Result<f64> {
+        if self.buf.len() < size * slots {
+            self.buf = vec![0x5au8; size * slots];
+        }
         let dur = Duration::from_secs_f64(secs);
+        let mut k = 0;
         if !reverse {
-            let mut s = self.open(SINK, size)?;
+            let mut s = self.open(SINK, size, slots)?;
+            let buf = &mut self.buf;
             let start = Instant::now();
             let mut sent = 0u64;
             while start.elapsed() < dur {
-                s.write_all(&buf)?;
+                s.write_all(&buf[(k % slots) * size..][..size])?;
+                k += 1;
                 sent += size as u64;
             }
             s.shutdown(Shutdown::Write)?;
@@ -71,12 +93,14 @@ impl RawPeer {
             }
             Ok(sent as f64 / secs / 1e9)
         } else {
-            let mut s = self.open(SOURCE, size)?;
+            let mut s = self.open(SOURCE, size, slots)?;
+            let buf = &mut self.buf;
             let start = Instant::now();
             let mut got = 0u64;
             while start.elapsed() < dur {
                 // Read whole blocks, as a receiver of `size`-byte messages would.
-                s.read_exact(&mut buf)?;
+                s.read_exact(&mut buf[(k % slots) * size..][..size])?;
+                k += 1;
                 got += size as u64;
             }
             let secs = start.elapsed().as_secs_f64();
@@ -85,8 +109,8 @@ impl RawPeer {
     }
 
     /// Round trips of 8 bytes, both sides busy-polling; latencies in us.
-    pub fn ping_pong_us(&self, secs: f64) -> Result<Vec<f64>> {
-        let mut s = self.open(PING, 8)?;
+    pub fn ping_pong_us(&mut self, secs: f64) -> Result<Vec<f64>> {
+        let mut s = self.open(PING, 8, 1)?;
         s.set_nonblocking(true)?;
         let end = Instant::now() + Duration::from_secs_f64(secs);
         let mut lat = Vec::with_capacity(1 << 20);
@@ -140,28 +164,40 @@ pub fn serve() -> Result<()> {
         let _ = std::io::stdin().read_to_end(&mut sink);
         std::process::exit(0);
     });
+    let mut buf: Vec<u8> = Vec::new();
     for s in l.incoming() {
         let mut s = s?;
         s.set_nodelay(true)?;
-        let mut hdr = [0u8; 9];
+        let mut hdr = [0u8; HDR];
         s.read_exact(&mut hdr)?;
-        let size = u64::from_le_bytes(hdr[1..].try_into().expect("8 bytes")) as usize;
-        if size > 1 << 32 {
-            bail!("raw-peer: block of {size} bytes");
+        let size = u64::from_le_bytes(hdr[1..9].try_into().expect("8 bytes")) as usize;
+        let slots = u64::from_le_bytes(hdr[9..].try_into().expect("8 bytes")) as usize;
+        if size == 0 || slots == 0 || size.saturating_mul(slots) > 4 << 30 {
+            bail!("raw-peer: {slots} blocks of {size} bytes");
         }
-        let mut buf = vec![0xa5u8; size];
+        if buf.len() < size * slots {
+            buf = vec![0xa5u8; size * slots];
+        }
+        s.write_all(&[1])?;
+        let mut k = 0;
         match hdr[0] {
             SINK => {
                 let mut total = 0u64;
                 loop {
-                    match s.read(&mut buf)? {
+                    match s.read(&mut buf[(k % slots) * size..][..size])? {
                         0 => break,
                         n => total += n as u64,
                     }
+                    k += 1;
                 }
                 s.write_all(&total.to_le_bytes())?;
             }
-            SOURCE => while s.write_all(&buf).is_ok() {},
+            SOURCE => loop {
+                if s.write_all(&buf[(k % slots) * size..][..size]).is_err() {
+                    break;
+                }
+                k += 1;
+            },
             PING => {
                 s.set_nonblocking(true)?;
                 let mut msg = [0u8; 8];
