@@ -256,3 +256,68 @@ fn metadata_names_the_listener() {
         Err(e) => println!("skipped: IPv6 loopback unavailable: {e}"),
     }
 }
+
+/// A peer that completes the handshake and then never answers: requests
+/// fail after the op timeout instead of hanging, and the error sticks.
+#[test]
+fn silent_peer_fails_requests_after_the_op_timeout() {
+    use ferry::wire::{ControlFrame, Hello, CONTROL_HEADER_LEN};
+    use std::io::Read;
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut frame = vec![0u8; CONTROL_HEADER_LEN + 28];
+        s.read_exact(&mut frame).unwrap();
+        let ControlFrame::Hello(h) = ControlFrame::decode(&frame).unwrap() else {
+            panic!("no hello")
+        };
+        let ack = Hello {
+            endpoint_id: 7,
+            max_inflight: 16,
+            ..h
+        };
+        s.write_all(&ControlFrame::HelloAck(ack).encode()).unwrap();
+        // Read and ignore whatever comes, answering nothing.
+        let mut sink = [0u8; 4096];
+        while let Ok(n) = s.read(&mut sink) {
+            if n == 0 {
+                break;
+            }
+        }
+    });
+    let ep = Endpoint::builder()
+        .config(Config {
+            op_timeout_ms: 700,
+            ..config(IoPreference::Auto)
+        })
+        .build()
+        .unwrap();
+    let conn = ep.connect(addr).unwrap();
+    let local = ep.alloc(64).unwrap();
+    let rb = ferry::RemoteBuf {
+        addr: 0x1000,
+        size: 64,
+        rkey: 1,
+        ..Default::default()
+    };
+    let start = Instant::now();
+    let e = ep.write(conn, &local, 0, 64, &rb).unwrap_err();
+    let took = start.elapsed();
+    assert!(
+        matches!(&e, Error::ConnFailed { reason, .. } if reason.contains("op timeout")),
+        "{e}"
+    );
+    assert!(
+        took >= Duration::from_millis(700) && took < Duration::from_secs(3),
+        "took {took:?}"
+    );
+    let e2 = ep.read(conn, &local, 0, 8, &rb).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        e2.to_string(),
+        "the first error stays on the connection"
+    );
+    drop(ep);
+    server.join().unwrap();
+}
