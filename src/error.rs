@@ -43,6 +43,9 @@ impl fmt::Display for Status {
             Status::UnknownKey => "no live registration has this rkey",
             Status::OutOfBounds => "range lies outside the registration",
             Status::AccessDenied => "registration does not permit this access",
+            Status::PeerMemory => {
+                "the target could not reach the initiator's memory (process_vm_readv/writev)"
+            }
         })
     }
 }

@@ -62,13 +62,14 @@ pub mod error;
 pub mod oob;
 pub mod reactor;
 pub(crate) mod region;
+pub(crate) mod shm;
 pub(crate) mod tcp;
 pub mod wire;
 
 #[doc(hidden)]
 pub mod testkit;
 
-pub use endpoint::{Config, Endpoint, EndpointBuilder, MemoryRegion, Mode, Transport};
+pub use endpoint::{Config, Endpoint, EndpointBuilder, MemoryRegion, Mode, Peer, Transport};
 pub use error::{ConnId, Error, OpKind, Result};
 pub use reactor::{Shard, Transfer};
 pub use region::Access;

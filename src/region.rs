@@ -24,6 +24,8 @@ pub(crate) enum Backing {
     /// The caller promised (in `register_raw`) to keep it alive until
     /// deregistration completes.
     Raw,
+    /// A memfd mapping (`alloc_host`), shareable with local peers.
+    Memfd(#[allow(dead_code)] crate::shm::object::MemfdBuf),
 }
 
 /// One registration. Shared by the endpoint's handle, each shard's table and

@@ -6,26 +6,29 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use ferry::oob::IoPreference;
 use ferry::testkit::{check_pattern, fill_pattern, fnv64};
 use ferry::wire::Status;
 use ferry::{Error, RemoteBuf};
 
 const MIB: usize = 1 << 20;
 
-/// Runs each listed test on io_uring and on epoll.
-macro_rules! on_both_backends {
+/// Runs each listed test over tcp with the io_uring and the epoll control
+/// path, and over the same-host shared-memory path.
+macro_rules! on_every_path {
     ($($name:ident),* $(,)?) => {
         mod uring {
-            $( #[test] fn $name() { if super::backend_available(super::IoPreference::Uring) { super::$name(super::IoPreference::Uring) } } )*
+            $( #[test] fn $name() { if super::Path::TcpUring.available() { super::$name(super::Path::TcpUring) } } )*
         }
         mod epoll {
-            $( #[test] fn $name() { super::$name(super::IoPreference::Epoll) } )*
+            $( #[test] fn $name() { super::$name(super::Path::TcpEpoll) } )*
+        }
+        mod shm {
+            $( #[test] fn $name() { super::$name(super::Path::Shm) } )*
         }
     };
 }
 
-on_both_backends!(
+on_every_path!(
     byte_exact_sizes_and_unaligned_offsets,
     large_transfer_256_mib,
     vectored_ops,
@@ -40,9 +43,9 @@ on_both_backends!(
     several_streams_chunked,
 );
 
-fn setup(io: IoPreference, bytes: usize) -> (Target, ferry::Endpoint, ferry::ConnId) {
-    let t = Target::start(io, bytes, &[]);
-    let ep = client(io);
+fn setup(io: Path, bytes: usize) -> (Target, ferry::Endpoint, ferry::ConnId) {
+    let t = Target::start_on(io, bytes, &[]);
+    let ep = path_client(io);
     let conn = ep.add_remote(&t.served.meta).expect("connect to target");
     (t, ep, conn)
 }
@@ -84,7 +87,7 @@ fn round_trip(
     assert_eq!(ask(ep, conn, &format!("fill {roff} {len} 0")), "ok");
 }
 
-fn byte_exact_sizes_and_unaligned_offsets(io: IoPreference) {
+fn byte_exact_sizes_and_unaligned_offsets(io: Path) {
     let (_t, ep, conn) = setup(io, 40 * MIB);
     let rb = _t.served.rbuf;
     let local = ep.alloc(40 * MIB).unwrap();
@@ -113,7 +116,7 @@ fn byte_exact_sizes_and_unaligned_offsets(io: IoPreference) {
     }
 }
 
-fn large_transfer_256_mib(io: IoPreference) {
+fn large_transfer_256_mib(io: Path) {
     let (_t, ep, conn) = setup(io, 256 * MIB + 4096);
     let local = ep.alloc(256 * MIB + 4096).unwrap();
     round_trip(
@@ -128,7 +131,7 @@ fn large_transfer_256_mib(io: IoPreference) {
     );
 }
 
-fn vectored_ops(io: IoPreference) {
+fn vectored_ops(io: Path) {
     let (t, ep, conn) = setup(io, 8 * MIB);
     let rb = t.served.rbuf;
     let locals: Vec<_> = (0..8).map(|_| ep.alloc(MIB).unwrap()).collect();
@@ -171,7 +174,7 @@ fn vectored_ops(io: IoPreference) {
     assert!(matches!(ep.readv(conn, &[], &[]), Err(Error::EmptyVector)));
 }
 
-fn async_ops_complete_out_of_order(io: IoPreference) {
+fn async_ops_complete_out_of_order(io: Path) {
     let (t, ep, conn) = setup(io, 64 * MIB);
     let rb = t.served.rbuf;
     let local = ep.alloc(64 * MIB).unwrap();
@@ -221,7 +224,7 @@ fn async_ops_complete_out_of_order(io: IoPreference) {
     assert_eq!(ep.inflight_ops(), 0, "every slot was freed");
 }
 
-fn thousand_ops_in_flight(io: IoPreference) {
+fn thousand_ops_in_flight(io: Path) {
     let (t, ep, conn) = setup(io, 8 * MIB);
     let rb = t.served.rbuf;
     let local = ep.alloc(4096 * 1000).unwrap();
@@ -247,7 +250,7 @@ fn thousand_ops_in_flight(io: IoPreference) {
     assert_eq!(remote_hash(&ep, conn, 0, 4096 * 1000), fnv64(&src));
 }
 
-fn bad_key_bounds_and_access_keep_connection_usable(io: IoPreference) {
+fn bad_key_bounds_and_access_keep_connection_usable(io: Path) {
     let (t, ep, conn) = setup(io, MIB);
     let s = &t.served;
     let local = ep.alloc(MIB).unwrap();
@@ -342,7 +345,7 @@ fn bad_key_bounds_and_access_keep_connection_usable(io: IoPreference) {
     still_works();
 }
 
-fn local_argument_errors(io: IoPreference) {
+fn local_argument_errors(io: Path) {
     let (t, ep, conn) = setup(io, MIB);
     let rb = t.served.rbuf;
     let local = ep.alloc(4096).unwrap();
@@ -382,7 +385,7 @@ fn local_argument_errors(io: IoPreference) {
     ));
 }
 
-fn peer_killed_mid_transfer_fails_within_timeout(io: IoPreference) {
+fn peer_killed_mid_transfer_fails_within_timeout(io: Path) {
     let (mut t, ep, conn) = setup(io, 256 * MIB);
     let rb = t.served.rbuf;
     let local = ep.alloc(256 * MIB).unwrap();
@@ -419,8 +422,8 @@ fn peer_killed_mid_transfer_fails_within_timeout(io: IoPreference) {
     assert!(matches!(e, Error::ConnFailed { .. }), "{e}");
 }
 
-fn connect_errors_within_timeout(io: IoPreference) {
-    let ep = client(io);
+fn connect_errors_within_timeout(io: Path) {
+    let ep = path_client(io);
     // A closed port: refused at once.
     let port = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -473,9 +476,9 @@ fn connect_errors_within_timeout(io: IoPreference) {
     assert!(start.elapsed() < Duration::from_secs(2));
 }
 
-fn bad_metadata_is_an_error(io: IoPreference) {
-    let t = Target::start(io, 4096, &[]);
-    let ep = client(io);
+fn bad_metadata_is_an_error(io: Path) {
+    let t = Target::start_on(io, 4096, &[]);
+    let ep = path_client(io);
     let meta = &t.served.meta;
     for cut in [0, 1, 6, meta.len() - 1] {
         assert!(
@@ -496,7 +499,7 @@ fn bad_metadata_is_an_error(io: IoPreference) {
     assert_eq!(a, b);
 }
 
-fn notifications_and_remove_remote(io: IoPreference) {
+fn notifications_and_remove_remote(io: Path) {
     let (t, ep, conn) = setup(io, 4096);
     assert_eq!(ask(&ep, conn, "echo hello"), "echo hello");
     let big = format!("echo {}", "x".repeat(4000));
@@ -515,12 +518,12 @@ fn notifications_and_remove_remote(io: IoPreference) {
     ep.read(c2, &local, 0, 8, &t.served.rbuf).unwrap();
 }
 
-fn several_streams_chunked(io: IoPreference) {
-    let t = Target::start(io, 32 * MIB, &[]);
+fn several_streams_chunked(io: Path) {
+    let t = Target::start_on(io, 32 * MIB, &[]);
     let cfg = ferry::Config {
         streams_per_conn: 4,
         chunk_bytes: 64 * 1024,
-        ..config(io)
+        ..path_config(io)
     };
     let ep = ferry::Endpoint::builder().config(cfg).build().unwrap();
     let conn = ep.add_remote(&t.served.meta).unwrap();

@@ -19,9 +19,12 @@ pub enum Mode {
 /// Which data path connections use (`FERRY_TRANSPORT`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Transport {
-    /// The best path available for the peer; today that is always tcp.
+    /// Shared memory for a peer on this host, tcp otherwise.
     Auto,
+    /// Always tcp.
     Tcp,
+    /// Shared memory only: connecting to a peer on another host is an error.
+    Shm,
 }
 
 #[derive(Debug, Clone)]
@@ -57,7 +60,7 @@ pub struct Config {
     pub spin_us: u64,
     /// Control-path backend (`FERRY_IO=auto|uring|epoll`).
     pub io: IoPreference,
-    /// Data path (`FERRY_TRANSPORT=auto|tcp`).
+    /// Data path (`FERRY_TRANSPORT=auto|tcp|shm`).
     pub transport: Transport,
     /// Pin managed shard threads to cores (`FERRY_PIN=1`, default off).
     pub pin_cores: bool,

@@ -162,7 +162,7 @@ impl Drop for MemoryRegion {
             .ep
             .upgrade()
             .map_or(Duration::ZERO, |ep| ep.cfg.op_timeout());
-        let owned = matches!(self.inner._backing, crate::region::Backing::Owned(_));
+        let owned = !matches!(self.inner._backing, crate::region::Backing::Raw);
         if owned {
             // The Arc keeps owned memory alive; no need to wait.
             if self.live {

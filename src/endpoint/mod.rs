@@ -3,6 +3,7 @@
 //! async) and notifications. Only this module knows every other one.
 
 mod config;
+mod local;
 mod memory;
 
 use std::collections::{HashMap, VecDeque};
@@ -27,7 +28,7 @@ use crate::reactor::{
 };
 use crate::region::{Access, Backing, Region};
 use crate::tcp::StreamLimits;
-use crate::wire::{EndpointMetadata, Hello, RemoteBuf, MAX_NOTIFY_BYTES};
+use crate::wire::{EndpointMetadata, Hello, RemoteBuf, CAP_SHM, MAX_NOTIFY_BYTES};
 
 /// Half-assembled multi-stream connections an acceptor holds at most.
 const MAX_PARTIAL_CONNS: usize = 64;
@@ -60,9 +61,29 @@ impl EndpointBuilder {
     }
 }
 
+/// Who is at the other end of a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Peer {
+    /// Over the network (tcp), at this address.
+    Net(SocketAddr),
+    /// On this host, over shared memory.
+    Local { endpoint_id: u64, pid: u32 },
+}
+
+impl std::fmt::Display for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Peer::Net(a) => write!(f, "{a}"),
+            Peer::Local { endpoint_id, pid } => {
+                write!(f, "local endpoint {endpoint_id:016x} (pid {pid})")
+            }
+        }
+    }
+}
+
 /// A connection's record on the control side.
 struct ConnInfo {
-    peer: SocketAddr,
+    peer: Peer,
 }
 
 pub(crate) struct Inner {
@@ -80,10 +101,16 @@ pub(crate) struct Inner {
     remotes: Mutex<HashMap<SocketAddr, ConnId>>,
     inbox: Mutex<Receiver<(ConnId, Vec<u8>)>>,
     acceptor: Mutex<Assembler<std::net::TcpStream>>,
-    accepted: Mutex<VecDeque<(ConnId, SocketAddr)>>,
+    accepted: Mutex<VecDeque<(ConnId, Peer)>>,
     accepted_cv: Condvar,
     passive: Mutex<Option<(Arc<AtomicBool>, JoinHandle<()>)>>,
     handshakes: AtomicUsize,
+    /// Why the same-host path is off, if it is.
+    shm_note: Option<String>,
+    host_token: u64,
+    local_connects: Mutex<Receiver<crate::shm::msg::Msg>>,
+    memfd_regions: Mutex<HashMap<u32, std::sync::Weak<Region>>>,
+    local_peers: Mutex<std::collections::HashSet<u64>>,
 }
 
 /// A transfer engine endpoint: one control listener, N shards, and the
@@ -190,15 +217,50 @@ impl Endpoint {
             chunk_bytes: cfg.chunk_bytes,
             sq_depth: cfg.sq_depth,
         };
+        let id = random_u64();
+        let (connects_tx, connects_rx) = mpsc::sync_channel(64);
+        let mut local_setup = None;
+        let shm_note = if cfg.transport == Transport::Tcp {
+            Some("FERRY_TRANSPORT=tcp".to_owned())
+        } else {
+            match (
+                crate::shm::object::ShmRing::create(
+                    &crate::shm::object::accept_ring_name(id),
+                    256,
+                    random_u64(),
+                ),
+                crate::shm::fdpass::FdListener::bind(id),
+            ) {
+                (Ok(accept_ring), Ok(fd_listener)) => {
+                    local_setup = Some(crate::reactor::LocalSetup {
+                        accept_ring,
+                        fd_listener,
+                        connects: connects_tx,
+                    });
+                    None
+                }
+                (Err(e), _) => Some(format!("cannot create a shared-memory ring: {e}")),
+                (_, Err(e)) => Some(format!("cannot bind the fd-passing socket: {e}")),
+            }
+        };
+        if let Some(why) = &shm_note {
+            info!("same-host path off: {why}");
+        }
         let mut shards = Vec::new();
         let mut handles = Vec::new();
         for i in 0..cfg.shards {
-            let (s, h) = Shard::new(i, scfg.clone(), table.clone(), inbox_tx.clone())?;
+            let setup = if i == 0 { local_setup.take() } else { None };
+            let (s, h) = Shard::new(i, scfg.clone(), table.clone(), inbox_tx.clone(), setup)?;
             shards.push(s);
             handles.push(h);
         }
         let inner = Arc::new(Inner {
-            id: random_u64(),
+            id,
+            host_token: crate::shm::object::host_token(),
+            shm_note,
+            local_connects: Mutex::new(connects_rx),
+            memfd_regions: Mutex::new(HashMap::new()),
+            local_peers: Mutex::new(std::collections::HashSet::new()),
             backend,
             backend_note: note,
             listener,
@@ -329,7 +391,9 @@ impl Endpoint {
     }
 
     /// Waits up to `timeout` for one incoming connection.
-    pub fn accept(&self, timeout: Duration) -> Result<(ConnId, SocketAddr)> {
+    /// A same-host peer (`Peer::Local`) connects over shared memory; a remote
+    /// one over tcp.
+    pub fn accept(&self, timeout: Duration) -> Result<(ConnId, Peer)> {
         if self.inner.passive.lock().expect("lock").is_some() {
             return self.inner.next_accepted(timeout);
         }
@@ -359,7 +423,8 @@ impl Endpoint {
                     }
                 };
                 while !stop2.load(Ordering::Relaxed) {
-                    if let Err(e) = inner.accept_step(&mut ctl, Duration::from_millis(100)) {
+                    inner.accept_local_step();
+                    if let Err(e) = inner.accept_step(&mut ctl, Duration::from_millis(10)) {
                         warn!("passive accept: {e}");
                         std::thread::sleep(Duration::from_millis(10));
                     }
@@ -395,6 +460,39 @@ impl Endpoint {
     /// Allocates and registers `len` zeroed bytes.
     pub fn alloc(&self, len: usize) -> Result<MemoryRegion> {
         self.register(vec![0u8; len])
+    }
+
+    /// Allocates and registers `len` zeroed bytes of host memory in a memfd,
+    /// shared with same-host peers so their transfers into or out of it are
+    /// one memcpy (other memory is copied with process_vm_readv/writev).
+    pub fn alloc_host(&self, len: usize) -> Result<MemoryRegion> {
+        let m = crate::shm::object::MemfdBuf::new(len)?;
+        let ptr = m.map.ptr;
+        let mr = self
+            .inner
+            .add_region(ptr, len, Access::all(), Backing::Memfd(m))?;
+        self.inner
+            .memfd_regions
+            .lock()
+            .expect("lock")
+            .insert(mr.rkey(), Arc::downgrade(&mr.inner));
+        self.inner.share_new_region(&mr.inner);
+        Ok(mr)
+    }
+
+    /// Connects over shared memory to the endpoint `peer_id` on this host
+    /// (the seed's `connect_local`). `add_remote` does this by itself when
+    /// the metadata names a same-host endpoint.
+    pub fn connect_local(&self, peer_id: u64) -> Result<ConnId> {
+        self.inner.connect_local(peer_id)
+    }
+
+    /// Whether same-host connections are possible, and if not, why.
+    pub fn shm_status(&self) -> std::result::Result<(), &str> {
+        match &self.inner.shm_note {
+            None => Ok(()),
+            Some(why) => Err(why),
+        }
     }
 
     /// Registers several buffers (the seed's `regv`).
@@ -673,7 +771,8 @@ impl Inner {
     fn stream_hello(&self) -> Hello {
         Hello {
             endpoint_id: self.id,
-            caps: 0,
+            caps: if self.shm_ready() { CAP_SHM } else { 0 },
+            host_token: self.host_token,
             conn_nonce: random_u64(),
             stream_idx: 0,
             stream_count: self.cfg.streams_per_conn,
@@ -683,12 +782,31 @@ impl Inner {
 
     fn connect(&self, addr: SocketAddr) -> Result<ConnId> {
         let mut ctl = Ctl::new(self.backend)?;
-        let (streams, ack) = handshake::connect(
-            &mut ctl,
-            addr,
-            self.stream_hello(),
-            self.cfg.connect_timeout(),
-        )?;
+        let timeout = self.cfg.connect_timeout();
+        let ours = self.stream_hello();
+        let (streams, ack) = handshake::connect(&mut ctl, addr, ours, timeout)?;
+        if self.goes_local(&ours, &ack) {
+            drop(streams);
+            match self.connect_local(ack.endpoint_id) {
+                Ok(conn) => return Ok(conn),
+                Err(e) if self.cfg.transport == Transport::Shm => return Err(e),
+                Err(e) => {
+                    warn!(%addr, "same-host connection failed, using tcp: {e}");
+                    let plain = Hello {
+                        caps: 0,
+                        ..self.stream_hello()
+                    };
+                    let (streams, ack) = handshake::connect(&mut ctl, addr, plain, timeout)?;
+                    return self.adopt(streams, ack, addr);
+                }
+            }
+        }
+        if self.cfg.transport == Transport::Shm {
+            return Err(Error::Unsupported {
+                what: "FERRY_TRANSPORT=shm",
+                reason: format!("{addr} is not a same-host endpoint with shared memory"),
+            });
+        }
         self.adopt(streams, ack, addr)
     }
 
@@ -704,10 +822,12 @@ impl Inner {
             peer_max: peer_hello.max_inflight as usize,
         };
         let deadline = Instant::now() + self.cfg.connect_timeout();
-        self.conns
-            .lock()
-            .expect("lock")
-            .insert(conn, ConnInfo { peer });
+        self.conns.lock().expect("lock").insert(
+            conn,
+            ConnInfo {
+                peer: Peer::Net(peer),
+            },
+        );
         self.shard_of(conn).submit_blocking(
             Command::AddConn {
                 conn,
@@ -751,7 +871,14 @@ impl Inner {
     fn handshake_accepted(&self, s: std::net::TcpStream, peer: SocketAddr) -> Result<()> {
         let mut ctl = Ctl::new(self.backend)?;
         let deadline = Instant::now() + self.cfg.connect_timeout();
-        let hello = handshake::serve(&mut ctl, &s, peer, self.stream_hello(), deadline)?;
+        let ours = self.stream_hello();
+        let hello = handshake::serve(&mut ctl, &s, peer, ours, deadline)?;
+        if self.goes_local(&ours, &hello) {
+            // Both sides see the same hellos and decide alike: the peer now
+            // comes through our accept ring instead.
+            info!(%peer, "peer is on this host: expecting a same-host connection");
+            return Ok(());
+        }
         let group = self
             .acceptor
             .lock()
@@ -760,13 +887,7 @@ impl Inner {
         match group {
             Ok(Some(g)) => {
                 let conn = self.adopt(g.streams, g.hello, g.peer)?;
-                let mut q = self.accepted.lock().expect("lock");
-                if q.len() >= MAX_ACCEPTED_QUEUE {
-                    let (old, _) = q.pop_front().expect("non-empty");
-                    warn!(conn = %old, "nobody called accept(); forgetting the oldest accepted connection (it stays usable)");
-                }
-                q.push_back((conn, g.peer));
-                self.accepted_cv.notify_all();
+                self.push_accepted(conn, Peer::Net(g.peer));
                 Ok(())
             }
             Ok(None) => Ok(()),
@@ -774,7 +895,25 @@ impl Inner {
         }
     }
 
-    fn accept_one(self: &Arc<Self>, timeout: Duration) -> Result<(ConnId, SocketAddr)> {
+    fn push_accepted(&self, conn: ConnId, peer: Peer) {
+        let mut q = self.accepted.lock().expect("lock");
+        if q.len() >= MAX_ACCEPTED_QUEUE {
+            let (old, _) = q.pop_front().expect("non-empty");
+            warn!(conn = %old, "nobody called accept(); forgetting the oldest accepted connection (it stays usable)");
+        }
+        q.push_back((conn, peer));
+        self.accepted_cv.notify_all();
+    }
+
+    /// Whether a handshake between `a` and `b` leads to the same-host path.
+    fn goes_local(&self, a: &Hello, b: &Hello) -> bool {
+        a.caps & CAP_SHM != 0
+            && b.caps & CAP_SHM != 0
+            && a.host_token == b.host_token
+            && a.host_token != 0
+    }
+
+    fn accept_one(self: &Arc<Self>, timeout: Duration) -> Result<(ConnId, Peer)> {
         let deadline = Instant::now() + timeout;
         let mut ctl = Ctl::new(self.backend)?;
         loop {
@@ -787,12 +926,13 @@ impl Inner {
                 });
             };
             // Short steps, so a connection whose handshake finished on its
-            // own thread is returned promptly.
+            // own thread, or a same-host CONNECT, is answered promptly.
+            self.accept_local_step();
             self.accept_step(&mut ctl, left.min(Duration::from_millis(5)))?;
         }
     }
 
-    fn next_accepted(&self, timeout: Duration) -> Result<(ConnId, SocketAddr)> {
+    fn next_accepted(&self, timeout: Duration) -> Result<(ConnId, Peer)> {
         let deadline = Instant::now() + timeout;
         let mut q = self.accepted.lock().expect("lock");
         loop {

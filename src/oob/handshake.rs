@@ -239,6 +239,7 @@ mod tests {
             stream_idx: idx,
             stream_count: count,
             max_inflight: 64,
+            host_token: 0,
         }
     }
 

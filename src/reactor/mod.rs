@@ -19,4 +19,4 @@ mod shard;
 pub use completion::Transfer;
 pub(crate) use queue::{Command, OpCmd, OpDesc, OpParts, RegionCmd, ShardHandle};
 pub use shard::Shard;
-pub(crate) use shard::ShardConfig;
+pub(crate) use shard::{LocalSetup, ShardConfig};

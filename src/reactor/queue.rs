@@ -51,6 +51,7 @@ pub(crate) enum Command {
         streams: Vec<TcpStream>,
         limits: StreamLimits,
     },
+    AddLocal(Box<crate::shm::local::LocalConn>),
     RemoveConn(ConnId),
     Notify {
         conn: ConnId,

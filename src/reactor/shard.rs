@@ -15,6 +15,11 @@ use super::completion::CompletionTable;
 use super::queue::{Command, OpCmd, RegionCmd, ShardHandle, WakeState};
 use crate::error::{ConnId, Error, Result};
 use crate::region::{Access, Region, RegionTable, Regions};
+use crate::shm::fdpass::FdListener;
+use crate::shm::local::{LocalConn, PeerMaps};
+use crate::shm::msg::{Msg, MsgKind};
+use crate::shm::object::ShmRing;
+use crate::shm::ring::SLOT_PAYLOAD;
 use crate::tcp::{Sink, Stream, StreamLimits};
 use crate::wire::Status;
 
@@ -22,6 +27,12 @@ const WAKER: Token = Token(usize::MAX);
 /// Commands taken from the queue per `poll`, so one busy submitter cannot
 /// starve the sockets.
 const COMMANDS_PER_POLL: usize = 256;
+/// `poll` calls between looks at the fd-passing socket.
+const FD_CHECK_EVERY: u32 = 256;
+/// A parked shard with same-host work wakes this often: shared-memory rings
+/// cannot wake an epoll wait.
+const LOCAL_PARK: Duration = Duration::from_millis(1);
+const ACCEPT_RING_PARK: Duration = Duration::from_millis(10);
 /// `poll` calls between checks for timed-out requests.
 const TIMEOUT_CHECK_EVERY: u32 = 1024;
 /// Dead connections remembered, so later calls on them get the error that
@@ -47,6 +58,23 @@ struct Conn {
     next: usize,
 }
 
+/// Where a connection id lives in a shard.
+#[derive(Clone, Copy)]
+enum ConnRef {
+    Tcp(usize),
+    Local(usize),
+}
+
+/// What the shard that owns same-host connections also polls.
+pub(crate) struct LocalSetup {
+    /// CONNECT messages from local peers arrive here.
+    pub accept_ring: ShmRing,
+    /// Local peers share their memfd regions through this socket.
+    pub fd_listener: FdListener,
+    /// Forwards CONNECT messages to the endpoint's accept path.
+    pub connects: SyncSender<Msg>,
+}
+
 #[derive(Default)]
 struct LocalOp {
     remaining: u32,
@@ -64,7 +92,10 @@ pub struct Shard {
     epoll: Poll,
     events: Events,
     conns: Slab<Conn>,
-    by_id: HashMap<ConnId, usize>,
+    local: Slab<LocalConn>,
+    by_id: HashMap<ConnId, ConnRef>,
+    local_setup: Option<LocalSetup>,
+    peer_maps: PeerMaps,
     failed: HashMap<ConnId, String>,
     regions: RegionTable,
     table: Arc<CompletionTable>,
@@ -150,6 +181,7 @@ impl Shard {
         cfg: ShardConfig,
         table: Arc<CompletionTable>,
         inbox: SyncSender<(ConnId, Vec<u8>)>,
+        local_setup: Option<LocalSetup>,
     ) -> Result<(Shard, ShardHandle)> {
         let epoll = Poll::new().map_err(|e| Error::io("epoll_create", e))?;
         let waker = Waker::new(epoll.registry(), WAKER).map_err(|e| Error::io("eventfd", e))?;
@@ -177,7 +209,10 @@ impl Shard {
             epoll,
             events: Events::with_capacity(64),
             conns: Slab::new(),
+            local: Slab::new(),
             by_id: HashMap::new(),
+            local_setup,
+            peer_maps: PeerMaps::new(),
             failed: HashMap::new(),
             regions: RegionTable::default(),
             done: Vec::with_capacity(table.capacity()),
@@ -198,7 +233,7 @@ impl Shard {
 
     /// Connections this shard drives now.
     pub fn conn_count(&self) -> usize {
-        self.conns.len()
+        self.conns.len() + self.local.len()
     }
 
     /// Runs one pass of the loop; returns how much work it found (0: idle).
@@ -213,7 +248,11 @@ impl Shard {
         let mut work = apply_region_updates(&mut self.regions, &self.region_rx);
         work += self.drain_commands();
         work += self.service_conns();
+        work += self.service_local();
         self.iter = self.iter.wrapping_add(1);
+        if self.iter % FD_CHECK_EVERY == 0 {
+            work += self.poll_fd_listener();
+        }
         if self.iter % TIMEOUT_CHECK_EVERY == 0 {
             self.check_timeouts(Instant::now());
         }
@@ -228,9 +267,14 @@ impl Shard {
         // One more pass after announcing the park: a submitter that did not
         // see `parked` queued its item before it, so this pass finds it.
         if self.poll() == 0 {
-            let wait = max
+            let mut wait = max
                 .min(self.cfg.op_timeout / 4)
                 .max(Duration::from_millis(1));
+            if !self.local.is_empty() {
+                wait = wait.min(LOCAL_PARK);
+            } else if self.local_setup.is_some() {
+                wait = wait.min(ACCEPT_RING_PARK);
+            }
             match self.epoll.poll(&mut self.events, Some(wait)) {
                 Ok(()) => self.apply_events(),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -238,6 +282,7 @@ impl Shard {
             }
         }
         self.wake.parked.store(false, Ordering::SeqCst);
+        self.poll_fd_listener();
         self.check_timeouts(Instant::now());
     }
 
@@ -331,24 +376,44 @@ impl Shard {
                 }
                 None
             }
+            Command::AddLocal(lc) => {
+                let conn = lc.id;
+                let idx = self.local.insert(*lc);
+                self.by_id.insert(conn, ConnRef::Local(idx));
+                debug!(shard = self.id, %conn, "same-host connection adopted");
+                None
+            }
             Command::RemoveConn(conn) => {
-                if let Some(&idx) = self.by_id.get(&conn) {
-                    self.drop_conn(idx, "removed by remove_remote".to_owned());
+                match self.by_id.get(&conn) {
+                    Some(&ConnRef::Tcp(idx)) => {
+                        self.drop_conn(idx, "removed by remove_remote".to_owned())
+                    }
+                    Some(&ConnRef::Local(idx)) => {
+                        self.drop_local(idx, "removed by remove_remote".to_owned())
+                    }
+                    None => {}
                 }
                 self.failed.remove(&conn);
                 None
             }
             Command::Notify { conn, payload } => {
-                let Some(&idx) = self.by_id.get(&conn) else {
-                    warn!(shard = self.id, %conn, "notification for a connection that is gone: dropped");
-                    return None;
-                };
-                let c = &mut self.conns[idx];
-                let s = &mut c.streams[0];
-                if !s.can_notify() {
-                    return Some(Command::Notify { conn, payload });
+                match self.by_id.get(&conn) {
+                    Some(&ConnRef::Tcp(idx)) => {
+                        let s = &mut self.conns[idx].streams[0];
+                        if !s.can_notify() {
+                            return Some(Command::Notify { conn, payload });
+                        }
+                        s.push_notify(payload);
+                    }
+                    Some(&ConnRef::Local(idx)) => {
+                        if !self.local[idx].push_notify(&payload) {
+                            return Some(Command::Notify { conn, payload });
+                        }
+                    }
+                    None => {
+                        warn!(shard = self.id, %conn, "notification for a connection that is gone: dropped")
+                    }
                 }
-                s.push_notify(payload);
                 None
             }
         }
@@ -356,27 +421,60 @@ impl Shard {
 
     fn apply_op(&mut self, mut op: OpCmd) -> Option<OpCmd> {
         let chunk = self.cfg.chunk_bytes;
-        let total: u32 = op
-            .parts
-            .as_slice()
-            .iter()
-            .map(|d| frames_of(d.len, chunk))
-            .sum();
+        let target = self.by_id.get(&op.conn).copied();
+        // Same-host connections send one message per piece; tcp ones one
+        // frame per chunk.
+        let total: u32 = match target {
+            Some(ConnRef::Local(_)) => op.parts.as_slice().len() as u32,
+            _ => op
+                .parts
+                .as_slice()
+                .iter()
+                .map(|d| frames_of(d.len, chunk))
+                .sum(),
+        };
         if op.emitted == 0 {
             self.ops[op.slot as usize] = LocalOp {
                 remaining: total,
                 error: None,
             };
         }
-        let Some(&idx) = self.by_id.get(&op.conn) else {
-            let err = self.conn_error(op.conn);
-            for _ in op.emitted..total {
-                self.done.push((op.slot, Err(err.duplicate())));
+        let now = Instant::now();
+        let idx = match target {
+            None => {
+                let err = self.conn_error(op.conn);
+                for _ in op.emitted..total {
+                    self.done.push((op.slot, Err(err.duplicate())));
+                }
+                return None;
             }
-            return None;
+            Some(ConnRef::Local(idx)) => {
+                let lc = &mut self.local[idx];
+                let descs = op.parts.as_slice();
+                while op.next_desc < descs.len() {
+                    let d = &descs[op.next_desc];
+                    // SAFETY: the endpoint checked local_off + len <= region len.
+                    let local = unsafe { d.local.ptr.add(d.local_off) };
+                    if !lc.push_request(
+                        op.kind,
+                        op.slot,
+                        d.rkey,
+                        d.remote_addr,
+                        local,
+                        d.len,
+                        &d.local,
+                        now,
+                    ) {
+                        return Some(op);
+                    }
+                    op.emitted += 1;
+                    op.next_desc += 1;
+                }
+                return None;
+            }
+            Some(ConnRef::Tcp(idx)) => idx,
         };
         let conn = &mut self.conns[idx];
-        let now = Instant::now();
         let descs = op.parts.as_slice();
         while op.next_desc < descs.len() {
             let d = &descs[op.next_desc];
@@ -447,7 +545,7 @@ impl Shard {
             streams: out,
             next: 0,
         });
-        self.by_id.insert(conn, key);
+        self.by_id.insert(conn, ConnRef::Tcp(key));
         debug!(shard = self.id, %conn, "connection adopted");
         Ok(())
     }
@@ -479,6 +577,92 @@ impl Shard {
         if let Error::ConnFailed { reason, .. } = err {
             self.remember_failed(conn.id, reason);
         }
+    }
+
+    fn drop_local(&mut self, idx: usize, reason: String) {
+        let mut lc = self.local.remove(idx);
+        self.by_id.remove(&lc.id);
+        let err = Error::ConnFailed {
+            conn: lc.id,
+            reason: reason.clone(),
+        };
+        let mut sink = ShardSink {
+            done: &mut self.done,
+            inbox: &self.inbox,
+            conn: lc.id,
+        };
+        lc.fail_pending(&err, &mut sink);
+        let peer = lc.peer_id;
+        let id = lc.id;
+        drop(lc);
+        // Forget the peer's shared memory once no connection to it is left.
+        if !self.local.iter().any(|(_, c)| c.peer_id == peer) {
+            self.peer_maps.retain(|(p, _), _| *p != peer);
+        }
+        self.remember_failed(id, reason);
+    }
+
+    fn poll_fd_listener(&mut self) -> usize {
+        match &self.local_setup {
+            Some(ls) => ls.fd_listener.poll(&mut self.peer_maps),
+            None => 0,
+        }
+    }
+
+    fn service_local(&mut self) -> usize {
+        let mut work = 0;
+        if let Some(ls) = &self.local_setup {
+            let mut buf = [0u8; SLOT_PAYLOAD];
+            while let Some(n) = ls.accept_ring.ring.pop(&mut buf) {
+                work += 1;
+                match Msg::decode(&buf[..n]) {
+                    Ok((m, _)) if m.kind == MsgKind::Connect => {
+                        if ls.connects.try_send(m).is_err() {
+                            warn!(
+                                shard = self.id,
+                                "local CONNECT dropped: too many waiting for accept"
+                            );
+                        }
+                    }
+                    Ok((m, _)) => warn!(
+                        shard = self.id,
+                        "unexpected {:?} on the accept ring", m.kind
+                    ),
+                    Err(e) => warn!(shard = self.id, "bad message on the accept ring: {e}"),
+                }
+            }
+        }
+        if self.local.is_empty() {
+            return work;
+        }
+        let mut regions = LiveRegions {
+            table: &mut self.regions,
+            updates: &self.region_rx,
+        };
+        for (idx, lc) in self.local.iter_mut() {
+            let mut sink = ShardSink {
+                done: &mut self.done,
+                inbox: &self.inbox,
+                conn: lc.id,
+            };
+            match lc.poll(&mut regions, &self.peer_maps, &mut sink) {
+                Ok(w) => work += w,
+                Err(reason) => self.to_fail.push((idx, reason)),
+            }
+        }
+        let mut to_fail = std::mem::take(&mut self.to_fail);
+        for (idx, reason) in to_fail.drain(..) {
+            let lc = &self.local[idx];
+            if lc.has_pending() {
+                warn!(shard = self.id, conn = %lc.id, "same-host connection failed: {reason}");
+            } else {
+                info!(shard = self.id, conn = %lc.id, "same-host connection closed: {reason}");
+            }
+            self.drop_local(idx, reason);
+            work += 1;
+        }
+        self.to_fail = to_fail;
+        work
     }
 
     fn service_conns(&mut self) -> usize {
@@ -556,6 +740,26 @@ impl Shard {
             warn!(shard = self.id, "connection failed: {reason}");
             self.drop_conn(idx, reason);
         }
+        for (idx, lc) in self.local.iter() {
+            if !lc.peer_alive() {
+                to_fail.push((idx, format!("peer process {} is gone", lc.peer_pid)));
+            } else if lc
+                .oldest_pending()
+                .is_some_and(|t| now.duration_since(t) > limit)
+            {
+                to_fail.push((
+                    idx,
+                    format!(
+                        "no response to a request within {} ms (op timeout)",
+                        limit.as_millis()
+                    ),
+                ));
+            }
+        }
+        for (idx, reason) in to_fail.drain(..) {
+            warn!(shard = self.id, "same-host connection failed: {reason}");
+            self.drop_local(idx, reason);
+        }
         self.to_fail = to_fail;
     }
 
@@ -582,6 +786,10 @@ impl Drop for Shard {
         let keys: Vec<usize> = self.conns.iter().map(|(k, _)| k).collect();
         for k in keys {
             self.drop_conn(k, "the shard shut down".to_owned());
+        }
+        let keys: Vec<usize> = self.local.iter().map(|(k, _)| k).collect();
+        for k in keys {
+            self.drop_local(k, "the shard shut down".to_owned());
         }
         let mut queued: Vec<Command> = self.stalled.take().into_iter().collect();
         while let Ok(c) = self.rx.try_recv() {

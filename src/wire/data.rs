@@ -47,15 +47,18 @@ pub enum Status {
     OutOfBounds = 2,
     /// The registration does not allow this kind of access.
     AccessDenied = 3,
+    /// (Same-host path) the target could not reach the initiator's memory.
+    PeerMemory = 4,
 }
 
 impl Status {
-    fn from_u8(v: u8) -> Option<Status> {
+    pub fn from_u8(v: u8) -> Option<Status> {
         Some(match v {
             0 => Status::Ok,
             1 => Status::UnknownKey,
             2 => Status::OutOfBounds,
             3 => Status::AccessDenied,
+            4 => Status::PeerMemory,
             _ => return None,
         })
     }

@@ -2,8 +2,9 @@
 //!
 //! ```text
 //! header (12 B): magic u32 LE | version u16 LE | kind u8 | flags u8 (0) | body_len u32 LE
-//! Hello / HelloAck body (28 B): endpoint_id u64 | caps u32 | conn_nonce u64
+//! Hello / HelloAck body (36 B): endpoint_id u64 | caps u32 | conn_nonce u64
 //!                               | stream_idx u16 | stream_count u16 | max_inflight u32
+//!                               | host_token u64
 //! Error body: code u16 | msg_len u16 | msg (UTF-8, <= 1024 B)
 //! ```
 //!
@@ -19,7 +20,7 @@ pub const CONTROL_HEADER_LEN: usize = 12;
 /// any of it is read.
 pub const MAX_CONTROL_BODY: usize = 2048;
 const MAX_ERROR_MSG: usize = 1024;
-const HELLO_BODY_LEN: usize = 28;
+const HELLO_BODY_LEN: usize = 36;
 /// Streams a connection may have; the handshake rejects more.
 pub const MAX_STREAMS: u16 = 64;
 
@@ -31,7 +32,7 @@ const KIND_ERROR: u8 = 3;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Hello {
     pub endpoint_id: u64,
-    /// Capability bits; none are defined yet and unknown ones are ignored.
+    /// Capability bits (`CAP_*`); unknown ones are ignored.
     pub caps: u32,
     /// Chosen by the connecting side; ties the streams of one connection.
     pub conn_nonce: u64,
@@ -40,7 +41,13 @@ pub struct Hello {
     /// Requests the sender will have outstanding on this stream at most;
     /// the receiver sizes its response queue by it.
     pub max_inflight: u32,
+    /// Identifies the sender's host and /dev/shm; equal non-zero tokens mean
+    /// the two endpoints can use the same-host path. 0: unknown.
+    pub host_token: u64,
 }
+
+/// The sender can take same-host (shared-memory) connections.
+pub const CAP_SHM: u32 = 1;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ControlFrame {
@@ -164,6 +171,7 @@ fn encode_hello(h: &Hello) -> Vec<u8> {
     b.extend_from_slice(&h.stream_idx.to_le_bytes());
     b.extend_from_slice(&h.stream_count.to_le_bytes());
     b.extend_from_slice(&h.max_inflight.to_le_bytes());
+    b.extend_from_slice(&h.host_token.to_le_bytes());
     b
 }
 
@@ -177,6 +185,7 @@ fn decode_hello(body: &[u8]) -> Result<Hello, DecodeError> {
         stream_idx: r.u16_le()?,
         stream_count: r.u16_le()?,
         max_inflight: r.u32_le()?,
+        host_token: r.u64_le()?,
     };
     r.finish()?;
     if h.stream_count == 0 || h.stream_count > MAX_STREAMS || h.stream_idx >= h.stream_count {
@@ -211,6 +220,7 @@ mod tests {
             stream_idx: rng.below(count as u64) as u16,
             stream_count: count,
             max_inflight: 1 + rng.below(1 << 20) as u32,
+            host_token: rng.next(),
         }
     }
 
@@ -239,7 +249,7 @@ mod tests {
     fn header_checks() {
         let b = ControlFrame::Hello(hello(&mut Rng(1))).encode();
         let mut h: [u8; 12] = b[..12].try_into().unwrap();
-        assert_eq!(ControlFrame::body_len(&h).unwrap(), 28);
+        assert_eq!(ControlFrame::body_len(&h).unwrap(), 36);
         h[0] ^= 1;
         assert!(matches!(
             ControlFrame::body_len(&h),

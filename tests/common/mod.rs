@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use ferry::oob::IoPreference;
 use ferry::testkit::{read_served, Served};
-use ferry::{Config, ConnId, Endpoint, Mode};
+use ferry::{Config, ConnId, Endpoint, Mode, Transport};
 
 /// The control-path backends a suite runs on. io_uring is reported as
 /// skipped (not passed) where the kernel refuses it.
@@ -31,9 +31,62 @@ pub fn io_name(io: IoPreference) -> &'static str {
     }
 }
 
+/// Which data path and control backend a suite runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    TcpUring,
+    TcpEpoll,
+    Shm,
+}
+
+impl Path {
+    pub fn io(self) -> IoPreference {
+        match self {
+            Path::TcpUring => IoPreference::Uring,
+            Path::TcpEpoll => IoPreference::Epoll,
+            Path::Shm => IoPreference::Auto,
+        }
+    }
+
+    pub fn transport(self) -> Transport {
+        match self {
+            Path::Shm => Transport::Shm,
+            _ => Transport::Tcp,
+        }
+    }
+
+    pub fn transport_name(self) -> &'static str {
+        match self {
+            Path::Shm => "shm",
+            _ => "tcp",
+        }
+    }
+
+    /// False (with a printed reason) where this path cannot run here.
+    pub fn available(self) -> bool {
+        backend_available(self.io())
+    }
+}
+
+pub fn path_config(path: Path) -> Config {
+    Config {
+        transport: path.transport(),
+        ..config(path.io())
+    }
+}
+
+pub fn path_client(path: Path) -> Endpoint {
+    Endpoint::builder()
+        .config(path_config(path))
+        .build()
+        .expect("client endpoint")
+}
+
+/// Endpoints in these tests talk tcp unless a test asks for shared memory.
 pub fn config(io: IoPreference) -> Config {
     Config {
         listen_addr: "127.0.0.1".parse().unwrap(),
+        transport: Transport::Tcp,
         io,
         op_timeout_ms: 5000,
         connect_timeout_ms: 3000,
@@ -66,9 +119,22 @@ pub struct Target {
 
 impl Target {
     pub fn start(io: IoPreference, bytes: usize, env: &[(&str, &str)]) -> Target {
+        Self::start_on(
+            if io == IoPreference::Uring {
+                Path::TcpUring
+            } else {
+                Path::TcpEpoll
+            },
+            bytes,
+            env,
+        )
+    }
+
+    pub fn start_on(path: Path, bytes: usize, env: &[(&str, &str)]) -> Target {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferry"));
         cmd.args(["serve", "--bytes", &bytes.to_string()])
-            .env("FERRY_IO", io_name(io))
+            .env("FERRY_IO", io_name(path.io()))
+            .env("FERRY_TRANSPORT", "auto")
             .env("FERRY_LOG", "error")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -1,0 +1,273 @@
+//! The endpoint's same-host side: local connect/accept over the shared-
+//! memory rings, and sharing `alloc_host` memory with local peers.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tracing::{info, warn};
+
+use super::{ConnInfo, Inner, Peer};
+use crate::error::{ConnId, Error, Result};
+use crate::reactor::Command;
+use crate::region::Backing;
+use crate::shm::fdpass::{self, Shared};
+use crate::shm::local::{probe_cma, LocalConn, CMA_CANARY};
+use crate::shm::msg::{Msg, MsgKind};
+use crate::shm::object::{accept_ring_name, pair_ring_name, pid_alive, this_pid, ShmRing};
+use crate::shm::ring::SLOT_PAYLOAD;
+
+/// Slots of one connection direction's ring.
+pub(crate) const PAIR_RING_SLOTS: usize = 1024;
+
+fn push_msg(ring: &ShmRing, m: &Msg, inline: &[u8], deadline: Instant) -> Result<()> {
+    let mut buf = [0u8; SLOT_PAYLOAD];
+    let n = m.encode(inline, &mut buf);
+    while ring.ring.push(&buf[..n]).is_err() {
+        if Instant::now() >= deadline {
+            return Err(Error::Timeout {
+                what: "room in a local peer's ring",
+                timeout_ms: 0,
+            });
+        }
+        std::thread::sleep(Duration::from_micros(50));
+    }
+    Ok(())
+}
+
+fn refuse(what: &'static str, reason: String) -> Error {
+    Error::Unsupported { what, reason }
+}
+
+impl Inner {
+    pub(crate) fn shm_ready(&self) -> bool {
+        self.shm_note.is_none()
+    }
+
+    /// A connection id served by shard 0, which owns same-host connections.
+    fn local_conn_id(&self) -> ConnId {
+        let n = self.shards.len() as u64;
+        loop {
+            let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
+            if id % n == 0 {
+                return ConnId(id);
+            }
+        }
+    }
+
+    fn my_shared_regions(&self) -> Vec<Shared> {
+        let regions = self.memfd_regions.lock().expect("lock");
+        regions
+            .values()
+            .filter_map(|w| w.upgrade())
+            .filter_map(|r| match &r._backing {
+                Backing::Memfd(m) => Some(Shared {
+                    key: r.rkey,
+                    len: r.len as u64,
+                    base: r.addr(),
+                    fd: m.fd,
+                }),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Sends our memfd regions to a local peer (best effort: without them
+    /// the peer copies with process_vm_*).
+    fn share_with(&self, peer: u64, regions: &[Shared]) {
+        if regions.is_empty() {
+            return;
+        }
+        if let Err(e) = fdpass::share(self.id, peer, regions, self.cfg.connect_timeout()) {
+            warn!(
+                peer = format_args!("{peer:016x}"),
+                "sharing host memory with a local peer failed: {e}"
+            );
+        }
+    }
+
+    /// Shares a freshly allocated memfd region with every local peer.
+    pub(crate) fn share_new_region(&self, r: &crate::region::Region) {
+        let Backing::Memfd(m) = &r._backing else {
+            return;
+        };
+        let peers: Vec<u64> = self
+            .local_peers
+            .lock()
+            .expect("lock")
+            .iter()
+            .copied()
+            .collect();
+        let shared = [Shared {
+            key: r.rkey,
+            len: r.len as u64,
+            base: r.addr(),
+            fd: m.fd,
+        }];
+        for p in peers {
+            self.share_with(p, &shared);
+        }
+    }
+
+    /// Connects to the endpoint `peer_id` on this host through its accept ring.
+    pub(crate) fn connect_local(&self, peer_id: u64) -> Result<ConnId> {
+        if let Some(why) = &self.shm_note {
+            return Err(refuse("a same-host connection", why.clone()));
+        }
+        let deadline = Instant::now() + self.cfg.connect_timeout();
+        let conn = self.local_conn_id();
+        let rx = ShmRing::create(
+            &pair_ring_name(peer_id, self.id),
+            PAIR_RING_SLOTS,
+            super::random_u64(),
+        )?;
+        let accept = ShmRing::open(&accept_ring_name(peer_id))?;
+        if !pid_alive(accept.owner_pid()) {
+            return Err(refuse(
+                "a same-host connection",
+                format!("peer process {} is gone", accept.owner_pid()),
+            ));
+        }
+        let mut m = Msg::new(MsgKind::Connect);
+        m.conn = conn.0 as u32;
+        m.addr = this_pid() as u64;
+        m.aux = self.id;
+        m.aux2 = super::random_u64();
+        m.src_key = self.cfg.stream_inflight as u32;
+        m.src_addr = &CMA_CANARY as *const u64 as u64;
+        push_msg(&accept, &m, &[], deadline)?;
+        let mut buf = [0u8; SLOT_PAYLOAD];
+        let (ack, reason) = loop {
+            if let Some(n) = rx.ring.pop(&mut buf) {
+                let (a, inline) = Msg::decode(&buf[..n])?;
+                break (a, String::from_utf8_lossy(inline).into_owned());
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::Timeout {
+                    what: "a local peer's CONNECT answer",
+                    timeout_ms: self.cfg.connect_timeout_ms,
+                });
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        };
+        if ack.kind != MsgKind::ConnectAck || ack.aux != peer_id {
+            return Err(refuse(
+                "a same-host connection",
+                format!("peer answered {:?} from {:#x}", ack.kind, ack.aux),
+            ));
+        }
+        if ack.status != 0 {
+            return Err(refuse(
+                "a same-host connection",
+                format!("peer refused: {reason}"),
+            ));
+        }
+        let peer_pid = ack.addr as u32;
+        let tx = ShmRing::open(&pair_ring_name(self.id, peer_id))?;
+        let mut lc = LocalConn::new(
+            conn,
+            peer_id,
+            peer_pid,
+            ack.conn,
+            rx,
+            tx,
+            self.cfg.stream_inflight,
+            (ack.src_key as usize).clamp(1, 1 << 20),
+        );
+        // We serve the peer's requests by copying its memory: check we can.
+        if let Err(why) = probe_cma(peer_pid, ack.src_addr) {
+            lc.send_close();
+            return Err(refuse("a same-host connection", why));
+        }
+        self.share_with(peer_id, &self.my_shared_regions());
+        self.local_peers.lock().expect("lock").insert(peer_id);
+        self.adopt_local(lc, peer_id, peer_pid, deadline)?;
+        Ok(conn)
+    }
+
+    fn adopt_local(&self, lc: LocalConn, peer_id: u64, pid: u32, deadline: Instant) -> Result<()> {
+        let conn = lc.id;
+        self.conns.lock().expect("lock").insert(
+            conn,
+            ConnInfo {
+                peer: Peer::Local {
+                    endpoint_id: peer_id,
+                    pid,
+                },
+            },
+        );
+        self.shards[0].submit_blocking(Command::AddLocal(Box::new(lc)), deadline)?;
+        info!(%conn, peer = format_args!("{peer_id:016x}"), pid, "same-host connection up");
+        Ok(())
+    }
+
+    /// Answers the CONNECT messages shard 0 has forwarded.
+    pub(crate) fn accept_local_step(self: &Arc<Self>) {
+        loop {
+            let m = match self.local_connects.lock().expect("lock").try_recv() {
+                Ok(m) => m,
+                Err(_) => return,
+            };
+            if let Err(e) = self.answer_connect(&m) {
+                warn!(
+                    peer = format_args!("{:016x}", m.aux),
+                    "local CONNECT failed: {e}"
+                );
+            }
+        }
+    }
+
+    fn answer_connect(&self, m: &Msg) -> Result<()> {
+        let deadline = Instant::now() + self.cfg.connect_timeout();
+        let (peer_id, peer_pid) = (m.aux, m.addr as u32);
+        // The connector made the ring we answer into.
+        let tx = ShmRing::open(&pair_ring_name(self.id, peer_id))?;
+        let mut ack = Msg::new(MsgKind::ConnectAck);
+        ack.aux = self.id;
+        ack.addr = this_pid() as u64;
+        if let Err(why) = probe_cma(peer_pid, m.src_addr) {
+            ack.status = 1;
+            let text = why.as_bytes();
+            push_msg(
+                &tx,
+                &ack,
+                &text[..text.len().min(crate::shm::msg::MAX_INLINE)],
+                deadline,
+            )?;
+            return Err(refuse("a same-host connection", why));
+        }
+        let conn = self.local_conn_id();
+        let rx = ShmRing::create(
+            &pair_ring_name(peer_id, self.id),
+            PAIR_RING_SLOTS,
+            super::random_u64(),
+        )?;
+        ack.conn = conn.0 as u32;
+        ack.src_key = self.cfg.stream_inflight as u32;
+        ack.src_addr = &CMA_CANARY as *const u64 as u64;
+        let lc = LocalConn::new(
+            conn,
+            peer_id,
+            peer_pid,
+            m.conn,
+            rx,
+            tx,
+            self.cfg.stream_inflight,
+            (m.src_key as usize).clamp(1, 1 << 20),
+        );
+        // Adopt before answering, so the peer's first request finds us.
+        self.adopt_local(lc, peer_id, peer_pid, deadline)?;
+        let tx2 = ShmRing::open(&pair_ring_name(self.id, peer_id))?;
+        push_msg(&tx2, &ack, &[], deadline)?;
+        self.share_with(peer_id, &self.my_shared_regions());
+        self.local_peers.lock().expect("lock").insert(peer_id);
+        self.push_accepted(
+            conn,
+            Peer::Local {
+                endpoint_id: peer_id,
+                pid: peer_pid,
+            },
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,471 @@
+//! One same-host connection: two rings (ours to read, the peer's to write)
+//! and the copies a target makes on behalf of its peer.
+//!
+//! The target does every copy, after checking key, bounds and access in its
+//! own region table, exactly as on the tcp path. It reaches the initiator's
+//! memory in one of three ways: small WRITE payloads and READ results ride
+//! inline in the ring message; memory the initiator allocated with
+//! `alloc_host` is a memfd the target has mapped (one memcpy); any other
+//! registered memory is copied with `process_vm_readv`/`process_vm_writev`
+//! (probed when the connection is made; refused connections fall back to tcp).
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::sync::Arc;
+use std::time::Instant;
+
+use slab::Slab;
+
+use super::msg::{Msg, MsgKind, MAX_INLINE};
+use super::object::{pid_alive, Mapping, ShmRing};
+use super::ring::SLOT_PAYLOAD;
+use crate::error::{ConnId, Error, OpKind, Result};
+use crate::region::{Access, Region, Regions};
+use crate::tcp::Sink;
+use crate::wire::{Status, MAX_NOTIFY_BYTES};
+
+/// A peer's memfd region mapped into this process.
+pub(crate) struct PeerMap {
+    pub map: Mapping,
+    /// The address the region has in the peer's process.
+    pub base: u64,
+}
+
+/// Regions of local peers this process has mapped, by (peer id, key).
+pub(crate) type PeerMaps = HashMap<(u64, u32), PeerMap>;
+
+struct Pending {
+    slot: u32,
+    kind: OpKind,
+    dst: *mut u8,
+    len: usize,
+    rkey: u32,
+    addr: u64,
+    sent_at: Instant,
+    _keep: Arc<Region>,
+}
+
+pub(crate) struct LocalConn {
+    pub id: ConnId,
+    pub peer_id: u64,
+    pub peer_pid: u32,
+    /// The peer's number for this connection (echoed in every message).
+    pub peer_conn: u32,
+    rx: ShmRing,
+    tx: ShmRing,
+    /// Replies that found the peer's ring full; bounded by `peer_max`.
+    outbox: VecDeque<([u8; SLOT_PAYLOAD], usize)>,
+    pending: Slab<Pending>,
+    own_max: usize,
+    peer_max: usize,
+    peer_owed: usize,
+    notify: Vec<u8>,
+    /// A whole notification the application's inbox had no room for; the
+    /// ring is not read until it is delivered (back-pressure, not loss).
+    notify_blocked: Option<Vec<u8>>,
+    scratch: [u8; SLOT_PAYLOAD],
+}
+
+// SAFETY: the raw pointers in `pending` point into regions kept alive by the
+// `_keep` handle stored beside them.
+unsafe impl Send for LocalConn {}
+
+/// Copies `len` bytes between our memory and the peer process's, with
+/// process_vm_readv (`read_from_peer`) or process_vm_writev.
+fn cma(pid: u32, local: *mut u8, remote: u64, len: usize, read_from_peer: bool) -> io::Result<()> {
+    let mut done = 0;
+    while done < len {
+        // SAFETY: done < len, inside the caller's checked local range.
+        let base = unsafe { local.add(done) };
+        let l = libc::iovec {
+            iov_base: base as *mut _,
+            iov_len: len - done,
+        };
+        let r = libc::iovec {
+            iov_base: (remote + done as u64) as *mut _,
+            iov_len: len - done,
+        };
+        // SAFETY: `l` lies in memory the caller checked and keeps alive; the
+        // remote iovec is only dereferenced by the kernel, in the peer's
+        // address space, with its own permission checks.
+        let n = unsafe {
+            if read_from_peer {
+                libc::process_vm_readv(pid as i32, &l, 1, &r, 1, 0)
+            } else {
+                libc::process_vm_writev(pid as i32, &l, 1, &r, 1, 0)
+            }
+        };
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if n == 0 {
+            return Err(io::Error::other("process_vm copied nothing"));
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
+/// A word whose address a peer reads at connect time to learn whether
+/// process_vm_readv works between the two processes.
+pub(crate) static CMA_CANARY: u64 = 0x6665_7272_795f_636d;
+
+/// Whether this process can read `pid`'s memory at `addr` (the peer's canary).
+pub(crate) fn probe_cma(pid: u32, addr: u64) -> std::result::Result<(), String> {
+    let mut v = 0u64;
+    match cma(pid, &mut v as *mut u64 as *mut u8, addr, 8, true) {
+        Ok(()) if v == CMA_CANARY => Ok(()),
+        Ok(()) => Err(format!(
+            "read {v:#x} at the peer's canary, expected {CMA_CANARY:#x}"
+        )),
+        Err(e) => Err(format!("process_vm_readv of pid {pid}: {e}")),
+    }
+}
+
+impl LocalConn {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        id: ConnId,
+        peer_id: u64,
+        peer_pid: u32,
+        peer_conn: u32,
+        rx: ShmRing,
+        tx: ShmRing,
+        own_max: usize,
+        peer_max: usize,
+    ) -> Self {
+        Self {
+            id,
+            peer_id,
+            peer_pid,
+            peer_conn,
+            rx,
+            tx,
+            outbox: VecDeque::with_capacity(peer_max),
+            pending: Slab::with_capacity(own_max),
+            own_max,
+            peer_max,
+            peer_owed: 0,
+            notify: Vec::new(),
+            notify_blocked: None,
+            scratch: [0u8; SLOT_PAYLOAD],
+        }
+    }
+
+    pub fn can_request(&self) -> bool {
+        self.pending.len() < self.own_max && self.outbox.is_empty()
+    }
+
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    pub fn oldest_pending(&self) -> Option<Instant> {
+        self.pending.iter().map(|(_, p)| p.sent_at).min()
+    }
+
+    pub fn peer_alive(&self) -> bool {
+        pid_alive(self.peer_pid)
+    }
+
+    fn send(&mut self, m: &Msg, inline: &[u8]) -> bool {
+        let mut buf = [0u8; SLOT_PAYLOAD];
+        let n = m.encode(inline, &mut buf);
+        self.tx.ring.push(&buf[..n]).is_ok()
+    }
+
+    /// Queues one request; `false` if there is no room now (retry later).
+    #[allow(clippy::too_many_arguments)]
+    pub fn push_request(
+        &mut self,
+        kind: OpKind,
+        slot: u32,
+        rkey: u32,
+        addr: u64,
+        local: *mut u8,
+        len: usize,
+        keep: &Arc<Region>,
+        now: Instant,
+    ) -> bool {
+        if !self.can_request() {
+            return false;
+        }
+        let entry = self.pending.vacant_entry();
+        let mut m = Msg::new(if kind == OpKind::Write {
+            MsgKind::WriteReq
+        } else {
+            MsgKind::ReadReq
+        });
+        m.conn = self.peer_conn;
+        m.op_id = entry.key() as u64;
+        m.rkey = rkey;
+        m.addr = addr;
+        m.len = len as u64;
+        m.src_key = keep.rkey;
+        m.src_addr = local as u64;
+        let inline: &[u8] = if kind == OpKind::Write && len <= MAX_INLINE {
+            // SAFETY: the endpoint checked [local, local + len) lies in `keep`.
+            unsafe { std::slice::from_raw_parts(local, len) }
+        } else {
+            &[]
+        };
+        let mut buf = [0u8; SLOT_PAYLOAD];
+        let n = m.encode(inline, &mut buf);
+        if self.tx.ring.push(&buf[..n]).is_err() {
+            return false;
+        }
+        entry.insert(Pending {
+            slot,
+            kind,
+            dst: local,
+            len,
+            rkey,
+            addr,
+            sent_at: now,
+            _keep: keep.clone(),
+        });
+        true
+    }
+
+    /// Sends a notification as fragments; `false` if the ring is full
+    /// (nothing was sent then, unless a previous fragment went out; the
+    /// caller only retries whole notifications on a fresh ring).
+    pub fn push_notify(&mut self, payload: &[u8]) -> bool {
+        let pieces: Vec<&[u8]> = if payload.is_empty() {
+            vec![&[][..]]
+        } else {
+            payload.chunks(MAX_INLINE).collect()
+        };
+        if self.tx.ring.capacity() - self.tx.ring.len() < pieces.len() || !self.outbox.is_empty() {
+            return false;
+        }
+        let last = pieces.len() - 1;
+        for (i, p) in pieces.iter().enumerate() {
+            let mut m = Msg::new(MsgKind::Notify);
+            m.conn = self.peer_conn;
+            m.status = (i < last) as u8;
+            if !self.send(&m, p) {
+                // Only another producer (there is none: one ring per
+                // direction per connection) could have filled it.
+                return false;
+            }
+        }
+        true
+    }
+
+    pub fn send_close(&mut self) {
+        let mut m = Msg::new(MsgKind::Close);
+        m.conn = self.peer_conn;
+        let _ = self.send(&m, &[]);
+    }
+
+    pub fn fail_pending(&mut self, err: &Error, sink: &mut impl Sink) {
+        for p in self.pending.drain() {
+            sink.done(p.slot, Err(err.duplicate()));
+        }
+    }
+
+    /// Sends queued replies, then handles what the peer sent. Returns work
+    /// done; `Err` means the connection is broken.
+    pub fn poll(
+        &mut self,
+        regions: &mut impl Regions,
+        maps: &PeerMaps,
+        sink: &mut impl Sink,
+    ) -> Result<usize, String> {
+        let mut work = 0;
+        while let Some((buf, n)) = self.outbox.front() {
+            if self.tx.ring.push(&buf[..*n]).is_err() {
+                break;
+            }
+            self.outbox.pop_front();
+            work += 1;
+        }
+        if let Some(msg) = self.notify_blocked.take() {
+            if let Err(back) = sink.notify(msg) {
+                self.notify_blocked = Some(back);
+                return Ok(work);
+            }
+            work += 1;
+        }
+        // Bounded per call so one busy peer cannot starve the loop.
+        for _ in 0..256 {
+            if self.notify_blocked.is_some() {
+                break;
+            }
+            let Some(n) = self.rx.ring.pop(&mut self.scratch) else {
+                break;
+            };
+            work += 1;
+            let buf = self.scratch;
+            let (m, inline) = Msg::decode(&buf[..n]).map_err(|e| e.to_string())?;
+            self.on_msg(m, inline, regions, maps, sink)?;
+        }
+        Ok(work)
+    }
+
+    fn reply(&mut self, m: &Msg, inline: &[u8]) {
+        self.peer_owed -= 1;
+        let mut buf = [0u8; SLOT_PAYLOAD];
+        let n = m.encode(inline, &mut buf);
+        if self.outbox.is_empty() && self.tx.ring.push(&buf[..n]).is_ok() {
+            return;
+        }
+        // Room is guaranteed: the peer keeps at most peer_max requests out.
+        self.outbox.push_back((buf, n));
+    }
+
+    /// Finds the initiator's side of a transfer in a mapped memfd region.
+    fn mapped(&self, maps: &PeerMaps, key: u32, addr: u64, len: u64) -> Option<*mut u8> {
+        let pm = maps.get(&(self.peer_id, key))?;
+        let off = addr.checked_sub(pm.base)?;
+        let end = off.checked_add(len)?;
+        // SAFETY: off + len <= mapping length, checked here.
+        (end <= pm.map.len as u64).then(|| unsafe { pm.map.ptr.add(off as usize) })
+    }
+
+    fn on_msg(
+        &mut self,
+        m: Msg,
+        inline: &[u8],
+        regions: &mut impl Regions,
+        maps: &PeerMaps,
+        sink: &mut impl Sink,
+    ) -> Result<(), String> {
+        match m.kind {
+            MsgKind::WriteReq | MsgKind::ReadReq => {
+                if self.peer_owed >= self.peer_max {
+                    return Err(format!(
+                        "peer sent more than its declared {} requests in flight",
+                        self.peer_max
+                    ));
+                }
+                self.peer_owed += 1;
+                let write = m.kind == MsgKind::WriteReq;
+                let need = if write {
+                    Access::REMOTE_WRITE
+                } else {
+                    Access::REMOTE_READ
+                };
+                let mut reply = Msg::new(if write {
+                    MsgKind::WriteAck
+                } else {
+                    MsgKind::ReadResp
+                });
+                reply.conn = self.peer_conn;
+                reply.op_id = m.op_id;
+                // Holds the region (and so the bytes an inline reply copies)
+                // until the reply is encoded.
+                let mut held: Option<Arc<Region>> = None;
+                let mut out_inline: &[u8] = &[];
+                let status = match regions.check(m.rkey, m.addr, m.len, need) {
+                    Err(st) => st,
+                    Ok((r, off)) => {
+                        let len = m.len as usize;
+                        // SAFETY: `check` proved [off, off + len) lies in r.
+                        let ours = unsafe { r.ptr.add(off) };
+                        held = Some(r);
+                        let copied = if write && inline.len() == len {
+                            // SAFETY: both ranges are `len` long and distinct.
+                            unsafe { std::ptr::copy_nonoverlapping(inline.as_ptr(), ours, len) };
+                            true
+                        } else if !write && len <= MAX_INLINE {
+                            // SAFETY: `ours` is len readable bytes kept alive by `held`.
+                            out_inline = unsafe { std::slice::from_raw_parts(ours, len) };
+                            true
+                        } else if let Some(theirs) = self.mapped(maps, m.src_key, m.src_addr, m.len)
+                        {
+                            // SAFETY: both ranges checked, `len` long; the
+                            // peer's mapping lives in `maps` during the call.
+                            unsafe {
+                                if write {
+                                    std::ptr::copy_nonoverlapping(theirs, ours, len)
+                                } else {
+                                    std::ptr::copy_nonoverlapping(ours, theirs, len)
+                                }
+                            };
+                            true
+                        } else {
+                            cma(self.peer_pid, ours, m.src_addr, len, write).is_ok()
+                        };
+                        if copied {
+                            Status::Ok
+                        } else {
+                            Status::PeerMemory
+                        }
+                    }
+                };
+                reply.status = status as u8;
+                if status != Status::Ok {
+                    out_inline = &[];
+                }
+                self.reply(&reply, out_inline);
+                drop(held);
+            }
+            MsgKind::WriteAck | MsgKind::ReadResp => {
+                let key = m.op_id as usize;
+                let Some(p) = self.pending.try_remove(key) else {
+                    return Err(format!(
+                        "{:?} for op {} that is not outstanding",
+                        m.kind, m.op_id
+                    ));
+                };
+                let want = if p.kind == OpKind::Write {
+                    MsgKind::WriteAck
+                } else {
+                    MsgKind::ReadResp
+                };
+                if m.kind != want {
+                    return Err(format!("{:?} answers a {} request", m.kind, p.kind));
+                }
+                let status = Status::from_u8(m.status).unwrap_or(Status::PeerMemory);
+                let result = if status == Status::Ok {
+                    if p.kind == OpKind::Read && p.len <= MAX_INLINE {
+                        if inline.len() != p.len {
+                            return Err(format!(
+                                "READ reply carries {} inline bytes, {} were asked",
+                                inline.len(),
+                                p.len
+                            ));
+                        }
+                        // SAFETY: dst has p.len bytes, checked at submission, kept by _keep.
+                        unsafe { std::ptr::copy_nonoverlapping(inline.as_ptr(), p.dst, p.len) };
+                    }
+                    Ok(())
+                } else {
+                    Err(Error::Remote {
+                        op: p.kind,
+                        status,
+                        rkey: p.rkey,
+                        addr: p.addr,
+                        len: p.len as u64,
+                    })
+                };
+                sink.done(p.slot, result);
+            }
+            MsgKind::Notify => {
+                if self.notify.len() + inline.len() > MAX_NOTIFY_BYTES {
+                    return Err(format!("notification longer than {MAX_NOTIFY_BYTES} bytes"));
+                }
+                self.notify.extend_from_slice(inline);
+                if m.status == 0 {
+                    let msg = std::mem::take(&mut self.notify);
+                    if let Err(back) = sink.notify(msg) {
+                        self.notify_blocked = Some(back);
+                    }
+                }
+            }
+            MsgKind::Close => return Err("peer closed the connection".to_owned()),
+            MsgKind::Connect | MsgKind::ConnectAck => {
+                return Err(format!("{:?} on an established connection", m.kind));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for LocalConn {
+    fn drop(&mut self) {
+        self.send_close();
+    }
+}

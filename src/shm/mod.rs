@@ -1,0 +1,14 @@
+//! Same-host paths: shared-memory rings between local endpoints, memfd host
+//! memory shared by fd passing, and the same-host connection state.
+//!
+//! Rings live in `/dev/shm` with mode 0600: `ferry-<id>` is an endpoint's
+//! accept ring (CONNECT messages from any local peer), and
+//! `ferry-<sender>-<receiver>` carries one connection's messages in one
+//! direction. The receiver creates (and on drop removes) each ring; a ring
+//! left by a process that died is detected by its owner pid and re-created.
+
+pub(crate) mod fdpass;
+pub(crate) mod local;
+pub(crate) mod msg;
+pub(crate) mod object;
+pub(crate) mod ring;

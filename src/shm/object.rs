@@ -1,0 +1,330 @@
+//! POSIX shared-memory objects holding rings, and memfd-backed host memory.
+
+use std::ffi::CString;
+use std::io;
+
+use super::ring::{ring_bytes, Ring};
+use crate::error::{Error, Result};
+
+/// A shared mapping, unmapped on drop.
+pub(crate) struct Mapping {
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+
+// SAFETY: a Mapping is an address range; users synchronise through it.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps `len` bytes of `fd` shared, read-write.
+    pub fn map_fd(fd: i32, len: usize) -> io::Result<Mapping> {
+        if len == 0 {
+            return Ok(Mapping {
+                ptr: std::ptr::NonNull::dangling().as_ptr(),
+                len: 0,
+            });
+        }
+        // SAFETY: a fresh shared mapping of an fd we hold; checked below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Mapping {
+            ptr: p as *mut u8,
+            len,
+        })
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: we mapped exactly this range and nobody uses it after drop.
+            unsafe { libc::munmap(self.ptr as *mut _, self.len) };
+        }
+    }
+}
+
+fn cname(name: &str) -> CString {
+    CString::new(name).expect("ring names have no NUL")
+}
+
+/// Whether process `pid` exists (EPERM means it does, owned by another user).
+pub(crate) fn pid_alive(pid: u32) -> bool {
+    if pid == 0 || pid > i32::MAX as u32 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks for existence and permission.
+    let r = unsafe { libc::kill(pid as i32, 0) };
+    r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+pub(crate) fn this_pid() -> u32 {
+    std::process::id()
+}
+
+/// A ring in a POSIX shared-memory object (`/dev/shm/<name>`).
+pub(crate) struct ShmRing {
+    pub ring: Ring,
+    _map: Mapping,
+    name: String,
+    /// The creator (the ring's consumer) removes the object on drop.
+    owner: bool,
+}
+
+impl ShmRing {
+    /// Creates the ring `name` with mode 0600. A leftover object of the same
+    /// name is re-created if its owner process is gone or its header is not
+    /// a valid ring; one whose owner lives is an error.
+    pub fn create(name: &str, capacity: usize, generation: u64) -> Result<ShmRing> {
+        let c = cname(name);
+        let len = ring_bytes(capacity);
+        let mut retried = false;
+        loop {
+            // SAFETY: c is a valid NUL-terminated name.
+            let fd = unsafe {
+                libc::shm_open(
+                    c.as_ptr(),
+                    libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_CLOEXEC,
+                    0o600,
+                )
+            };
+            if fd < 0 {
+                let e = io::Error::last_os_error();
+                if e.raw_os_error() == Some(libc::EEXIST) && !retried {
+                    retried = true;
+                    match Self::open(name) {
+                        Ok(old) if pid_alive(old.owner_pid()) => {
+                            return Err(Error::Unsupported {
+                                what: "creating a shared-memory ring",
+                                reason: format!(
+                                    "{name} is in use by live process {}",
+                                    old.owner_pid()
+                                ),
+                            })
+                        }
+                        _ => {
+                            tracing::warn!(name, "removing a ring left by a process that is gone");
+                            // SAFETY: valid name; unlinking a stale object.
+                            unsafe { libc::shm_unlink(c.as_ptr()) };
+                            continue;
+                        }
+                    }
+                }
+                return Err(Error::io("shm_open(O_CREAT)", e));
+            }
+            let guard = Fd(fd);
+            // SAFETY: fd is ours; ftruncate sizes the new object.
+            if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
+                let e = io::Error::last_os_error();
+                // SAFETY: valid name.
+                unsafe { libc::shm_unlink(c.as_ptr()) };
+                return Err(Error::io("ftruncate(shm)", e));
+            }
+            let map = Mapping::map_fd(fd, len).map_err(|e| Error::io("mmap(shm)", e))?;
+            drop(guard);
+            // SAFETY: a fresh page-aligned mapping of `len` bytes nobody else
+            // uses until the magic is published by init.
+            let ring = unsafe { Ring::init(map.ptr, capacity, this_pid(), generation) };
+            return Ok(ShmRing {
+                ring,
+                _map: map,
+                name: name.to_owned(),
+                owner: true,
+            });
+        }
+    }
+
+    /// Opens an existing ring to produce into it.
+    pub fn open(name: &str) -> Result<ShmRing> {
+        let c = cname(name);
+        // SAFETY: valid name.
+        let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(Error::io("shm_open", io::Error::last_os_error()));
+        }
+        let guard = Fd(fd);
+        // SAFETY: stat of an fd we hold into a zeroed struct.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { libc::fstat(fd, &mut st) } != 0 {
+            return Err(Error::io("fstat(shm)", io::Error::last_os_error()));
+        }
+        let len = st.st_size as usize;
+        let map = Mapping::map_fd(fd, len).map_err(|e| Error::io("mmap(shm)", e))?;
+        drop(guard);
+        // SAFETY: the mapping is page aligned and `len` long, and lives in the ShmRing.
+        let ring = unsafe { Ring::attach(map.ptr, len) }.map_err(|reason| Error::Unsupported {
+            what: "attaching a shared-memory ring",
+            reason: format!("{name}: {reason}"),
+        })?;
+        Ok(ShmRing {
+            ring,
+            _map: map,
+            name: name.to_owned(),
+            owner: false,
+        })
+    }
+
+    pub fn owner_pid(&self) -> u32 {
+        self.ring
+            .header()
+            .owner_pid
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Drop for ShmRing {
+    fn drop(&mut self) {
+        if self.owner {
+            let c = cname(&self.name);
+            // SAFETY: valid name; we created it.
+            unsafe { libc::shm_unlink(c.as_ptr()) };
+        }
+    }
+}
+
+struct Fd(i32);
+impl Drop for Fd {
+    fn drop(&mut self) {
+        // SAFETY: we own the descriptor.
+        unsafe { libc::close(self.0) };
+    }
+}
+
+/// Host memory in a memfd: shareable with local peers by passing the fd.
+pub(crate) struct MemfdBuf {
+    pub fd: i32,
+    pub map: Mapping,
+}
+
+impl MemfdBuf {
+    pub fn new(len: usize) -> Result<MemfdBuf> {
+        let name = cname("ferry-host");
+        // SAFETY: valid name; flags are plain bits.
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(Error::io("memfd_create", io::Error::last_os_error()));
+        }
+        // SAFETY: fd is ours.
+        if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
+            let e = io::Error::last_os_error();
+            // SAFETY: fd is ours.
+            unsafe { libc::close(fd) };
+            return Err(Error::io("ftruncate(memfd)", e));
+        }
+        let map = match Mapping::map_fd(fd, len) {
+            Ok(m) => m,
+            Err(e) => {
+                // SAFETY: fd is ours.
+                unsafe { libc::close(fd) };
+                return Err(Error::io("mmap(memfd)", e));
+            }
+        };
+        Ok(MemfdBuf { fd, map })
+    }
+}
+
+impl Drop for MemfdBuf {
+    fn drop(&mut self) {
+        // SAFETY: we own the descriptor (the mapping drops separately).
+        unsafe { libc::close(self.fd) };
+    }
+}
+
+/// Names of the shared-memory objects ferry makes, so tests and tools can
+/// find them: `/dev/shm/ferry-<sender id>-<receiver id>`, and the accept
+/// ring `/dev/shm/ferry-<id>`.
+pub(crate) fn accept_ring_name(id: u64) -> String {
+    format!("/ferry-{id:016x}")
+}
+
+pub(crate) fn pair_ring_name(sender: u64, receiver: u64) -> String {
+    format!("/ferry-{sender:016x}-{receiver:016x}")
+}
+
+/// Identifies this host and its /dev/shm: peers with the same token can
+/// reach each other's rings. Zero if it cannot be determined.
+pub(crate) fn host_token() -> u64 {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let Ok(meta) = std::fs::metadata("/dev/shm") else {
+        return 0;
+    };
+    if boot.is_empty() {
+        return 0;
+    }
+    use std::os::unix::fs::MetadataExt;
+    let mut h = crate::testkit::fnv64(boot.trim().as_bytes());
+    h ^= meta.dev().wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    h ^= meta.ino().rotate_left(17);
+    h.max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_object_is_0600_and_removed_on_drop() {
+        use std::os::unix::fs::PermissionsExt;
+        let name = format!("/ferry-test-{:x}", std::process::id());
+        let r = ShmRing::create(&name, 8, 1).unwrap();
+        let path = format!("/dev/shm{name}");
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode & 0o077, 0, "mode {mode:o} lets others in");
+        let p = ShmRing::open(&name).unwrap();
+        p.ring.push(b"x").unwrap();
+        assert_eq!(r.ring.len(), 1);
+        assert!(
+            ShmRing::create(&name, 8, 2).is_err(),
+            "a live owner's ring is not taken over"
+        );
+        drop(p);
+        drop(r);
+        assert!(!std::path::Path::new(&path).exists());
+    }
+
+    #[test]
+    fn stale_ring_of_a_dead_owner_is_recreated() {
+        let name = format!("/ferry-test-stale-{:x}", std::process::id());
+        let r = ShmRing::create(&name, 8, 1).unwrap();
+        // Pretend the owner died: pid 0 is never alive.
+        r.ring
+            .header()
+            .owner_pid
+            .store(0, std::sync::atomic::Ordering::Relaxed);
+        std::mem::forget(r);
+        let fresh = ShmRing::create(&name, 8, 9).unwrap();
+        assert_eq!(
+            fresh
+                .ring
+                .header()
+                .generation
+                .load(std::sync::atomic::Ordering::Relaxed),
+            9
+        );
+        assert_eq!(fresh.owner_pid(), std::process::id());
+    }
+
+    #[test]
+    fn memfd_buffer_maps() {
+        let m = MemfdBuf::new(1 << 20).unwrap();
+        // SAFETY: the mapping is 1 MiB long.
+        unsafe { *m.map.ptr.add(12345) = 7 };
+        let again = Mapping::map_fd(m.fd, 1 << 20).unwrap();
+        // SAFETY: same length, shared mapping of the same memfd.
+        assert_eq!(unsafe { *again.ptr.add(12345) }, 7);
+        assert_ne!(host_token(), 0);
+    }
+}

@@ -1,0 +1,339 @@
+//! A bounded multi-producer single-consumer ring of fixed-size slots, laid
+//! out so it can live in memory shared between processes.
+//!
+//! The algorithm is Vyukov's bounded queue: each slot carries a sequence
+//! number; a producer claims position `p` by a CAS on `enqueue`, fills the
+//! slot and publishes it by storing `seq = p + 1` (Release); the consumer
+//! takes it when `seq == p + 1` (Acquire) and frees it by storing
+//! `seq = p + capacity`. A full ring hands the message back: back-pressure.
+//! `enqueue` and `dequeue` sit on separate cache lines, away from the
+//! header, so producers and the consumer do not false-share.
+//!
+//! `Ring` works over any suitably aligned memory; `ShmRing` (in `shm.rs`)
+//! puts one in a POSIX shared-memory object. The unit tests run the same
+//! code on heap memory, under Miri too.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+pub const RING_MAGIC: u64 = u64::from_le_bytes(*b"FRYRING1");
+pub const SLOT_BYTES: usize = 256;
+/// Bytes of message a slot holds.
+pub const SLOT_PAYLOAD: usize = SLOT_BYTES - 16;
+const LINE: usize = 128;
+
+/// The first bytes of the mapping: what the ring is and who owns it.
+#[repr(C, align(128))]
+pub struct Header {
+    pub magic: AtomicU64,
+    pub version: AtomicU32,
+    pub slot_bytes: AtomicU32,
+    pub capacity: AtomicU32,
+    /// Process that created the ring and is its only consumer.
+    pub owner_pid: AtomicU32,
+    /// Random per creation: a reader that cached a ring can tell it was
+    /// re-created.
+    pub generation: AtomicU64,
+}
+
+#[repr(C, align(128))]
+struct Cursor(AtomicU64);
+
+#[repr(C)]
+struct Slot {
+    seq: AtomicU64,
+    len: AtomicU32,
+    _pad: u32,
+    data: [u8; SLOT_PAYLOAD],
+}
+
+const _: () = assert!(std::mem::size_of::<Slot>() == SLOT_BYTES);
+const _: () = assert!(std::mem::size_of::<Header>() == LINE);
+
+/// Bytes a ring of `capacity` slots occupies.
+pub const fn ring_bytes(capacity: usize) -> usize {
+    3 * LINE + capacity * SLOT_BYTES
+}
+
+/// What went wrong with a ring's memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RingError {
+    Full,
+    TooLong { len: usize, max: usize },
+}
+
+/// A view of a ring in memory this value does not own.
+pub struct Ring {
+    base: *mut u8,
+    capacity: u64,
+}
+
+// SAFETY: every access to the shared memory goes through atomics or through
+// slot payloads handed between threads by the seq protocol.
+unsafe impl Send for Ring {}
+// SAFETY: as above; producers on several threads is the design.
+unsafe impl Sync for Ring {}
+
+impl Ring {
+    /// Lays out a fresh ring in `base`.
+    ///
+    /// # Safety
+    /// `base` must be 128-byte aligned, valid for `ring_bytes(capacity)`
+    /// bytes, and not in use by anyone else yet. `capacity` is a power of two.
+    pub unsafe fn init(base: *mut u8, capacity: usize, owner_pid: u32, generation: u64) -> Ring {
+        assert!(capacity.is_power_of_two());
+        let r = Ring {
+            base,
+            capacity: capacity as u64,
+        };
+        let h = r.header();
+        h.version.store(1, Ordering::Relaxed);
+        h.slot_bytes.store(SLOT_BYTES as u32, Ordering::Relaxed);
+        h.capacity.store(capacity as u32, Ordering::Relaxed);
+        h.owner_pid.store(owner_pid, Ordering::Relaxed);
+        h.generation.store(generation, Ordering::Relaxed);
+        r.enqueue().store(0, Ordering::Relaxed);
+        r.dequeue().store(0, Ordering::Relaxed);
+        for i in 0..capacity {
+            r.slot(i as u64).seq.store(i as u64, Ordering::Relaxed);
+        }
+        // Magic last: a ring is valid only once fully laid out.
+        h.magic.store(RING_MAGIC, Ordering::Release);
+        r
+    }
+
+    /// Views an existing ring, checking its header against `len` bytes.
+    ///
+    /// # Safety
+    /// `base` must be 128-byte aligned and valid for `len` bytes for as long
+    /// as the returned value lives.
+    pub unsafe fn attach(base: *mut u8, len: usize) -> Result<Ring, String> {
+        if len < ring_bytes(1) {
+            return Err(format!("mapping of {len} bytes is too small for a ring"));
+        }
+        // SAFETY: len covers the header, per the check above.
+        let h = unsafe { &*(base as *const Header) };
+        if h.magic.load(Ordering::Acquire) != RING_MAGIC {
+            return Err("no ring magic (not a ferry ring, or not yet laid out)".into());
+        }
+        let (v, sb, cap) = (
+            h.version.load(Ordering::Relaxed),
+            h.slot_bytes.load(Ordering::Relaxed),
+            h.capacity.load(Ordering::Relaxed),
+        );
+        if v != 1
+            || sb as usize != SLOT_BYTES
+            || !cap.is_power_of_two()
+            || ring_bytes(cap as usize) > len
+        {
+            return Err(format!(
+                "ring header says version {v}, slot {sb} B, {cap} slots in a {len}-byte mapping"
+            ));
+        }
+        Ok(Ring {
+            base,
+            capacity: cap as u64,
+        })
+    }
+
+    pub fn header(&self) -> &Header {
+        // SAFETY: init/attach established the header is in bounds.
+        unsafe { &*(self.base as *const Header) }
+    }
+
+    fn enqueue(&self) -> &AtomicU64 {
+        // SAFETY: the second line of the mapping.
+        unsafe { &(*(self.base.add(LINE) as *const Cursor)).0 }
+    }
+
+    fn dequeue(&self) -> &AtomicU64 {
+        // SAFETY: the third line of the mapping.
+        unsafe { &(*(self.base.add(2 * LINE) as *const Cursor)).0 }
+    }
+
+    fn slot(&self, pos: u64) -> &Slot {
+        let i = (pos & (self.capacity - 1)) as usize;
+        // SAFETY: i < capacity, and the slots follow the three lines.
+        unsafe { &*(self.base.add(3 * LINE + i * SLOT_BYTES) as *const Slot) }
+    }
+
+    fn slot_data(&self, pos: u64) -> *mut u8 {
+        let i = (pos & (self.capacity - 1)) as usize;
+        // SAFETY: as in `slot`; data starts 16 bytes into the slot.
+        unsafe { self.base.add(3 * LINE + i * SLOT_BYTES + 16) }
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity as usize
+    }
+
+    /// Appends one message; `Err(Full)` hands back nothing was written.
+    pub fn push(&self, msg: &[u8]) -> Result<(), RingError> {
+        if msg.len() > SLOT_PAYLOAD {
+            return Err(RingError::TooLong {
+                len: msg.len(),
+                max: SLOT_PAYLOAD,
+            });
+        }
+        let enq = self.enqueue();
+        let mut pos = enq.load(Ordering::Relaxed);
+        loop {
+            let seq = self.slot(pos).seq.load(Ordering::Acquire);
+            let dif = seq.wrapping_sub(pos) as i64;
+            if dif == 0 {
+                match enq.compare_exchange_weak(pos, pos + 1, Ordering::Relaxed, Ordering::Relaxed)
+                {
+                    Ok(_) => break,
+                    Err(cur) => pos = cur,
+                }
+            } else if dif < 0 {
+                return Err(RingError::Full);
+            } else {
+                pos = enq.load(Ordering::Relaxed);
+            }
+        }
+        let slot = self.slot(pos);
+        // SAFETY: winning the CAS for `pos` gives this producer the slot
+        // until it publishes seq = pos + 1; msg fits the payload.
+        unsafe { std::ptr::copy_nonoverlapping(msg.as_ptr(), self.slot_data(pos), msg.len()) };
+        slot.len.store(msg.len() as u32, Ordering::Relaxed);
+        slot.seq.store(pos + 1, Ordering::Release);
+        Ok(())
+    }
+
+    /// Takes the oldest message into `out` (which must hold `SLOT_PAYLOAD`
+    /// bytes) and returns its length. Only the ring's one consumer may call it.
+    pub fn pop(&self, out: &mut [u8; SLOT_PAYLOAD]) -> Option<usize> {
+        let deq = self.dequeue();
+        let pos = deq.load(Ordering::Relaxed);
+        let slot = self.slot(pos);
+        if slot.seq.load(Ordering::Acquire) != pos + 1 {
+            return None;
+        }
+        // A hostile producer can write any length; never read past the slot.
+        let len = (slot.len.load(Ordering::Relaxed) as usize).min(SLOT_PAYLOAD);
+        // SAFETY: seq == pos + 1 (Acquire) means the producer finished
+        // writing; the slot is ours until we store the next seq.
+        unsafe { std::ptr::copy_nonoverlapping(self.slot_data(pos), out.as_mut_ptr(), len) };
+        slot.seq.store(pos + self.capacity, Ordering::Release);
+        deq.store(pos + 1, Ordering::Relaxed);
+        Some(len)
+    }
+
+    /// Messages published and not yet taken (approximate under concurrency).
+    pub fn len(&self) -> usize {
+        let e = self.enqueue().load(Ordering::Relaxed);
+        let d = self.dequeue().load(Ordering::Relaxed);
+        e.saturating_sub(d) as usize
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::alloc::{alloc_zeroed, dealloc, Layout};
+    use std::sync::Arc;
+
+    struct Heap {
+        ptr: *mut u8,
+        layout: Layout,
+    }
+    // SAFETY: test-only owner of a heap block shared through Ring's atomics.
+    unsafe impl Send for Heap {}
+    // SAFETY: as above.
+    unsafe impl Sync for Heap {}
+    impl Drop for Heap {
+        fn drop(&mut self) {
+            // SAFETY: allocated with this layout in `heap_ring`.
+            unsafe { dealloc(self.ptr, self.layout) }
+        }
+    }
+
+    fn heap_ring(cap: usize) -> (Arc<Heap>, Ring) {
+        let layout = Layout::from_size_align(ring_bytes(cap), 128).unwrap();
+        // SAFETY: non-zero size.
+        let ptr = unsafe { alloc_zeroed(layout) };
+        // SAFETY: fresh, aligned, large enough.
+        let r = unsafe { Ring::init(ptr, cap, 1, 2) };
+        (Arc::new(Heap { ptr, layout }), r)
+    }
+
+    #[test]
+    fn fifo_full_and_wrap() {
+        let (_h, r) = heap_ring(4);
+        let mut out = [0u8; SLOT_PAYLOAD];
+        assert!(r.pop(&mut out).is_none());
+        for round in 0..5u8 {
+            for i in 0..4u8 {
+                r.push(&[round, i, 9]).unwrap();
+            }
+            assert_eq!(r.push(&[0]), Err(RingError::Full));
+            assert_eq!(r.len(), 4);
+            for i in 0..4u8 {
+                assert_eq!(r.pop(&mut out), Some(3));
+                assert_eq!(&out[..3], &[round, i, 9]);
+            }
+        }
+        assert_eq!(r.len(), 0);
+        assert!(matches!(
+            r.push(&[0; SLOT_PAYLOAD + 1]),
+            Err(RingError::TooLong { .. })
+        ));
+    }
+
+    #[test]
+    fn attach_checks_the_header() {
+        let (h, r) = heap_ring(8);
+        // SAFETY: the heap block is alive and ring_bytes(8) long.
+        let again = unsafe { Ring::attach(h.ptr, ring_bytes(8)) }.unwrap();
+        r.push(b"hi").unwrap();
+        let mut out = [0u8; SLOT_PAYLOAD];
+        assert_eq!(again.pop(&mut out), Some(2));
+        // SAFETY: as above; a short length must be refused.
+        assert!(unsafe { Ring::attach(h.ptr, ring_bytes(4)) }.is_err());
+        r.header().magic.store(0, Ordering::Relaxed);
+        // SAFETY: as above.
+        assert!(unsafe { Ring::attach(h.ptr, ring_bytes(8)) }.is_err());
+    }
+
+    #[test]
+    fn many_producers_one_consumer_lose_nothing() {
+        let (h, r) = heap_ring(16);
+        let r = Arc::new(r);
+        let producers = 4;
+        let per = if cfg!(miri) { 50 } else { 20_000 };
+        let hs: Vec<_> = (0..producers)
+            .map(|p| {
+                let (r, _h) = (r.clone(), h.clone());
+                std::thread::spawn(move || {
+                    for i in 0..per as u32 {
+                        let mut m = [0u8; 8];
+                        m[..4].copy_from_slice(&(p as u32).to_le_bytes());
+                        m[4..].copy_from_slice(&i.to_le_bytes());
+                        while r.push(&m).is_err() {
+                            std::thread::yield_now();
+                        }
+                    }
+                })
+            })
+            .collect();
+        let mut next = vec![0u32; producers];
+        let mut out = [0u8; SLOT_PAYLOAD];
+        let mut got = 0;
+        while got < producers * per {
+            if let Some(n) = r.pop(&mut out) {
+                assert_eq!(n, 8);
+                let p = u32::from_le_bytes(out[..4].try_into().unwrap()) as usize;
+                let i = u32::from_le_bytes(out[4..8].try_into().unwrap());
+                assert_eq!(i, next[p], "producer {p}'s messages stay in order");
+                next[p] += 1;
+                got += 1;
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        for t in hs {
+            t.join().unwrap();
+        }
+        assert_eq!(r.len(), 0);
+    }
+}
