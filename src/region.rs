@@ -2,7 +2,33 @@
 //! table a target consults to check every remote request.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
+
+/// A multiply-shift hasher for the engine's small integer keys (rkeys,
+/// connection ids): the hot-path tables need speed, not DoS resistance, and
+/// their keys come from this process (a peer can only name them).
+#[derive(Default, Clone, Copy)]
+pub(crate) struct IntHasher(u64);
+
+impl Hasher for IntHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(b as u64);
+        }
+    }
+    fn write_u32(&mut self, v: u32) {
+        self.write_u64(v as u64);
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+pub(crate) type IntMap<K, V> = HashMap<K, V, BuildHasherDefault<IntHasher>>;
 
 use bitflags::bitflags;
 
@@ -93,7 +119,7 @@ impl Regions for RegionTable {
 /// The registrations one shard knows, keyed by rkey.
 #[derive(Default)]
 pub(crate) struct RegionTable {
-    by_key: HashMap<u32, Arc<Region>>,
+    by_key: IntMap<u32, Arc<Region>>,
 }
 
 impl RegionTable {

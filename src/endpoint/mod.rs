@@ -339,6 +339,16 @@ impl Endpoint {
         std::mem::take(&mut *self.embedded.lock().expect("lock"))
     }
 
+    /// Who is at the other end of `conn` (and so which path it uses).
+    pub fn peer(&self, conn: ConnId) -> Option<Peer> {
+        self.inner
+            .conns
+            .lock()
+            .expect("lock")
+            .get(&conn)
+            .map(|c| c.peer)
+    }
+
     /// Operations in flight or completed but not yet reaped.
     pub fn inflight_ops(&self) -> usize {
         self.inner.table.in_use()

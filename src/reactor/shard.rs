@@ -28,13 +28,13 @@ const WAKER: Token = Token(usize::MAX);
 /// starve the sockets.
 const COMMANDS_PER_POLL: usize = 256;
 /// `poll` calls between looks at the fd-passing socket.
-const FD_CHECK_EVERY: u32 = 256;
+const FD_CHECK_EVERY: u32 = 4096;
 /// A parked shard with same-host work wakes this often: shared-memory rings
 /// cannot wake an epoll wait.
 const LOCAL_PARK: Duration = Duration::from_millis(1);
 const ACCEPT_RING_PARK: Duration = Duration::from_millis(10);
 /// `poll` calls between checks for timed-out requests.
-const TIMEOUT_CHECK_EVERY: u32 = 1024;
+const TIMEOUT_CHECK_EVERY: u32 = 8192;
 /// Dead connections remembered, so later calls on them get the error that
 /// killed them; past this the memory is cleared.
 const FAILED_MEMORY: usize = 4096;
@@ -93,7 +93,7 @@ pub struct Shard {
     events: Events,
     conns: Slab<Conn>,
     local: Slab<LocalConn>,
-    by_id: HashMap<ConnId, ConnRef>,
+    by_id: crate::region::IntMap<ConnId, ConnRef>,
     local_setup: Option<LocalSetup>,
     peer_maps: PeerMaps,
     failed: HashMap<ConnId, String>,
@@ -210,9 +210,9 @@ impl Shard {
             events: Events::with_capacity(64),
             conns: Slab::new(),
             local: Slab::new(),
-            by_id: HashMap::new(),
+            by_id: Default::default(),
             local_setup,
-            peer_maps: PeerMaps::new(),
+            peer_maps: PeerMaps::default(),
             failed: HashMap::new(),
             regions: RegionTable::default(),
             done: Vec::with_capacity(table.capacity()),
@@ -266,7 +266,10 @@ impl Shard {
         fence(Ordering::SeqCst);
         // One more pass after announcing the park: a submitter that did not
         // see `parked` queued its item before it, so this pass finds it.
-        if self.poll() == 0 {
+        // Replies on shared-memory rings cannot wake an epoll wait: with
+        // same-host requests outstanding, keep spinning instead.
+        let awaiting_local = self.local.iter().any(|(_, c)| c.has_pending());
+        if self.poll() == 0 && !awaiting_local {
             let mut wait = max
                 .min(self.cfg.op_timeout / 4)
                 .max(Duration::from_millis(1));

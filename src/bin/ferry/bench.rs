@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use ferry::testkit::read_served;
-use ferry::{Config, ConnId, Endpoint, MemoryRegion, Mode, OpKind, RemoteBuf, Shard, Transfer};
+use ferry::{
+    Config, ConnId, Endpoint, MemoryRegion, Mode, OpKind, RemoteBuf, Shard, Transfer, Transport,
+};
 
 use crate::args::{fmt_size, parse_size, Args};
 use crate::raw;
@@ -25,18 +27,21 @@ its shard from the benchmark loop (embedded mode, busy-polling); the target
 runs a managed shard.
 
 Flags:
-  --transport auto|tcp   data path (default auto; this build has tcp)
+  --transport auto|tcp|shm
+                         data path (default auto, which picks shm: the
+                         target is a process on this host)
   --op write|read|both   operations to measure (default both)
   --sizes LIST           block sizes (default 4K,64K,1M,16M,64M)
   --batch N              operations in flight (default 32; capped so that
                          batch x block <= 1 GiB)
   --seconds S            measuring time per point (default 1)
   --latency              also 8-byte one-op round trips: p50/p99/p999 in us
-  --baseline             also plain one-stream TCP send/recv between two
-                         processes (and a TCP ping-pong for --latency), same
+  --baseline             also a reference measured in the same run, same
                          sizes, same memory footprint (blocks cycle through
-                         as many distinct buffers as ferry's run), same run;
-                         prints ferry's ratio to it
+                         as many distinct buffers as ferry's run), and
+                         prints ferry's ratio to it. tcp: plain one-stream
+                         TCP send/recv between two processes (and a TCP
+                         ping-pong for --latency); shm: single-thread memcpy
   --rounds N             measure each point N times, alternating with the
                          baseline, and report medians (default 3 with
                          --baseline, else 1)
@@ -44,6 +49,7 @@ Flags:
 Environment: FERRY_* variables apply to both processes (see the README).";
 
 struct Opts {
+    transport: Transport,
     ops: Vec<OpKind>,
     sizes: Vec<usize>,
     batch: usize,
@@ -55,6 +61,7 @@ struct Opts {
 }
 
 struct Row {
+    transport: &'static str,
     op: &'static str,
     block: usize,
     batch: usize,
@@ -71,10 +78,12 @@ struct Row {
 }
 
 fn parse(mut a: Args) -> Result<Opts> {
-    let transport = a.value("transport").unwrap_or_else(|| "auto".into());
-    if transport != "auto" && transport != "tcp" {
-        bail!("--transport {transport}: this build has the tcp transport only (auto picks it)");
-    }
+    let transport = match a.value("transport").as_deref().unwrap_or("auto") {
+        "auto" => Transport::Auto,
+        "tcp" => Transport::Tcp,
+        "shm" => Transport::Shm,
+        t => bail!("--transport {t}: expected auto, tcp or shm (the transports this build has)"),
+    };
     let ops = match a.value("op").as_deref().unwrap_or("both") {
         "write" => vec![OpKind::Write],
         "read" => vec![OpKind::Read],
@@ -104,6 +113,7 @@ fn parse(mut a: Args) -> Result<Opts> {
         bail!("--rounds {rounds}: must be 1..=100");
     }
     let o = Opts {
+        transport,
         ops,
         sizes,
         batch,
@@ -222,7 +232,7 @@ impl Bench<'_> {
             if now < end {
                 while inflight.len() < batch {
                     let t = self.submit(op, (k % slots) * size, size)?;
-                    inflight.push_back((t, Instant::now()));
+                    inflight.push_back((t, now));
                     k += 1;
                 }
             } else if inflight.is_empty() {
@@ -235,13 +245,16 @@ impl Bench<'_> {
             } else if idle_since.elapsed() >= self.spin {
                 self.shard.park(Duration::from_millis(1));
             }
+            let mut done_now = None;
             while let Some((t, _)) = inflight.front_mut() {
                 match t.poll() {
                     None => break,
                     Some(r) => {
                         r.with_context(|| format!("{op} of {size} bytes"))?;
                         let (_, started) = inflight.pop_front().expect("front");
-                        let done = Instant::now();
+                        // One clock read per loop pass: reading it per op
+                        // costs the initiator a visible share of its time.
+                        let done = *done_now.get_or_insert_with(Instant::now);
                         if done >= warm_end && done < end {
                             if lat.len() < lat.capacity() {
                                 lat.push((done - started).as_secs_f64() * 1e6);
@@ -303,8 +316,8 @@ fn op_name(op: OpKind) -> &'static str {
 fn print_row(r: &Row, json: bool) {
     if json {
         let mut s = format!(
-            "{{\"transport\":\"tcp\",\"op\":\"{}\",\"block_bytes\":{},\"batch\":{},",
-            r.op, r.block, r.batch
+            "{{\"transport\":\"{}\",\"op\":\"{}\",\"block_bytes\":{},\"batch\":{},",
+            r.transport, r.op, r.block, r.batch
         );
         if !r.op.ends_with("_latency") {
             s += &format!("\"gbps\":{:.4},\"ops_per_s\":{:.0},", r.gbps, r.ops_per_s);
@@ -359,6 +372,12 @@ pub fn run(a: Args) -> Result<()> {
         "ferry bench: starting target process ({} registered)",
         fmt_size(bytes)
     );
+    let target_transport = if o.transport == Transport::Tcp {
+        "tcp"
+    } else {
+        "auto"
+    };
+    std::env::set_var("FERRY_TRANSPORT", target_transport);
     let mut child = spawn_self(&["serve", "--bytes", &bytes.to_string()])?;
     let mut out = BufReader::new(child.stdout.take().context("child stdout")?);
     let _target = Peer(child);
@@ -368,12 +387,22 @@ pub fn run(a: Args) -> Result<()> {
     cfg.listen_addr = "127.0.0.1".parse()?;
     cfg.mode = Mode::Embedded;
     cfg.shards = 1;
+    cfg.transport = o.transport;
     let ep = Endpoint::builder().config(cfg).build()?;
     let shard = ep.take_shards().pop().context("embedded shard")?;
     let conn = ep.add_remote(&served.meta)?;
+    let shm = matches!(ep.peer(conn), Some(ferry::Peer::Local { .. }));
+    let transport = if shm { "shm" } else { "tcp" };
     // Touch every page now, as an application's live buffers are: first-touch
-    // page faults would otherwise be measured as transfer time.
-    let local = ep.register(vec![0x3cu8; bytes])?;
+    // page faults would otherwise be measured as transfer time. On the
+    // same-host path the buffer is memfd memory the target maps.
+    let local = if shm {
+        let m = ep.alloc_host(bytes)?;
+        m.write_at(0, &vec![0x3cu8; bytes])?;
+        m
+    } else {
+        ep.register(vec![0x3cu8; bytes])?
+    };
     let spin = Duration::from_micros(ep.config().spin_us);
     let mut b = Bench {
         ep: &ep,
@@ -384,15 +413,19 @@ pub fn run(a: Args) -> Result<()> {
         spin,
     };
 
-    let mut raw_peer = if o.baseline {
-        Some(raw::RawPeer::spawn()?)
-    } else {
-        None
+    let mut reference = match (o.baseline, shm) {
+        (false, _) => None,
+        (true, false) => Some(Reference::Tcp(raw::RawPeer::spawn()?)),
+        (true, true) => Some(Reference::Memcpy(Vec::new(), Vec::new())),
     };
     if !o.json {
-        let base = if o.baseline { "  raw GB/s   ratio" } else { "" };
+        let base = match (o.baseline, shm) {
+            (false, _) => "",
+            (true, false) => "  raw GB/s   ratio",
+            (true, true) => "memcpy GB/s  ratio",
+        };
         println!(
-            "transport tcp, control path {}, {} round(s) of {} s per point{}",
+            "transport {transport}, control path {}, {} round(s) of {} s per point{}",
             ep.io_backend().0,
             o.rounds,
             o.seconds,
@@ -424,8 +457,8 @@ pub fn run(a: Args) -> Result<()> {
                 gbps.push(g);
                 opss.push(ops_per_s);
                 lat.extend(l);
-                if let Some(p) = &mut raw_peer {
-                    let raw = p.stream_gbps(op == OpKind::Read, size, b.slots(size), o.seconds)?;
+                if let Some(p) = &mut reference {
+                    let raw = p.gbps(op == OpKind::Read, size, b.slots(size), o.seconds)?;
                     base.push(raw);
                     ratios.push(g / raw);
                 }
@@ -433,6 +466,7 @@ pub fn run(a: Args) -> Result<()> {
             let lat = sorted(lat);
             print_row(
                 &Row {
+                    transport,
                     op: op_name(op),
                     block: size,
                     batch,
@@ -466,7 +500,7 @@ pub fn run(a: Args) -> Result<()> {
                 p50.push(percentile(&lat, 0.5));
                 p99.push(percentile(&lat, 0.99));
                 p999.push(percentile(&lat, 0.999));
-                if let Some(p) = &mut raw_peer {
+                if let Some(Reference::Tcp(p)) = &mut reference {
                     let base = sorted(p.ping_pong_us(o.seconds)?);
                     b50.push(percentile(&base, 0.5));
                     b99.push(percentile(&base, 0.99));
@@ -474,6 +508,7 @@ pub fn run(a: Args) -> Result<()> {
             }
             print_row(
                 &Row {
+                    transport,
                     op: if op == OpKind::Write {
                         "write_latency"
                     } else {
@@ -496,4 +531,44 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// What ferry is compared with: raw TCP between two processes, or a
+/// single-thread memcpy (for the same-host path).
+enum Reference {
+    Tcp(raw::RawPeer),
+    Memcpy(Vec<u8>, Vec<u8>),
+}
+
+impl Reference {
+    fn gbps(&mut self, reverse: bool, size: usize, slots: usize, secs: f64) -> Result<f64> {
+        match self {
+            Reference::Tcp(p) => p.stream_gbps(reverse, size, slots, secs),
+            Reference::Memcpy(src, dst) => {
+                // Page-aligned source and destination: glibc's memcpy slows
+                // down ~15x here when the destination sits just past the
+                // source modulo 4 KiB, and the reference must not.
+                let need = size * slots + 4096;
+                if src.len() < need {
+                    *src = vec![0x5a; need];
+                    *dst = vec![0xa5; need];
+                }
+                let (s0, d0) = (
+                    src.as_ptr().align_offset(4096),
+                    dst.as_ptr().align_offset(4096),
+                );
+                let dur = Duration::from_secs_f64(secs);
+                let start = Instant::now();
+                let (mut k, mut bytes) = (0usize, 0u64);
+                while start.elapsed() < dur {
+                    let off = (k % slots) * size;
+                    dst[d0 + off..d0 + off + size].copy_from_slice(&src[s0 + off..s0 + off + size]);
+                    std::hint::black_box(&mut dst[d0 + off]);
+                    k += 1;
+                    bytes += size as u64;
+                }
+                Ok(bytes as f64 / start.elapsed().as_secs_f64() / 1e9)
+            }
+        }
+    }
 }
