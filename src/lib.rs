@@ -27,6 +27,11 @@
 //! * **tcp**: one-sided WRITE/READ over kernel TCP, payload sent from and
 //!   received into registered memory; the target checks key, bounds and
 //!   access of every request.
+//! * **shm**: between processes of one host, messages on shared-memory
+//!   rings and one copy by the target: a memcpy out of or into the peer's
+//!   memfd memory (`alloc_host`, shared by fd passing), or
+//!   `process_vm_readv/writev` for other memory. `add_remote` picks it by
+//!   itself when the peer is on this host (`FERRY_TRANSPORT`).
 //!
 //! ## Example
 //!
@@ -74,3 +79,9 @@ pub use error::{ConnId, Error, OpKind, Result};
 pub use reactor::{Shard, Transfer};
 pub use region::Access;
 pub use wire::{EndpointMetadata, RemoteBuf};
+
+/// Whether the same-host (shared-memory) path can work on this machine;
+/// `Err` says why not.
+pub fn probe_shm() -> std::result::Result<(), String> {
+    shm::probe()
+}

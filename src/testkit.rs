@@ -85,3 +85,37 @@ pub fn read_served(out: &mut impl std::io::BufRead) -> Result<Served, String> {
         rbuf_wo: wo.ok_or("no RBUF_WO line")?,
     })
 }
+
+/// A shared-memory ring, for the multi-process stress test.
+pub struct TestRing(crate::shm::object::ShmRing);
+
+impl TestRing {
+    /// Creates (and on drop removes) the ring `name` ("/ferry-...").
+    pub fn create(name: &str, capacity: usize) -> crate::Result<TestRing> {
+        Ok(TestRing(crate::shm::object::ShmRing::create(
+            name, capacity, 1,
+        )?))
+    }
+
+    pub fn open(name: &str) -> crate::Result<TestRing> {
+        Ok(TestRing(crate::shm::object::ShmRing::open(name)?))
+    }
+
+    /// `false` when the ring is full.
+    pub fn push(&self, msg: &[u8]) -> bool {
+        self.0.ring.push(msg).is_ok()
+    }
+
+    pub fn pop(&self) -> Option<Vec<u8>> {
+        let mut buf = [0u8; crate::shm::ring::SLOT_PAYLOAD];
+        self.0.ring.pop(&mut buf).map(|n| buf[..n].to_vec())
+    }
+}
+
+/// Decodes a shared-memory ring message and encodes it again (fuzzing).
+pub fn shm_msg_round_trip(data: &[u8]) -> Option<Vec<u8>> {
+    let (m, inline) = crate::shm::msg::Msg::decode(data).ok()?;
+    let mut out = [0u8; crate::shm::ring::SLOT_PAYLOAD];
+    let n = m.encode(inline, &mut out);
+    Some(out[..n].to_vec())
+}

@@ -218,6 +218,9 @@ impl Endpoint {
             sq_depth: cfg.sq_depth,
         };
         let id = random_u64();
+        if cfg.transport != Transport::Tcp {
+            crate::shm::object::sweep_stale();
+        }
         let (connects_tx, connects_rx) = mpsc::sync_channel(64);
         let mut local_setup = None;
         let shm_note = if cfg.transport == Transport::Tcp {

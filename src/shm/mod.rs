@@ -12,3 +12,13 @@ pub(crate) mod local;
 pub(crate) mod msg;
 pub(crate) mod object;
 pub(crate) mod ring;
+
+/// Whether same-host connections can work here: a ring can be created in
+/// /dev/shm and an abstract Unix socket bound. `Err` says why not.
+pub fn probe() -> Result<(), String> {
+    let name = format!("/ferry-probe-{:x}", std::process::id());
+    object::ShmRing::create(&name, 1, 0).map_err(|e| format!("shared memory: {e}"))?;
+    fdpass::FdListener::bind(u64::from(std::process::id()) << 32 | 0xfeed)
+        .map_err(|e| format!("abstract Unix socket for fd passing: {e}"))?;
+    Ok(())
+}

@@ -74,6 +74,51 @@ pub(crate) fn this_pid() -> u32 {
     std::process::id()
 }
 
+/// Inode of this process's pid namespace (0 if unknown).
+pub(crate) fn pid_ns() -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid")
+        .map(|m| m.ino())
+        .unwrap_or(0)
+}
+
+/// Whether the owner of `ring` is certainly gone: same pid namespace as
+/// ours (else its pid means nothing here) and no such process.
+fn owner_gone(ring: &ShmRing) -> bool {
+    let h = ring.ring.header();
+    h.pid_ns.load(std::sync::atomic::Ordering::Relaxed) == pid_ns() && !pid_alive(ring.owner_pid())
+}
+
+/// Removes the ferry rings in /dev/shm whose owner process died without
+/// cleaning up. Returns how many were removed.
+pub(crate) fn sweep_stale() -> usize {
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+        return 0;
+    };
+    let mut n = 0;
+    for e in dir.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("ferry-") {
+            continue;
+        }
+        let path = format!("/{name}");
+        if let Ok(r) = ShmRing::open(&path) {
+            if owner_gone(&r) {
+                let c = cname(&path);
+                // SAFETY: valid name; the owner is gone.
+                unsafe { libc::shm_unlink(c.as_ptr()) };
+                tracing::info!(
+                    name,
+                    pid = r.owner_pid(),
+                    "removed a ring left by a process that is gone"
+                );
+                n += 1;
+            }
+        }
+    }
+    n
+}
+
 /// A ring in a POSIX shared-memory object (`/dev/shm/<name>`).
 pub(crate) struct ShmRing {
     pub ring: Ring,
@@ -105,7 +150,7 @@ impl ShmRing {
                 if e.raw_os_error() == Some(libc::EEXIST) && !retried {
                     retried = true;
                     match Self::open(name) {
-                        Ok(old) if pid_alive(old.owner_pid()) => {
+                        Ok(old) if !owner_gone(&old) => {
                             return Err(Error::Unsupported {
                                 what: "creating a shared-memory ring",
                                 reason: format!(
@@ -136,7 +181,7 @@ impl ShmRing {
             drop(guard);
             // SAFETY: a fresh page-aligned mapping of `len` bytes nobody else
             // uses until the magic is published by init.
-            let ring = unsafe { Ring::init(map.ptr, capacity, this_pid(), generation) };
+            let ring = unsafe { Ring::init(map.ptr, capacity, this_pid(), pid_ns(), generation) };
             return Ok(ShmRing {
                 ring,
                 _map: map,

@@ -33,6 +33,9 @@ pub struct Header {
     /// Random per creation: a reader that cached a ring can tell it was
     /// re-created.
     pub generation: AtomicU64,
+    /// The owner's pid namespace (inode of /proc/self/ns/pid): its pid only
+    /// means something to processes in the same namespace.
+    pub pid_ns: AtomicU64,
 }
 
 #[repr(C, align(128))]
@@ -79,7 +82,13 @@ impl Ring {
     /// # Safety
     /// `base` must be 128-byte aligned, valid for `ring_bytes(capacity)`
     /// bytes, and not in use by anyone else yet. `capacity` is a power of two.
-    pub unsafe fn init(base: *mut u8, capacity: usize, owner_pid: u32, generation: u64) -> Ring {
+    pub unsafe fn init(
+        base: *mut u8,
+        capacity: usize,
+        owner_pid: u32,
+        pid_ns: u64,
+        generation: u64,
+    ) -> Ring {
         assert!(capacity.is_power_of_two());
         let r = Ring {
             base,
@@ -91,10 +100,11 @@ impl Ring {
         h.capacity.store(capacity as u32, Ordering::Relaxed);
         h.owner_pid.store(owner_pid, Ordering::Relaxed);
         h.generation.store(generation, Ordering::Relaxed);
+        h.pid_ns.store(pid_ns, Ordering::Relaxed);
         r.enqueue().store(0, Ordering::Relaxed);
         r.dequeue().store(0, Ordering::Relaxed);
         for i in 0..capacity {
-            r.slot(i as u64).seq.store(i as u64, Ordering::Relaxed);
+            r.seq(i as u64).store(i as u64, Ordering::Relaxed);
         }
         // Magic last: a ring is valid only once fully laid out.
         h.magic.store(RING_MAGIC, Ordering::Release);
@@ -150,16 +160,27 @@ impl Ring {
         unsafe { &(*(self.base.add(2 * LINE) as *const Cursor)).0 }
     }
 
-    fn slot(&self, pos: u64) -> &Slot {
+    /// The slot for `pos`, as a raw pointer: references to a whole slot
+    /// would cover its payload, which another process may be writing.
+    fn slot_ptr(&self, pos: u64) -> *mut Slot {
         let i = (pos & (self.capacity - 1)) as usize;
         // SAFETY: i < capacity, and the slots follow the three lines.
-        unsafe { &*(self.base.add(3 * LINE + i * SLOT_BYTES) as *const Slot) }
+        unsafe { self.base.add(3 * LINE + i * SLOT_BYTES) as *mut Slot }
+    }
+
+    fn seq(&self, pos: u64) -> &AtomicU64 {
+        // SAFETY: a reference to the atomic field alone, inside the mapping.
+        unsafe { &*std::ptr::addr_of!((*self.slot_ptr(pos)).seq) }
+    }
+
+    fn len_of(&self, pos: u64) -> &AtomicU32 {
+        // SAFETY: as for `seq`.
+        unsafe { &*std::ptr::addr_of!((*self.slot_ptr(pos)).len) }
     }
 
     fn slot_data(&self, pos: u64) -> *mut u8 {
-        let i = (pos & (self.capacity - 1)) as usize;
-        // SAFETY: as in `slot`; data starts 16 bytes into the slot.
-        unsafe { self.base.add(3 * LINE + i * SLOT_BYTES + 16) }
+        // SAFETY: a raw projection; no reference to the payload is made.
+        unsafe { std::ptr::addr_of_mut!((*self.slot_ptr(pos)).data) as *mut u8 }
     }
 
     pub fn capacity(&self) -> usize {
@@ -177,7 +198,7 @@ impl Ring {
         let enq = self.enqueue();
         let mut pos = enq.load(Ordering::Relaxed);
         loop {
-            let seq = self.slot(pos).seq.load(Ordering::Acquire);
+            let seq = self.seq(pos).load(Ordering::Acquire);
             let dif = seq.wrapping_sub(pos) as i64;
             if dif == 0 {
                 match enq.compare_exchange_weak(pos, pos + 1, Ordering::Relaxed, Ordering::Relaxed)
@@ -191,12 +212,11 @@ impl Ring {
                 pos = enq.load(Ordering::Relaxed);
             }
         }
-        let slot = self.slot(pos);
         // SAFETY: winning the CAS for `pos` gives this producer the slot
         // until it publishes seq = pos + 1; msg fits the payload.
         unsafe { std::ptr::copy_nonoverlapping(msg.as_ptr(), self.slot_data(pos), msg.len()) };
-        slot.len.store(msg.len() as u32, Ordering::Relaxed);
-        slot.seq.store(pos + 1, Ordering::Release);
+        self.len_of(pos).store(msg.len() as u32, Ordering::Relaxed);
+        self.seq(pos).store(pos + 1, Ordering::Release);
         Ok(())
     }
 
@@ -205,16 +225,15 @@ impl Ring {
     pub fn pop(&self, out: &mut [u8; SLOT_PAYLOAD]) -> Option<usize> {
         let deq = self.dequeue();
         let pos = deq.load(Ordering::Relaxed);
-        let slot = self.slot(pos);
-        if slot.seq.load(Ordering::Acquire) != pos + 1 {
+        if self.seq(pos).load(Ordering::Acquire) != pos + 1 {
             return None;
         }
         // A hostile producer can write any length; never read past the slot.
-        let len = (slot.len.load(Ordering::Relaxed) as usize).min(SLOT_PAYLOAD);
+        let len = (self.len_of(pos).load(Ordering::Relaxed) as usize).min(SLOT_PAYLOAD);
         // SAFETY: seq == pos + 1 (Acquire) means the producer finished
         // writing; the slot is ours until we store the next seq.
         unsafe { std::ptr::copy_nonoverlapping(self.slot_data(pos), out.as_mut_ptr(), len) };
-        slot.seq.store(pos + self.capacity, Ordering::Release);
+        self.seq(pos).store(pos + self.capacity, Ordering::Release);
         deq.store(pos + 1, Ordering::Relaxed);
         Some(len)
     }
@@ -253,7 +272,7 @@ mod tests {
         // SAFETY: non-zero size.
         let ptr = unsafe { alloc_zeroed(layout) };
         // SAFETY: fresh, aligned, large enough.
-        let r = unsafe { Ring::init(ptr, cap, 1, 2) };
+        let r = unsafe { Ring::init(ptr, cap, 1, 0, 2) };
         (Arc::new(Heap { ptr, layout }), r)
     }
 

@@ -21,7 +21,12 @@ pub fn run(a: Args) -> Result<()> {
     println!("  tcp           usable: kernel TCP, the default network path");
     println!("  verbs (rdma)  not usable: this build has no RDMA verbs transport yet");
     println!("  cuda-ipc      not usable: this build has no GPU path yet");
-    println!("  shm           not usable: this build has no same-host shared-memory path yet");
+    match ferry::probe_shm() {
+        Ok(()) => println!(
+            "  shm           usable: same-host peers (rings in /dev/shm, memfd host memory)"
+        ),
+        Err(why) => println!("  shm           not usable: {why}"),
+    }
     println!("control path:");
     match oob::probe_uring() {
         Ok(()) => println!("  io_uring      usable"),

@@ -1,0 +1,221 @@
+//! The same-host path: its shared-memory objects, crashed peers, the ring
+//! under several producer processes, and memfd host memory.
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+use ferry::testkit::{check_pattern, fill_pattern, fnv64, TestRing};
+use ferry::{Error, Peer};
+
+const MIB: usize = 1 << 20;
+
+fn shm_files_with(id_hex: &str) -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("ferry-") && n.contains(id_hex))
+        .collect()
+}
+
+#[test]
+fn shm_objects_are_private_and_removed_on_clean_shutdown() {
+    let mut t = Target::start_on(Path::Shm, MIB, &[]);
+    let ep = path_client(Path::Shm);
+    let conn = ep.add_remote(&t.served.meta).unwrap();
+    assert!(
+        matches!(ep.peer(conn), Some(Peer::Local { .. })),
+        "{:?}",
+        ep.peer(conn)
+    );
+    let me = format!("{:016x}", ep.id());
+    let files = shm_files_with(&me);
+    // Our accept ring, and one ring per direction of the connection.
+    assert_eq!(files.len(), 3, "{files:?}");
+    for f in &files {
+        let mode = std::fs::metadata(format!("/dev/shm/{f}"))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777;
+        assert_eq!(mode & 0o077, 0, "/dev/shm/{f} has mode {mode:o}");
+    }
+    let target_id = files
+        .iter()
+        .find_map(|f| f.strip_prefix(&format!("ferry-{me}-")).map(str::to_owned))
+        .expect("a ring from us to the target");
+    // Clean shutdown of both: the target when its stdin closes.
+    drop(t.child.stdin.take());
+    let status = t.child.wait().unwrap();
+    assert!(status.success(), "{status}");
+    drop(ep);
+    assert!(
+        shm_files_with(&me).is_empty(),
+        "left behind: {:?}",
+        shm_files_with(&me)
+    );
+    assert!(
+        shm_files_with(&target_id).is_empty(),
+        "left behind: {:?}",
+        shm_files_with(&target_id)
+    );
+}
+
+#[test]
+fn crashed_peer_fails_transfers_and_its_rings_are_swept() {
+    let mut t = Target::start_on(Path::Shm, 256 * MIB, &[]);
+    let ep = path_client(Path::Shm);
+    let conn = ep.add_remote(&t.served.meta).unwrap();
+    let local = ep.alloc(256 * MIB).unwrap();
+    let rb = t.served.rbuf;
+    let ts: Vec<_> = (0..64)
+        .map(|i| {
+            let len = 4 * MIB;
+            ep.write_async(
+                conn,
+                &local,
+                i * len,
+                len,
+                &rb.slice((i * len) as u32, len as u32).unwrap(),
+            )
+            .unwrap()
+        })
+        .collect();
+    let pid = t.child.id();
+    let killed = Instant::now();
+    t.kill();
+    let mut failed = 0;
+    for mut tr in ts {
+        match tr.wait_timeout(Duration::from_secs(10)) {
+            Ok(()) => {}
+            Err(Error::ConnFailed { reason, .. }) => {
+                assert!(
+                    reason.contains("gone") || reason.contains("closed"),
+                    "{reason}"
+                );
+                failed += 1;
+            }
+            Err(e) => panic!("unexpected {e}"),
+        }
+    }
+    let took = killed.elapsed();
+    assert!(took < Duration::from_secs(6), "took {took:?}");
+    let e = ep.write(conn, &local, 0, 8, &rb).unwrap_err();
+    assert!(matches!(e, Error::ConnFailed { .. }), "{e}");
+    println!("{failed} of 64 transfers failed after killing pid {pid}");
+    // The dead target's rings are still in /dev/shm; a new endpoint sweeps them.
+    let me = format!("{:016x}", ep.id());
+    let target_rings: Vec<String> = shm_files_with(&me)
+        .into_iter()
+        .filter(|f| f.starts_with(&format!("ferry-{me}-")))
+        .collect();
+    assert_eq!(
+        target_rings.len(),
+        1,
+        "the ring the dead target owned: {target_rings:?}"
+    );
+    let _fresh = path_client(Path::Shm);
+    assert!(
+        !std::path::Path::new(&format!("/dev/shm/{}", target_rings[0])).exists(),
+        "stale ring was not swept"
+    );
+}
+
+#[test]
+fn ring_under_several_producer_processes() {
+    let name = format!("/ferry-stress-{:x}", std::process::id());
+    let ring = TestRing::create(&name, 64).unwrap();
+    let producers = 4u32;
+    let per = 50_000u32;
+    let kids: Vec<_> = (0..producers)
+        .map(|p| {
+            Command::new(env!("CARGO_BIN_EXE_ferry"))
+                .args(["ring-push", &name, &p.to_string(), &per.to_string()])
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mut next = vec![0u32; producers as usize];
+    let mut got = 0;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while got < producers * per {
+        assert!(Instant::now() < deadline, "only {got} messages arrived");
+        match ring.pop() {
+            Some(m) => {
+                assert_eq!(m.len(), 8);
+                let p = u32::from_le_bytes(m[..4].try_into().unwrap()) as usize;
+                let i = u32::from_le_bytes(m[4..].try_into().unwrap());
+                assert_eq!(i, next[p], "producer {p} out of order");
+                next[p] += 1;
+                got += 1;
+            }
+            None => std::hint::spin_loop(),
+        }
+    }
+    for mut k in kids {
+        assert!(k.wait().unwrap().success());
+    }
+    assert!(ring.pop().is_none());
+}
+
+#[test]
+fn memfd_host_memory_moves_byte_exact() {
+    let t = Target::start_on(Path::Shm, 64 * MIB, &[]);
+    let ep = path_client(Path::Shm);
+    let conn = ep.add_remote(&t.served.meta).unwrap();
+    let rb = t.served.rbuf;
+    let local = ep.alloc_host(64 * MIB).unwrap();
+    for (roff, loff, len) in [
+        (0usize, 0usize, 64 * MIB - 64),
+        (3, 17, 5 * MIB + 3),
+        (4096 - 1, 1, 100),
+        (7, 8, 4096),
+    ] {
+        let win = rb.slice(roff as u32, len as u32).unwrap();
+        ep.read(conn, &local, loff, len, &win).unwrap();
+        let mut got = vec![0u8; len];
+        local.read_at(loff, &mut got).unwrap();
+        assert_eq!(
+            check_pattern(&got, roff as u64, 0),
+            None,
+            "read {len} at {roff}"
+        );
+        let mut src = vec![0u8; len];
+        fill_pattern(&mut src, 0, 0x5c);
+        local.write_at(loff, &src).unwrap();
+        ep.write(conn, &local, loff, len, &win).unwrap();
+        assert_eq!(
+            remote_hash(&ep, conn, roff, len),
+            fnv64(&src),
+            "write {len} at {roff}"
+        );
+        assert_eq!(ask(&ep, conn, &format!("fill {roff} {len} 0")), "ok");
+    }
+}
+
+#[test]
+fn transport_choice_is_honoured() {
+    let t = Target::start_on(Path::Shm, 4096, &[]);
+    // auto picks shm for a peer on this host; tcp never does.
+    let auto = ferry::Endpoint::builder()
+        .config(ferry::Config {
+            transport: ferry::Transport::Auto,
+            ..config(ferry::oob::IoPreference::Auto)
+        })
+        .build()
+        .unwrap();
+    let c = auto.add_remote(&t.served.meta).unwrap();
+    assert!(matches!(auto.peer(c), Some(Peer::Local { .. })));
+    let tcp = client(ferry::oob::IoPreference::Auto);
+    let c = tcp.add_remote(&t.served.meta).unwrap();
+    assert!(matches!(tcp.peer(c), Some(Peer::Net(_))));
+    // shm to a target that refuses shared memory is an error, not a silent tcp.
+    let tcp_only = Target::start_on(Path::TcpEpoll, 4096, &[("FERRY_TRANSPORT", "tcp")]);
+    let shm = path_client(Path::Shm);
+    let e = shm.add_remote(&tcp_only.served.meta).unwrap_err();
+    assert!(e.to_string().contains("shm"), "{e}");
+}
