@@ -219,3 +219,45 @@ fn transport_choice_is_honoured() {
     let e = shm.add_remote(&tcp_only.served.meta).unwrap_err();
     assert!(e.to_string().contains("shm"), "{e}");
 }
+
+/// A same-host peer that cannot reach our rings or memory (another user):
+/// the connection falls back to tcp and still works.
+#[test]
+fn refused_same_host_path_falls_back_to_tcp() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 || !std::path::Path::new("/usr/bin/setpriv").exists() {
+        println!("skipped: needs root and setpriv to run the target as another user");
+        return;
+    }
+    let mut cmd = Command::new("/usr/bin/setpriv");
+    cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", env!("CARGO_BIN_EXE_ferry"), "serve", "--bytes", "4096"])
+        .env("FERRY_TRANSPORT", "auto")
+        .env("FERRY_LOG", "error")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped());
+    let mut child = cmd.spawn().unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let served = match ferry::testkit::read_served(&mut out) {
+        Ok(s) => s,
+        Err(e) => {
+            let _ = child.kill();
+            println!("skipped: the target cannot run as nobody here: {e}");
+            return;
+        }
+    };
+    let cfg = ferry::Config {
+        transport: ferry::Transport::Auto,
+        connect_timeout_ms: 1000,
+        ..config(ferry::oob::IoPreference::Auto)
+    };
+    let ep = ferry::Endpoint::builder().config(cfg).build().unwrap();
+    let conn = ep.add_remote(&served.meta).unwrap();
+    assert!(matches!(ep.peer(conn), Some(Peer::Net(_))), "{:?}", ep.peer(conn));
+    let local = ep.alloc(64).unwrap();
+    ep.read(conn, &local, 0, 64, &served.rbuf).unwrap();
+    let mut got = [0u8; 64];
+    local.read_at(0, &mut got).unwrap();
+    assert_eq!(check_pattern(&got, 0, 0), None);
+    let _ = child.kill();
+    let _ = child.wait();
+}
