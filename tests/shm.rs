@@ -230,11 +230,19 @@ fn refused_same_host_path_falls_back_to_tcp() {
         return;
     }
     let mut cmd = Command::new("/usr/bin/setpriv");
-    cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", env!("CARGO_BIN_EXE_ferry"), "serve", "--bytes", "4096"])
-        .env("FERRY_TRANSPORT", "auto")
-        .env("FERRY_LOG", "error")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped());
+    cmd.args([
+        "--reuid=65534",
+        "--regid=65534",
+        "--clear-groups",
+        env!("CARGO_BIN_EXE_ferry"),
+        "serve",
+        "--bytes",
+        "4096",
+    ])
+    .env("FERRY_TRANSPORT", "auto")
+    .env("FERRY_LOG", "error")
+    .stdin(std::process::Stdio::piped())
+    .stdout(std::process::Stdio::piped());
     let mut child = cmd.spawn().unwrap();
     let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
     let served = match ferry::testkit::read_served(&mut out) {
@@ -252,7 +260,11 @@ fn refused_same_host_path_falls_back_to_tcp() {
     };
     let ep = ferry::Endpoint::builder().config(cfg).build().unwrap();
     let conn = ep.add_remote(&served.meta).unwrap();
-    assert!(matches!(ep.peer(conn), Some(Peer::Net(_))), "{:?}", ep.peer(conn));
+    assert!(
+        matches!(ep.peer(conn), Some(Peer::Net(_))),
+        "{:?}",
+        ep.peer(conn)
+    );
     let local = ep.alloc(64).unwrap();
     ep.read(conn, &local, 0, 64, &served.rbuf).unwrap();
     let mut got = [0u8; 64];
