@@ -249,6 +249,7 @@ fn refused_same_host_path_falls_back_to_tcp() {
         Ok(s) => s,
         Err(e) => {
             let _ = child.kill();
+            let _ = child.wait();
             println!("skipped: the target cannot run as nobody here: {e}");
             return;
         }
