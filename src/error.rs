@@ -116,6 +116,8 @@ pub enum Error {
     },
     #[error("{what} is not possible: {reason}")]
     Unsupported { what: &'static str, reason: String },
+    #[error("limit {limit}={max} reached")]
+    LimitReached { limit: &'static str, max: usize },
     #[error("the endpoint is shut down")]
     Shutdown,
 }
@@ -152,6 +154,7 @@ impl Error {
             },
             Error::Shutdown => Error::Shutdown,
             Error::UnknownConn { conn } => Error::UnknownConn { conn: *conn },
+            Error::LimitReached { limit, max } => Error::LimitReached { limit, max: *max },
             other => Error::ConnFailed {
                 conn: ConnId(u64::MAX),
                 reason: other.to_string(),

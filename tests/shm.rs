@@ -46,7 +46,10 @@ fn shm_objects_are_private_and_removed_on_clean_shutdown() {
     }
     let target_id = files
         .iter()
-        .find_map(|f| f.strip_prefix(&format!("ferry-{me}-")).map(str::to_owned))
+        .find_map(|f| {
+            f.strip_prefix(&format!("ferry-{me}-"))
+                .map(|rest| rest[..16].to_owned())
+        })
         .expect("a ring from us to the target");
     // Clean shutdown of both: the target when its stdin closes.
     drop(t.child.stdin.take());

@@ -66,6 +66,13 @@ pub struct Config {
     pub pin_cores: bool,
     /// Notifications held for the application (`FERRY_INBOX_DEPTH`, default 1024).
     pub inbox_depth: usize,
+    /// Open connections at most, incoming and outgoing (`FERRY_MAX_CONNS`, default 4096).
+    pub max_conns: usize,
+    /// Live registrations at most (`FERRY_MAX_REGISTRATIONS`, default 65536).
+    pub max_registrations: usize,
+    /// Operations in flight on one connection at most
+    /// (`FERRY_MAX_CONN_INFLIGHT_OPS`, default 4096).
+    pub max_conn_inflight_ops: usize,
     /// Log filter for the `ferry` binary (`FERRY_LOG`, default "warn"); the
     /// library itself only emits `tracing` events.
     pub log: String,
@@ -91,6 +98,9 @@ impl Default for Config {
             transport: Transport::Auto,
             pin_cores: false,
             inbox_depth: 1024,
+            max_conns: 4096,
+            max_registrations: 65536,
+            max_conn_inflight_ops: 4096,
             log: "warn".to_owned(),
         }
     }
@@ -197,6 +207,15 @@ impl Config {
         }
         if let Some(v) = get("FERRY_INBOX_DEPTH") {
             c.inbox_depth = num("FERRY_INBOX_DEPTH", &v, 1, 1 << 20)?;
+        }
+        if let Some(v) = get("FERRY_MAX_CONNS") {
+            c.max_conns = num("FERRY_MAX_CONNS", &v, 1, 1 << 20)?;
+        }
+        if let Some(v) = get("FERRY_MAX_REGISTRATIONS") {
+            c.max_registrations = num("FERRY_MAX_REGISTRATIONS", &v, 1, 1 << 24)?;
+        }
+        if let Some(v) = get("FERRY_MAX_CONN_INFLIGHT_OPS") {
+            c.max_conn_inflight_ops = num("FERRY_MAX_CONN_INFLIGHT_OPS", &v, 1, 1 << 20)?;
         }
         if let Some(v) = get("FERRY_LOG") {
             c.log = v;

@@ -117,7 +117,7 @@ impl Inner {
         let deadline = Instant::now() + self.cfg.connect_timeout();
         let conn = self.local_conn_id();
         let rx = ShmRing::create(
-            &pair_ring_name(peer_id, self.id),
+            &pair_ring_name(peer_id, self.id, conn.0 as u32),
             PAIR_RING_SLOTS,
             super::random_u64(),
         )?;
@@ -163,7 +163,7 @@ impl Inner {
             ));
         }
         let peer_pid = ack.addr as u32;
-        let tx = ShmRing::open(&pair_ring_name(self.id, peer_id))?;
+        let tx = ShmRing::open(&pair_ring_name(self.id, peer_id, conn.0 as u32))?;
         let mut lc = LocalConn::new(
             conn,
             peer_id,
@@ -221,11 +221,12 @@ impl Inner {
         let deadline = Instant::now() + self.cfg.connect_timeout();
         let (peer_id, peer_pid) = (m.aux, m.addr as u32);
         // The connector made the ring we answer into.
-        let tx = ShmRing::open(&pair_ring_name(self.id, peer_id))?;
+        let tx = ShmRing::open(&pair_ring_name(self.id, peer_id, m.conn))?;
         let mut ack = Msg::new(MsgKind::ConnectAck);
         ack.aux = self.id;
         ack.addr = this_pid() as u64;
-        if let Err(why) = probe_cma(peer_pid, m.src_addr) {
+        let refusal = self.check_conn_limit().err().map(|e| e.to_string());
+        if let Some(why) = refusal.or_else(|| probe_cma(peer_pid, m.src_addr).err()) {
             ack.status = 1;
             let text = why.as_bytes();
             push_msg(
@@ -238,7 +239,7 @@ impl Inner {
         }
         let conn = self.local_conn_id();
         let rx = ShmRing::create(
-            &pair_ring_name(peer_id, self.id),
+            &pair_ring_name(peer_id, self.id, m.conn),
             PAIR_RING_SLOTS,
             super::random_u64(),
         )?;
@@ -257,7 +258,7 @@ impl Inner {
         );
         // Adopt before answering, so the peer's first request finds us.
         self.adopt_local(lc, peer_id, peer_pid, deadline)?;
-        let tx2 = ShmRing::open(&pair_ring_name(self.id, peer_id))?;
+        let tx2 = ShmRing::open(&pair_ring_name(self.id, peer_id, m.conn))?;
         push_msg(&tx2, &ack, &[], deadline)?;
         self.share_with(peer_id, &self.my_shared_regions());
         self.local_peers.lock().expect("lock").insert(peer_id);

@@ -25,6 +25,12 @@ pub struct MemoryRegion {
     pub(crate) live: bool,
 }
 
+fn forget(ep: &Inner, rkey: u32) {
+    ep.forget_region(rkey);
+    ep.registrations
+        .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+}
+
 impl std::fmt::Debug for MemoryRegion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MemoryRegion")
@@ -140,7 +146,7 @@ impl MemoryRegion {
         let Some(ep) = self.ep.upgrade() else {
             return Ok(());
         };
-        ep.forget_region(self.inner.rkey);
+        forget(&ep, self.inner.rkey);
         let deadline = Instant::now() + timeout;
         // Each shard table and each frame in flight holds a reference.
         while Arc::strong_count(&self.inner) > 1 {
@@ -168,7 +174,7 @@ impl Drop for MemoryRegion {
             if self.live {
                 self.live = false;
                 if let Some(ep) = self.ep.upgrade() {
-                    ep.forget_region(self.inner.rkey);
+                    forget(&ep, self.inner.rkey);
                 }
             }
         } else if let Err(e) = self.retire(timeout) {

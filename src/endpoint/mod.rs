@@ -111,6 +111,10 @@ pub(crate) struct Inner {
     local_connects: Mutex<Receiver<crate::shm::msg::Msg>>,
     memfd_regions: Mutex<HashMap<u32, std::sync::Weak<Region>>>,
     local_peers: Mutex<std::collections::HashSet<u64>>,
+    /// Connections the shards saw die; forgotten on the next control call.
+    closed: Mutex<Receiver<ConnId>>,
+    /// Live registrations (for FERRY_MAX_REGISTRATIONS).
+    pub(crate) registrations: Arc<AtomicUsize>,
 }
 
 /// A transfer engine endpoint: one control listener, N shards, and the
@@ -216,7 +220,9 @@ impl Endpoint {
             op_timeout: cfg.op_timeout(),
             chunk_bytes: cfg.chunk_bytes,
             sq_depth: cfg.sq_depth,
+            max_conn_inflight_ops: cfg.max_conn_inflight_ops,
         };
+        let (closed_tx, closed_rx) = mpsc::channel();
         let id = random_u64();
         if cfg.transport != Transport::Tcp {
             crate::shm::object::sweep_stale();
@@ -253,7 +259,14 @@ impl Endpoint {
         let mut handles = Vec::new();
         for i in 0..cfg.shards {
             let setup = if i == 0 { local_setup.take() } else { None };
-            let (s, h) = Shard::new(i, scfg.clone(), table.clone(), inbox_tx.clone(), setup)?;
+            let (s, h) = Shard::new(
+                i,
+                scfg.clone(),
+                table.clone(),
+                inbox_tx.clone(),
+                setup,
+                closed_tx.clone(),
+            )?;
             shards.push(s);
             handles.push(h);
         }
@@ -262,6 +275,8 @@ impl Endpoint {
             host_token: crate::shm::object::host_token(),
             shm_note,
             local_connects: Mutex::new(connects_rx),
+            closed: Mutex::new(closed_rx),
+            registrations: Arc::new(AtomicUsize::new(0)),
             memfd_regions: Mutex::new(HashMap::new()),
             local_peers: Mutex::new(std::collections::HashSet::new()),
             backend,
@@ -352,6 +367,17 @@ impl Endpoint {
             .map(|c| c.peer)
     }
 
+    /// Open connections (dead ones are forgotten first).
+    pub fn conn_count(&self) -> usize {
+        self.inner.reap_closed();
+        self.inner.conns.lock().expect("lock").len()
+    }
+
+    /// Live registrations.
+    pub fn registration_count(&self) -> usize {
+        self.inner.registrations.load(Ordering::Acquire)
+    }
+
     /// Operations in flight or completed but not yet reaped.
     pub fn inflight_ops(&self) -> usize {
         self.inner.table.in_use()
@@ -369,6 +395,8 @@ impl Endpoint {
     pub fn add_remote(&self, metadata: &[u8]) -> Result<ConnId> {
         let m = EndpointMetadata::decode(metadata)?;
         let addr = m.socket_addr();
+        // A memoized connection that died is forgotten, so this reconnects.
+        self.inner.reap_closed();
         if let Some(&c) = self.inner.remotes.lock().expect("lock").get(&addr) {
             return Ok(c);
         }
@@ -716,6 +744,35 @@ fn descs(locals: &[(&MemoryRegion, usize, usize)], remotes: &[RemoteBuf]) -> Res
 }
 
 impl Inner {
+    /// Forgets connections the shards reported dead.
+    fn reap_closed(&self) {
+        let dead: Vec<ConnId> = self.closed.lock().expect("lock").try_iter().collect();
+        if dead.is_empty() {
+            return;
+        }
+        let mut conns = self.conns.lock().expect("lock");
+        for c in &dead {
+            conns.remove(c);
+        }
+        drop(conns);
+        self.remotes
+            .lock()
+            .expect("lock")
+            .retain(|_, c| !dead.contains(c));
+    }
+
+    /// Fails with `LimitReached` when no further connection may open.
+    pub(crate) fn check_conn_limit(&self) -> Result<()> {
+        self.reap_closed();
+        if self.conns.lock().expect("lock").len() >= self.cfg.max_conns {
+            return Err(Error::LimitReached {
+                limit: "FERRY_MAX_CONNS",
+                max: self.cfg.max_conns,
+            });
+        }
+        Ok(())
+    }
+
     fn shard_of(&self, conn: ConnId) -> &ShardHandle {
         &self.shards[(conn.0 % self.shards.len() as u64) as usize]
     }
@@ -757,6 +814,14 @@ impl Inner {
                 reason: format!("len {len}"),
             });
         }
+        let n = self.registrations.fetch_add(1, Ordering::AcqRel);
+        if n >= self.cfg.max_registrations {
+            self.registrations.fetch_sub(1, Ordering::AcqRel);
+            return Err(Error::LimitReached {
+                limit: "FERRY_MAX_REGISTRATIONS",
+                max: self.cfg.max_registrations,
+            });
+        }
         let rkey = self.next_rkey.fetch_add(1, Ordering::Relaxed);
         let r = Arc::new(Region {
             ptr,
@@ -794,6 +859,7 @@ impl Inner {
     }
 
     fn connect(&self, addr: SocketAddr) -> Result<ConnId> {
+        self.check_conn_limit()?;
         let mut ctl = Ctl::new(self.backend)?;
         let timeout = self.cfg.connect_timeout();
         let ours = self.stream_hello();
@@ -885,6 +951,10 @@ impl Inner {
         let mut ctl = Ctl::new(self.backend)?;
         let deadline = Instant::now() + self.cfg.connect_timeout();
         let ours = self.stream_hello();
+        if let Err(e) = self.check_conn_limit() {
+            handshake::refuse(&mut ctl, &s, &e.to_string(), deadline);
+            return Err(e);
+        }
         let hello = handshake::serve(&mut ctl, &s, peer, ours, deadline)?;
         if self.goes_local(&ours, &hello) {
             // Both sides see the same hellos and decide alike: the peer now

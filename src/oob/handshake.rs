@@ -105,11 +105,11 @@ pub(crate) fn serve(
         Ok(ControlFrame::Hello(h)) => h,
         Ok(other) => {
             let reason = format!("expected Hello, got {other:?}");
-            reject(ctl, s, &reason, deadline);
+            refuse(ctl, s, &reason, deadline);
             return Err(Error::Handshake { peer, reason });
         }
         Err(Error::Decode(e)) => {
-            reject(ctl, s, &e.to_string(), deadline);
+            refuse(ctl, s, &e.to_string(), deadline);
             return Err(Error::Handshake {
                 peer,
                 reason: e.to_string(),
@@ -124,7 +124,8 @@ pub(crate) fn serve(
     Ok(theirs)
 }
 
-fn reject(ctl: &mut Ctl, s: &TcpStream, reason: &str, deadline: Instant) {
+/// Answers a handshake with an `Error` frame saying why it is refused.
+pub(crate) fn refuse(ctl: &mut Ctl, s: &TcpStream, reason: &str, deadline: Instant) {
     let frame = ControlFrame::Error {
         code: REJECT_PROTOCOL,
         message: reason.to_owned(),

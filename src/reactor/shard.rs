@@ -50,6 +50,7 @@ pub(crate) struct ShardConfig {
     pub op_timeout: Duration,
     pub chunk_bytes: usize,
     pub sq_depth: usize,
+    pub max_conn_inflight_ops: usize,
 }
 
 struct Conn {
@@ -79,6 +80,8 @@ pub(crate) struct LocalSetup {
 struct LocalOp {
     remaining: u32,
     error: Option<Error>,
+    /// The connection the op counts against (its in-flight limit).
+    conn: Option<ConnId>,
 }
 
 /// One shard: its connections, its view of the registrations, and its loop.
@@ -106,6 +109,10 @@ pub struct Shard {
     inbox: SyncSender<(ConnId, Vec<u8>)>,
     iter: u32,
     stream_count: usize,
+    /// Operations in flight per connection.
+    conn_ops: crate::region::IntMap<ConnId, usize>,
+    /// Tells the endpoint which connections died, so it can forget them.
+    closed: mpsc::Sender<ConnId>,
 }
 
 /// Region lookups that first catch up on registrations the endpoint has
@@ -182,6 +189,7 @@ impl Shard {
         table: Arc<CompletionTable>,
         inbox: SyncSender<(ConnId, Vec<u8>)>,
         local_setup: Option<LocalSetup>,
+        closed: mpsc::Sender<ConnId>,
     ) -> Result<(Shard, ShardHandle)> {
         let epoll = Poll::new().map_err(|e| Error::io("epoll_create", e))?;
         let waker = Waker::new(epoll.registry(), WAKER).map_err(|e| Error::io("eventfd", e))?;
@@ -223,6 +231,8 @@ impl Shard {
             inbox,
             iter: 0,
             stream_count: 0,
+            conn_ops: Default::default(),
+            closed,
         };
         Ok((shard, handle))
     }
@@ -437,9 +447,31 @@ impl Shard {
                 .sum(),
         };
         if op.emitted == 0 {
+            let mut conn = None;
+            if target.is_some() {
+                let n = self.conn_ops.entry(op.conn).or_insert(0);
+                if *n >= self.cfg.max_conn_inflight_ops {
+                    let limit = Error::LimitReached {
+                        limit: "FERRY_MAX_CONN_INFLIGHT_OPS",
+                        max: self.cfg.max_conn_inflight_ops,
+                    };
+                    self.ops[op.slot as usize] = LocalOp {
+                        remaining: total,
+                        error: None,
+                        conn: None,
+                    };
+                    for _ in 0..total {
+                        self.done.push((op.slot, Err(limit.duplicate())));
+                    }
+                    return None;
+                }
+                *n += 1;
+                conn = Some(op.conn);
+            }
             self.ops[op.slot as usize] = LocalOp {
                 remaining: total,
                 error: None,
+                conn,
             };
         }
         let now = Instant::now();
@@ -554,6 +586,11 @@ impl Shard {
     }
 
     fn remember_failed(&mut self, conn: ConnId, reason: String) {
+        // The endpoint may be gone already; then nobody needs to know.
+        let _ = self.closed.send(conn);
+        if self.conn_ops.get(&conn) == Some(&0) {
+            self.conn_ops.remove(&conn);
+        }
         if self.failed.len() >= FAILED_MEMORY {
             self.failed.clear();
         }
@@ -775,6 +812,14 @@ impl Shard {
             }
             op.remaining -= 1;
             if op.remaining == 0 {
+                if let Some(c) = op.conn.take() {
+                    if let Some(n) = self.conn_ops.get_mut(&c) {
+                        *n = n.saturating_sub(1);
+                        if *n == 0 && !self.by_id.contains_key(&c) {
+                            self.conn_ops.remove(&c);
+                        }
+                    }
+                }
                 self.table
                     .complete(slot, op.error.take().map_or(Ok(()), Err));
             }

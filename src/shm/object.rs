@@ -289,14 +289,17 @@ impl Drop for MemfdBuf {
 }
 
 /// Names of the shared-memory objects ferry makes, so tests and tools can
-/// find them: `/dev/shm/ferry-<sender id>-<receiver id>`, and the accept
-/// ring `/dev/shm/ferry-<id>`.
+/// find them: `/dev/shm/ferry-<sender id>-<receiver id>-<conn>`, and the
+/// accept ring `/dev/shm/ferry-<id>`.
 pub(crate) fn accept_ring_name(id: u64) -> String {
     format!("/ferry-{id:016x}")
 }
 
-pub(crate) fn pair_ring_name(sender: u64, receiver: u64) -> String {
-    format!("/ferry-{sender:016x}-{receiver:016x}")
+/// One direction of one connection: the pair of endpoints, and the number
+/// the connecting side gave the connection (two endpoints may hold several
+/// connections, and a closing one may still be draining).
+pub(crate) fn pair_ring_name(sender: u64, receiver: u64, conn: u32) -> String {
+    format!("/ferry-{sender:016x}-{receiver:016x}-{conn:08x}")
 }
 
 /// Identifies this host and its /dev/shm: peers with the same token can

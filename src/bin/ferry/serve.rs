@@ -33,6 +33,7 @@ Flags:
   --bytes SIZE     memory to register (default 64M; K/M/G suffixes)
   --seed N         pattern seed, 0-255 (default 0)
   --listen ADDR    address to listen on (default 127.0.0.1)
+  --port N         port to listen on (default: FERRY_LISTEN_PORT, else any)
   --shards N       shards (default 1)
 Environment: every FERRY_* variable (see the README).";
 
@@ -40,12 +41,16 @@ pub fn run(mut a: Args) -> Result<()> {
     let bytes = parse_size(&a.value("bytes").unwrap_or_else(|| "64M".into()))?;
     let seed: u8 = a.parsed("seed", 0)?;
     let listen = a.value("listen").unwrap_or_else(|| "127.0.0.1".into());
+    let port: u16 = a.parsed("port", 0)?;
     let shards: usize = a.parsed("shards", 1)?;
     a.finish()?;
     let mut cfg = Config::from_env()?;
     cfg.listen_addr = listen
         .parse()
         .with_context(|| format!("--listen {listen}"))?;
+    if port != 0 {
+        cfg.listen_port = port;
+    }
     cfg.shards = shards;
     let ep = Endpoint::builder().config(cfg).build()?;
     let mut buf = vec![0u8; bytes];
