@@ -32,6 +32,7 @@ pub(crate) type IntMap<K, V> = HashMap<K, V, BuildHasherDefault<IntHasher>>;
 
 use bitflags::bitflags;
 
+use crate::error::ConnId;
 use crate::wire::Status;
 
 bitflags! {
@@ -61,6 +62,8 @@ pub(crate) struct Region {
     pub ptr: *mut u8,
     pub len: usize,
     pub rkey: u32,
+    /// Random; a request must carry it (from the advertised `RemoteBuf`).
+    pub tag: u64,
     pub access: Access,
     pub _backing: Backing,
 }
@@ -92,43 +95,76 @@ impl Region {
     }
 }
 
-/// Where a stream looks up the registration a request names.
+/// What a request must present: the key, and the tag that was advertised
+/// with it (the `RemoteBuf`'s first 8 reserved bytes, random per key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct KeyRef {
+    pub rkey: u32,
+    pub tag: u64,
+}
+
+/// Where a connection looks up the registration a request names (the
+/// shard's table, seen from that connection).
 pub(crate) trait Regions {
     /// As `RegionTable::check`, returning a counted handle to the region.
     fn check(
         &mut self,
-        rkey: u32,
+        key: KeyRef,
         addr: u64,
         len: u64,
         need: Access,
     ) -> Result<(Arc<Region>, usize), Status>;
 }
 
-impl Regions for RegionTable {
-    fn check(
-        &mut self,
-        rkey: u32,
-        addr: u64,
-        len: u64,
-        need: Access,
-    ) -> Result<(Arc<Region>, usize), Status> {
-        RegionTable::check(self, rkey, addr, len, need).map(|(r, off)| (r.clone(), off))
+/// What a key opens: a window of a region, for any peer or for one
+/// connection only.
+pub(crate) struct Grant {
+    pub region: Arc<Region>,
+    pub tag: u64,
+    /// First address and length of the window.
+    pub base: u64,
+    pub len: u64,
+    /// `Some`: only this connection may use the key, and the key dies with it.
+    pub conn: Option<ConnId>,
+}
+
+impl Grant {
+    /// The whole region, for any peer.
+    pub fn whole(region: &Arc<Region>) -> Grant {
+        Grant {
+            region: region.clone(),
+            tag: region.tag,
+            base: region.addr(),
+            len: region.len as u64,
+            conn: None,
+        }
     }
 }
 
-/// The registrations one shard knows, keyed by rkey.
+/// The keys one shard honours.
 #[derive(Default)]
 pub(crate) struct RegionTable {
-    by_key: IntMap<u32, Arc<Region>>,
+    by_key: IntMap<u32, Grant>,
 }
 
 impl RegionTable {
-    pub fn insert(&mut self, r: Arc<Region>) {
-        self.by_key.insert(r.rkey, r);
+    pub fn insert(&mut self, rkey: u32, g: Grant) {
+        self.by_key.insert(rkey, g);
     }
 
+    /// Removes a key; removing a registration's own key also removes every
+    /// grant cut from it.
     pub fn remove(&mut self, rkey: u32) {
-        self.by_key.remove(&rkey);
+        if let Some(g) = self.by_key.remove(&rkey) {
+            if g.region.rkey == rkey {
+                self.by_key.retain(|_, other| other.region.rkey != rkey);
+            }
+        }
+    }
+
+    /// Drops every key granted to `conn` alone.
+    pub fn revoke_conn(&mut self, conn: ConnId) {
+        self.by_key.retain(|_, g| g.conn != Some(conn));
     }
 
     pub fn clear(&mut self) {
@@ -136,26 +172,32 @@ impl RegionTable {
     }
 
     /// Checks a remote request against the table: the key must name a live
-    /// registration, `[addr, addr + len)` must lie inside it without
-    /// wrapping, and the registration must permit `need`. Returns the region
-    /// and the byte offset of `addr` within it.
+    /// grant, carry its tag, come from a connection it was granted to,
+    /// `[addr, addr + len)` must lie inside the window without wrapping,
+    /// and the registration must permit `need`. A wrong tag or a foreign
+    /// connection look exactly like an unknown key. Returns the region and
+    /// the byte offset of `addr` within it.
     pub fn check(
         &self,
-        rkey: u32,
+        conn: ConnId,
+        key: KeyRef,
         addr: u64,
         len: u64,
         need: Access,
     ) -> Result<(&Arc<Region>, usize), Status> {
-        let r = self.by_key.get(&rkey).ok_or(Status::UnknownKey)?;
-        if !r.access.contains(need) {
+        let g = self.by_key.get(&key.rkey).ok_or(Status::UnknownKey)?;
+        // Compare without an early exit on the first differing byte.
+        if (g.tag ^ key.tag) != 0 || g.conn.is_some_and(|c| c != conn) {
+            return Err(Status::UnknownKey);
+        }
+        if !g.region.access.contains(need) {
             return Err(Status::AccessDenied);
         }
-        let base = r.addr();
         let end = addr.checked_add(len).ok_or(Status::OutOfBounds)?;
-        if addr < base || end > base + r.len as u64 {
+        if addr < g.base || end > g.base + g.len {
             return Err(Status::OutOfBounds);
         }
-        Ok((r, (addr - base) as usize))
+        Ok((&g.region, (addr - g.region.addr()) as usize))
     }
 }
 
@@ -163,57 +205,116 @@ impl RegionTable {
 mod tests {
     use super::*;
 
-    fn table(buf: &mut [u8], access: Access) -> (RegionTable, u64) {
+    const C: ConnId = ConnId(1);
+
+    fn table(buf: &mut [u8], access: Access) -> (RegionTable, u64, Arc<Region>) {
         let mut t = RegionTable::default();
-        let r = Region {
+        let r = Arc::new(Region {
             ptr: buf.as_mut_ptr(),
             len: buf.len(),
             rkey: 7,
+            tag: 0xfeed,
             access,
             _backing: Backing::Raw,
-        };
+        });
         let base = r.addr();
-        t.insert(Arc::new(r));
-        (t, base)
+        t.insert(7, Grant::whole(&r));
+        (t, base, r)
+    }
+
+    fn k(rkey: u32, tag: u64) -> KeyRef {
+        KeyRef { rkey, tag }
     }
 
     #[test]
-    fn check_enforces_key_bounds_access_and_overflow() {
+    fn check_enforces_key_tag_bounds_access_and_overflow() {
         let mut buf = vec![0u8; 100];
-        let (t, base) = table(&mut buf, Access::REMOTE_WRITE);
-        assert_eq!(t.check(7, base, 100, Access::REMOTE_WRITE).unwrap().1, 0);
+        let (t, base, _) = table(&mut buf, Access::REMOTE_WRITE);
+        let w = Access::REMOTE_WRITE;
+        assert_eq!(t.check(C, k(7, 0xfeed), base, 100, w).unwrap().1, 0);
+        assert_eq!(t.check(C, k(7, 0xfeed), base + 99, 1, w).unwrap().1, 99);
+        assert_eq!(t.check(C, k(7, 0xfeed), base + 100, 0, w).unwrap().1, 100);
         assert_eq!(
-            t.check(7, base + 99, 1, Access::REMOTE_WRITE).unwrap().1,
-            99
-        );
-        assert_eq!(
-            t.check(7, base + 100, 0, Access::REMOTE_WRITE).unwrap().1,
-            100
-        );
-        assert_eq!(
-            t.check(8, base, 1, Access::REMOTE_WRITE).unwrap_err(),
+            t.check(C, k(8, 0xfeed), base, 1, w).unwrap_err(),
             Status::UnknownKey
         );
         assert_eq!(
-            t.check(7, base, 101, Access::REMOTE_WRITE).unwrap_err(),
+            t.check(C, k(7, 0xfeee), base, 1, w).unwrap_err(),
+            Status::UnknownKey,
+            "guessed tag"
+        );
+        assert_eq!(
+            t.check(C, k(7, 0xfeed), base, 101, w).unwrap_err(),
             Status::OutOfBounds
         );
         assert_eq!(
-            t.check(7, base - 1, 1, Access::REMOTE_WRITE).unwrap_err(),
+            t.check(C, k(7, 0xfeed), base - 1, 1, w).unwrap_err(),
             Status::OutOfBounds
         );
         assert_eq!(
-            t.check(7, u64::MAX, 2, Access::REMOTE_WRITE).unwrap_err(),
+            t.check(C, k(7, 0xfeed), u64::MAX, 2, w).unwrap_err(),
             Status::OutOfBounds
         );
         assert_eq!(
-            t.check(7, base + 1, u64::MAX, Access::REMOTE_WRITE)
+            t.check(C, k(7, 0xfeed), base + 1, u64::MAX, w).unwrap_err(),
+            Status::OutOfBounds
+        );
+        assert_eq!(
+            t.check(C, k(7, 0xfeed), base, 1, Access::REMOTE_READ)
                 .unwrap_err(),
+            Status::AccessDenied
+        );
+    }
+
+    #[test]
+    fn grants_are_windowed_scoped_and_revoked() {
+        let mut buf = vec![0u8; 100];
+        let (mut t, base, r) = table(&mut buf, Access::all());
+        let rd = Access::REMOTE_READ;
+        t.insert(
+            9,
+            Grant {
+                region: r.clone(),
+                tag: 5,
+                base: base + 10,
+                len: 20,
+                conn: Some(C),
+            },
+        );
+        assert_eq!(t.check(C, k(9, 5), base + 10, 20, rd).unwrap().1, 10);
+        assert_eq!(
+            t.check(C, k(9, 5), base + 9, 2, rd).unwrap_err(),
             Status::OutOfBounds
         );
         assert_eq!(
-            t.check(7, base, 1, Access::REMOTE_READ).unwrap_err(),
-            Status::AccessDenied
+            t.check(C, k(9, 5), base + 25, 6, rd).unwrap_err(),
+            Status::OutOfBounds
+        );
+        assert_eq!(
+            t.check(ConnId(2), k(9, 5), base + 10, 1, rd).unwrap_err(),
+            Status::UnknownKey,
+            "foreign"
+        );
+        t.revoke_conn(C);
+        assert_eq!(
+            t.check(C, k(9, 5), base + 10, 1, rd).unwrap_err(),
+            Status::UnknownKey
+        );
+        t.insert(
+            9,
+            Grant {
+                region: r.clone(),
+                tag: 5,
+                base,
+                len: 1,
+                conn: Some(C),
+            },
+        );
+        t.remove(7);
+        assert_eq!(
+            t.check(C, k(9, 5), base, 1, rd).unwrap_err(),
+            Status::UnknownKey,
+            "dies with its region"
         );
     }
 }

@@ -127,11 +127,14 @@ impl MemoryRegion {
             what: "advertising more than 4 GiB - 1 in one RemoteBuf",
             reason: format!("len {len}"),
         })?;
+        let mut reserved = [0u8; 32];
+        reserved[..8].copy_from_slice(&self.inner.tag.to_le_bytes());
         Ok(RemoteBuf {
             addr: self.addr() + offset as u64,
             size,
             rkey: self.rkey(),
             nmsgs: 1,
+            reserved,
             ..Default::default()
         })
     }

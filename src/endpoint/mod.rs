@@ -566,6 +566,39 @@ impl Endpoint {
         mr.advertise(offset, len)
     }
 
+    /// Describes `[offset, offset + len)` of `mr` for the peer on `conn`
+    /// alone: the key works only on that connection, only inside that
+    /// window, and is revoked when the connection goes (or `mr` is
+    /// deregistered). `advertise` keys work for any peer until
+    /// deregistration.
+    pub fn advertise_to(
+        &self,
+        conn: ConnId,
+        mr: &MemoryRegion,
+        offset: usize,
+        len: usize,
+    ) -> Result<RemoteBuf> {
+        let mut rb = mr.advertise(offset, len)?;
+        if !self.inner.conns.lock().expect("lock").contains_key(&conn) {
+            return Err(Error::UnknownConn { conn });
+        }
+        let rkey = self.inner.next_rkey.fetch_add(1, Ordering::Relaxed);
+        let tag = random_u64();
+        let grant = crate::region::Grant {
+            region: mr.inner.clone(),
+            tag,
+            base: rb.addr,
+            len: len as u64,
+            conn: Some(conn),
+        };
+        self.inner
+            .shard_of(conn)
+            .region(RegionCmd::Grant { rkey, grant })?;
+        rb.rkey = rkey;
+        rb.reserved[..8].copy_from_slice(&tag.to_le_bytes());
+        Ok(rb)
+    }
+
     /// Advertises several windows (the seed's `advertisev`).
     pub fn advertisev(&self, windows: &[(&MemoryRegion, usize, usize)]) -> Result<Vec<RemoteBuf>> {
         windows
@@ -722,6 +755,7 @@ fn desc(mr: &MemoryRegion, offset: usize, len: usize, remote: &RemoteBuf) -> Res
         len,
         remote_addr: remote.addr,
         rkey: remote.rkey,
+        tag: remote.key_tag(),
     })
 }
 
@@ -824,6 +858,7 @@ impl Inner {
         }
         let rkey = self.next_rkey.fetch_add(1, Ordering::Relaxed);
         let r = Arc::new(Region {
+            tag: random_u64(),
             ptr,
             len,
             rkey,

@@ -16,6 +16,8 @@ pub(crate) struct OpDesc {
     pub len: usize,
     pub remote_addr: u64,
     pub rkey: u32,
+    /// The advertised key's tag (RemoteBuf reserved bytes 0..8).
+    pub tag: u64,
 }
 
 pub(crate) enum OpParts {
@@ -63,6 +65,11 @@ pub(crate) enum Command {
 /// apply them, even while its operation queue is stalled.
 pub(crate) enum RegionCmd {
     Add(Arc<Region>),
+    /// A key for one window of a region, usually for one connection only.
+    Grant {
+        rkey: u32,
+        grant: crate::region::Grant,
+    },
     Remove(u32),
 }
 

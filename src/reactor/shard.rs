@@ -14,7 +14,7 @@ use tracing::{debug, info, warn};
 use super::completion::CompletionTable;
 use super::queue::{Command, OpCmd, RegionCmd, ShardHandle, WakeState};
 use crate::error::{ConnId, Error, Result};
-use crate::region::{Access, Region, RegionTable, Regions};
+use crate::region::{Access, KeyRef, Region, RegionTable, Regions};
 use crate::shm::fdpass::FdListener;
 use crate::shm::local::{LocalConn, PeerMaps};
 use crate::shm::msg::{Msg, MsgKind};
@@ -121,22 +121,27 @@ pub struct Shard {
 struct LiveRegions<'a> {
     table: &'a mut RegionTable,
     updates: &'a Receiver<RegionCmd>,
+    /// The connection whose requests are being checked.
+    conn: ConnId,
 }
 
 impl Regions for LiveRegions<'_> {
     fn check(
         &mut self,
-        rkey: u32,
+        key: KeyRef,
         addr: u64,
         len: u64,
         need: Access,
     ) -> Result<(Arc<Region>, usize), Status> {
-        match Regions::check(self.table, rkey, addr, len, need) {
+        let conn = self.conn;
+        match self.table.check(conn, key, addr, len, need) {
             Err(Status::UnknownKey) => {
                 apply_region_updates(self.table, self.updates);
-                Regions::check(self.table, rkey, addr, len, need)
+                self.table
+                    .check(conn, key, addr, len, need)
+                    .map(|(r, off)| (r.clone(), off))
             }
-            other => other,
+            other => other.map(|(r, off)| (r.clone(), off)),
         }
     }
 }
@@ -146,7 +151,8 @@ fn apply_region_updates(table: &mut RegionTable, updates: &Receiver<RegionCmd>) 
     while let Ok(cmd) = updates.try_recv() {
         n += 1;
         match cmd {
-            RegionCmd::Add(r) => table.insert(r),
+            RegionCmd::Add(r) => table.insert(r.rkey, crate::region::Grant::whole(&r)),
+            RegionCmd::Grant { rkey, grant } => table.insert(rkey, grant),
             RegionCmd::Remove(k) => table.remove(k),
         }
     }
@@ -493,7 +499,10 @@ impl Shard {
                     if !lc.push_request(
                         op.kind,
                         op.slot,
-                        d.rkey,
+                        KeyRef {
+                            rkey: d.rkey,
+                            tag: d.tag,
+                        },
                         d.remote_addr,
                         local,
                         d.len,
@@ -527,7 +536,10 @@ impl Shard {
                 op.kind,
                 op.slot,
                 op_id,
-                d.rkey,
+                KeyRef {
+                    rkey: d.rkey,
+                    tag: d.tag,
+                },
                 d.remote_addr + op.next_off as u64,
                 local,
                 n,
@@ -599,6 +611,7 @@ impl Shard {
 
     fn drop_conn(&mut self, idx: usize, reason: String) {
         let mut conn = self.conns.remove(idx);
+        self.regions.revoke_conn(conn.id);
         self.stream_count -= conn.streams.len();
         self.by_id.remove(&conn.id);
         let err = Error::ConnFailed {
@@ -621,6 +634,7 @@ impl Shard {
 
     fn drop_local(&mut self, idx: usize, reason: String) {
         let mut lc = self.local.remove(idx);
+        self.regions.revoke_conn(lc.id);
         self.by_id.remove(&lc.id);
         let err = Error::ConnFailed {
             conn: lc.id,
@@ -678,8 +692,10 @@ impl Shard {
         let mut regions = LiveRegions {
             table: &mut self.regions,
             updates: &self.region_rx,
+            conn: ConnId(0),
         };
         for (idx, lc) in self.local.iter_mut() {
+            regions.conn = lc.id;
             let mut sink = ShardSink {
                 done: &mut self.done,
                 inbox: &self.inbox,
@@ -711,8 +727,10 @@ impl Shard {
         let mut regions = LiveRegions {
             table: &mut self.regions,
             updates: &self.region_rx,
+            conn: ConnId(0),
         };
         for (idx, conn) in self.conns.iter_mut() {
+            regions.conn = conn.id;
             let mut sink = ShardSink {
                 done: &mut self.done,
                 inbox: &self.inbox,

@@ -20,7 +20,7 @@ use super::msg::{Msg, MsgKind, MAX_INLINE};
 use super::object::{pid_alive, Mapping, ShmRing};
 use super::ring::SLOT_PAYLOAD;
 use crate::error::{ConnId, Error, OpKind, Result};
-use crate::region::{Access, Region, Regions};
+use crate::region::{Access, KeyRef, Region, Regions};
 use crate::tcp::Sink;
 use crate::wire::{Status, MAX_NOTIFY_BYTES};
 
@@ -209,7 +209,7 @@ impl LocalConn {
         &mut self,
         kind: OpKind,
         slot: u32,
-        rkey: u32,
+        key: KeyRef,
         addr: u64,
         local: *mut u8,
         len: usize,
@@ -227,7 +227,9 @@ impl LocalConn {
         });
         m.conn = self.peer_conn;
         m.op_id = entry.key() as u64;
-        m.rkey = rkey;
+        m.rkey = key.rkey;
+        // Requests carry the key's tag in `aux`.
+        m.aux = key.tag;
         m.addr = addr;
         m.len = len as u64;
         m.src_key = keep.rkey;
@@ -248,7 +250,7 @@ impl LocalConn {
             kind,
             dst: local,
             len,
-            rkey,
+            rkey: key.rkey,
             addr,
             sent_at: now,
             _keep: keep.clone(),
@@ -387,7 +389,15 @@ impl LocalConn {
                 // until the reply is encoded.
                 let mut held: Option<Arc<Region>> = None;
                 let mut out_inline: &[u8] = &[];
-                let status = match regions.check(m.rkey, m.addr, m.len, need) {
+                let status = match regions.check(
+                    KeyRef {
+                        rkey: m.rkey,
+                        tag: m.aux,
+                    },
+                    m.addr,
+                    m.len,
+                    need,
+                ) {
                     Err(st) => st,
                     Ok((r, off)) => {
                         let len = m.len as usize;

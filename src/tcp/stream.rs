@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::error::{Error, OpKind, Result};
-use crate::region::{Access, Region, Regions};
+use crate::region::{Access, KeyRef, Region, Regions};
 use crate::wire::{DataHeader, DataKind, Status, DATA_HEADER_LEN};
 
 const HDR: usize = DATA_HEADER_LEN;
@@ -173,19 +173,20 @@ impl Stream {
         kind: OpKind,
         slot: u32,
         op_id: u64,
-        rkey: u32,
+        key: KeyRef,
         addr: u64,
         local: *mut u8,
         len: usize,
         keep: &Arc<Region>,
         now: Instant,
     ) {
+        let rkey = key.rkey;
         debug_assert!(self.can_request());
         let (dk, payload, plen) = match kind {
             OpKind::Write => (DataKind::WriteReq, local as *const u8, len),
             OpKind::Read => (DataKind::ReadReq, std::ptr::null(), 0),
         };
-        let hdr = DataHeader::request(dk, rkey, op_id, addr, len as u64).encode();
+        let hdr = DataHeader::request(dk, key.rkey, key.tag, op_id, addr, len as u64).encode();
         self.tx.push_back(TxFrame {
             hdr,
             payload,
@@ -208,7 +209,7 @@ impl Stream {
 
     pub fn push_notify(&mut self, payload: Vec<u8>) {
         debug_assert!(self.can_notify());
-        let hdr = DataHeader::request(DataKind::Notify, 0, 0, 0, payload.len() as u64).encode();
+        let hdr = DataHeader::request(DataKind::Notify, 0, 0, 0, 0, payload.len() as u64).encode();
         let (ptr, len) = (payload.as_ptr(), payload.len());
         self.notify_queued += 1;
         self.tx.push_back(TxFrame {
@@ -521,7 +522,15 @@ impl Stream {
                     op_id: h.op_id,
                     status,
                 };
-                self.rx = match regions.check(h.rkey, h.addr, h.len, Access::REMOTE_WRITE) {
+                self.rx = match regions.check(
+                    KeyRef {
+                        rkey: h.rkey,
+                        tag: h.tag,
+                    },
+                    h.addr,
+                    h.len,
+                    Access::REMOTE_WRITE,
+                ) {
                     Ok((r, off)) => Rx::Payload {
                         // SAFETY: `check` proved [off, off + len) lies inside the region.
                         dst: unsafe { r.ptr.add(off) },
@@ -537,7 +546,15 @@ impl Stream {
             }
             DataKind::ReadReq => {
                 self.take_request()?;
-                match regions.check(h.rkey, h.addr, h.len, Access::REMOTE_READ) {
+                match regions.check(
+                    KeyRef {
+                        rkey: h.rkey,
+                        tag: h.tag,
+                    },
+                    h.addr,
+                    h.len,
+                    Access::REMOTE_READ,
+                ) {
                     Ok((r, off)) => {
                         // SAFETY: `check` proved [off, off + len) lies inside the region.
                         let src = unsafe { r.ptr.add(off) };

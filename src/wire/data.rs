@@ -1,8 +1,14 @@
-//! The tcp data path's fixed 32-byte frame header.
+//! The tcp data path's fixed 40-byte frame header.
 //!
 //! ```text
 //! 0 kind u8 | 1 status u8 | 2 reserved u16 (0) | 4 rkey u32 | 8 op_id u64
-//! 16 addr u64 | 24 len u64                                  (little-endian)
+//! 16 addr u64 | 24 len u64 | 32 tag u64                     (little-endian)
+//! ```
+//!
+//! `tag` is the random half of a key (the advertised `RemoteBuf`'s first 8
+//! reserved bytes); requests carry it, everything else carries 0.
+//!
+//! ```text
 //! ```
 //!
 //! Requests (`WriteReq` + `len` payload bytes, `ReadReq`, `Notify` + payload)
@@ -11,7 +17,7 @@
 
 use super::cursor::{DecodeError, Reader};
 
-pub const DATA_HEADER_LEN: usize = 32;
+pub const DATA_HEADER_LEN: usize = 40;
 /// Largest payload one request or response frame may carry. `RemoteBuf`
 /// sizes are u32, so no honest frame is larger.
 pub const MAX_FRAME_PAYLOAD: u64 = u32::MAX as u64;
@@ -72,10 +78,11 @@ pub struct DataHeader {
     pub op_id: u64,
     pub addr: u64,
     pub len: u64,
+    pub tag: u64,
 }
 
 impl DataHeader {
-    pub fn request(kind: DataKind, rkey: u32, op_id: u64, addr: u64, len: u64) -> Self {
+    pub fn request(kind: DataKind, rkey: u32, tag: u64, op_id: u64, addr: u64, len: u64) -> Self {
         Self {
             kind,
             status: Status::Ok,
@@ -83,6 +90,7 @@ impl DataHeader {
             op_id,
             addr,
             len,
+            tag,
         }
     }
 
@@ -94,6 +102,7 @@ impl DataHeader {
             op_id,
             addr: 0,
             len,
+            tag: 0,
         }
     }
 
@@ -113,6 +122,7 @@ impl DataHeader {
         b[8..16].copy_from_slice(&self.op_id.to_le_bytes());
         b[16..24].copy_from_slice(&self.addr.to_le_bytes());
         b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b[32..40].copy_from_slice(&self.tag.to_le_bytes());
         b
     }
 
@@ -138,6 +148,7 @@ impl DataHeader {
             op_id: r.u64_le()?,
             addr: r.u64_le()?,
             len: r.u64_le()?,
+            tag: r.u64_le()?,
         };
         r.finish()?;
         if reserved != 0 {
@@ -159,6 +170,9 @@ impl DataHeader {
         }
         if !kind.is_response() && status != Status::Ok {
             return Err(invalid(format!("{kind:?} carries status {status:?}")));
+        }
+        if (kind.is_response() || kind == DataKind::Notify) && h.tag != 0 {
+            return Err(invalid(format!("{kind:?} carries a key tag")));
         }
         if kind.is_response() && (h.rkey != 0 || h.addr != 0) {
             return Err(invalid(format!(
@@ -195,9 +209,9 @@ mod tests {
     #[test]
     fn round_trips_each_kind() {
         let hs = [
-            DataHeader::request(DataKind::WriteReq, 5, 9, 0x1000, 4096),
-            DataHeader::request(DataKind::ReadReq, 5, 10, 0x1000, 1 << 30),
-            DataHeader::request(DataKind::Notify, 0, 11, 0, 12),
+            DataHeader::request(DataKind::WriteReq, 5, 0xabc, 9, 0x1000, 4096),
+            DataHeader::request(DataKind::ReadReq, 5, u64::MAX, 10, 0x1000, 1 << 30),
+            DataHeader::request(DataKind::Notify, 0, 0, 11, 0, 12),
             DataHeader::response(DataKind::WriteAck, Status::OutOfBounds, 9, 0),
             DataHeader::response(DataKind::ReadResp, Status::Ok, 10, 1 << 30),
         ];
@@ -208,7 +222,7 @@ mod tests {
 
     #[test]
     fn rejects_bad_fields() {
-        let good = DataHeader::request(DataKind::WriteReq, 1, 1, 1, 1).encode();
+        let good = DataHeader::request(DataKind::WriteReq, 1, 2, 1, 1, 1).encode();
         let mut b = good;
         b[0] = 7;
         assert!(matches!(
@@ -221,7 +235,7 @@ mod tests {
         let mut b = good;
         b[1] = 2;
         assert!(DataHeader::decode(&b).is_err(), "requests carry no status");
-        let n = DataHeader::request(DataKind::Notify, 0, 1, 0, 5000).encode();
+        let n = DataHeader::request(DataKind::Notify, 0, 0, 1, 0, 5000).encode();
         assert!(matches!(
             DataHeader::decode(&n),
             Err(DecodeError::TooLong {
@@ -235,14 +249,17 @@ mod tests {
             DataHeader::decode(&r).is_err(),
             "error responses carry no payload"
         );
-        assert!(DataHeader::decode(&good[..31]).is_err());
+        assert!(DataHeader::decode(&good[..39]).is_err());
+        let mut b = DataHeader::response(DataKind::WriteAck, Status::Ok, 1, 0).encode();
+        b[32] = 1;
+        assert!(DataHeader::decode(&b).is_err(), "responses carry no tag");
     }
 
     #[test]
     fn random_bytes_never_panic_and_round_trip() {
         let mut rng = Rng(11);
         for _ in 0..50000 {
-            let mut b = rng.bytes(32);
+            let mut b = rng.bytes(40);
             b[0] = [1u8, 2, 3, 0x81, 0x82, 9][rng.below(6) as usize];
             b[1] = rng.below(5) as u8;
             b[2] = 0;
@@ -251,6 +268,7 @@ mod tests {
                 b[4..8].fill(0);
                 b[16..24].fill(0);
                 b[24..32].copy_from_slice(&rng.below(5000).to_le_bytes());
+                b[32..40].fill(0);
             }
             if let Ok(h) = DataHeader::decode(&b) {
                 assert_eq!(h.encode().to_vec(), b);

@@ -62,6 +62,14 @@ impl RemoteBuf {
         Ok(out)
     }
 
+    /// The random half of the key (reserved bytes 0..8). A target refuses a
+    /// request whose tag does not match the advertised one, so the 32-bit
+    /// `rkey` alone cannot be guessed into access. A UCCL peer's FifoItem
+    /// has zeros here.
+    pub fn key_tag(&self) -> u64 {
+        u64::from_le_bytes(self.reserved[..8].try_into().expect("8 bytes"))
+    }
+
     /// The sub-window `[offset, offset + len)` of this buffer, or `None` if it
     /// does not lie inside.
     pub fn slice(&self, offset: u32, len: u32) -> Option<RemoteBuf> {
