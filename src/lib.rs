@@ -62,6 +62,7 @@
 //! # }
 //! ```
 
+pub(crate) mod auth;
 pub mod endpoint;
 pub mod error;
 pub mod oob;
@@ -74,7 +75,9 @@ pub mod wire;
 #[doc(hidden)]
 pub mod testkit;
 
-pub use endpoint::{Config, Endpoint, EndpointBuilder, MemoryRegion, Mode, Peer, Transport};
+pub use endpoint::{
+    Config, Endpoint, EndpointBuilder, MemoryRegion, Mode, Peer, Secret, Transport,
+};
 pub use error::{ConnId, Error, OpKind, Result};
 pub use reactor::{Shard, Transfer};
 pub use region::Access;

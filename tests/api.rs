@@ -270,8 +270,11 @@ fn silent_peer_fails_requests_after_the_op_timeout() {
     let addr = l.local_addr().unwrap();
     let server = std::thread::spawn(move || {
         let (mut s, _) = l.accept().unwrap();
-        let mut frame = vec![0u8; CONTROL_HEADER_LEN + 36];
-        s.read_exact(&mut frame).unwrap();
+        let mut header = [0u8; CONTROL_HEADER_LEN];
+        s.read_exact(&mut header).unwrap();
+        let mut frame = vec![0u8; CONTROL_HEADER_LEN + ControlFrame::body_len(&header).unwrap()];
+        frame[..CONTROL_HEADER_LEN].copy_from_slice(&header);
+        s.read_exact(&mut frame[CONTROL_HEADER_LEN..]).unwrap();
         let ControlFrame::Hello(h) = ControlFrame::decode(&frame).unwrap() else {
             panic!("no hello")
         };

@@ -27,6 +27,35 @@ pub enum Transport {
     Shm,
 }
 
+/// A shared secret; its bytes never appear in `Debug` output or logs.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(Vec<u8>);
+
+impl Secret {
+    /// At least 8 bytes; longer is better.
+    pub fn new(bytes: impl Into<Vec<u8>>) -> Result<Secret> {
+        let b = bytes.into();
+        if b.len() < 8 {
+            return Err(Error::Config {
+                name: "FERRY_AUTH_KEY",
+                value: "<redacted>".into(),
+                reason: format!("{} bytes; use at least 8", b.len()),
+            });
+        }
+        Ok(Secret(b))
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(<redacted>)")
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Config {
     /// Address the control listener binds (`FERRY_LISTEN_ADDR`, default 0.0.0.0).
@@ -73,6 +102,10 @@ pub struct Config {
     /// Operations in flight on one connection at most
     /// (`FERRY_MAX_CONN_INFLIGHT_OPS`, default 4096).
     pub max_conn_inflight_ops: usize,
+    /// Shared secret peers must prove in the handshake (`FERRY_AUTH_KEY`):
+    /// an HMAC-SHA256 challenge-response both ways; a peer without it, or
+    /// with another, is refused. `None`: no authentication.
+    pub auth_key: Option<Secret>,
     /// Log filter for the `ferry` binary (`FERRY_LOG`, default "warn"); the
     /// library itself only emits `tracing` events.
     pub log: String,
@@ -101,6 +134,7 @@ impl Default for Config {
             max_conns: 4096,
             max_registrations: 65536,
             max_conn_inflight_ops: 4096,
+            auth_key: None,
             log: "warn".to_owned(),
         }
     }
@@ -216,6 +250,9 @@ impl Config {
         }
         if let Some(v) = get("FERRY_MAX_CONN_INFLIGHT_OPS") {
             c.max_conn_inflight_ops = num("FERRY_MAX_CONN_INFLIGHT_OPS", &v, 1, 1 << 20)?;
+        }
+        if let Some(v) = get("FERRY_AUTH_KEY") {
+            c.auth_key = Some(Secret::new(v.into_bytes())?);
         }
         if let Some(v) = get("FERRY_LOG") {
             c.log = v;

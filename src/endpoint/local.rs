@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 use super::{ConnInfo, Inner, Peer};
+use crate::auth::{ct_eq, proof};
 use crate::error::{ConnId, Error, Result};
 use crate::reactor::Command;
 use crate::region::Backing;
@@ -135,12 +136,26 @@ impl Inner {
         m.aux2 = super::random_u64();
         m.src_key = self.cfg.stream_inflight as u32;
         m.src_addr = &CMA_CANARY as *const u64 as u64;
-        push_msg(&accept, &m, &[], deadline)?;
+        // With a shared secret, CONNECT carries our proof of it, and the
+        // answer must carry the peer's.
+        let client_proof = self
+            .auth_key()
+            .map(|k| proof(k, "local-client", peer_id, m.aux2, self.id, peer_id));
+        push_msg(
+            &accept,
+            &m,
+            client_proof.as_ref().map_or(&[][..], |p| &p[..]),
+            deadline,
+        )?;
         let mut buf = [0u8; SLOT_PAYLOAD];
-        let (ack, reason) = loop {
+        let (ack, reason, ack_inline) = loop {
             if let Some(n) = rx.ring.pop(&mut buf) {
                 let (a, inline) = Msg::decode(&buf[..n])?;
-                break (a, String::from_utf8_lossy(inline).into_owned());
+                break (
+                    a,
+                    String::from_utf8_lossy(inline).into_owned(),
+                    inline.to_vec(),
+                );
             }
             if Instant::now() >= deadline {
                 return Err(Error::Timeout {
@@ -161,6 +176,15 @@ impl Inner {
                 "a same-host connection",
                 format!("peer refused: {reason}"),
             ));
+        }
+        if let Some(k) = self.auth_key() {
+            let expected = proof(k, "local-server", m.aux2, 0, peer_id, self.id);
+            if !ct_eq(&ack_inline, &expected) {
+                return Err(refuse(
+                    "a same-host connection",
+                    "the peer's authentication proof is wrong or missing".into(),
+                ));
+            }
         }
         let peer_pid = ack.addr as u32;
         let tx = ShmRing::open(&pair_ring_name(self.id, peer_id, conn.0 as u32))?;
@@ -204,11 +228,11 @@ impl Inner {
     /// Answers the CONNECT messages shard 0 has forwarded.
     pub(crate) fn accept_local_step(self: &Arc<Self>) {
         loop {
-            let m = match self.local_connects.lock().expect("lock").try_recv() {
-                Ok(m) => m,
+            let (m, inline) = match self.local_connects.lock().expect("lock").try_recv() {
+                Ok(got) => got,
                 Err(_) => return,
             };
-            if let Err(e) = self.answer_connect(&m) {
+            if let Err(e) = self.answer_connect(&m, &inline) {
                 warn!(
                     peer = format_args!("{:016x}", m.aux),
                     "local CONNECT failed: {e}"
@@ -217,7 +241,7 @@ impl Inner {
         }
     }
 
-    fn answer_connect(&self, m: &Msg) -> Result<()> {
+    fn answer_connect(&self, m: &Msg, inline: &[u8]) -> Result<()> {
         let deadline = Instant::now() + self.cfg.connect_timeout();
         let (peer_id, peer_pid) = (m.aux, m.addr as u32);
         // The connector made the ring we answer into.
@@ -225,7 +249,13 @@ impl Inner {
         let mut ack = Msg::new(MsgKind::ConnectAck);
         ack.aux = self.id;
         ack.addr = this_pid() as u64;
-        let refusal = self.check_conn_limit().err().map(|e| e.to_string());
+        let auth_refusal = self.auth_key().and_then(|k| {
+            let expected = proof(k, "local-client", self.id, m.aux2, peer_id, self.id);
+            (!ct_eq(inline, &expected)).then(|| {
+                "authentication failed: wrong or missing proof of FERRY_AUTH_KEY".to_owned()
+            })
+        });
+        let refusal = auth_refusal.or_else(|| self.check_conn_limit().err().map(|e| e.to_string()));
         if let Some(why) = refusal.or_else(|| probe_cma(peer_pid, m.src_addr).err()) {
             ack.status = 1;
             let text = why.as_bytes();
@@ -259,7 +289,15 @@ impl Inner {
         // Adopt before answering, so the peer's first request finds us.
         self.adopt_local(lc, peer_id, peer_pid, deadline)?;
         let tx2 = ShmRing::open(&pair_ring_name(self.id, peer_id, m.conn))?;
-        push_msg(&tx2, &ack, &[], deadline)?;
+        let server_proof = self
+            .auth_key()
+            .map(|k| proof(k, "local-server", m.aux2, 0, self.id, peer_id));
+        push_msg(
+            &tx2,
+            &ack,
+            server_proof.as_ref().map_or(&[][..], |p| &p[..]),
+            deadline,
+        )?;
         self.share_with(peer_id, &self.my_shared_regions());
         self.local_peers.lock().expect("lock").insert(peer_id);
         self.push_accepted(

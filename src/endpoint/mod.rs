@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
-pub use config::{Config, Mode, Transport};
+pub use config::{Config, Mode, Secret, Transport};
 pub use memory::MemoryRegion;
 
 use crate::error::{ConnId, Error, OpKind, Result};
@@ -28,7 +28,7 @@ use crate::reactor::{
 };
 use crate::region::{Access, Backing, Region};
 use crate::tcp::StreamLimits;
-use crate::wire::{EndpointMetadata, Hello, RemoteBuf, CAP_SHM, MAX_NOTIFY_BYTES};
+use crate::wire::{EndpointMetadata, Hello, RemoteBuf, CAP_AUTH, CAP_SHM, MAX_NOTIFY_BYTES};
 
 /// Half-assembled multi-stream connections an acceptor holds at most.
 const MAX_PARTIAL_CONNS: usize = 64;
@@ -108,7 +108,7 @@ pub(crate) struct Inner {
     /// Why the same-host path is off, if it is.
     shm_note: Option<String>,
     host_token: u64,
-    local_connects: Mutex<Receiver<crate::shm::msg::Msg>>,
+    local_connects: Mutex<Receiver<(crate::shm::msg::Msg, Vec<u8>)>>,
     memfd_regions: Mutex<HashMap<u32, std::sync::Weak<Region>>>,
     local_peers: Mutex<std::collections::HashSet<u64>>,
     /// Connections the shards saw die; forgotten on the next control call.
@@ -778,6 +778,10 @@ fn descs(locals: &[(&MemoryRegion, usize, usize)], remotes: &[RemoteBuf]) -> Res
 }
 
 impl Inner {
+    pub(crate) fn auth_key(&self) -> Option<&[u8]> {
+        self.cfg.auth_key.as_ref().map(|k| k.bytes())
+    }
+
     /// Forgets connections the shards reported dead.
     fn reap_closed(&self) {
         let dead: Vec<ConnId> = self.closed.lock().expect("lock").try_iter().collect();
@@ -884,7 +888,13 @@ impl Inner {
     fn stream_hello(&self) -> Hello {
         Hello {
             endpoint_id: self.id,
-            caps: if self.shm_ready() { CAP_SHM } else { 0 },
+            caps: if self.shm_ready() { CAP_SHM } else { 0 }
+                | if self.cfg.auth_key.is_some() {
+                    CAP_AUTH
+                } else {
+                    0
+                },
+            auth_nonce: random_u64(),
             host_token: self.host_token,
             conn_nonce: random_u64(),
             stream_idx: 0,
@@ -898,7 +908,7 @@ impl Inner {
         let mut ctl = Ctl::new(self.backend)?;
         let timeout = self.cfg.connect_timeout();
         let ours = self.stream_hello();
-        let (streams, ack) = handshake::connect(&mut ctl, addr, ours, timeout)?;
+        let (streams, ack) = handshake::connect(&mut ctl, addr, ours, timeout, self.auth_key())?;
         if self.goes_local(&ours, &ack) {
             drop(streams);
             match self.connect_local(ack.endpoint_id) {
@@ -910,7 +920,8 @@ impl Inner {
                         caps: 0,
                         ..self.stream_hello()
                     };
-                    let (streams, ack) = handshake::connect(&mut ctl, addr, plain, timeout)?;
+                    let (streams, ack) =
+                        handshake::connect(&mut ctl, addr, plain, timeout, self.auth_key())?;
                     return self.adopt(streams, ack, addr);
                 }
             }
@@ -990,7 +1001,7 @@ impl Inner {
             handshake::refuse(&mut ctl, &s, &e.to_string(), deadline);
             return Err(e);
         }
-        let hello = handshake::serve(&mut ctl, &s, peer, ours, deadline)?;
+        let hello = handshake::serve(&mut ctl, &s, peer, ours, deadline, self.auth_key())?;
         if self.goes_local(&ours, &hello) {
             // Both sides see the same hellos and decide alike: the peer now
             // comes through our accept ring instead.

@@ -11,8 +11,9 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use super::Ctl;
+use crate::auth::{ct_eq, proof};
 use crate::error::{Error, Result};
-use crate::wire::{ControlFrame, Hello, CONTROL_HEADER_LEN};
+use crate::wire::{ControlFrame, Hello, CAP_AUTH, CONTROL_HEADER_LEN};
 
 /// Error codes carried in `ControlFrame::Error` during the handshake.
 pub const REJECT_PROTOCOL: u16 = 1;
@@ -47,24 +48,33 @@ pub(crate) fn check_ack(ours: &Hello, answer: ControlFrame, peer: SocketAddr) ->
             peer,
             reason: format!("refused by peer (code {code}): {message}"),
         }),
-        ControlFrame::Hello(_) => Err(Error::Handshake {
+        other => Err(Error::Handshake {
             peer,
-            reason: "peer answered Hello with Hello".to_owned(),
+            reason: format!("peer answered Hello with {other:?}"),
         }),
     }
 }
 
 /// Opens the `count` sockets of one connection and handshakes each.
 /// Returns the sockets (in stream order) and the peer's ack of stream 0.
+/// With a shared secret, each stream also runs the mutual HMAC exchange.
 pub(crate) fn connect(
     ctl: &mut Ctl,
     addr: SocketAddr,
     mut hello: Hello,
     timeout: Duration,
+    key: Option<&[u8]>,
 ) -> Result<(Vec<TcpStream>, Hello)> {
     let deadline = Instant::now() + timeout;
     let mut streams = Vec::with_capacity(hello.stream_count as usize);
     let mut first = None;
+    let map_timeout = |e: Error| match e {
+        Error::Timeout { .. } => Error::ConnectTimeout {
+            addr,
+            timeout_ms: super::ms(timeout),
+        },
+        e => e,
+    };
     for idx in 0..hello.stream_count {
         hello.stream_idx = idx;
         let left = super::remaining(deadline).ok_or(Error::ConnectTimeout {
@@ -72,17 +82,13 @@ pub(crate) fn connect(
             timeout_ms: super::ms(timeout),
         })?;
         let s = ctl.connect(addr, left)?;
-        let map_timeout = |e: Error| match e {
-            Error::Timeout { .. } => Error::ConnectTimeout {
-                addr,
-                timeout_ms: super::ms(timeout),
-            },
-            e => e,
-        };
         ctl.send_all(&s, &ControlFrame::Hello(hello).encode(), deadline)
             .map_err(map_timeout)?;
         let answer = read_frame(ctl, &s, deadline).map_err(map_timeout)?;
         let ack = check_ack(&hello, answer, addr)?;
+        if let Some(key) = key {
+            prove_to_server(ctl, &s, addr, key, &hello, &ack, deadline).map_err(map_timeout)?;
+        }
         first.get_or_insert(ack);
         streams.push(s);
     }
@@ -92,14 +98,75 @@ pub(crate) fn connect(
     ))
 }
 
+/// The client's half of the exchange: check the server's proof, send ours,
+/// wait for the verdict.
+fn prove_to_server(
+    ctl: &mut Ctl,
+    s: &TcpStream,
+    peer: SocketAddr,
+    key: &[u8],
+    ours: &Hello,
+    ack: &Hello,
+    deadline: Instant,
+) -> Result<()> {
+    let fail = |reason: String| Error::Handshake { peer, reason };
+    if ack.caps & CAP_AUTH == 0 {
+        return Err(fail(
+            "this endpoint requires authentication (FERRY_AUTH_KEY) and the peer has none".into(),
+        ));
+    }
+    let expected = proof(
+        key,
+        "server",
+        ours.auth_nonce,
+        ack.auth_nonce,
+        ack.endpoint_id,
+        ours.endpoint_id,
+    );
+    match read_frame(ctl, s, deadline)? {
+        ControlFrame::Auth(mac) if ct_eq(&mac, &expected) => {}
+        ControlFrame::Auth(_) => {
+            return Err(fail(
+                "the peer's authentication proof is wrong (different FERRY_AUTH_KEY?)".into(),
+            ))
+        }
+        ControlFrame::Error { code, message } => {
+            return Err(fail(format!("refused by peer (code {code}): {message}")))
+        }
+        other => {
+            return Err(fail(format!(
+                "expected the peer's authentication proof, got {other:?}"
+            )))
+        }
+    }
+    let mine = proof(
+        key,
+        "client",
+        ack.auth_nonce,
+        ours.auth_nonce,
+        ours.endpoint_id,
+        ack.endpoint_id,
+    );
+    ctl.send_all(s, &ControlFrame::Auth(mine).encode(), deadline)?;
+    match read_frame(ctl, s, deadline)? {
+        ControlFrame::AuthOk => Ok(()),
+        ControlFrame::Error { code, message } => {
+            Err(fail(format!("refused by peer (code {code}): {message}")))
+        }
+        other => Err(fail(format!("expected the peer's verdict, got {other:?}"))),
+    }
+}
+
 /// Serves the handshake on one accepted socket: reads its `Hello`, answers,
-/// and returns the `Hello`. A bad `Hello` is answered with an `Error` frame.
+/// runs the HMAC exchange when a secret is configured, and returns the
+/// `Hello`. Anything wrong is answered with an `Error` frame.
 pub(crate) fn serve(
     ctl: &mut Ctl,
     s: &TcpStream,
     peer: SocketAddr,
     mut ours: Hello,
     deadline: Instant,
+    key: Option<&[u8]>,
 ) -> Result<Hello> {
     let theirs = match read_frame(ctl, s, deadline) {
         Ok(ControlFrame::Hello(h)) => h,
@@ -117,10 +184,57 @@ pub(crate) fn serve(
         }
         Err(e) => return Err(e),
     };
+    let mut deny = |reason: &str| {
+        refuse(ctl, s, reason, deadline);
+        Err(Error::Handshake {
+            peer,
+            reason: reason.to_owned(),
+        })
+    };
+    match (key.is_some(), theirs.caps & CAP_AUTH != 0) {
+        (true, false) => {
+            return deny("authentication required: this endpoint has FERRY_AUTH_KEY set")
+        }
+        (false, true) => {
+            return deny("the peer requires authentication and this endpoint has no FERRY_AUTH_KEY")
+        }
+        _ => {}
+    }
     ours.conn_nonce = theirs.conn_nonce;
     ours.stream_idx = theirs.stream_idx;
     ours.stream_count = theirs.stream_count;
     ctl.send_all(s, &ControlFrame::HelloAck(ours).encode(), deadline)?;
+    if let Some(key) = key {
+        let mine = proof(
+            key,
+            "server",
+            theirs.auth_nonce,
+            ours.auth_nonce,
+            ours.endpoint_id,
+            theirs.endpoint_id,
+        );
+        ctl.send_all(s, &ControlFrame::Auth(mine).encode(), deadline)?;
+        let expected = proof(
+            key,
+            "client",
+            ours.auth_nonce,
+            theirs.auth_nonce,
+            theirs.endpoint_id,
+            ours.endpoint_id,
+        );
+        match read_frame(ctl, s, deadline)? {
+            ControlFrame::Auth(mac) if ct_eq(&mac, &expected) => {}
+            _ => {
+                let reason = "authentication failed: wrong or missing proof of FERRY_AUTH_KEY";
+                refuse(ctl, s, reason, deadline);
+                return Err(Error::Handshake {
+                    peer,
+                    reason: reason.to_owned(),
+                });
+            }
+        }
+        ctl.send_all(s, &ControlFrame::AuthOk.encode(), deadline)?;
+    }
     Ok(theirs)
 }
 
@@ -241,6 +355,7 @@ mod tests {
             stream_count: count,
             max_inflight: 64,
             host_token: 0,
+            auth_nonce: 0,
         }
     }
 

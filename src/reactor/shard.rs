@@ -72,8 +72,9 @@ pub(crate) struct LocalSetup {
     pub accept_ring: ShmRing,
     /// Local peers share their memfd regions through this socket.
     pub fd_listener: FdListener,
-    /// Forwards CONNECT messages to the endpoint's accept path.
-    pub connects: SyncSender<Msg>,
+    /// Forwards CONNECT messages (and their inline proof) to the endpoint's
+    /// accept path.
+    pub connects: SyncSender<(Msg, Vec<u8>)>,
 }
 
 #[derive(Default)]
@@ -670,8 +671,8 @@ impl Shard {
             while let Some(n) = ls.accept_ring.ring.pop(&mut buf) {
                 work += 1;
                 match Msg::decode(&buf[..n]) {
-                    Ok((m, _)) if m.kind == MsgKind::Connect => {
-                        if ls.connects.try_send(m).is_err() {
+                    Ok((m, inline)) if m.kind == MsgKind::Connect => {
+                        if ls.connects.try_send((m, inline.to_vec())).is_err() {
                             warn!(
                                 shard = self.id,
                                 "local CONNECT dropped: too many waiting for accept"

@@ -2,10 +2,11 @@
 //!
 //! ```text
 //! header (12 B): magic u32 LE | version u16 LE | kind u8 | flags u8 (0) | body_len u32 LE
-//! Hello / HelloAck body (36 B): endpoint_id u64 | caps u32 | conn_nonce u64
+//! Hello / HelloAck body (44 B): endpoint_id u64 | caps u32 | conn_nonce u64
 //!                               | stream_idx u16 | stream_count u16 | max_inflight u32
-//!                               | host_token u64
+//!                               | host_token u64 | auth_nonce u64
 //! Error body: code u16 | msg_len u16 | msg (UTF-8, <= 1024 B)
+//! Auth body: mac [32]          AuthOk body: empty
 //! ```
 //!
 //! A connection of N streams opens N sockets; each sends a `Hello` naming the
@@ -20,13 +21,15 @@ pub const CONTROL_HEADER_LEN: usize = 12;
 /// any of it is read.
 pub const MAX_CONTROL_BODY: usize = 2048;
 const MAX_ERROR_MSG: usize = 1024;
-const HELLO_BODY_LEN: usize = 36;
+const HELLO_BODY_LEN: usize = 44;
 /// Streams a connection may have; the handshake rejects more.
 pub const MAX_STREAMS: u16 = 64;
 
 const KIND_HELLO: u8 = 1;
 const KIND_HELLO_ACK: u8 = 2;
 const KIND_ERROR: u8 = 3;
+const KIND_AUTH: u8 = 4;
+const KIND_AUTH_OK: u8 = 5;
 
 /// One side's introduction on a new stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,16 +47,27 @@ pub struct Hello {
     /// Identifies the sender's host and /dev/shm; equal non-zero tokens mean
     /// the two endpoints can use the same-host path. 0: unknown.
     pub host_token: u64,
+    /// Random challenge for the peer's authentication proof.
+    pub auth_nonce: u64,
 }
 
 /// The sender can take same-host (shared-memory) connections.
 pub const CAP_SHM: u32 = 1;
+/// The sender has a shared secret and requires the peer to prove it too.
+pub const CAP_AUTH: u32 = 2;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ControlFrame {
     Hello(Hello),
     HelloAck(Hello),
-    Error { code: u16, message: String },
+    Error {
+        code: u16,
+        message: String,
+    },
+    /// HMAC proof of the shared secret.
+    Auth([u8; 32]),
+    /// The peer's proof was accepted.
+    AuthOk,
 }
 
 impl ControlFrame {
@@ -74,6 +88,8 @@ impl ControlFrame {
                 b.extend_from_slice(msg);
                 (KIND_ERROR, b)
             }
+            ControlFrame::Auth(mac) => (KIND_AUTH, mac.to_vec()),
+            ControlFrame::AuthOk => (KIND_AUTH_OK, Vec::new()),
         };
         let mut out = Vec::with_capacity(CONTROL_HEADER_LEN + body.len());
         out.extend_from_slice(&CONTROL_MAGIC.to_le_bytes());
@@ -106,7 +122,7 @@ impl ControlFrame {
             });
         }
         let kind = r.u8()?;
-        if !(KIND_HELLO..=KIND_ERROR).contains(&kind) {
+        if !(KIND_HELLO..=KIND_AUTH_OK).contains(&kind) {
             return Err(DecodeError::UnknownKind { what, got: kind });
         }
         let flags = r.u8()?;
@@ -137,6 +153,19 @@ impl ControlFrame {
         match header[6] {
             KIND_HELLO => Ok(ControlFrame::Hello(decode_hello(body)?)),
             KIND_HELLO_ACK => Ok(ControlFrame::HelloAck(decode_hello(body)?)),
+            KIND_AUTH => {
+                let mac: [u8; 32] = body.try_into().map_err(|_| DecodeError::BadLength {
+                    what: "auth frame",
+                    len: body.len(),
+                    expected: "exactly 32",
+                })?;
+                Ok(ControlFrame::Auth(mac))
+            }
+            KIND_AUTH_OK if body.is_empty() => Ok(ControlFrame::AuthOk),
+            KIND_AUTH_OK => Err(DecodeError::TrailingBytes {
+                what: "auth-ok frame",
+                extra: body.len(),
+            }),
             _ => {
                 let what = "control error frame";
                 let mut r = Reader::new(body, what);
@@ -172,6 +201,7 @@ fn encode_hello(h: &Hello) -> Vec<u8> {
     b.extend_from_slice(&h.stream_count.to_le_bytes());
     b.extend_from_slice(&h.max_inflight.to_le_bytes());
     b.extend_from_slice(&h.host_token.to_le_bytes());
+    b.extend_from_slice(&h.auth_nonce.to_le_bytes());
     b
 }
 
@@ -186,6 +216,7 @@ fn decode_hello(body: &[u8]) -> Result<Hello, DecodeError> {
         stream_count: r.u16_le()?,
         max_inflight: r.u32_le()?,
         host_token: r.u64_le()?,
+        auth_nonce: r.u64_le()?,
     };
     r.finish()?;
     if h.stream_count == 0 || h.stream_count > MAX_STREAMS || h.stream_idx >= h.stream_count {
@@ -221,6 +252,7 @@ mod tests {
             stream_count: count,
             max_inflight: 1 + rng.below(1 << 20) as u32,
             host_token: rng.next(),
+            auth_nonce: rng.next(),
         }
     }
 
@@ -228,9 +260,11 @@ mod tests {
     fn property_round_trip() {
         let mut rng = Rng(99);
         for i in 0..3000 {
-            let f = match i % 3 {
+            let f = match i % 5 {
                 0 => ControlFrame::Hello(hello(&mut rng)),
                 1 => ControlFrame::HelloAck(hello(&mut rng)),
+                3 => ControlFrame::Auth(rng.bytes(32).try_into().unwrap()),
+                4 => ControlFrame::AuthOk,
                 _ => ControlFrame::Error {
                     code: rng.next() as u16,
                     message: "é".repeat(rng.below(700) as usize),
@@ -249,7 +283,7 @@ mod tests {
     fn header_checks() {
         let b = ControlFrame::Hello(hello(&mut Rng(1))).encode();
         let mut h: [u8; 12] = b[..12].try_into().unwrap();
-        assert_eq!(ControlFrame::body_len(&h).unwrap(), 36);
+        assert_eq!(ControlFrame::body_len(&h).unwrap(), 44);
         h[0] ^= 1;
         assert!(matches!(
             ControlFrame::body_len(&h),
@@ -298,7 +332,7 @@ mod tests {
             if n >= 12 {
                 b[..4].copy_from_slice(&CONTROL_MAGIC.to_le_bytes());
                 b[4..6].copy_from_slice(&1u16.to_le_bytes());
-                b[6] = 1 + rng.below(3) as u8;
+                b[6] = 1 + rng.below(5) as u8;
                 b[7] = 0;
                 b[8..12].copy_from_slice(&((n - 12) as u32).to_le_bytes());
             }

@@ -16,8 +16,8 @@ mod remote_buf;
 pub use cursor::DecodeError;
 pub use data::{DataHeader, DataKind, Status, DATA_HEADER_LEN, MAX_NOTIFY_BYTES};
 pub use frame::{
-    ControlFrame, Hello, CAP_SHM, CONTROL_HEADER_LEN, CONTROL_MAGIC, MAX_CONTROL_BODY, MAX_STREAMS,
-    PROTOCOL_VERSION,
+    ControlFrame, Hello, CAP_AUTH, CAP_SHM, CONTROL_HEADER_LEN, CONTROL_MAGIC, MAX_CONTROL_BODY,
+    MAX_STREAMS, PROTOCOL_VERSION,
 };
 pub use metadata::{EndpointMetadata, MAX_BDF_LEN};
 pub use remote_buf::{RemoteBuf, REMOTE_BUF_LEN};
