@@ -41,6 +41,9 @@ const FAILED_MEMORY: usize = 4096;
 /// Up to this many streams, `poll` tries every socket instead of asking
 /// epoll (it still parks on epoll).
 const DIRECT_POLL_MAX_STREAMS: usize = 4;
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
+const KEEPALIVE_PROBES: u32 = 3;
 /// Streams a connection may have (the handshake caps it too).
 const MAX_STREAMS: usize = 64;
 
@@ -576,6 +579,15 @@ impl Shard {
         for (i, s) in streams.into_iter().enumerate() {
             s.set_nonblocking(true)
                 .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
+            // An idle connection whose peer vanished (half-open TCP) is found
+            // by keepalive within ~16 s; busy ones by the op timeout first.
+            let ka = socket2::TcpKeepalive::new()
+                .with_time(KEEPALIVE_IDLE)
+                .with_interval(KEEPALIVE_INTERVAL)
+                .with_retries(KEEPALIVE_PROBES);
+            socket2::SockRef::from(&s)
+                .set_tcp_keepalive(&ka)
+                .map_err(|e| Error::io("setsockopt(SO_KEEPALIVE)", e))?;
             let mut m = mio::net::TcpStream::from_std(s);
             self.epoll
                 .registry()

@@ -302,20 +302,28 @@ pub(crate) fn pair_ring_name(sender: u64, receiver: u64, conn: u32) -> String {
     format!("/ferry-{sender:016x}-{receiver:016x}-{conn:08x}")
 }
 
-/// Identifies this host and its /dev/shm: peers with the same token can
-/// reach each other's rings. Zero if it cannot be determined.
+/// Identifies this host, its /dev/shm and the calling thread's network
+/// namespace: peers with the same token can reach each other's rings and
+/// abstract Unix sockets (the latter are per network namespace). Zero if it
+/// cannot be determined.
 pub(crate) fn host_token() -> u64 {
+    use std::os::unix::fs::MetadataExt;
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    let Ok(meta) = std::fs::metadata("/dev/shm") else {
+    let shm = std::fs::metadata("/dev/shm");
+    let net = std::fs::metadata("/proc/thread-self/ns/net");
+    let (Ok(shm), Ok(net)) = (shm, net) else {
         return 0;
     };
     if boot.is_empty() {
         return 0;
     }
-    use std::os::unix::fs::MetadataExt;
     let mut h = crate::testkit::fnv64(boot.trim().as_bytes());
-    h ^= meta.dev().wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    h ^= meta.ino().rotate_left(17);
+    h ^= shm.dev().wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    h ^= shm.ino().rotate_left(17);
+    h ^= net
+        .ino()
+        .wrapping_mul(0xC2B2_AE3D_27D4_EB4F)
+        .rotate_left(29);
     h.max(1)
 }
 
