@@ -16,14 +16,6 @@ fn fd_count(pid: u32) -> usize {
         .unwrap_or(0)
 }
 
-fn rss_kib(pid: u32) -> usize {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    s.lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
-}
-
 fn shm_count() -> usize {
     std::fs::read_dir("/dev/shm")
         .map(|d| {

@@ -13,14 +13,6 @@ use ferry::{Config, Endpoint, Error, Mode};
 
 const MIB: usize = 1 << 20;
 
-fn rss_kib(pid: u32) -> usize {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    s.lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
-}
-
 fn signal(pid: u32, sig: &str) {
     assert!(Command::new("kill")
         .args([sig, &pid.to_string()])

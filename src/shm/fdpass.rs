@@ -128,6 +128,17 @@ impl FdListener {
     }
 }
 
+/// A message header for one data iovec and a control buffer.
+fn msghdr(iov: &mut libc::iovec, ctl: &mut [u8]) -> libc::msghdr {
+    // SAFETY: msghdr is plain data; all-zero is a valid empty header.
+    let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
+    mh.msg_iov = iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = ctl.as_mut_ptr() as *mut _;
+    mh.msg_controllen = ctl.len() as _;
+    mh
+}
+
 fn receive(fd: i32, maps: &mut PeerMaps) -> io::Result<usize> {
     let mut data = [0u8; HEAD + MAX_PER_MSG * ENTRY];
     // SAFETY: CMSG_SPACE is a pure size computation.
@@ -138,12 +149,7 @@ fn receive(fd: i32, maps: &mut PeerMaps) -> io::Result<usize> {
         iov_base: data.as_mut_ptr() as *mut _,
         iov_len: data.len(),
     };
-    // SAFETY: msghdr is plain data; fields set below.
-    let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
-    mh.msg_iov = &mut iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = ctl.as_mut_ptr() as *mut _;
-    mh.msg_controllen = space as _;
+    let mut mh = msghdr(&mut iov, &mut ctl);
     // SAFETY: every pointer in mh refers to live local buffers.
     let got = unsafe { libc::recvmsg(fd, &mut mh, libc::MSG_CMSG_CLOEXEC) };
     if got < 0 {
@@ -227,12 +233,7 @@ pub(crate) fn share(me: u64, peer: u64, regions: &[Shared], timeout: Duration) -
             iov_base: data.as_mut_ptr() as *mut _,
             iov_len: data.len(),
         };
-        // SAFETY: plain data, filled below.
-        let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
-        mh.msg_iov = &mut iov;
-        mh.msg_iovlen = 1;
-        mh.msg_control = ctl.as_mut_ptr() as *mut _;
-        mh.msg_controllen = space as _;
+        let mh = msghdr(&mut iov, &mut ctl);
         // SAFETY: the control buffer has room for one SCM_RIGHTS header and
         // `fds`; all pointers are to live local buffers.
         unsafe {

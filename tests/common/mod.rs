@@ -179,3 +179,12 @@ pub fn remote_hash(ep: &Endpoint, conn: ConnId, off: usize, len: usize) -> u64 {
         .unwrap_or_else(|| panic!("bad answer {a:?}"));
     u64::from_str_radix(h, 16).unwrap()
 }
+
+/// Resident memory of process `pid`, in KiB (0 if unknown).
+pub fn rss_kib(pid: u32) -> usize {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
