@@ -26,8 +26,10 @@ Commands:
 Environment (read once at start; see README.md for all of them):
   FERRY_LOG=warn|info|debug|trace   log level (default warn)
   FERRY_IO=auto|uring|epoll         control-path backend
-  FERRY_TRANSPORT=auto|tcp          data path
-  FERRY_MAX_INFLIGHT_OPS, FERRY_STREAMS, FERRY_SHARDS, FERRY_*_TIMEOUT_MS ...";
+  FERRY_TRANSPORT=auto|tcp|shm      data path (auto: shm for a same-host peer)
+  FERRY_AUTH_KEY=SECRET             peers must prove this shared secret
+  FERRY_MAX_INFLIGHT_OPS, FERRY_MAX_CONNS, FERRY_STREAMS, FERRY_SHARDS,
+  FERRY_*_TIMEOUT_MS ...";
 
 fn init_logs() {
     let level = std::env::var("FERRY_LOG").unwrap_or_else(|_| "warn".into());
