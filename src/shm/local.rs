@@ -21,7 +21,7 @@ use super::object::{pid_alive, Mapping, ShmRing};
 use super::ring::SLOT_PAYLOAD;
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::region::{Access, KeyRef, Region, Regions};
-use crate::tcp::Sink;
+use crate::tcp::{PendingOp, Sink};
 use crate::wire::{Status, MAX_NOTIFY_BYTES};
 
 /// A peer's memfd region mapped into this process.
@@ -34,16 +34,7 @@ pub(crate) struct PeerMap {
 /// Regions of local peers this process has mapped, by (peer id, key).
 pub(crate) type PeerMaps = crate::region::IntMap<(u64, u32), PeerMap>;
 
-struct Pending {
-    slot: u32,
-    kind: OpKind,
-    dst: *mut u8,
-    len: usize,
-    rkey: u32,
-    addr: u64,
-    sent_at: Instant,
-    _keep: Arc<Region>,
-}
+type Pending = PendingOp;
 
 pub(crate) struct LocalConn {
     pub id: ConnId,
@@ -458,29 +449,18 @@ impl LocalConn {
                     return Err(format!("{:?} answers a {} request", m.kind, p.kind));
                 }
                 let status = Status::from_u8(m.status).unwrap_or(Status::PeerMemory);
-                let result = if status == Status::Ok {
-                    if p.kind == OpKind::Read && p.len <= MAX_INLINE {
-                        if inline.len() != p.len {
-                            return Err(format!(
-                                "READ reply carries {} inline bytes, {} were asked",
-                                inline.len(),
-                                p.len
-                            ));
-                        }
-                        // SAFETY: dst has p.len bytes, checked at submission, kept by _keep.
-                        unsafe { std::ptr::copy_nonoverlapping(inline.as_ptr(), p.dst, p.len) };
+                if status == Status::Ok && p.kind == OpKind::Read && p.len <= MAX_INLINE {
+                    if inline.len() != p.len {
+                        return Err(format!(
+                            "READ reply carries {} inline bytes, {} were asked",
+                            inline.len(),
+                            p.len
+                        ));
                     }
-                    Ok(())
-                } else {
-                    Err(Error::Remote {
-                        op: p.kind,
-                        status,
-                        rkey: p.rkey,
-                        addr: p.addr,
-                        len: p.len as u64,
-                    })
-                };
-                sink.done(p.slot, result);
+                    // SAFETY: dst has p.len bytes, checked at submission, kept by _keep.
+                    unsafe { std::ptr::copy_nonoverlapping(inline.as_ptr(), p.dst, p.len) };
+                }
+                sink.done(p.slot, p.outcome(status));
             }
             MsgKind::Notify => {
                 if self.notify.len() + inline.len() > MAX_NOTIFY_BYTES {

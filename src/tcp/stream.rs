@@ -57,17 +57,47 @@ enum FrameClass {
     Notify,
 }
 
-struct Pending {
-    slot: u32,
-    op_id: u64,
-    kind: OpKind,
-    dst: *mut u8,
-    len: usize,
-    rkey: u32,
-    addr: u64,
-    sent_at: Instant,
+/// A request sent and not yet answered (the shm path uses it too).
+pub(crate) struct PendingOp {
+    pub slot: u32,
+    pub kind: OpKind,
+    /// Local memory: the source of a WRITE, the destination of a READ.
+    pub dst: *mut u8,
+    pub len: usize,
+    pub rkey: u32,
+    pub addr: u64,
+    pub sent_at: Instant,
     /// Keeps the local memory alive while the peer reads from or writes to it.
-    _keep: Arc<Region>,
+    pub _keep: Arc<Region>,
+}
+
+impl PendingOp {
+    /// The operation's result, given the status its target answered.
+    pub fn outcome(&self, status: Status) -> Result<()> {
+        if status == Status::Ok {
+            return Ok(());
+        }
+        Err(Error::Remote {
+            op: self.kind,
+            status,
+            rkey: self.rkey,
+            addr: self.addr,
+            len: self.len as u64,
+        })
+    }
+}
+
+/// On tcp a request also has the op id its response must echo.
+struct Pending {
+    op_id: u64,
+    op: PendingOp,
+}
+
+impl std::ops::Deref for Pending {
+    type Target = PendingOp;
+    fn deref(&self) -> &PendingOp {
+        &self.op
+    }
 }
 
 enum After {
@@ -194,9 +224,8 @@ impl Stream {
             class: FrameClass::Request,
             _keep: Keep::None,
         });
-        self.pending.push_back(Pending {
+        let op = PendingOp {
             slot,
-            op_id,
             kind,
             dst: local,
             len,
@@ -204,7 +233,8 @@ impl Stream {
             addr,
             sent_at: now,
             _keep: keep.clone(),
-        });
+        };
+        self.pending.push_back(Pending { op_id, op });
     }
 
     pub fn push_notify(&mut self, payload: Vec<u8>) {
@@ -606,18 +636,7 @@ impl Stream {
                     return Ok(());
                 }
                 let p = self.pending.pop_front().expect("front exists");
-                let result = if h.status == Status::Ok {
-                    Ok(())
-                } else {
-                    Err(Error::Remote {
-                        op: p.kind,
-                        status: h.status,
-                        rkey: p.rkey,
-                        addr: p.addr,
-                        len: p.len as u64,
-                    })
-                };
-                sink.done(p.slot, result);
+                sink.done(p.slot, p.outcome(h.status));
             }
         }
         Ok(())
