@@ -50,8 +50,11 @@ fn keys(path: Path) {
         Status::UnknownKey
     );
 
-    // A key for a1's connection, for one window.
-    let g1 = b.advertise_to(b1, &mr, 4096, 1024).unwrap();
+    // A key for a1's connection, for one window; several at once.
+    let v = b.advertisev(b1, &[(&mr, 0, 16), (&mr, 16, 16)]).unwrap();
+    assert_eq!(v.len(), 2);
+    a1.read(c1, &l1, 0, 16, &v[1]).unwrap();
+    let g1 = b.advertise(b1, &mr, 4096, 1024).unwrap();
     a1.write(c1, &l1, 0, 1024, &g1).unwrap();
     let edge = RemoteBuf {
         addr: g1.addr + 1000,

@@ -277,3 +277,32 @@ fn refused_same_host_path_falls_back_to_tcp() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// The seed's explicit pair: `connect_local(peer id)` and `accept_local`.
+#[test]
+fn connect_local_and_accept_local() {
+    let target = path_client(Path::Shm);
+    let client = path_client(Path::Shm);
+    let tid = target.id();
+    let h = std::thread::spawn(move || {
+        let got = target.accept_local(Duration::from_secs(5));
+        (target, got)
+    });
+    let conn = client.connect_local(tid).unwrap();
+    let (target, got) = h.join().unwrap();
+    let (tconn, peer, pid) = got.unwrap();
+    assert_eq!(peer, client.id());
+    assert_eq!(pid, std::process::id());
+    let m = target.alloc(64).unwrap();
+    m.write_at(0, b"local").unwrap();
+    let rb = target.advertise(tconn, &m, 0, 64).unwrap();
+    let local = client.alloc(64).unwrap();
+    client.read(conn, &local, 0, 5, &rb).unwrap();
+    let mut got = [0u8; 5];
+    local.read_at(0, &mut got).unwrap();
+    assert_eq!(&got, b"local");
+    assert!(matches!(
+        target.accept_local(Duration::from_millis(50)),
+        Err(Error::AcceptTimeout { timeout_ms: 50 })
+    ));
+}

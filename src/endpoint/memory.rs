@@ -120,7 +120,10 @@ impl MemoryRegion {
         unsafe { std::slice::from_raw_parts_mut(self.inner.ptr, self.inner.len) }
     }
 
-    /// Describes `[offset, offset + len)` for a peer (the seed's `advertise`).
+    /// Describes `[offset, offset + len)` with the registration's own key,
+    /// which any connected peer may use until deregistration. For a key
+    /// scoped to one connection (revoked with it), use
+    /// [`Endpoint::advertise`](crate::Endpoint::advertise).
     pub fn advertise(&self, offset: usize, len: usize) -> Result<RemoteBuf> {
         self.check_range(offset, len)?;
         let size = u32::try_from(len).map_err(|_| Error::Unsupported {

@@ -441,6 +441,32 @@ impl Endpoint {
         self.inner.accept_one(timeout)
     }
 
+    /// Waits up to `timeout` for a same-host connection (the seed's
+    /// `accept_local`); returns it with the peer's endpoint id and pid. Tcp
+    /// connections that arrive meanwhile stay queued for [`accept`].
+    ///
+    /// [`accept`]: Endpoint::accept
+    pub fn accept_local(&self, timeout: Duration) -> Result<(ConnId, u64, u32)> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.inner.accept_local_step();
+            {
+                let mut q = self.inner.accepted.lock().expect("lock");
+                if let Some(i) = q.iter().position(|(_, p)| matches!(p, Peer::Local { .. })) {
+                    if let Some((conn, Peer::Local { endpoint_id, pid })) = q.remove(i) {
+                        return Ok((conn, endpoint_id, pid));
+                    }
+                }
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::AcceptTimeout {
+                    timeout_ms: timeout.as_millis() as u64,
+                });
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
     /// Accepts connections in the background until [`stop_accept`]; they
     /// become usable as they arrive and are reported by [`accept`].
     ///
@@ -561,17 +587,13 @@ impl Endpoint {
         mr.retire(self.inner.cfg.op_timeout())
     }
 
-    /// Describes `[offset, offset + len)` of `mr` for a peer.
-    pub fn advertise(&self, mr: &MemoryRegion, offset: usize, len: usize) -> Result<RemoteBuf> {
-        mr.advertise(offset, len)
-    }
-
     /// Describes `[offset, offset + len)` of `mr` for the peer on `conn`
-    /// alone: the key works only on that connection, only inside that
-    /// window, and is revoked when the connection goes (or `mr` is
-    /// deregistered). `advertise` keys work for any peer until
-    /// deregistration.
-    pub fn advertise_to(
+    /// (the seed's `advertise(conn_id, …)`): the key works only on that
+    /// connection, only inside that window, and is revoked when the
+    /// connection is removed or dies, or `mr` is deregistered. For a key any
+    /// connected peer may use until deregistration, see
+    /// [`MemoryRegion::advertise`].
+    pub fn advertise(
         &self,
         conn: ConnId,
         mr: &MemoryRegion,
@@ -599,11 +621,15 @@ impl Endpoint {
         Ok(rb)
     }
 
-    /// Advertises several windows (the seed's `advertisev`).
-    pub fn advertisev(&self, windows: &[(&MemoryRegion, usize, usize)]) -> Result<Vec<RemoteBuf>> {
+    /// Advertises several windows to the peer on `conn` (the seed's `advertisev`).
+    pub fn advertisev(
+        &self,
+        conn: ConnId,
+        windows: &[(&MemoryRegion, usize, usize)],
+    ) -> Result<Vec<RemoteBuf>> {
         windows
             .iter()
-            .map(|(m, o, l)| m.advertise(*o, *l))
+            .map(|(m, o, l)| self.advertise(conn, m, *o, *l))
             .collect()
     }
 
