@@ -109,7 +109,8 @@ pub struct Shard {
     ops: Box<[LocalOp]>,
     stalled: Option<Command>,
     done: Vec<(u32, Result<()>)>,
-    to_fail: Vec<(usize, String)>,
+    /// Connections found broken during a pass, dropped after it.
+    to_fail: Vec<(ConnRef, String)>,
     inbox: SyncSender<(ConnId, Vec<u8>)>,
     iter: u32,
     stream_count: usize,
@@ -716,22 +717,10 @@ impl Shard {
             };
             match lc.poll(&mut regions, &self.peer_maps, &mut sink) {
                 Ok(w) => work += w,
-                Err(reason) => self.to_fail.push((idx, reason)),
+                Err(reason) => self.to_fail.push((ConnRef::Local(idx), reason)),
             }
         }
-        let mut to_fail = std::mem::take(&mut self.to_fail);
-        for (idx, reason) in to_fail.drain(..) {
-            let lc = &self.local[idx];
-            if lc.has_pending() {
-                warn!(shard = self.id, conn = %lc.id, "same-host connection failed: {reason}");
-            } else {
-                info!(shard = self.id, conn = %lc.id, "same-host connection closed: {reason}");
-            }
-            self.drop_local(idx, reason);
-            work += 1;
-        }
-        self.to_fail = to_fail;
-        work
+        work + self.fail_marked()
     }
 
     fn service_conns(&mut self) -> usize {
@@ -767,71 +756,73 @@ impl Shard {
                 match step {
                     Ok(w) => work += w,
                     Err(reason) => {
-                        self.to_fail.push((idx, reason));
+                        self.to_fail.push((ConnRef::Tcp(idx), reason));
                         break;
                     }
                 }
             }
         }
-        let mut to_fail = std::mem::take(&mut self.to_fail);
-        for (idx, reason) in to_fail.drain(..) {
-            let c = &self.conns[idx];
-            if c.streams.iter().any(|s| s.has_pending()) {
-                warn!(shard = self.id, conn = %c.id, "connection failed: {reason}");
-            } else {
-                info!(shard = self.id, conn = %c.id, "connection closed: {reason}");
-            }
-            self.drop_conn(idx, reason);
-            work += 1;
-        }
-        self.to_fail = to_fail;
-        work
+        work + self.fail_marked()
     }
 
     fn check_timeouts(&mut self, now: Instant) {
         let limit = self.cfg.op_timeout;
+        let late = |t: Instant| now.duration_since(t) > limit;
+        let timeout = || {
+            format!(
+                "no response to a request within {} ms (op timeout)",
+                limit.as_millis()
+            )
+        };
         for (idx, conn) in self.conns.iter() {
-            let stuck = conn
+            if conn
                 .streams
                 .iter()
                 .filter_map(|s| s.oldest_pending())
-                .any(|t| now.duration_since(t) > limit);
-            if stuck {
-                self.to_fail.push((
-                    idx,
-                    format!(
-                        "no response to a request within {} ms (op timeout)",
-                        limit.as_millis()
-                    ),
-                ));
+                .any(late)
+            {
+                self.to_fail.push((ConnRef::Tcp(idx), timeout()));
             }
-        }
-        let mut to_fail = std::mem::take(&mut self.to_fail);
-        for (idx, reason) in to_fail.drain(..) {
-            warn!(shard = self.id, "connection failed: {reason}");
-            self.drop_conn(idx, reason);
         }
         for (idx, lc) in self.local.iter() {
             if !lc.peer_alive() {
-                to_fail.push((idx, format!("peer process {} is gone", lc.peer_pid)));
-            } else if lc
-                .oldest_pending()
-                .is_some_and(|t| now.duration_since(t) > limit)
-            {
-                to_fail.push((
-                    idx,
-                    format!(
-                        "no response to a request within {} ms (op timeout)",
-                        limit.as_millis()
-                    ),
+                self.to_fail.push((
+                    ConnRef::Local(idx),
+                    format!("peer process {} is gone", lc.peer_pid),
                 ));
+            } else if lc.oldest_pending().is_some_and(late) {
+                self.to_fail.push((ConnRef::Local(idx), timeout()));
             }
         }
-        for (idx, reason) in to_fail.drain(..) {
-            warn!(shard = self.id, "same-host connection failed: {reason}");
-            self.drop_local(idx, reason);
+        self.fail_marked();
+    }
+
+    /// Drops the connections marked in `to_fail`, failing their requests;
+    /// a warning if requests were lost, a note if the connection was idle.
+    /// Returns how many were dropped.
+    fn fail_marked(&mut self) -> usize {
+        let mut to_fail = std::mem::take(&mut self.to_fail);
+        let n = to_fail.len();
+        for (at, reason) in to_fail.drain(..) {
+            let (conn, busy) = match at {
+                ConnRef::Tcp(i) => (
+                    self.conns[i].id,
+                    self.conns[i].streams.iter().any(|s| s.has_pending()),
+                ),
+                ConnRef::Local(i) => (self.local[i].id, self.local[i].has_pending()),
+            };
+            if busy {
+                warn!(shard = self.id, %conn, "connection failed: {reason}");
+            } else {
+                info!(shard = self.id, %conn, "connection closed: {reason}");
+            }
+            match at {
+                ConnRef::Tcp(i) => self.drop_conn(i, reason),
+                ConnRef::Local(i) => self.drop_local(i, reason),
+            }
         }
         self.to_fail = to_fail;
+        n
     }
 
     fn publish(&mut self) -> usize {
