@@ -46,6 +46,9 @@ impl fmt::Display for Status {
             Status::PeerMemory => {
                 "the target could not reach the initiator's memory (process_vm_readv/writev)"
             }
+            Status::DeviceMemory => {
+                "the registration is GPU memory, which this path cannot reach (use write_ipc/read_ipc)"
+            }
         })
     }
 }
@@ -120,6 +123,17 @@ pub enum Error {
     LimitReached { limit: &'static str, max: usize },
     #[error("the endpoint is shut down")]
     Shutdown,
+    /// No GPU path: no driver, no device, or a build without `gpu`.
+    #[error("no GPU: {why}")]
+    NoGpu { why: String },
+    #[error("GPU index {idx} is out of range: {count} GPU(s) visible")]
+    GpuOutOfRange { idx: usize, count: usize },
+    #[error("CUDA {call} failed: {name} ({code})")]
+    Cuda {
+        call: &'static str,
+        code: u32,
+        name: String,
+    },
 }
 
 impl Error {

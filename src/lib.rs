@@ -65,6 +65,11 @@
 pub(crate) mod auth;
 pub mod endpoint;
 pub mod error;
+#[cfg(feature = "gpu")]
+pub mod gpu;
+#[cfg(not(feature = "gpu"))]
+#[path = "gpu_off.rs"]
+pub mod gpu;
 pub mod oob;
 pub mod reactor;
 pub(crate) mod region;
@@ -79,9 +84,10 @@ pub use endpoint::{
     Config, Endpoint, EndpointBuilder, MemoryRegion, Mode, Peer, Secret, Transport,
 };
 pub use error::{ConnId, Error, OpKind, Result};
+pub use gpu::{IpcStats, MemKind};
 pub use reactor::{Shard, Transfer};
 pub use region::Access;
-pub use wire::{EndpointMetadata, RemoteBuf};
+pub use wire::{EndpointMetadata, IpcBuf, RemoteBuf};
 
 /// Whether the same-host (shared-memory) path can work on this machine;
 /// `Err` says why not.

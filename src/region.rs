@@ -53,6 +53,10 @@ pub(crate) enum Backing {
     Raw,
     /// A memfd mapping (`alloc_host`), shareable with local peers.
     Memfd(#[allow(dead_code)] crate::shm::object::MemfdBuf),
+    /// GPU memory the engine allocated (`alloc_gpu`).
+    Device(#[allow(dead_code)] crate::gpu::memory::DeviceBuf),
+    /// Pinned host memory the engine allocated (`alloc_pinned`).
+    Pinned(#[allow(dead_code)] crate::gpu::memory::PinnedBuf),
 }
 
 /// One registration. Shared by the endpoint's handle, each shard's table and
@@ -65,6 +69,11 @@ pub(crate) struct Region {
     /// Random; a request must carry it (from the advertised `RemoteBuf`).
     pub tag: u64,
     pub access: Access,
+    /// Host, pinned host, or which GPU (from the driver at registration).
+    pub mem: crate::gpu::MemKind,
+    /// An IPC handle was handed out: deregistration tells local peers to
+    /// close their mappings.
+    pub ipc_exported: std::sync::atomic::AtomicBool,
     pub _backing: Backing,
 }
 
@@ -193,6 +202,11 @@ impl RegionTable {
         if !g.region.access.contains(need) {
             return Err(Status::AccessDenied);
         }
+        // The tcp and shm targets copy with the CPU; GPU memory is reached
+        // through CUDA IPC (write_ipc/read_ipc) instead.
+        if g.region.mem.is_device() {
+            return Err(Status::DeviceMemory);
+        }
         let end = addr.checked_add(len).ok_or(Status::OutOfBounds)?;
         if addr < g.base || end > g.base + g.len {
             return Err(Status::OutOfBounds);
@@ -215,6 +229,8 @@ mod tests {
             rkey: 7,
             tag: 0xfeed,
             access,
+            mem: crate::gpu::MemKind::Host,
+            ipc_exported: Default::default(),
             _backing: Backing::Raw,
         });
         let base = r.addr();

@@ -38,6 +38,8 @@ pub struct Served {
     pub rbuf: crate::RemoteBuf,
     pub rbuf_ro: crate::RemoteBuf,
     pub rbuf_wo: crate::RemoteBuf,
+    /// The GPU region's IPC window (`serve --gpu`).
+    pub ipc: Option<crate::IpcBuf>,
 }
 
 pub fn hex(b: &[u8]) -> String {
@@ -57,7 +59,7 @@ pub fn unhex(s: &str) -> Result<Vec<u8>, String> {
 
 /// Reads the lines `ferry serve` prints, up to READY.
 pub fn read_served(out: &mut impl std::io::BufRead) -> Result<Served, String> {
-    let (mut meta, mut rbuf, mut ro, mut wo) = (None, None, None, None);
+    let (mut meta, mut rbuf, mut ro, mut wo, mut ipc) = (None, None, None, None, None);
     let mut line = String::new();
     let rb = |v: &str| -> Result<crate::RemoteBuf, String> {
         crate::RemoteBuf::decode(&unhex(v)?).map_err(|e| e.to_string())
@@ -74,6 +76,7 @@ pub fn read_served(out: &mut impl std::io::BufRead) -> Result<Served, String> {
             "RBUF" => rbuf = Some(rb(v)?),
             "RBUF_RO" => ro = Some(rb(v)?),
             "RBUF_WO" => wo = Some(rb(v)?),
+            "IPCBUF" => ipc = Some(crate::IpcBuf::decode(&unhex(v)?).map_err(|e| e.to_string())?),
             "READY" => break,
             _ => {}
         }
@@ -83,6 +86,7 @@ pub fn read_served(out: &mut impl std::io::BufRead) -> Result<Served, String> {
         rbuf: rbuf.ok_or("no RBUF line")?,
         rbuf_ro: ro.ok_or("no RBUF_RO line")?,
         rbuf_wo: wo.ok_or("no RBUF_WO line")?,
+        ipc,
     })
 }
 

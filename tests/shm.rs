@@ -136,7 +136,7 @@ fn ring_under_several_producer_processes() {
     let per = 50_000u32;
     let kids: Vec<_> = (0..producers)
         .map(|p| {
-            Command::new(env!("CARGO_BIN_EXE_ferry"))
+            Command::new(common::ferry_bin())
                 .args(["ring-push", &name, &p.to_string(), &per.to_string()])
                 .spawn()
                 .unwrap()
@@ -237,7 +237,7 @@ fn refused_same_host_path_falls_back_to_tcp() {
         "--reuid=65534",
         "--regid=65534",
         "--clear-groups",
-        env!("CARGO_BIN_EXE_ferry"),
+        &common::ferry_bin(),
         "serve",
         "--bytes",
         "4096",

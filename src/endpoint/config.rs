@@ -106,6 +106,13 @@ pub struct Config {
     /// an HMAC-SHA256 challenge-response both ways; a peer without it, or
     /// with another, is refused. `None`: no authentication.
     pub auth_key: Option<Secret>,
+    /// The endpoint's GPU (`FERRY_GPU`, an index into the visible devices).
+    /// `None`: lazy — the first registered GPU pointer picks it, else GPU 0
+    /// when GPU work needs one.
+    pub gpu: Option<usize>,
+    /// CUDA streams per device that split large IPC copies
+    /// (`FERRY_GPU_STREAMS`, default 4, at most 8).
+    pub gpu_streams: usize,
     /// Log filter for the `ferry` binary (`FERRY_LOG`, default "warn"); the
     /// library itself only emits `tracing` events.
     pub log: String,
@@ -135,6 +142,8 @@ impl Default for Config {
             max_registrations: 65536,
             max_conn_inflight_ops: 4096,
             auth_key: None,
+            gpu: None,
+            gpu_streams: 4,
             log: "warn".to_owned(),
         }
     }
@@ -250,6 +259,12 @@ impl Config {
         }
         if let Some(v) = get("FERRY_MAX_CONN_INFLIGHT_OPS") {
             c.max_conn_inflight_ops = num("FERRY_MAX_CONN_INFLIGHT_OPS", &v, 1, 1 << 20)?;
+        }
+        if let Some(v) = get("FERRY_GPU") {
+            c.gpu = Some(num("FERRY_GPU", &v, 0, 1023)?);
+        }
+        if let Some(v) = get("FERRY_GPU_STREAMS") {
+            c.gpu_streams = num("FERRY_GPU_STREAMS", &v, 1, 8)?;
         }
         if let Some(v) = get("FERRY_AUTH_KEY") {
             c.auth_key = Some(Secret::new(v.into_bytes())?);

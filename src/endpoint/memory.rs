@@ -25,8 +25,14 @@ pub struct MemoryRegion {
     pub(crate) live: bool,
 }
 
-fn forget(ep: &Inner, rkey: u32) {
-    ep.forget_region(rkey);
+fn forget(ep: &Arc<Inner>, region: &Region) {
+    ep.forget_region(region.rkey);
+    if region
+        .ipc_exported
+        .load(std::sync::atomic::Ordering::Acquire)
+    {
+        ep.revoke_ipc(region.mem);
+    }
     ep.registrations
         .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
 }
@@ -152,7 +158,7 @@ impl MemoryRegion {
         let Some(ep) = self.ep.upgrade() else {
             return Ok(());
         };
-        forget(&ep, self.inner.rkey);
+        forget(&ep, &self.inner);
         let deadline = Instant::now() + timeout;
         // Each shard table and each frame in flight holds a reference.
         while Arc::strong_count(&self.inner) > 1 {
@@ -180,7 +186,7 @@ impl Drop for MemoryRegion {
             if self.live {
                 self.live = false;
                 if let Some(ep) = self.ep.upgrade() {
-                    forget(&ep, self.inner.rkey);
+                    forget(&ep, &self.inner);
                 }
             }
         } else if let Err(e) = self.retire(timeout) {

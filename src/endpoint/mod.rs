@@ -3,6 +3,7 @@
 //! async) and notifications. Only this module knows every other one.
 
 mod config;
+mod gpu;
 mod local;
 mod memory;
 
@@ -47,6 +48,21 @@ impl EndpointBuilder {
     /// Uses `config` instead of `Config::from_env()`.
     pub fn config(mut self, config: Config) -> Self {
         self.config = Some(config);
+        self
+    }
+
+    /// Gives the endpoint GPU `idx` (the seed's `Endpoint(gpu_idx)`): its
+    /// PCI bus id goes into the metadata, and its streams do the IPC copies.
+    /// `build` fails with `GpuOutOfRange` (naming the visible count) or
+    /// `NoGpu` when there is no such GPU. Without it the endpoint is lazy:
+    /// the first registered GPU pointer picks the device.
+    pub fn gpu(mut self, idx: usize) -> Self {
+        let mut c = match self.config.take() {
+            Some(c) => c,
+            None => Config::from_env().unwrap_or_default(),
+        };
+        c.gpu = Some(idx);
+        self.config = Some(c);
         self
     }
 
@@ -115,6 +131,9 @@ pub(crate) struct Inner {
     closed: Mutex<Receiver<ConnId>>,
     /// Live registrations (for FERRY_MAX_REGISTRATIONS).
     pub(crate) registrations: Arc<AtomicUsize>,
+    /// The endpoint's GPU ordinal, once given or picked (lazy mode).
+    gpu: std::sync::OnceLock<i32>,
+    ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
 }
 
 /// A transfer engine endpoint: one control listener, N shards, and the
@@ -212,7 +231,16 @@ impl Endpoint {
                 local.ip()
             }
         });
-        let metadata = EndpointMetadata::new(adv, local.port(), "")?;
+        let bus_id = match cfg.gpu {
+            Some(i) => crate::gpu::cuda()?.device(i)?.bus_id.clone(),
+            None => String::new(),
+        };
+        let metadata = EndpointMetadata::new(adv, local.port(), &bus_id)?;
+        let ipc_counters = Arc::new(crate::gpu::ipc::IpcCounters::default());
+        let gpu = std::sync::OnceLock::new();
+        if let Some(i) = cfg.gpu {
+            let _ = gpu.set(i as i32);
+        }
         let table = CompletionTable::new(cfg.max_inflight_ops);
         let (inbox_tx, inbox_rx) = mpsc::sync_channel(cfg.inbox_depth);
         let scfg = ShardConfig {
@@ -221,6 +249,7 @@ impl Endpoint {
             chunk_bytes: cfg.chunk_bytes,
             sq_depth: cfg.sq_depth,
             max_conn_inflight_ops: cfg.max_conn_inflight_ops,
+            gpu_streams: cfg.gpu_streams,
         };
         let (closed_tx, closed_rx) = mpsc::channel();
         let id = random_u64();
@@ -266,11 +295,14 @@ impl Endpoint {
                 inbox_tx.clone(),
                 setup,
                 closed_tx.clone(),
+                ipc_counters.clone(),
             )?;
             shards.push(s);
             handles.push(h);
         }
         let inner = Arc::new(Inner {
+            gpu,
+            ipc_counters,
             id,
             host_token: crate::shm::object::host_token(),
             shm_note,
@@ -769,6 +801,17 @@ impl Endpoint {
 
 fn desc(mr: &MemoryRegion, offset: usize, len: usize, remote: &RemoteBuf) -> Result<OpDesc> {
     mr.check_range(offset, len)?;
+    if mr.inner.mem.is_device() {
+        // The tcp and shm paths move bytes with the CPU (writev, memcpy,
+        // process_vm_*), which cannot touch GPU memory.
+        return Err(Error::Unsupported {
+            what: "GPU memory on the tcp/shm path",
+            reason: format!(
+                "region {:#x} is GPU memory; between processes of one host use advertise_ipc + write_ipc/read_ipc",
+                mr.addr()
+            ),
+        });
+    }
     if len > remote.size as usize {
         return Err(Error::RemoteTooSmall {
             len,
@@ -886,6 +929,17 @@ impl Inner {
                 max: self.cfg.max_registrations,
             });
         }
+        let mem = match crate::gpu::memory::classify(ptr as u64) {
+            Ok(m) => m,
+            Err(e) => {
+                self.registrations.fetch_sub(1, Ordering::AcqRel);
+                return Err(e);
+            }
+        };
+        if let crate::gpu::MemKind::Device { ordinal, .. } = mem {
+            // Lazy mode: the first GPU pointer picks the endpoint's GPU.
+            let _ = self.gpu.set(ordinal);
+        }
         let rkey = self.next_rkey.fetch_add(1, Ordering::Relaxed);
         let r = Arc::new(Region {
             tag: random_u64(),
@@ -893,6 +947,8 @@ impl Inner {
             len,
             rkey,
             access,
+            mem,
+            ipc_exported: Default::default(),
             _backing: backing,
         });
         for s in &self.shards {

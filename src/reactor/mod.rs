@@ -13,10 +13,13 @@
 //!   its own loop; the engine starts no thread.
 
 pub(crate) mod completion;
+mod gpu;
 mod queue;
 mod shard;
 
 pub use completion::Transfer;
-pub(crate) use queue::{Command, OpCmd, OpDesc, OpParts, RegionCmd, ShardHandle};
+pub(crate) use queue::{
+    Command, IpcCmd, IpcDesc, IpcParts, OpCmd, OpDesc, OpParts, RegionCmd, ShardHandle,
+};
 pub use shard::Shard;
 pub(crate) use shard::{LocalSetup, ShardConfig};

@@ -46,8 +46,46 @@ pub(crate) struct OpCmd {
     pub emitted: u32,
 }
 
+/// One piece of a CUDA IPC operation: a local slice and the peer's window.
+pub(crate) struct IpcDesc {
+    pub local: Arc<Region>,
+    pub local_off: usize,
+    pub len: usize,
+    pub remote: crate::wire::IpcBuf,
+}
+
+pub(crate) enum IpcParts {
+    One(IpcDesc),
+    Many(Vec<IpcDesc>),
+}
+
+impl IpcParts {
+    pub fn len(&self) -> usize {
+        match self {
+            IpcParts::One(_) => 1,
+            IpcParts::Many(v) => v.len(),
+        }
+    }
+}
+
+/// A write_ipc/read_ipc: the initiator copies itself, on device `ordinal`'s
+/// streams, into or out of the peer's mapped GPU memory.
+pub(crate) struct IpcCmd {
+    pub conn: ConnId,
+    pub kind: OpKind,
+    pub slot: u32,
+    pub ordinal: i32,
+    pub parts: IpcParts,
+}
+
 pub(crate) enum Command {
     Op(OpCmd),
+    Ipc(IpcCmd),
+    /// This endpoint deregistered IPC-exported GPU memory: tell every
+    /// same-host peer to close its mapping of that allocation.
+    RevokeIpc {
+        alloc_base: u64,
+    },
     AddConn {
         conn: ConnId,
         streams: Vec<TcpStream>,

@@ -49,6 +49,8 @@ const MAX_STREAMS: usize = 64;
 
 #[derive(Debug, Clone)]
 pub(crate) struct ShardConfig {
+    /// CUDA streams per device for IPC copies.
+    pub gpu_streams: usize,
     pub spin: Duration,
     pub op_timeout: Duration,
     pub chunk_bytes: usize,
@@ -118,6 +120,11 @@ pub struct Shard {
     conn_ops: crate::region::IntMap<ConnId, usize>,
     /// Tells the endpoint which connections died, so it can forget them.
     closed: mpsc::Sender<ConnId>,
+    /// CUDA IPC copies and opened handles; made on the first IPC op.
+    gpu: Option<super::gpu::GpuWork>,
+    ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
+    /// (connection, allocation base) revocations heard on same-host rings.
+    ipc_revoked: Vec<(ConnId, u64)>,
 }
 
 /// Region lookups that first catch up on registrations the endpoint has
@@ -168,6 +175,7 @@ struct ShardSink<'a> {
     done: &'a mut Vec<(u32, Result<()>)>,
     inbox: &'a SyncSender<(ConnId, Vec<u8>)>,
     conn: ConnId,
+    ipc_revoked: &'a mut Vec<(ConnId, u64)>,
 }
 
 impl Sink for ShardSink<'_> {
@@ -182,6 +190,10 @@ impl Sink for ShardSink<'_> {
             // Nobody will ever read it: the endpoint is gone.
             Err(mpsc::TrySendError::Disconnected(_)) => Ok(()),
         }
+    }
+
+    fn ipc_revoked(&mut self, alloc_base: u64) {
+        self.ipc_revoked.push((self.conn, alloc_base));
     }
 }
 
@@ -201,6 +213,7 @@ impl Shard {
         inbox: SyncSender<(ConnId, Vec<u8>)>,
         local_setup: Option<LocalSetup>,
         closed: mpsc::Sender<ConnId>,
+        ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
     ) -> Result<(Shard, ShardHandle)> {
         let epoll = Poll::new().map_err(|e| Error::io("epoll_create", e))?;
         let waker = Waker::new(epoll.registry(), WAKER).map_err(|e| Error::io("eventfd", e))?;
@@ -244,6 +257,9 @@ impl Shard {
             stream_count: 0,
             conn_ops: Default::default(),
             closed,
+            gpu: None,
+            ipc_counters,
+            ipc_revoked: Vec::new(),
         };
         Ok((shard, handle))
     }
@@ -270,6 +286,14 @@ impl Shard {
         work += self.drain_commands();
         work += self.service_conns();
         work += self.service_local();
+        if !self.ipc_revoked.is_empty() {
+            self.apply_ipc_revocations();
+        }
+        if let Some(g) = &mut self.gpu {
+            if g.busy() {
+                work += g.poll(&mut self.done);
+            }
+        }
         self.iter = self.iter.wrapping_add(1);
         if self.iter % FD_CHECK_EVERY == 0 {
             work += self.poll_fd_listener();
@@ -289,7 +313,8 @@ impl Shard {
         // see `parked` queued its item before it, so this pass finds it.
         // Replies on shared-memory rings cannot wake an epoll wait: with
         // same-host requests outstanding, keep spinning instead.
-        let awaiting_local = self.local.iter().any(|(_, c)| c.has_pending());
+        let awaiting_local = self.local.iter().any(|(_, c)| c.has_pending())
+            || self.gpu.as_ref().is_some_and(|g| g.busy());
         if self.poll() == 0 && !awaiting_local {
             let mut wait = max
                 .min(self.cfg.op_timeout / 4)
@@ -389,6 +414,18 @@ impl Shard {
     fn apply(&mut self, cmd: Command) -> Option<Command> {
         match cmd {
             Command::Op(op) => self.apply_op(op).map(Command::Op),
+            Command::Ipc(cmd) => {
+                self.apply_ipc(cmd);
+                None
+            }
+            Command::RevokeIpc { alloc_base } => {
+                for (_, lc) in self.local.iter_mut() {
+                    if !lc.push_ipc_revoke(alloc_base) {
+                        warn!(shard = self.id, conn = %lc.id, "IPC revocation dropped: ring full");
+                    }
+                }
+                None
+            }
             Command::AddConn {
                 conn,
                 streams,
@@ -562,6 +599,58 @@ impl Shard {
         None
     }
 
+    /// Starts a CUDA IPC op. It counts against its connection's in-flight
+    /// limit like any op, and fails like one on an unknown connection.
+    fn apply_ipc(&mut self, cmd: super::queue::IpcCmd) {
+        let total = cmd.parts.len() as u32;
+        let slot = cmd.slot;
+        let fail = |s: &mut Self, e: Error| {
+            s.ops[slot as usize] = LocalOp {
+                remaining: total,
+                error: None,
+                conn: None,
+            };
+            for _ in 0..total {
+                s.done.push((slot, Err(e.duplicate())));
+            }
+        };
+        if !self.by_id.contains_key(&cmd.conn) {
+            let e = self.conn_error(cmd.conn);
+            return fail(self, e);
+        }
+        let n = self.conn_ops.entry(cmd.conn).or_insert(0);
+        if *n >= self.cfg.max_conn_inflight_ops {
+            let e = Error::LimitReached {
+                limit: "FERRY_MAX_CONN_INFLIGHT_OPS",
+                max: self.cfg.max_conn_inflight_ops,
+            };
+            return fail(self, e);
+        }
+        *n += 1;
+        self.ops[slot as usize] = LocalOp {
+            remaining: total,
+            error: None,
+            conn: Some(cmd.conn),
+        };
+        let counters = &self.ipc_counters;
+        let streams = self.cfg.gpu_streams;
+        self.gpu
+            .get_or_insert_with(|| super::gpu::GpuWork::new(counters.clone(), streams))
+            .start(cmd, &mut self.done);
+    }
+
+    /// Applies revocations heard on same-host rings to the IPC cache.
+    fn apply_ipc_revocations(&mut self) {
+        for (conn, base) in self.ipc_revoked.drain(..) {
+            let Some(&ConnRef::Local(idx)) = self.by_id.get(&conn) else {
+                continue;
+            };
+            if let Some(g) = &mut self.gpu {
+                g.revoke(self.local[idx].peer_id, base);
+            }
+        }
+    }
+
     fn add_conn(
         &mut self,
         conn: ConnId,
@@ -636,6 +725,7 @@ impl Shard {
             done: &mut self.done,
             inbox: &self.inbox,
             conn: conn.id,
+            ipc_revoked: &mut self.ipc_revoked,
         };
         for s in conn.streams.iter_mut() {
             s.fail_pending(&err, &mut sink);
@@ -658,6 +748,7 @@ impl Shard {
             done: &mut self.done,
             inbox: &self.inbox,
             conn: lc.id,
+            ipc_revoked: &mut self.ipc_revoked,
         };
         lc.fail_pending(&err, &mut sink);
         let peer = lc.peer_id;
@@ -666,6 +757,9 @@ impl Shard {
         // Forget the peer's shared memory once no connection to it is left.
         if !self.local.iter().any(|(_, c)| c.peer_id == peer) {
             self.peer_maps.retain(|(p, _), _| *p != peer);
+            if let Some(g) = &mut self.gpu {
+                g.revoke_owner(peer);
+            }
         }
         self.remember_failed(id, reason);
     }
@@ -714,6 +808,7 @@ impl Shard {
                 done: &mut self.done,
                 inbox: &self.inbox,
                 conn: lc.id,
+                ipc_revoked: &mut self.ipc_revoked,
             };
             match lc.poll(&mut regions, &self.peer_maps, &mut sink) {
                 Ok(w) => work += w,
@@ -737,6 +832,7 @@ impl Shard {
                 done: &mut self.done,
                 inbox: &self.inbox,
                 conn: conn.id,
+                ipc_revoked: &mut self.ipc_revoked,
             };
             for s in conn.streams.iter_mut() {
                 if direct {

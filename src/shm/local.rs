@@ -275,6 +275,15 @@ impl LocalConn {
         true
     }
 
+    /// Tells the peer to close its IPC mapping of the allocation at
+    /// `alloc_base`; `false` if the ring is full.
+    pub fn push_ipc_revoke(&mut self, alloc_base: u64) -> bool {
+        let mut m = Msg::new(MsgKind::IpcRevoke);
+        m.conn = self.peer_conn;
+        m.addr = alloc_base;
+        self.send(&m, &[])
+    }
+
     pub fn send_close(&mut self) {
         let mut m = Msg::new(MsgKind::Close);
         m.conn = self.peer_conn;
@@ -474,6 +483,7 @@ impl LocalConn {
                     }
                 }
             }
+            MsgKind::IpcRevoke => sink.ipc_revoked(m.addr),
             MsgKind::Close => return Err("peer closed the connection".to_owned()),
             MsgKind::Connect | MsgKind::ConnectAck => {
                 return Err(format!("{:?} on an established connection", m.kind));

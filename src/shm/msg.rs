@@ -30,6 +30,9 @@ pub enum MsgKind {
     ReadReq = 5,
     /// A notification fragment; status 1 means more fragments follow.
     Notify = 6,
+    /// addr = base of a GPU allocation the sender deregistered: close any
+    /// CUDA IPC mapping of it.
+    IpcRevoke = 7,
     WriteAck = 0x84,
     ReadResp = 0x85,
 }
@@ -112,6 +115,7 @@ impl Msg {
             4 => MsgKind::WriteReq,
             5 => MsgKind::ReadReq,
             6 => MsgKind::Notify,
+            7 => MsgKind::IpcRevoke,
             0x84 => MsgKind::WriteAck,
             0x85 => MsgKind::ReadResp,
             got => return Err(DecodeError::UnknownKind { what: WHAT, got }),

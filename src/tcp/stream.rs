@@ -24,6 +24,8 @@ pub(crate) trait Sink {
     fn done(&mut self, slot: u32, result: Result<()>);
     /// A notification arrived; hand it back if the inbox is full.
     fn notify(&mut self, payload: Vec<u8>) -> Result<(), Vec<u8>>;
+    /// The peer deregistered IPC-exported GPU memory at `alloc_base`.
+    fn ipc_revoked(&mut self, _alloc_base: u64) {}
 }
 
 /// Per-stream bounds, fixed at connection time.

@@ -55,6 +55,8 @@ pub enum Status {
     AccessDenied = 3,
     /// (Same-host path) the target could not reach the initiator's memory.
     PeerMemory = 4,
+    /// The registration is GPU memory, which this path cannot reach.
+    DeviceMemory = 5,
 }
 
 impl Status {
@@ -65,6 +67,7 @@ impl Status {
             2 => Status::OutOfBounds,
             3 => Status::AccessDenied,
             4 => Status::PeerMemory,
+            5 => Status::DeviceMemory,
             _ => return None,
         })
     }

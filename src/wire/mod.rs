@@ -10,6 +10,7 @@
 mod cursor;
 mod data;
 mod frame;
+mod ipc;
 mod metadata;
 mod remote_buf;
 
@@ -19,6 +20,7 @@ pub use frame::{
     ControlFrame, Hello, CAP_AUTH, CAP_SHM, CONTROL_HEADER_LEN, CONTROL_MAGIC, MAX_CONTROL_BODY,
     MAX_STREAMS, PROTOCOL_VERSION,
 };
+pub use ipc::{IpcBuf, IPC_BUF_LEN};
 pub use metadata::{EndpointMetadata, MAX_BDF_LEN};
 pub use remote_buf::{RemoteBuf, REMOTE_BUF_LEN};
 

@@ -111,6 +111,12 @@ pub fn embedded(io: IoPreference) -> Endpoint {
         .expect("embedded endpoint")
 }
 
+/// The `ferry` binary: `FERRY_BIN` when set (test binaries carried to
+/// another machine, where cargo's build path does not exist), else cargo's.
+pub fn ferry_bin() -> String {
+    std::env::var("FERRY_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_ferry").to_owned())
+}
+
 /// A `ferry serve` process; killed when dropped.
 pub struct Target {
     pub child: Child,
@@ -131,8 +137,14 @@ impl Target {
     }
 
     pub fn start_on(path: Path, bytes: usize, env: &[(&str, &str)]) -> Target {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_ferry"));
+        Self::start_with(path, bytes, env, &[])
+    }
+
+    /// `ferry serve` with extra flags (e.g. `--gpu 1`).
+    pub fn start_with(path: Path, bytes: usize, env: &[(&str, &str)], args: &[&str]) -> Target {
+        let mut cmd = Command::new(ferry_bin());
         cmd.args(["serve", "--bytes", &bytes.to_string()])
+            .args(args)
             .env("FERRY_IO", io_name(path.io()))
             .env("FERRY_TRANSPORT", "auto")
             .env("FERRY_LOG", "error")

@@ -27,9 +27,16 @@ its shard from the benchmark loop (embedded mode, busy-polling); the target
 runs a managed shard.
 
 Flags:
-  --transport auto|tcp|shm
+  --transport auto|tcp|shm|ipc
                          data path (default auto, which picks shm: the
-                         target is a process on this host)
+                         target is a process on this host). ipc: CUDA IPC
+                         write_ipc/read_ipc into the target's GPU memory
+                         (needs a GPU; the one-op latency uses 4 KiB)
+  --gpu IDX              ipc: the initiator's GPU (default 0)
+  --peer-gpu IDX         ipc: the target's GPU (default 1 if there are two
+                         or more, else 0)
+  --local gpu|pinned     ipc: the initiator's buffer: GPU memory (default)
+                         or pinned host memory (host->GPU over IPC)
   --op write|read|both   operations to measure (default both)
   --sizes LIST           block sizes (default 4K,64K,1M,16M,64M)
   --batch N              operations in flight (default 32; capped so that
@@ -41,7 +48,10 @@ Flags:
                          as many distinct buffers as ferry's run), and
                          prints ferry's ratio to it. tcp: plain one-stream
                          TCP send/recv between two processes (and a TCP
-                         ping-pong for --latency); shm: single-thread memcpy
+                         ping-pong for --latency); shm: single-thread memcpy;
+                         ipc: cuMemcpyAsync between the same two GPUs in
+                         one process (the peer-copy rate), or pinned H2D
+                         with --local pinned
   --rounds N             measure each point N times, alternating with the
                          baseline, and report medians (default 3 with
                          --baseline, else 1)
@@ -50,6 +60,10 @@ Environment: FERRY_* variables apply to both processes (see the README).";
 
 struct Opts {
     transport: Transport,
+    ipc: bool,
+    gpu: usize,
+    peer_gpu: Option<usize>,
+    pinned: bool,
     ops: Vec<OpKind>,
     sizes: Vec<usize>,
     batch: usize,
@@ -78,11 +92,23 @@ struct Row {
 }
 
 fn parse(mut a: Args) -> Result<Opts> {
+    let mut ipc = false;
     let transport = match a.value("transport").as_deref().unwrap_or("auto") {
         "auto" => Transport::Auto,
         "tcp" => Transport::Tcp,
         "shm" => Transport::Shm,
-        t => bail!("--transport {t}: expected auto, tcp or shm (the transports this build has)"),
+        "ipc" => {
+            ipc = true;
+            Transport::Shm
+        }
+        t => bail!("--transport {t}: expected auto, tcp, shm or ipc"),
+    };
+    let gpu: usize = a.parsed("gpu", 0)?;
+    let peer_gpu: Option<usize> = a.value("peer-gpu").map(|v| v.parse()).transpose()?;
+    let pinned = match a.value("local").as_deref().unwrap_or("gpu") {
+        "gpu" => false,
+        "pinned" => true,
+        l => bail!("--local {l}: expected gpu or pinned"),
     };
     let ops = match a.value("op").as_deref().unwrap_or("both") {
         "write" => vec![OpKind::Write],
@@ -114,6 +140,10 @@ fn parse(mut a: Args) -> Result<Opts> {
     }
     let o = Opts {
         transport,
+        ipc,
+        gpu,
+        peer_gpu,
+        pinned,
         ops,
         sizes,
         batch,
@@ -173,33 +203,57 @@ fn sorted(mut v: Vec<f64>) -> Vec<f64> {
     v
 }
 
+/// The target's window: a key for tcp/shm, or a CUDA IPC window.
+enum Remote {
+    Key(RemoteBuf),
+    Ipc(ferry::IpcBuf),
+}
+
+impl Remote {
+    fn size(&self) -> usize {
+        match self {
+            Remote::Key(r) => r.size as usize,
+            Remote::Ipc(r) => r.len as usize,
+        }
+    }
+}
+
 struct Bench<'a> {
     ep: &'a Endpoint,
     shard: Shard,
     conn: ConnId,
     local: MemoryRegion,
-    remote: RemoteBuf,
+    remote: Remote,
     spin: Duration,
+    /// Bytes per one-op latency round trip.
+    latency_bytes: usize,
 }
 
 impl Bench<'_> {
     fn submit(&self, op: OpKind, off: usize, size: usize) -> Result<Transfer> {
-        let rb = self
-            .remote
-            .slice(off as u32, size as u32)
-            .context("remote window")?;
-        Ok(match op {
-            OpKind::Write => self
-                .ep
-                .write_async(self.conn, &self.local, off, size, &rb)?,
-            OpKind::Read => self.ep.read_async(self.conn, &self.local, off, size, &rb)?,
+        let (ep, c, l) = (self.ep, self.conn, &self.local);
+        Ok(match &self.remote {
+            Remote::Key(r) => {
+                let rb = r.slice(off as u32, size as u32).context("remote window")?;
+                match op {
+                    OpKind::Write => ep.write_async(c, l, off, size, &rb)?,
+                    OpKind::Read => ep.read_async(c, l, off, size, &rb)?,
+                }
+            }
+            Remote::Ipc(r) => {
+                let rb = r.slice(off as u64, size as u64).context("remote window")?;
+                match op {
+                    OpKind::Write => ep.write_ipc_async(c, l, off, size, &rb)?,
+                    OpKind::Read => ep.read_ipc_async(c, l, off, size, &rb)?,
+                }
+            }
         })
     }
 
     /// Distinct `size`-byte windows the run cycles through.
     fn slots(&self, size: usize) -> usize {
         (self.local.len() / size)
-            .min(self.remote.size as usize / size)
+            .min(self.remote.size() / size)
             .max(1)
     }
 
@@ -211,9 +265,7 @@ impl Bench<'_> {
         batch: usize,
         secs: f64,
     ) -> Result<(f64, f64, Vec<f64>, usize)> {
-        let slots = (self.local.len() / size)
-            .min(self.remote.size as usize / size)
-            .max(1);
+        let slots = self.slots(size);
         let batch = batch.min(slots);
         // The pipeline is kept full from start to `end`; throughput counts
         // the operations that *complete* inside [warm_end, end], so bytes
@@ -281,14 +333,14 @@ impl Bench<'_> {
         Ok((bytes / window / 1e9, ops / window, lat, batch))
     }
 
-    /// One op of 8 bytes at a time; returns latencies in us.
+    /// One op of `latency_bytes` at a time; returns latencies in us.
     fn latency(&mut self, op: OpKind, secs: f64) -> Result<Vec<f64>> {
         let end = Instant::now() + Duration::from_secs_f64(secs);
         let mut lat = Vec::with_capacity(1 << 20);
         let mut n = 0u64;
         while Instant::now() < end {
             let start = Instant::now();
-            let mut t = self.submit(op, 0, 8)?;
+            let mut t = self.submit(op, 0, self.latency_bytes)?;
             let r = loop {
                 self.shard.poll();
                 if let Some(r) = t.poll() {
@@ -378,7 +430,20 @@ pub fn run(a: Args) -> Result<()> {
         "auto"
     };
     std::env::set_var("FERRY_TRANSPORT", target_transport);
-    let mut child = spawn_self(&["serve", "--bytes", &bytes.to_string()])?;
+    let peer_gpu = match (o.ipc, o.peer_gpu) {
+        (false, _) => None,
+        (true, Some(g)) => Some(g),
+        (true, None) => {
+            let n = ferry::gpu::cuda()?.devices.len();
+            Some(if n >= 2 { 1 } else { 0 })
+        }
+    };
+    let mut serve_args = vec!["serve".to_owned(), "--bytes".into(), bytes.to_string()];
+    if let Some(g) = peer_gpu {
+        serve_args.extend(["--gpu".to_owned(), g.to_string()]);
+    }
+    let serve_args: Vec<&str> = serve_args.iter().map(String::as_str).collect();
+    let mut child = spawn_self(&serve_args)?;
     let mut out = BufReader::new(child.stdout.take().context("child stdout")?);
     let _target = Peer(child);
     let served = read_served(&mut out).map_err(anyhow::Error::msg)?;
@@ -388,20 +453,39 @@ pub fn run(a: Args) -> Result<()> {
     cfg.mode = Mode::Embedded;
     cfg.shards = 1;
     cfg.transport = o.transport;
+    if o.ipc {
+        cfg.gpu = Some(o.gpu);
+    }
     let ep = Endpoint::builder().config(cfg).build()?;
     let shard = ep.take_shards().pop().context("embedded shard")?;
     let conn = ep.add_remote(&served.meta)?;
     let shm = matches!(ep.peer(conn), Some(ferry::Peer::Local { .. }));
-    let transport = if shm { "shm" } else { "tcp" };
+    let transport = match (o.ipc, shm) {
+        (true, _) => "ipc",
+        (false, true) => "shm",
+        (false, false) => "tcp",
+    };
     // Touch every page now, as an application's live buffers are: first-touch
     // page faults would otherwise be measured as transfer time. On the
     // same-host path the buffer is memfd memory the target maps.
-    let local = if shm {
+    let local = if o.ipc && o.pinned {
+        ep.alloc_pinned(bytes)?
+    } else if o.ipc {
+        let m = ep.alloc_gpu(bytes)?;
+        let fill = vec![0x3cu8; bytes];
+        ferry::gpu::memory::copy_blocking(m.addr(), fill.as_ptr() as u64, bytes)?;
+        m
+    } else if shm {
         let m = ep.alloc_host(bytes)?;
         m.write_at(0, &vec![0x3cu8; bytes])?;
         m
     } else {
         ep.register(vec![0x3cu8; bytes])?
+    };
+    let remote = if o.ipc {
+        Remote::Ipc(served.ipc.context("the target printed no IPCBUF line")?)
+    } else {
+        Remote::Key(served.rbuf)
     };
     let spin = Duration::from_micros(ep.config().spin_us);
     let mut b = Bench {
@@ -409,20 +493,28 @@ pub fn run(a: Args) -> Result<()> {
         shard,
         conn,
         local,
-        remote: served.rbuf,
+        remote,
         spin,
+        latency_bytes: if o.ipc { 4096 } else { 8 },
     };
 
-    let mut reference = match (o.baseline, shm) {
-        (false, _) => None,
-        (true, false) => Some(Reference::Tcp(raw::RawPeer::spawn()?)),
-        (true, true) => Some(Reference::Memcpy(Vec::new(), Vec::new())),
+    let mut reference = match (o.baseline, o.ipc, shm) {
+        (false, _, _) => None,
+        (true, true, _) => Some(Reference::Gpu(GpuRef::new(
+            o.gpu,
+            peer_gpu.unwrap_or(0),
+            o.pinned,
+        ))),
+        (true, false, false) => Some(Reference::Tcp(raw::RawPeer::spawn()?)),
+        (true, false, true) => Some(Reference::Memcpy(Vec::new(), Vec::new())),
     };
     if !o.json {
-        let base = match (o.baseline, shm) {
-            (false, _) => "",
-            (true, false) => "  raw GB/s   ratio",
-            (true, true) => "memcpy GB/s  ratio",
+        let base = match (o.baseline, o.ipc, shm) {
+            (false, _, _) => "",
+            (true, true, _) if o.pinned => "   H2D GB/s  ratio",
+            (true, true, _) => "  peer GB/s  ratio",
+            (true, false, false) => "  raw GB/s   ratio",
+            (true, false, true) => "memcpy GB/s  ratio",
         };
         println!(
             "transport {transport}, control path {}, {} round(s) of {} s per point{}",
@@ -491,8 +583,9 @@ pub fn run(a: Args) -> Result<()> {
                 (vec![], vec![], vec![], vec![], vec![]);
             for r in 0..o.rounds {
                 eprintln!(
-                    "latency: {} 8 B round trips, round {}/{} ...",
+                    "latency: {} {} round trips, round {}/{} ...",
                     op_name(op),
+                    fmt_size(b.latency_bytes),
                     r + 1,
                     o.rounds
                 );
@@ -514,7 +607,7 @@ pub fn run(a: Args) -> Result<()> {
                     } else {
                         "read_latency"
                     },
-                    block: 8,
+                    block: b.latency_bytes,
                     batch: 1,
                     gbps: 0.0,
                     ops_per_s: 0.0,
@@ -538,12 +631,78 @@ pub fn run(a: Args) -> Result<()> {
 enum Reference {
     Tcp(raw::RawPeer),
     Memcpy(Vec<u8>, Vec<u8>),
+    Gpu(GpuRef),
+}
+
+/// cuMemcpyAsync in this process between the benchmark's two GPUs (or
+/// pinned host memory and the target's GPU): what CUDA IPC should reach.
+struct GpuRef {
+    gpu: usize,
+    peer_gpu: usize,
+    pinned: bool,
+    /// (near buffer, far buffer), grown to the footprint a point needs.
+    bufs: Option<(MemoryRegion, MemoryRegion)>,
+    /// The endpoints that allocated the buffers (dropped after them).
+    eps: Vec<Endpoint>,
+}
+
+impl GpuRef {
+    fn new(gpu: usize, peer_gpu: usize, pinned: bool) -> Self {
+        Self {
+            gpu,
+            peer_gpu,
+            pinned,
+            bufs: None,
+            eps: Vec::new(),
+        }
+    }
+
+    fn gbps(&mut self, reverse: bool, size: usize, slots: usize, secs: f64) -> Result<f64> {
+        let need = size * slots;
+        if self.bufs.as_ref().is_none_or(|(a, _)| a.len() < need) {
+            self.bufs = None;
+            let mk = |g: usize| -> Result<Endpoint> {
+                let mut c = Config::from_env()?;
+                c.listen_addr = "127.0.0.1".parse()?;
+                c.mode = Mode::Embedded;
+                c.transport = Transport::Tcp;
+                c.gpu = Some(g);
+                Ok(Endpoint::builder().config(c).build()?)
+            };
+            let near_ep = mk(self.gpu)?;
+            let far_ep = mk(self.peer_gpu)?;
+            let near = if self.pinned {
+                near_ep.alloc_pinned(need)?
+            } else {
+                near_ep.alloc_gpu(need)?
+            };
+            let far = far_ep.alloc_gpu(need)?;
+            self.bufs = Some((near, far));
+            self.eps = vec![near_ep, far_ep];
+        }
+        let (near, far) = self.bufs.as_ref().expect("allocated");
+        let (dst, src) = if reverse {
+            (near.addr(), far.addr())
+        } else {
+            (far.addr(), near.addr())
+        };
+        Ok(ferry::gpu::memory::copy_throughput(
+            self.gpu as i32,
+            dst,
+            src,
+            size,
+            slots,
+            32,
+            secs,
+        )?)
+    }
 }
 
 impl Reference {
     fn gbps(&mut self, reverse: bool, size: usize, slots: usize, secs: f64) -> Result<f64> {
         match self {
             Reference::Tcp(p) => p.stream_gbps(reverse, size, slots, secs),
+            Reference::Gpu(g) => g.gbps(reverse, size, slots, secs),
             Reference::Memcpy(src, dst) => {
                 // Page-aligned source and destination: glibc's memcpy slows
                 // down ~15x here when the destination sits just past the

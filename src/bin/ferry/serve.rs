@@ -22,11 +22,14 @@ plus a 4 KiB read-only and a 4 KiB write-only region, prints
   META <hex endpoint metadata>
   RBUF <hex RemoteBuf of the whole region>
   RBUF_RO <hex RemoteBuf>   RBUF_WO <hex RemoteBuf>
+  IPCBUF <hex IpcBuf of the whole GPU region>   (with --gpu)
   READY
 
 and accepts connections in the background. Notifications it answers:
   hash OFF LEN      -> \"hash <fnv64 of the bytes, hex>\"
   fill OFF LEN SEED -> refills with the pattern, \"ok\"
+  ghash OFF LEN / gfill OFF LEN SEED: the same on the GPU region
+  drop-gpu          -> deregisters the GPU region, \"ok\"
   echo TEXT         -> \"echo TEXT\"
 
 Flags:
@@ -35,6 +38,8 @@ Flags:
   --listen ADDR    address to listen on (default 127.0.0.1)
   --port N         port to listen on (default: FERRY_LISTEN_PORT, else any)
   --shards N       shards (default 1)
+  --gpu IDX        also allocate --bytes on GPU IDX, filled with the
+                   pattern, advertised for CUDA IPC (IPCBUF line)
 Environment: every FERRY_* variable (see the README).";
 
 pub fn run(mut a: Args) -> Result<()> {
@@ -43,6 +48,11 @@ pub fn run(mut a: Args) -> Result<()> {
     let listen = a.value("listen").unwrap_or_else(|| "127.0.0.1".into());
     let port: u16 = a.parsed("port", 0)?;
     let shards: usize = a.parsed("shards", 1)?;
+    let gpu: Option<usize> = a
+        .value("gpu")
+        .map(|v| v.parse())
+        .transpose()
+        .context("--gpu")?;
     a.finish()?;
     let mut cfg = Config::from_env()?;
     cfg.listen_addr = listen
@@ -52,12 +62,23 @@ pub fn run(mut a: Args) -> Result<()> {
         cfg.listen_port = port;
     }
     cfg.shards = shards;
+    cfg.gpu = gpu;
     let ep = Endpoint::builder().config(cfg).build()?;
     let mut buf = vec![0u8; bytes];
     fill_pattern(&mut buf, 0, seed);
     let main = ep.register(buf)?;
     let ro = ep.register_with(vec![7u8; 4096], Access::REMOTE_READ)?;
     let wo = ep.register_with(vec![0u8; 4096], Access::REMOTE_WRITE)?;
+    let mut gmr = match gpu {
+        Some(_) => {
+            let g = ep.alloc_gpu(bytes)?;
+            let mut b = vec![0u8; bytes];
+            fill_pattern(&mut b, 0, seed);
+            ferry::gpu::memory::copy_blocking(g.addr(), b.as_ptr() as u64, bytes)?;
+            Some(g)
+        }
+        None => None,
+    };
     let rb =
         |m: &ferry::MemoryRegion| -> Result<String> { Ok(hex(&m.advertise(0, m.len())?.encode())) };
     ep.start_passive_accept()?;
@@ -66,6 +87,13 @@ pub fn run(mut a: Args) -> Result<()> {
     writeln!(out, "RBUF {}", rb(&main)?)?;
     writeln!(out, "RBUF_RO {}", rb(&ro)?)?;
     writeln!(out, "RBUF_WO {}", rb(&wo)?)?;
+    if let Some(g) = &gmr {
+        writeln!(
+            out,
+            "IPCBUF {}",
+            hex(&g.advertise_ipc(0, g.len())?.encode())
+        )?;
+    }
     writeln!(out, "READY")?;
     out.flush()?;
     drop(out);
@@ -81,7 +109,16 @@ pub fn run(mut a: Args) -> Result<()> {
         let Ok((conn, msg)) = ep.recv_notification(Duration::from_millis(50)) else {
             continue;
         };
-        let reply = match answer(&main, &msg) {
+        if msg == b"drop-gpu" {
+            let r = match gmr.take() {
+                Some(g) => ep.deregister(g).map(|_| "ok".to_owned()),
+                None => Ok("error no GPU region".to_owned()),
+            };
+            let reply = r.unwrap_or_else(|e| format!("error {e}"));
+            let _ = ep.send_notification(conn, reply.as_bytes());
+            continue;
+        }
+        let reply = match answer(&main, gmr.as_ref(), &msg) {
             Ok(r) => r,
             Err(e) => format!("error {e}"),
         };
@@ -92,11 +129,36 @@ pub fn run(mut a: Args) -> Result<()> {
     Ok(())
 }
 
-fn answer(main: &ferry::MemoryRegion, msg: &[u8]) -> Result<String> {
+fn answer(
+    main: &ferry::MemoryRegion,
+    gpu: Option<&ferry::MemoryRegion>,
+    msg: &[u8],
+) -> Result<String> {
     let text = std::str::from_utf8(msg)?;
     let w: Vec<&str> = text.split_whitespace().collect();
     let num = |i: usize| -> Result<usize> { Ok(w.get(i).context("missing argument")?.parse()?) };
+    let g = || gpu.context("no GPU region (serve --gpu)");
+    let in_gpu = |off: usize, len: usize| -> Result<u64> {
+        let g = g()?;
+        if off.checked_add(len).is_none_or(|e| e > g.len()) {
+            bail!("range {off}+{len} outside the {}-byte GPU region", g.len());
+        }
+        Ok(g.addr() + off as u64)
+    };
     match w.first().copied() {
+        Some("ghash") => {
+            let (off, len) = (num(1)?, num(2)?);
+            let mut b = vec![0u8; len];
+            ferry::gpu::memory::copy_blocking(b.as_mut_ptr() as u64, in_gpu(off, len)?, len)?;
+            Ok(format!("hash {:016x}", fnv64(&b)))
+        }
+        Some("gfill") => {
+            let (off, len, seed) = (num(1)?, num(2)?, num(3)?);
+            let mut b = vec![0u8; len];
+            fill_pattern(&mut b, off as u64, seed as u8);
+            ferry::gpu::memory::copy_blocking(in_gpu(off, len)?, b.as_ptr() as u64, len)?;
+            Ok("ok".into())
+        }
         Some("hash") => {
             let (off, len) = (num(1)?, num(2)?);
             let mut b = vec![0u8; len];

@@ -1,0 +1,327 @@
+//! The GPU side of the public API: GPU and pinned allocations, CUDA IPC
+//! advertisement, and write_ipc/read_ipc (single, vectored, async) — the
+//! seed's `advertise_ipc` / `write_ipc` / `read_ipc` family.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::{Endpoint, Inner, MemoryRegion, Peer};
+use crate::error::{ConnId, Error, OpKind, Result};
+use crate::gpu::memory::{DeviceBuf, PinnedBuf};
+use crate::gpu::{IpcStats, MemKind};
+use crate::reactor::{Command, IpcCmd, IpcDesc, IpcParts, Transfer};
+use crate::region::{Access, Backing};
+use crate::wire::IpcBuf;
+
+impl Endpoint {
+    /// The endpoint's GPU: given to the builder, or picked by the first
+    /// registered GPU pointer (lazy mode); `None` until then.
+    pub fn gpu(&self) -> Option<usize> {
+        self.inner.gpu.get().map(|&g| g as usize)
+    }
+
+    /// Allocates and registers `len` bytes of memory on the endpoint's GPU
+    /// (GPU 0 if none is chosen yet, which then becomes the endpoint's).
+    /// The contents are undefined until written.
+    pub fn alloc_gpu(&self, len: usize) -> Result<MemoryRegion> {
+        let ordinal = *self.inner.gpu.get_or_init(|| 0);
+        crate::gpu::cuda()?.device(ordinal as usize)?;
+        let buf = DeviceBuf::new(ordinal, len)?;
+        let ptr = buf.ptr as *mut u8;
+        self.inner
+            .add_region(ptr, len, Access::all(), Backing::Device(buf))
+    }
+
+    /// Allocates and registers `len` zeroed bytes of pinned (page-locked)
+    /// host memory: the host side of the fastest host↔GPU copies.
+    pub fn alloc_pinned(&self, len: usize) -> Result<MemoryRegion> {
+        let buf = PinnedBuf::new(len)?;
+        let ptr = buf.ptr;
+        self.inner
+            .add_region(ptr, len, Access::all(), Backing::Pinned(buf))
+    }
+
+    /// Where the bytes of `mr` live (host, pinned host, or which GPU).
+    pub fn mem_kind(&self, mr: &MemoryRegion) -> MemKind {
+        mr.inner.mem
+    }
+
+    /// Describes `[offset, offset + len)` of GPU memory `mr` for the
+    /// same-host peer on `conn` (the seed's `advertise_ipc`): a CUDA IPC
+    /// handle of the allocation, the window's offset in it and its size.
+    /// The peer maps the allocation itself, so (as with any CUDA IPC
+    /// handle) nothing but the window check in `write_ipc`/`read_ipc`
+    /// limits it to the window; deregistering `mr` tells same-host peers to
+    /// close their mappings.
+    pub fn advertise_ipc(
+        &self,
+        conn: ConnId,
+        mr: &MemoryRegion,
+        offset: usize,
+        len: usize,
+    ) -> Result<IpcBuf> {
+        self.inner.reap_closed();
+        if self.peer(conn).is_none() {
+            return Err(Error::UnknownConn { conn });
+        }
+        mr.advertise_ipc(offset, len)
+    }
+
+    /// `advertise_ipc` for several windows.
+    pub fn advertisev_ipc(
+        &self,
+        conn: ConnId,
+        windows: &[(&MemoryRegion, usize, usize)],
+    ) -> Result<Vec<IpcBuf>> {
+        windows
+            .iter()
+            .map(|(m, o, l)| self.advertise_ipc(conn, m, *o, *l))
+            .collect()
+    }
+
+    /// Starts copying `mr[offset..offset + len]` to the start of the peer's
+    /// GPU window `remote` with CUDA IPC. `mr` may be GPU memory or host
+    /// memory (pinned host memory is fastest). The copy runs on this
+    /// endpoint's GPU streams; the shard polls its events.
+    pub fn write_ipc_async(
+        &self,
+        conn: ConnId,
+        mr: &MemoryRegion,
+        offset: usize,
+        len: usize,
+        remote: &IpcBuf,
+    ) -> Result<Transfer> {
+        let d = self.inner.ipc_desc(conn, mr, offset, len, remote)?;
+        self.inner.submit_ipc(conn, OpKind::Write, IpcParts::One(d))
+    }
+
+    /// Starts copying the start of `remote` into `mr[offset..offset + len]`.
+    pub fn read_ipc_async(
+        &self,
+        conn: ConnId,
+        mr: &MemoryRegion,
+        offset: usize,
+        len: usize,
+        remote: &IpcBuf,
+    ) -> Result<Transfer> {
+        let d = self.inner.ipc_desc(conn, mr, offset, len, remote)?;
+        self.inner.submit_ipc(conn, OpKind::Read, IpcParts::One(d))
+    }
+
+    pub fn write_ipc(
+        &self,
+        conn: ConnId,
+        mr: &MemoryRegion,
+        offset: usize,
+        len: usize,
+        remote: &IpcBuf,
+    ) -> Result<()> {
+        self.write_ipc_async(conn, mr, offset, len, remote)?.wait()
+    }
+
+    pub fn read_ipc(
+        &self,
+        conn: ConnId,
+        mr: &MemoryRegion,
+        offset: usize,
+        len: usize,
+        remote: &IpcBuf,
+    ) -> Result<()> {
+        self.read_ipc_async(conn, mr, offset, len, remote)?.wait()
+    }
+
+    /// One IPC WRITE per (local slice, remote window) pair, as one transfer.
+    pub fn writev_ipc_async(
+        &self,
+        conn: ConnId,
+        locals: &[(&MemoryRegion, usize, usize)],
+        remotes: &[IpcBuf],
+    ) -> Result<Transfer> {
+        let parts = self.inner.ipc_descs(conn, locals, remotes)?;
+        self.inner.submit_ipc(conn, OpKind::Write, parts)
+    }
+
+    /// One IPC READ per (local slice, remote window) pair, as one transfer.
+    pub fn readv_ipc_async(
+        &self,
+        conn: ConnId,
+        locals: &[(&MemoryRegion, usize, usize)],
+        remotes: &[IpcBuf],
+    ) -> Result<Transfer> {
+        let parts = self.inner.ipc_descs(conn, locals, remotes)?;
+        self.inner.submit_ipc(conn, OpKind::Read, parts)
+    }
+
+    pub fn writev_ipc(
+        &self,
+        conn: ConnId,
+        locals: &[(&MemoryRegion, usize, usize)],
+        remotes: &[IpcBuf],
+    ) -> Result<()> {
+        self.writev_ipc_async(conn, locals, remotes)?.wait()
+    }
+
+    pub fn readv_ipc(
+        &self,
+        conn: ConnId,
+        locals: &[(&MemoryRegion, usize, usize)],
+        remotes: &[IpcBuf],
+    ) -> Result<()> {
+        self.readv_ipc_async(conn, locals, remotes)?.wait()
+    }
+
+    /// CUDA IPC counters: handles opened (cache misses), cache hits,
+    /// handles closed, same-process shortcuts, mappings open now.
+    pub fn ipc_stats(&self) -> IpcStats {
+        self.inner.ipc_counters.snapshot()
+    }
+}
+
+impl MemoryRegion {
+    /// The IPC description of `[offset, offset + len)` of this GPU memory,
+    /// for any same-host peer (see [`Endpoint::advertise_ipc`]).
+    pub fn advertise_ipc(&self, offset: usize, len: usize) -> Result<IpcBuf> {
+        self.check_range(offset, len)?;
+        let MemKind::Device {
+            ordinal,
+            alloc_base,
+            alloc_len,
+        } = self.inner.mem
+        else {
+            return Err(Error::Unsupported {
+                what: "advertise_ipc of host memory",
+                reason: format!(
+                    "region {:#x} is {:?}; CUDA IPC exports GPU memory only (use advertise)",
+                    self.addr(),
+                    self.inner.mem
+                ),
+            });
+        };
+        let ep = self.ep.upgrade().ok_or(Error::Shutdown)?;
+        let handle = crate::gpu::ipc::export(ordinal, alloc_base)?;
+        self.inner.ipc_exported.store(true, Ordering::Release);
+        Ok(IpcBuf {
+            device: ordinal as u16,
+            owner_id: ep.id,
+            host_token: ep.host_token,
+            owner_pid: std::process::id(),
+            alloc_id: self.inner.tag,
+            alloc_base,
+            alloc_len: alloc_len as u64,
+            offset: self.addr() - alloc_base + offset as u64,
+            len: len as u64,
+            handle,
+        })
+    }
+}
+
+impl Inner {
+    fn ipc_desc(
+        &self,
+        conn: ConnId,
+        mr: &MemoryRegion,
+        offset: usize,
+        len: usize,
+        remote: &IpcBuf,
+    ) -> Result<IpcDesc> {
+        mr.check_range(offset, len)?;
+        if len as u64 > remote.len {
+            return Err(Error::RemoteTooSmall {
+                len,
+                remote_size: remote.len.min(u32::MAX as u64) as u32,
+            });
+        }
+        if remote.host_token != self.host_token {
+            return Err(Error::Unsupported {
+                what: "CUDA IPC with another host",
+                reason: format!(
+                    "the window was advertised by endpoint {:016x} on another host (or network namespace)",
+                    remote.owner_id
+                ),
+            });
+        }
+        let peer = self.conns.lock().expect("lock").get(&conn).map(|c| c.peer);
+        if let Some(Peer::Local { endpoint_id, .. }) = peer {
+            if endpoint_id != remote.owner_id && remote.owner_pid != std::process::id() {
+                return Err(Error::Unsupported {
+                    what: "an IPC window of another endpoint",
+                    reason: format!(
+                        "{conn} leads to endpoint {endpoint_id:016x}, the window belongs to {:016x}",
+                        remote.owner_id
+                    ),
+                });
+            }
+        }
+        Ok(IpcDesc {
+            local: mr.inner.clone(),
+            local_off: offset,
+            len,
+            remote: *remote,
+        })
+    }
+
+    fn ipc_descs(
+        &self,
+        conn: ConnId,
+        locals: &[(&MemoryRegion, usize, usize)],
+        remotes: &[IpcBuf],
+    ) -> Result<IpcParts> {
+        if locals.len() != remotes.len() {
+            return Err(Error::VectorMismatch {
+                locals: locals.len(),
+                remotes: remotes.len(),
+            });
+        }
+        if locals.is_empty() {
+            return Err(Error::EmptyVector);
+        }
+        let v = locals
+            .iter()
+            .zip(remotes)
+            .map(|((m, o, l), r)| self.ipc_desc(conn, m, *o, *l, r))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(IpcParts::Many(v))
+    }
+
+    fn submit_ipc(&self, conn: ConnId, kind: OpKind, parts: IpcParts) -> Result<Transfer> {
+        let cuda = crate::gpu::cuda()?;
+        // Copies run on the local buffer's GPU when it has one, else on the
+        // endpoint's (GPU 0 in lazy mode).
+        let ordinal = match &parts {
+            IpcParts::One(d) => d.local.mem,
+            IpcParts::Many(v) => v[0].local.mem,
+        };
+        let ordinal = match ordinal {
+            MemKind::Device { ordinal, .. } => ordinal,
+            _ => *self.gpu.get_or_init(|| 0),
+        };
+        cuda.device(ordinal as usize)?;
+        let t = self.table.claim().ok_or(Error::TooManyInflight {
+            max: self.table.capacity(),
+        })?;
+        let cmd = IpcCmd {
+            conn,
+            kind,
+            slot: t.slot(),
+            ordinal,
+            parts,
+        };
+        match self.shard_of(conn).submit(Command::Ipc(cmd)) {
+            Ok(()) => Ok(t),
+            Err((e, _)) => {
+                self.table.complete(t.slot(), Ok(()));
+                drop(t);
+                Err(e)
+            }
+        }
+    }
+
+    /// After deregistering IPC-exported GPU memory: same-host peers close
+    /// their mappings of its allocation.
+    pub(crate) fn revoke_ipc(self: &Arc<Self>, mem: MemKind) {
+        if let MemKind::Device { alloc_base, .. } = mem {
+            // Same-host connections live on shard 0.
+            let _ = self.shards[0].submit(Command::RevokeIpc { alloc_base });
+        }
+    }
+}

@@ -1,0 +1,236 @@
+//! The CUDA driver, loaded at run time: initialisation, the visible devices
+//! and their primary contexts, and the error mapping every other `gpu` file
+//! uses.
+
+use std::ffi::{c_char, c_int, CStr};
+use std::sync::OnceLock;
+
+use cudarc::driver::sys as cu;
+
+use crate::error::{Error, Result};
+
+/// One visible GPU.
+#[derive(Debug)]
+pub struct DeviceInfo {
+    pub ordinal: i32,
+    /// Normalised PCI bus id, `dddd:bb:dd.f` in lower case (the seed's form).
+    pub bus_id: String,
+    pub name: String,
+    pub(crate) ctx: CtxPtr,
+}
+
+/// A retained primary context. Contexts are process-wide driver objects
+/// usable from any thread, so sharing the pointer is sound.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CtxPtr(pub cu::CUcontext);
+// SAFETY: see the type's comment: a CUcontext may be made current on any
+// thread; the pointer itself is never dereferenced by Rust.
+unsafe impl Send for CtxPtr {}
+// SAFETY: as above.
+unsafe impl Sync for CtxPtr {}
+
+/// The driver after `cuInit`, with every visible device.
+#[derive(Debug)]
+pub struct Cuda {
+    pub devices: Vec<DeviceInfo>,
+}
+
+static CUDA: OnceLock<std::result::Result<Cuda, String>> = OnceLock::new();
+
+/// The driver, initialised once per process. `Err` says why there is no
+/// GPU path ("no CUDA driver: libcuda.so not found", a failing `cuInit`, no
+/// device).
+pub fn cuda() -> Result<&'static Cuda> {
+    CUDA.get_or_init(init)
+        .as_ref()
+        .map_err(|why| Error::NoGpu { why: why.clone() })
+}
+
+/// Why the GPU path is off, or `None` when it works (for `ferry info`).
+pub fn status() -> std::result::Result<&'static Cuda, String> {
+    cuda().map_err(|e| match e {
+        Error::NoGpu { why } => why,
+        other => other.to_string(),
+    })
+}
+
+/// The driver's name for a status code, e.g. `CUDA_ERROR_INVALID_VALUE`.
+pub(crate) fn error_name(code: cu::CUresult) -> String {
+    let mut p: *const c_char = std::ptr::null();
+    // SAFETY: cuGetErrorName writes a pointer to a static string or fails;
+    // it is only called once the library is known to be loaded.
+    let r = unsafe { cu::cuGetErrorName(code, &mut p) };
+    if r != cu::CUresult::CUDA_SUCCESS || p.is_null() {
+        return format!("{code:?}");
+    }
+    // SAFETY: the driver returned a NUL-terminated static string.
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+/// Maps a driver status to `Ok` or `Error::Cuda` naming the call.
+pub(crate) fn check(call: &'static str, r: cu::CUresult) -> Result<()> {
+    if r == cu::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    Err(Error::Cuda {
+        call,
+        code: r as u32,
+        name: error_name(r),
+    })
+}
+
+/// Normalises a PCI bus id as the seed does: lower case, with the 4-digit
+/// domain (`0000:1A:00.0` → `0000:1a:00.0`; `1a:00.0` → `0000:1a:00.0`).
+pub fn normalize_bus_id(raw: &str) -> String {
+    let s = raw.trim().to_ascii_lowercase();
+    let parts: Vec<&str> = s.split(':').collect();
+    match parts.as_slice() {
+        [bus, devfn] => format!("0000:{bus:0>2}:{devfn}"),
+        [dom, bus, devfn] => {
+            let dom = dom.trim_start_matches('0');
+            format!("{dom:0>4}:{bus:0>2}:{devfn}")
+        }
+        _ => s,
+    }
+}
+
+fn init() -> std::result::Result<Cuda, String> {
+    // SAFETY: probing only tries to dlopen the library.
+    if !unsafe { cu::is_culib_present() } {
+        return Err("no CUDA driver: libcuda.so could not be loaded".into());
+    }
+    // SAFETY: the library is present, so the symbol loads; flags must be 0.
+    check("cuInit", unsafe { cu::cuInit(0) }).map_err(|e| format!("CUDA driver: {e}"))?;
+    let mut n: c_int = 0;
+    // SAFETY: writes one int.
+    check("cuDeviceGetCount", unsafe { cu::cuDeviceGetCount(&mut n) })
+        .map_err(|e| e.to_string())?;
+    if n <= 0 {
+        return Err("CUDA driver loaded but it sees no GPU".into());
+    }
+    let mut devices = Vec::with_capacity(n as usize);
+    for ordinal in 0..n {
+        let dev = describe(ordinal).map_err(|e| format!("GPU {ordinal}: {e}"))?;
+        devices.push(dev);
+    }
+    Ok(Cuda { devices })
+}
+
+fn describe(ordinal: i32) -> Result<DeviceInfo> {
+    let mut dev: cu::CUdevice = 0;
+    // SAFETY: writes one device handle for an ordinal below the count.
+    check("cuDeviceGet", unsafe { cu::cuDeviceGet(&mut dev, ordinal) })?;
+    let mut buf = [0 as c_char; 64];
+    // SAFETY: the buffer holds 64 chars and the driver NUL-terminates.
+    check("cuDeviceGetPCIBusId", unsafe {
+        cu::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as c_int, dev)
+    })?;
+    // SAFETY: NUL-terminated by the driver (checked length above).
+    let bus = unsafe { CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
+    let mut name = [0 as c_char; 128];
+    // SAFETY: as above.
+    check("cuDeviceGetName", unsafe {
+        cu::cuDeviceGetName(name.as_mut_ptr(), name.len() as c_int, dev)
+    })?;
+    // SAFETY: as above.
+    let name = unsafe { CStr::from_ptr(name.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
+    let mut ctx: cu::CUcontext = std::ptr::null_mut();
+    // SAFETY: retains the primary context; it is kept for the process's life.
+    check("cuDevicePrimaryCtxRetain", unsafe {
+        cu::cuDevicePrimaryCtxRetain(&mut ctx, dev)
+    })?;
+    Ok(DeviceInfo {
+        ordinal,
+        bus_id: normalize_bus_id(&bus),
+        name,
+        ctx: CtxPtr(ctx),
+    })
+}
+
+impl Cuda {
+    /// Checks `idx` against the visible devices.
+    pub fn device(&self, idx: usize) -> Result<&DeviceInfo> {
+        self.devices.get(idx).ok_or(Error::GpuOutOfRange {
+            idx,
+            count: self.devices.len(),
+        })
+    }
+
+    /// Makes device `ordinal`'s primary context current on this thread (a
+    /// no-op when it already is). Asked of the driver each time rather than
+    /// cached: the application may switch contexts on the same thread.
+    pub(crate) fn make_current(&self, ordinal: i32) -> Result<()> {
+        let dev = self.device(ordinal as usize)?;
+        let mut cur: cu::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one context pointer (null if none is current).
+        check("cuCtxGetCurrent", unsafe { cu::cuCtxGetCurrent(&mut cur) })?;
+        if cur == dev.ctx.0 {
+            return Ok(());
+        }
+        // SAFETY: the context was retained in `init` and is never released.
+        check("cuCtxSetCurrent", unsafe { cu::cuCtxSetCurrent(dev.ctx.0) })
+    }
+
+    /// Lets every device reach every other's memory (NVLink or PCIe P2P),
+    /// where the hardware allows. Failures only cost speed (copies then
+    /// stage through the host), so they are logged, not returned.
+    pub(crate) fn enable_peer_access(&self) {
+        static DONE: OnceLock<()> = OnceLock::new();
+        DONE.get_or_init(|| {
+            for a in &self.devices {
+                for b in &self.devices {
+                    if a.ordinal == b.ordinal {
+                        continue;
+                    }
+                    let mut can: c_int = 0;
+                    // SAFETY: writes one int; both ordinals are valid devices.
+                    let r = unsafe { cu::cuDeviceCanAccessPeer(&mut can, a.ordinal, b.ordinal) };
+                    if r != cu::CUresult::CUDA_SUCCESS || can == 0 {
+                        continue;
+                    }
+                    if self.make_current(a.ordinal).is_err() {
+                        continue;
+                    }
+                    // SAFETY: both contexts are retained primary contexts.
+                    let r = unsafe { cu::cuCtxEnablePeerAccess(b.ctx.0, 0) };
+                    if r != cu::CUresult::CUDA_SUCCESS
+                        && r != cu::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+                    {
+                        tracing::info!(
+                            "peer access GPU {} -> {}: {}",
+                            a.ordinal,
+                            b.ordinal,
+                            error_name(r)
+                        );
+                    }
+                }
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bus_ids_are_normalised() {
+        assert_eq!(normalize_bus_id("0000:1A:00.0"), "0000:1a:00.0");
+        assert_eq!(normalize_bus_id("1a:00.0"), "0000:1a:00.0");
+        assert_eq!(normalize_bus_id("00000000:9B:00.0"), "0000:9b:00.0");
+        assert_eq!(normalize_bus_id(" 0001:03:00.1\n"), "0001:03:00.1");
+    }
+
+    #[test]
+    fn no_driver_is_a_clear_error_not_a_panic() {
+        match cuda() {
+            Ok(c) => assert!(!c.devices.is_empty()),
+            Err(Error::NoGpu { why }) => assert!(!why.is_empty()),
+            Err(other) => panic!("unexpected {other}"),
+        }
+    }
+}

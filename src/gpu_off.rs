@@ -1,0 +1,182 @@
+//! The `gpu` module of a build without the `gpu` feature: the same names,
+//! and every GPU request answered with `Error::NoGpu`. Host memory paths do
+//! not notice the difference.
+
+use crate::error::{Error, Result};
+
+fn off() -> Error {
+    Error::NoGpu {
+        why: "this build has no GPU path (built without the `gpu` feature)".into(),
+    }
+}
+
+pub mod driver {
+    use super::*;
+
+    #[derive(Debug)]
+    pub struct DeviceInfo {
+        pub ordinal: i32,
+        pub bus_id: String,
+        pub name: String,
+    }
+
+    #[derive(Debug)]
+    pub struct Cuda {
+        pub devices: Vec<DeviceInfo>,
+    }
+
+    impl Cuda {
+        pub fn device(&self, idx: usize) -> Result<&DeviceInfo> {
+            Err(Error::GpuOutOfRange { idx, count: 0 })
+        }
+    }
+
+    pub fn cuda() -> Result<&'static Cuda> {
+        Err(off())
+    }
+
+    pub fn status() -> std::result::Result<&'static Cuda, String> {
+        Err(off().to_string())
+    }
+}
+
+pub mod memory {
+    use super::*;
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum MemKind {
+        Host,
+        Pinned,
+        Device {
+            ordinal: i32,
+            alloc_base: u64,
+            alloc_len: usize,
+        },
+    }
+
+    impl MemKind {
+        pub fn is_device(&self) -> bool {
+            matches!(self, MemKind::Device { .. })
+        }
+    }
+
+    pub fn classify(_ptr: u64) -> Result<MemKind> {
+        Ok(MemKind::Host)
+    }
+
+    pub fn copy_blocking(_dst: u64, _src: u64, _len: usize) -> Result<()> {
+        Err(off())
+    }
+
+    pub fn copy_throughput(
+        _ordinal: i32,
+        _dst: u64,
+        _src: u64,
+        _size: usize,
+        _slots: usize,
+        _batch: usize,
+        _secs: f64,
+    ) -> Result<f64> {
+        Err(off())
+    }
+
+    pub(crate) struct DeviceBuf {
+        pub ptr: u64,
+    }
+
+    impl DeviceBuf {
+        pub fn new(_ordinal: i32, _len: usize) -> Result<Self> {
+            Err(off())
+        }
+    }
+
+    pub(crate) struct PinnedBuf {
+        pub ptr: *mut u8,
+    }
+
+    // SAFETY: never constructed in this build.
+    unsafe impl Send for PinnedBuf {}
+    // SAFETY: never constructed in this build.
+    unsafe impl Sync for PinnedBuf {}
+
+    impl PinnedBuf {
+        pub fn new(_len: usize) -> Result<Self> {
+            Err(off())
+        }
+    }
+}
+
+pub(crate) mod copy {
+    use super::*;
+
+    pub(crate) struct CopyJob {
+        pub slot: u32,
+        pub mapping: Option<super::ipc::MapKey>,
+        pub keep: Option<std::sync::Arc<crate::region::Region>>,
+    }
+
+    pub(crate) struct Copier;
+
+    impl Copier {
+        pub fn new(_ordinal: i32, _streams: usize) -> Result<Self> {
+            Err(off())
+        }
+        pub fn start(&mut self, _slot: u32, _dst: u64, _src: u64, _len: usize) -> Result<CopyJob> {
+            Err(off())
+        }
+        pub fn query(&mut self, _job: &mut CopyJob) -> Option<Result<()>> {
+            Some(Err(off()))
+        }
+        pub fn finish(&mut self, _job: CopyJob) {}
+        pub fn ordinal(&self) -> i32 {
+            0
+        }
+    }
+}
+
+pub(crate) mod ipc {
+    use super::*;
+
+    pub(crate) type MapKey = (u64, u64);
+
+    #[derive(Debug, Default)]
+    pub(crate) struct IpcCounters;
+
+    impl IpcCounters {
+        pub fn snapshot(&self) -> IpcStats {
+            IpcStats::default()
+        }
+    }
+
+    pub(crate) fn export(_ordinal: i32, _alloc_base: u64) -> Result<[u8; 64]> {
+        Err(off())
+    }
+
+    pub(crate) struct IpcCache;
+
+    impl IpcCache {
+        pub fn new(_c: std::sync::Arc<IpcCounters>) -> Self {
+            IpcCache
+        }
+        pub fn acquire(&mut self, _b: &crate::wire::IpcBuf) -> Result<(u64, Option<MapKey>)> {
+            Err(off())
+        }
+        pub fn release(&mut self, _key: MapKey) {}
+        pub fn revoke(&mut self, _owner_id: u64, _alloc_base: u64) {}
+        pub fn revoke_owner(&mut self, _owner_id: u64) {}
+    }
+
+    /// A snapshot of the IPC counters of one endpoint (all zero here).
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+    pub struct IpcStats {
+        pub opens: u64,
+        pub hits: u64,
+        pub closes: u64,
+        pub same_process: u64,
+        pub open_now: u64,
+    }
+}
+
+pub use driver::{cuda, Cuda, DeviceInfo};
+pub use ipc::IpcStats;
+pub use memory::MemKind;

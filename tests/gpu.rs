@@ -1,0 +1,411 @@
+//! The GPU path: devices, pointer classification, CUDA IPC between two
+//! processes and within one, the handle cache and revocation.
+//!
+//! Needs `FERRY_TEST_GPU=1` and a CUDA driver with a GPU; two GPUs (NVLink
+//! or not) exercise GPU0 -> GPU1. Without them each test prints
+//! `skipped: …` and returns.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{ask, Path, Target};
+use ferry::gpu::memory::copy_blocking;
+use ferry::testkit::{check_pattern, fill_pattern, fnv64};
+use ferry::{Config, ConnId, Endpoint, Error, IpcBuf, MemKind, MemoryRegion, Mode, Transport};
+
+/// The number of GPUs, or `None` (after printing why) when GPU tests are off.
+fn gpus() -> Option<usize> {
+    if std::env::var("FERRY_TEST_GPU").as_deref() != Ok("1") {
+        println!("skipped: GPU tests need FERRY_TEST_GPU=1 (and an NVIDIA GPU)");
+        return None;
+    }
+    match ferry::gpu::cuda() {
+        Ok(c) => Some(c.devices.len()),
+        Err(e) => panic!("FERRY_TEST_GPU=1 but {e}"),
+    }
+}
+
+fn cfg(gpu: usize) -> Config {
+    Config {
+        listen_addr: "127.0.0.1".parse().unwrap(),
+        gpu: Some(gpu),
+        ..Config::default()
+    }
+}
+
+fn peer_gpu(n: usize) -> usize {
+    if n >= 2 {
+        1
+    } else {
+        0
+    }
+}
+
+/// Fills `len` bytes of GPU region `mr` at `off` with the pattern.
+fn gpu_fill(mr: &MemoryRegion, off: usize, len: usize, seed: u8) {
+    let mut b = vec![0u8; len];
+    fill_pattern(&mut b, off as u64, seed);
+    copy_blocking(mr.addr() + off as u64, b.as_ptr() as u64, len).unwrap();
+}
+
+/// Reads `len` bytes of GPU region `mr` at `off`.
+fn gpu_bytes(mr: &MemoryRegion, off: usize, len: usize) -> Vec<u8> {
+    let mut b = vec![0u8; len];
+    copy_blocking(b.as_mut_ptr() as u64, mr.addr() + off as u64, len).unwrap();
+    b
+}
+
+fn ghash(ep: &Endpoint, conn: ConnId, off: usize, len: usize) -> u64 {
+    let a = ask(ep, conn, &format!("ghash {off} {len}"));
+    u64::from_str_radix(a.strip_prefix("hash ").expect(&a), 16).unwrap()
+}
+
+fn pattern_hash(off: usize, len: usize, seed: u8) -> u64 {
+    let mut b = vec![0u8; len];
+    fill_pattern(&mut b, off as u64, seed);
+    fnv64(&b)
+}
+
+struct Pair {
+    ep: Endpoint,
+    conn: ConnId,
+    remote: IpcBuf,
+    _target: Target,
+}
+
+fn pair(n: usize, bytes: usize) -> Pair {
+    let g = peer_gpu(n).to_string();
+    let target = Target::start_with(Path::Shm, bytes, &[], &["--gpu", &g]);
+    let ep = Endpoint::builder().config(cfg(0)).build().unwrap();
+    let conn = ep.add_remote(&target.served.meta).unwrap();
+    assert!(
+        matches!(ep.peer(conn), Some(ferry::Peer::Local { .. })),
+        "same-host peer expected"
+    );
+    let remote = target.served.ipc.expect("IPCBUF line");
+    Pair {
+        ep,
+        conn,
+        remote,
+        _target: target,
+    }
+}
+
+#[test]
+fn devices_bus_ids_and_gpu_choice() {
+    let Some(n) = gpus() else { return };
+    let c = ferry::gpu::cuda().unwrap();
+    for d in &c.devices {
+        let b = &d.bus_id;
+        println!("GPU {}: {} at {b}", d.ordinal, d.name);
+        assert_eq!(b.len(), 12, "bus id {b:?}");
+        assert_eq!(b, &ferry::gpu::normalize_bus_id(b));
+        assert_eq!(b, &b.to_ascii_lowercase());
+    }
+    match Endpoint::builder().config(cfg(n)).build() {
+        Err(Error::GpuOutOfRange { idx, count }) => assert_eq!((idx, count), (n, n)),
+        other => panic!("expected GpuOutOfRange, got {:?}", other.map(|_| ())),
+    }
+    let ep = Endpoint::builder().config(cfg(0)).build().unwrap();
+    assert_eq!(ep.gpu(), Some(0));
+    assert_eq!(ep.metadata().gpu_bdf, c.devices[0].bus_id);
+}
+
+#[test]
+fn pointers_are_classified_and_lazy_mode_picks_the_gpu() {
+    let Some(n) = gpus() else { return };
+    let last = n - 1;
+    // Lazy endpoint: no GPU until a GPU pointer is registered.
+    let lazy = Endpoint::builder()
+        .config(Config {
+            listen_addr: "127.0.0.1".parse().unwrap(),
+            ..Config::default()
+        })
+        .build()
+        .unwrap();
+    assert_eq!(lazy.gpu(), None);
+    let host = lazy.alloc(4096).unwrap();
+    assert_eq!(lazy.mem_kind(&host), MemKind::Host);
+    assert_eq!(lazy.gpu(), None);
+    let owner = Endpoint::builder().config(cfg(last)).build().unwrap();
+    let big = owner.alloc_gpu(3 << 20).unwrap();
+    let MemKind::Device {
+        ordinal,
+        alloc_base,
+        alloc_len,
+    } = owner.mem_kind(&big)
+    else {
+        panic!("alloc_gpu gave {:?}", owner.mem_kind(&big))
+    };
+    assert_eq!((ordinal, alloc_base), (last as i32, big.addr()));
+    assert!(alloc_len >= 3 << 20);
+    // A pointer inside the allocation: the driver's base, not the pointer.
+    // SAFETY: `big` outlives `inner`, which is deregistered first.
+    let inner = unsafe {
+        lazy.register_raw(
+            (big.addr() + 12345) as *mut u8,
+            1 << 20,
+            ferry::Access::all(),
+        )
+    }
+    .unwrap();
+    assert_eq!(
+        lazy.mem_kind(&inner),
+        MemKind::Device {
+            ordinal: last as i32,
+            alloc_base: big.addr(),
+            alloc_len
+        }
+    );
+    assert_eq!(
+        lazy.gpu(),
+        Some(last),
+        "the first GPU pointer picks the GPU"
+    );
+    lazy.deregister(inner).unwrap();
+    let pinned = lazy.alloc_pinned(1 << 20).unwrap();
+    assert_eq!(lazy.mem_kind(&pinned), MemKind::Pinned);
+}
+
+#[test]
+fn ipc_between_processes_is_byte_exact() {
+    let Some(n) = gpus() else { return };
+    let p = pair(n, 64 << 20);
+    let local = p.ep.alloc_gpu(64 << 20).unwrap();
+    let cases = [
+        (0usize, 1usize),
+        (7, 4095),
+        (4096, 4096),
+        (1 << 20, (1 << 20) + 13),
+        (3, 16 << 20),
+        (333, 40 << 20), // split across the stream pool
+    ];
+    for (i, &(off, len)) in cases.iter().enumerate() {
+        let seed = 10 + i as u8;
+        gpu_fill(&local, off, len, seed);
+        let w = p.remote.slice(off as u64, len as u64).unwrap();
+        p.ep.write_ipc(p.conn, &local, off, len, &w).unwrap();
+        assert_eq!(
+            ghash(&p.ep, p.conn, off, len),
+            pattern_hash(off, len, seed),
+            "write_ipc {len} B at {off}"
+        );
+        let seed = 100 + i as u8;
+        assert_eq!(
+            ask(&p.ep, p.conn, &format!("gfill {off} {len} {seed}")),
+            "ok"
+        );
+        p.ep.read_ipc(p.conn, &local, off, len, &w).unwrap();
+        let got = gpu_bytes(&local, off, len);
+        assert_eq!(
+            check_pattern(&got, off as u64, seed),
+            None,
+            "read_ipc {len} B at {off}"
+        );
+    }
+    // Vectored, and many async ops waited newest-first.
+    let v: Vec<(&MemoryRegion, usize, usize)> =
+        (0..8).map(|k| (&local, k * 8192 + 5, 3000)).collect();
+    let rs: Vec<IpcBuf> = (0..8)
+        .map(|k| p.remote.slice((k * 8192 + 5) as u64, 3000).unwrap())
+        .collect();
+    gpu_fill(&local, 0, 8 * 8192, 77);
+    p.ep.writev_ipc(p.conn, &v, &rs).unwrap();
+    for k in 0..8 {
+        let off = k * 8192 + 5;
+        assert_eq!(ghash(&p.ep, p.conn, off, 3000), pattern_hash(off, 3000, 77));
+    }
+    assert_eq!(ask(&p.ep, p.conn, "gfill 0 65536 78"), "ok");
+    p.ep.readv_ipc(p.conn, &v, &rs).unwrap();
+    for k in 0..8 {
+        let off = k * 8192 + 5;
+        assert_eq!(
+            check_pattern(&gpu_bytes(&local, off, 3000), off as u64, 78),
+            None
+        );
+    }
+    gpu_fill(&local, 0, 64 * 4096, 79);
+    let ts: Vec<_> = (0..64)
+        .map(|k| {
+            let w = p.remote.slice(k * 4096, 4096).unwrap();
+            p.ep.write_ipc_async(p.conn, &local, k as usize * 4096, 4096, &w)
+                .unwrap()
+        })
+        .collect();
+    for t in ts.into_iter().rev() {
+        t.wait().unwrap();
+    }
+    assert_eq!(
+        ghash(&p.ep, p.conn, 0, 64 * 4096),
+        pattern_hash(0, 64 * 4096, 79)
+    );
+    // Pinned host memory -> the peer's GPU, and back.
+    let pinned = p.ep.alloc_pinned(1 << 20).unwrap();
+    let mut b = vec![0u8; 1 << 20];
+    fill_pattern(&mut b, 0, 80);
+    pinned.write_at(0, &b).unwrap();
+    p.ep.write_ipc(p.conn, &pinned, 0, 1 << 20, &p.remote)
+        .unwrap();
+    assert_eq!(
+        ghash(&p.ep, p.conn, 0, 1 << 20),
+        pattern_hash(0, 1 << 20, 80)
+    );
+    assert_eq!(ask(&p.ep, p.conn, "gfill 0 1048576 81"), "ok");
+    p.ep.read_ipc(p.conn, &pinned, 0, 1 << 20, &p.remote)
+        .unwrap();
+    pinned.read_at(0, &mut b).unwrap();
+    assert_eq!(check_pattern(&b, 0, 81), None);
+    let s = p.ep.ipc_stats();
+    println!("ipc stats after the suite: {s:?}");
+    assert_eq!(s.opens, 1, "one open for one allocation: {s:?}");
+    assert!(s.hits >= 90, "repeated transfers hit the cache: {s:?}");
+}
+
+#[test]
+fn ipc_256_mib_is_byte_exact() {
+    let Some(n) = gpus() else { return };
+    let len = 256 << 20;
+    let p = pair(n, len);
+    let local = p.ep.alloc_gpu(len).unwrap();
+    gpu_fill(&local, 0, len, 5);
+    p.ep.write_ipc(p.conn, &local, 0, len, &p.remote).unwrap();
+    assert_eq!(ghash(&p.ep, p.conn, 0, len), pattern_hash(0, len, 5));
+    assert_eq!(ask(&p.ep, p.conn, &format!("gfill 0 {len} 6")), "ok");
+    p.ep.read_ipc(p.conn, &local, 0, len, &p.remote).unwrap();
+    assert_eq!(check_pattern(&gpu_bytes(&local, 0, len), 0, 6), None);
+}
+
+#[test]
+fn deregistration_closes_peer_mappings() {
+    let Some(n) = gpus() else { return };
+    let p = pair(n, 1 << 20);
+    let local = p.ep.alloc_gpu(1 << 20).unwrap();
+    for _ in 0..10 {
+        p.ep.write_ipc(p.conn, &local, 0, 4096, &p.remote).unwrap();
+    }
+    let s = p.ep.ipc_stats();
+    assert_eq!((s.opens, s.open_now), (1, 1), "{s:?}");
+    assert_eq!(s.hits, 9, "{s:?}");
+    assert_eq!(ask(&p.ep, p.conn, "drop-gpu"), "ok");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while p.ep.ipc_stats().open_now != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "mapping still open: {:?}",
+            p.ep.ipc_stats()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let s = p.ep.ipc_stats();
+    assert_eq!(s.closes, 1, "{s:?}");
+    println!("after the owner deregistered: {s:?}");
+    // Removing the peer closes whatever is still open (nothing here).
+    p.ep.remove_remote(p.conn).unwrap();
+    assert_eq!(p.ep.ipc_stats().open_now, 0);
+}
+
+#[test]
+fn peer_removal_closes_its_mappings() {
+    let Some(n) = gpus() else { return };
+    let p = pair(n, 1 << 20);
+    let local = p.ep.alloc_gpu(1 << 20).unwrap();
+    p.ep.read_ipc(p.conn, &local, 0, 4096, &p.remote).unwrap();
+    assert_eq!(p.ep.ipc_stats().open_now, 1);
+    p.ep.remove_remote(p.conn).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while p.ep.ipc_stats().open_now != 0 {
+        assert!(Instant::now() < deadline, "{:?}", p.ep.ipc_stats());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The connection is gone: IPC on it fails like any op.
+    match p.ep.write_ipc(p.conn, &local, 0, 4096, &p.remote) {
+        Err(Error::UnknownConn { .. }) | Err(Error::ConnFailed { .. }) => {}
+        other => panic!("expected a connection error, got {other:?}"),
+    }
+}
+
+#[test]
+fn same_process_needs_no_handle() {
+    let Some(n) = gpus() else { return };
+    let a = Endpoint::builder().config(cfg(0)).build().unwrap();
+    let b = Endpoint::builder()
+        .config(cfg(peer_gpu(n)))
+        .build()
+        .unwrap();
+    b.start_passive_accept().unwrap();
+    let conn = a.add_remote(&b.metadata_bytes()).unwrap();
+    let dst = b.alloc_gpu(1 << 20).unwrap();
+    let win = dst.advertise_ipc(4096, 65536).unwrap();
+    let src = a.alloc_gpu(1 << 20).unwrap();
+    gpu_fill(&src, 0, 65536, 9);
+    a.write_ipc(conn, &src, 0, 65536, &win).unwrap();
+    assert_eq!(check_pattern(&gpu_bytes(&dst, 4096, 65536), 0, 9), None);
+    let s = a.ipc_stats();
+    assert_eq!((s.opens, s.same_process), (0, 1), "{s:?}");
+}
+
+#[test]
+fn ipc_refuses_bad_requests_with_clear_errors() {
+    let Some(n) = gpus() else { return };
+    let p = pair(n, 1 << 20);
+    let gpu = p.ep.alloc_gpu(1 << 20).unwrap();
+    let host = p.ep.alloc(1 << 20).unwrap();
+    // advertise_ipc of host memory.
+    assert!(matches!(
+        host.advertise_ipc(0, 10),
+        Err(Error::Unsupported { .. })
+    ));
+    // Longer than the window; outside the local region.
+    let w = p.remote.slice(0, 100).unwrap();
+    assert!(matches!(
+        p.ep.write_ipc(p.conn, &gpu, 0, 101, &w),
+        Err(Error::RemoteTooSmall { len: 101, .. })
+    ));
+    assert!(matches!(
+        p.ep.write_ipc(p.conn, &gpu, (1 << 20) - 10, 11, &p.remote),
+        Err(Error::OutOfRange { .. })
+    ));
+    // A window from another host.
+    let mut foreign = p.remote;
+    foreign.host_token ^= 1;
+    assert!(matches!(
+        p.ep.write_ipc(p.conn, &gpu, 0, 8, &foreign),
+        Err(Error::Unsupported { .. })
+    ));
+    // A window of an endpoint this connection does not lead to.
+    let mut other = p.remote;
+    other.owner_id ^= 1;
+    assert!(matches!(
+        p.ep.write_ipc(p.conn, &gpu, 0, 8, &other),
+        Err(Error::Unsupported { .. })
+    ));
+    // An unknown connection.
+    assert!(matches!(
+        p.ep.advertise_ipc(ConnId(999_999), &gpu, 0, 8),
+        Err(Error::UnknownConn { .. })
+    ));
+    // GPU memory on the CPU paths: refused locally, and by the target.
+    let rb = host.advertise(0, 4096).unwrap();
+    assert!(matches!(
+        p.ep.write(p.conn, &gpu, 0, 8, &rb),
+        Err(Error::Unsupported { .. })
+    ));
+    let b = Endpoint::builder()
+        .config(Config {
+            transport: Transport::Tcp,
+            mode: Mode::Managed,
+            ..cfg(0)
+        })
+        .build()
+        .unwrap();
+    b.start_passive_accept().unwrap();
+    let c2 = p.ep.add_remote(&b.metadata_bytes()).unwrap();
+    let bg = b.alloc_gpu(4096).unwrap();
+    match p.ep.write(c2, &host, 0, 8, &bg.advertise(0, 4096).unwrap()) {
+        Err(Error::Remote { status, .. }) => assert_eq!(status, ferry::wire::Status::DeviceMemory),
+        other => panic!("expected DeviceMemory refusal, got {other:?}"),
+    }
+    // The connection still works, and a good IPC op after the errors too.
+    p.ep.write_ipc(p.conn, &gpu, 0, 8, &p.remote).unwrap();
+}
