@@ -109,7 +109,7 @@ pub mod memory {
 pub(crate) mod copy {
     use super::*;
 
-    pub(crate) struct CopyJob {
+    pub(crate) struct Entry {
         pub slot: u32,
         pub mapping: Option<super::ipc::MapKey>,
         pub keep: Option<std::sync::Arc<crate::region::Region>>,
@@ -117,18 +117,25 @@ pub(crate) mod copy {
 
     pub(crate) struct Copier;
 
+    type Staged = std::result::Result<(), (Error, Vec<Entry>)>;
+
     impl Copier {
         pub fn new(_ordinal: i32, _streams: usize) -> Result<Self> {
             Err(off())
         }
-        pub fn start(&mut self, _slot: u32, _dst: u64, _src: u64, _len: usize) -> Result<CopyJob> {
-            Err(off())
-        }
-        pub fn query(&mut self, _job: &mut CopyJob) -> Option<Result<()>> {
-            Some(Err(off()))
-        }
-        pub fn finish(&mut self, _job: CopyJob) {}
         pub fn ordinal(&self) -> i32 {
+            0
+        }
+        pub fn busy(&self) -> bool {
+            false
+        }
+        pub fn stage(&mut self, e: Entry, _dst: u64, _src: u64, _len: usize) -> Staged {
+            Err((off(), vec![e]))
+        }
+        pub fn flush(&mut self) -> Staged {
+            Ok(())
+        }
+        pub fn poll(&mut self, _out: impl FnMut(Entry, Result<()>)) -> usize {
             0
         }
     }

@@ -33,6 +33,8 @@ unsafe impl Sync for CtxPtr {}
 #[derive(Debug)]
 pub struct Cuda {
     pub devices: Vec<DeviceInfo>,
+    /// The driver has `cuMemcpyBatchAsync_v2` (CUDA 13 drivers do).
+    pub has_batch_copy: bool,
 }
 
 static CUDA: OnceLock<std::result::Result<Cuda, String>> = OnceLock::new();
@@ -113,7 +115,17 @@ fn init() -> std::result::Result<Cuda, String> {
         let dev = describe(ordinal).map_err(|e| format!("GPU {ordinal}: {e}"))?;
         devices.push(dev);
     }
-    Ok(Cuda { devices })
+    // Probed, not assumed: cudarc panics on a missing symbol.
+    // SAFETY: looks a symbol up in the already-loaded library.
+    let has_batch_copy = unsafe {
+        cu::culib()
+            .get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync_v2")
+            .is_ok()
+    };
+    Ok(Cuda {
+        devices,
+        has_batch_copy,
+    })
 }
 
 fn describe(ordinal: i32) -> Result<DeviceInfo> {

@@ -163,7 +163,11 @@ pub fn copy_blocking(dst: u64, src: u64, len: usize) -> Result<()> {
     c.make_current(0)?;
     // SAFETY: the caller passes addresses of live allocations of at least
     // `len` bytes; cuMemcpy fails (not faults) on unknown device addresses.
-    check("cuMemcpy", unsafe { cu::cuMemcpy(dst, src, len) })
+    check("cuMemcpy", unsafe { cu::cuMemcpy(dst, src, len) })?;
+    // From pageable memory cuMemcpy may return before the DMA lands, and
+    // the engine's streams do not wait for the legacy stream: finish here.
+    // SAFETY: waits for the current context's work.
+    check("cuCtxSynchronize", unsafe { cu::cuCtxSynchronize() })
 }
 
 /// Reference throughput for benchmarks: copies `size`-byte blocks from

@@ -284,6 +284,9 @@ impl Shard {
         }
         let mut work = apply_region_updates(&mut self.regions, &self.region_rx);
         work += self.drain_commands();
+        if let Some(g) = &mut self.gpu {
+            g.flush(&mut self.done);
+        }
         work += self.service_conns();
         work += self.service_local();
         if !self.ipc_revoked.is_empty() {
@@ -962,10 +965,18 @@ impl Drop for Shard {
             queued.push(c);
         }
         for c in queued {
-            if let Command::Op(op) = c {
-                // With no connections left this fails every remaining frame.
-                self.apply_op(op);
+            // With no connections left these fail every remaining piece.
+            match c {
+                Command::Op(op) => {
+                    self.apply_op(op);
+                }
+                Command::Ipc(cmd) => self.apply_ipc(cmd),
+                _ => {}
             }
+        }
+        if let Some(g) = &mut self.gpu {
+            // Copies in flight read or write memory their ops still hold.
+            g.finish_all(&mut self.done, self.cfg.op_timeout);
         }
         self.publish();
         self.regions.clear();
