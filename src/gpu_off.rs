@@ -29,6 +29,10 @@ pub mod driver {
         pub fn device(&self, idx: usize) -> Result<&DeviceInfo> {
             Err(Error::GpuOutOfRange { idx, count: 0 })
         }
+
+        pub(crate) fn make_current(&self, _ordinal: i32) -> Result<()> {
+            Err(off())
+        }
     }
 
     pub fn cuda() -> Result<&'static Cuda> {
@@ -110,9 +114,11 @@ pub(crate) mod copy {
     use super::*;
 
     pub(crate) struct Entry {
-        pub slot: u32,
+        pub then: crate::reactor::Then,
         pub mapping: Option<super::ipc::MapKey>,
         pub keep: Option<std::sync::Arc<crate::region::Region>>,
+        #[allow(dead_code)]
+        pub keep2: Option<std::sync::Arc<crate::region::Region>>,
     }
 
     pub(crate) struct Copier;
@@ -147,7 +153,9 @@ pub(crate) mod ipc {
     pub(crate) type MapKey = (u64, u64);
 
     #[derive(Debug, Default)]
-    pub(crate) struct IpcCounters;
+    pub(crate) struct IpcCounters {
+        _none: (),
+    }
 
     impl IpcCounters {
         pub fn snapshot(&self) -> IpcStats {
@@ -184,6 +192,7 @@ pub(crate) mod ipc {
     }
 }
 
+pub use crate::wire::normalize_bus_id;
 pub use driver::{cuda, Cuda, DeviceInfo};
 pub use ipc::IpcStats;
 pub use memory::MemKind;

@@ -74,6 +74,8 @@ pub(crate) struct Region {
     /// An IPC handle was handed out: deregistration tells local peers to
     /// close their mappings.
     pub ipc_exported: std::sync::atomic::AtomicBool,
+    /// The allocation's CUDA IPC handle, exported on first need.
+    pub ipc_handle: std::sync::OnceLock<[u8; 64]>,
     pub _backing: Backing,
 }
 
@@ -101,6 +103,45 @@ impl std::fmt::Debug for Region {
 impl Region {
     pub fn addr(&self) -> u64 {
         self.ptr as u64
+    }
+
+    /// A pinned bounce buffer (GPU memory on tcp), never registered: no
+    /// key names it.
+    pub fn bounce(buf: crate::gpu::memory::PinnedBuf, len: usize) -> Region {
+        Region {
+            ptr: buf.ptr,
+            len,
+            rkey: 0,
+            tag: 0,
+            access: Access::empty(),
+            mem: crate::gpu::MemKind::Pinned,
+            ipc_exported: Default::default(),
+            ipc_handle: Default::default(),
+            _backing: Backing::Pinned(buf),
+        }
+    }
+
+    /// The CUDA IPC handle of this GPU region's allocation (exported once),
+    /// marking the region so that deregistration revokes peers' mappings.
+    pub fn export_ipc(&self) -> crate::error::Result<[u8; 64]> {
+        let crate::gpu::MemKind::Device {
+            ordinal,
+            alloc_base,
+            ..
+        } = self.mem
+        else {
+            return Err(crate::error::Error::Unsupported {
+                what: "CUDA IPC of host memory",
+                reason: format!("region {:#x} is {:?}", self.addr(), self.mem),
+            });
+        };
+        self.ipc_exported
+            .store(true, std::sync::atomic::Ordering::Release);
+        if let Some(h) = self.ipc_handle.get() {
+            return Ok(*h);
+        }
+        let h = crate::gpu::ipc::export(ordinal, alloc_base)?;
+        Ok(*self.ipc_handle.get_or_init(|| h))
     }
 }
 
@@ -202,11 +243,6 @@ impl RegionTable {
         if !g.region.access.contains(need) {
             return Err(Status::AccessDenied);
         }
-        // The tcp and shm targets copy with the CPU; GPU memory is reached
-        // through CUDA IPC (write_ipc/read_ipc) instead.
-        if g.region.mem.is_device() {
-            return Err(Status::DeviceMemory);
-        }
         let end = addr.checked_add(len).ok_or(Status::OutOfBounds)?;
         if addr < g.base || end > g.base + g.len {
             return Err(Status::OutOfBounds);
@@ -231,6 +267,7 @@ mod tests {
             access,
             mem: crate::gpu::MemKind::Host,
             ipc_exported: Default::default(),
+            ipc_handle: Default::default(),
             _backing: Backing::Raw,
         });
         let base = r.addr();

@@ -40,6 +40,8 @@ pub struct Served {
     pub rbuf_wo: crate::RemoteBuf,
     /// The GPU region's IPC window (`serve --gpu`).
     pub ipc: Option<crate::IpcBuf>,
+    /// The GPU region's key window (`serve --gpu`).
+    pub gpu_rbuf: Option<crate::RemoteBuf>,
 }
 
 pub fn hex(b: &[u8]) -> String {
@@ -59,7 +61,8 @@ pub fn unhex(s: &str) -> Result<Vec<u8>, String> {
 
 /// Reads the lines `ferry serve` prints, up to READY.
 pub fn read_served(out: &mut impl std::io::BufRead) -> Result<Served, String> {
-    let (mut meta, mut rbuf, mut ro, mut wo, mut ipc) = (None, None, None, None, None);
+    let (mut meta, mut rbuf, mut ro, mut wo) = (None, None, None, None);
+    let (mut ipc, mut gpu_rbuf) = (None, None);
     let mut line = String::new();
     let rb = |v: &str| -> Result<crate::RemoteBuf, String> {
         crate::RemoteBuf::decode(&unhex(v)?).map_err(|e| e.to_string())
@@ -76,6 +79,7 @@ pub fn read_served(out: &mut impl std::io::BufRead) -> Result<Served, String> {
             "RBUF" => rbuf = Some(rb(v)?),
             "RBUF_RO" => ro = Some(rb(v)?),
             "RBUF_WO" => wo = Some(rb(v)?),
+            "GRBUF" => gpu_rbuf = Some(rb(v)?),
             "IPCBUF" => ipc = Some(crate::IpcBuf::decode(&unhex(v)?).map_err(|e| e.to_string())?),
             "READY" => break,
             _ => {}
@@ -87,6 +91,7 @@ pub fn read_served(out: &mut impl std::io::BufRead) -> Result<Served, String> {
         rbuf_ro: ro.ok_or("no RBUF_RO line")?,
         rbuf_wo: wo.ok_or("no RBUF_WO line")?,
         ipc,
+        gpu_rbuf,
     })
 }
 

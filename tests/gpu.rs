@@ -385,12 +385,7 @@ fn ipc_refuses_bad_requests_with_clear_errors() {
         p.ep.advertise_ipc(ConnId(999_999), &gpu, 0, 8),
         Err(Error::UnknownConn { .. })
     ));
-    // GPU memory on the CPU paths: refused locally, and by the target.
-    let rb = host.advertise(0, 4096).unwrap();
-    assert!(matches!(
-        p.ep.write(p.conn, &gpu, 0, 8, &rb),
-        Err(Error::Unsupported { .. })
-    ));
+    // GPU memory on the tcp path: the target refuses it.
     let b = Endpoint::builder()
         .config(Config {
             transport: Transport::Tcp,
@@ -408,4 +403,177 @@ fn ipc_refuses_bad_requests_with_clear_errors() {
     }
     // The connection still works, and a good IPC op after the errors too.
     p.ep.write_ipc(p.conn, &gpu, 0, 8, &p.remote).unwrap();
+}
+
+#[test]
+fn plain_write_read_use_cuda_between_local_gpus() {
+    let Some(n) = gpus() else { return };
+    let p = pair(n, 32 << 20);
+    let grb = p._target.served.gpu_rbuf.expect("GRBUF line");
+    assert!(grb.is_device(), "a GPU window is marked as such");
+    let hrb = p._target.served.rbuf;
+    let gpu = p.ep.alloc_gpu(32 << 20).unwrap();
+    // GPU -> peer GPU and back, through the ordinary write/read.
+    for (i, &(off, len)) in [(0usize, 8usize), (5, 176), (4099, 100_000), (1, 20 << 20)]
+        .iter()
+        .enumerate()
+    {
+        let seed = 30 + i as u8;
+        gpu_fill(&gpu, off, len, seed);
+        let w = grb.slice(off as u32, len as u32).unwrap();
+        p.ep.write(p.conn, &gpu, off, len, &w).unwrap();
+        assert_eq!(ghash(&p.ep, p.conn, off, len), pattern_hash(off, len, seed));
+        let seed = 60 + i as u8;
+        assert_eq!(
+            ask(&p.ep, p.conn, &format!("gfill {off} {len} {seed}")),
+            "ok"
+        );
+        p.ep.read(p.conn, &gpu, off, len, &w).unwrap();
+        assert_eq!(
+            check_pattern(&gpu_bytes(&gpu, off, len), off as u64, seed),
+            None
+        );
+    }
+    // Our GPU memory -> the peer's host memory, and back.
+    gpu_fill(&gpu, 0, 1 << 20, 90);
+    p.ep.write(p.conn, &gpu, 0, 1 << 20, &hrb).unwrap();
+    assert_eq!(
+        common::remote_hash(&p.ep, p.conn, 0, 1 << 20),
+        pattern_hash(0, 1 << 20, 90)
+    );
+    assert_eq!(ask(&p.ep, p.conn, "fill 0 100 91"), "ok");
+    p.ep.read(p.conn, &gpu, 0, 100, &hrb).unwrap();
+    assert_eq!(check_pattern(&gpu_bytes(&gpu, 0, 100), 0, 91), None);
+    // Our memfd host memory -> the peer's GPU, and back.
+    let shared = p.ep.alloc_host(1 << 20).unwrap();
+    let mut b = vec![0u8; 1 << 20];
+    fill_pattern(&mut b, 0, 92);
+    shared.write_at(0, &b).unwrap();
+    p.ep.write(p.conn, &shared, 0, 1 << 20, &grb).unwrap();
+    assert_eq!(
+        ghash(&p.ep, p.conn, 0, 1 << 20),
+        pattern_hash(0, 1 << 20, 92)
+    );
+    p.ep.read(p.conn, &shared, 0, 64, &grb.slice(4096, 64).unwrap())
+        .unwrap();
+    shared.read_at(0, &mut b[..64]).unwrap();
+    assert_eq!(check_pattern(&b[..64], 4096, 92), None);
+    // Private host memory cannot be reached by the peer's GPU copy: a clear
+    // refusal, and the connection stays usable.
+    let private = p.ep.alloc(4096).unwrap();
+    match p.ep.write(p.conn, &private, 0, 8, &grb) {
+        Err(Error::Remote { status, .. }) => assert_eq!(status, ferry::wire::Status::PeerMemory),
+        other => panic!("expected PeerMemory, got {other:?}"),
+    }
+    p.ep.write(p.conn, &gpu, 0, 8, &grb).unwrap();
+    // Many async GPU writes at once.
+    gpu_fill(&gpu, 0, 256 * 4096, 93);
+    let ts: Vec<_> = (0..256u32)
+        .map(|k| {
+            let w = grb.slice(k * 4096, 4096).unwrap();
+            p.ep.write_async(p.conn, &gpu, k as usize * 4096, 4096, &w)
+                .unwrap()
+        })
+        .collect();
+    for t in ts {
+        t.wait().unwrap();
+    }
+    assert_eq!(
+        ghash(&p.ep, p.conn, 0, 256 * 4096),
+        pattern_hash(0, 256 * 4096, 93)
+    );
+}
+
+/// GPU memory on both sides of a tcp connection (pinned bounce buffers),
+/// and GPU <-> host, with `env` applied to both processes.
+fn tcp_gpu_round(env: &[(&str, &str)], sizes: &[(usize, usize)]) {
+    let Some(n) = gpus() else { return };
+    let mut tenv = vec![("FERRY_TRANSPORT", "tcp")];
+    tenv.extend_from_slice(env);
+    let g = peer_gpu(n).to_string();
+    let target = Target::start_with(Path::TcpEpoll, 64 << 20, &tenv, &["--gpu", &g]);
+    let mut c = Config {
+        transport: Transport::Tcp,
+        ..cfg(0)
+    };
+    for (k, v) in env {
+        match *k {
+            "FERRY_CHUNK_BYTES" => c.chunk_bytes = v.parse().unwrap(),
+            "FERRY_GPU_BOUNCE_BYTES" => c.gpu_bounce_bytes = v.parse().unwrap(),
+            _ => panic!("unexpected {k}"),
+        }
+    }
+    let ep = Endpoint::builder().config(c).build().unwrap();
+    let conn = ep.add_remote(&target.served.meta).unwrap();
+    assert!(matches!(ep.peer(conn), Some(ferry::Peer::Net(_))));
+    let grb = target.served.gpu_rbuf.expect("GRBUF");
+    let gpu = ep.alloc_gpu(64 << 20).unwrap();
+    for (i, &(off, len)) in sizes.iter().enumerate() {
+        let seed = 20 + i as u8;
+        gpu_fill(&gpu, off, len, seed);
+        let w = grb.slice(off as u32, len as u32).unwrap();
+        ep.write(conn, &gpu, off, len, &w).unwrap();
+        assert_eq!(
+            ghash(&ep, conn, off, len),
+            pattern_hash(off, len, seed),
+            "tcp GPU write {len} at {off}"
+        );
+        let seed = 120 + i as u8;
+        assert_eq!(ask(&ep, conn, &format!("gfill {off} {len} {seed}")), "ok");
+        ep.read(conn, &gpu, off, len, &w).unwrap();
+        assert_eq!(
+            check_pattern(&gpu_bytes(&gpu, off, len), off as u64, seed),
+            None,
+            "tcp GPU read {len} at {off}"
+        );
+    }
+    // Host memory here <-> the peer's GPU, our GPU <-> the peer's host memory.
+    let host = ep.alloc(1 << 20).unwrap();
+    let mut b = vec![0u8; 1 << 20];
+    fill_pattern(&mut b, 0, 7);
+    host.write_at(0, &b).unwrap();
+    ep.write(conn, &host, 0, 1 << 20, &grb).unwrap();
+    assert_eq!(ghash(&ep, conn, 0, 1 << 20), pattern_hash(0, 1 << 20, 7));
+    ep.read(conn, &gpu, 0, 1 << 20, &target.served.rbuf)
+        .unwrap();
+    let mut want = vec![0u8; 1 << 20];
+    fill_pattern(&mut want, 0, 0); // serve's host region pattern, seed 0
+    assert_eq!(gpu_bytes(&gpu, 0, 1 << 20), want);
+    // Many small GPU ops in flight at once, waited newest-first.
+    gpu_fill(&gpu, 0, 128 * 4096, 8);
+    let ts: Vec<_> = (0..128u32)
+        .map(|k| {
+            let w = grb.slice(k * 4096, 4096).unwrap();
+            ep.write_async(conn, &gpu, k as usize * 4096, 4096, &w)
+                .unwrap()
+        })
+        .collect();
+    for t in ts.into_iter().rev() {
+        t.wait().unwrap();
+    }
+    assert_eq!(
+        ghash(&ep, conn, 0, 128 * 4096),
+        pattern_hash(0, 128 * 4096, 8)
+    );
+}
+
+#[test]
+fn gpu_memory_over_tcp_is_byte_exact() {
+    tcp_gpu_round(
+        &[],
+        &[(0, 1), (13, 4097), (1 << 20, (5 << 20) + 3), (7, 40 << 20)],
+    );
+}
+
+#[test]
+fn gpu_memory_over_tcp_with_few_bounce_buffers() {
+    // 1 MiB chunks and 2 bounce buffers per side: transfers wait for
+    // buffers on both sides (the `Busy` paths) and still finish intact.
+    tcp_gpu_round(
+        &[
+            ("FERRY_CHUNK_BYTES", "1048576"),
+            ("FERRY_GPU_BOUNCE_BYTES", "2097152"),
+        ],
+        &[(3, 9 << 20), (0, 32 << 20)],
+    );
 }

@@ -113,6 +113,10 @@ pub struct Config {
     /// CUDA streams per device that split large IPC copies
     /// (`FERRY_GPU_STREAMS`, default 4, at most 8).
     pub gpu_streams: usize,
+    /// Pinned bounce memory per shard for GPU memory on tcp
+    /// (`FERRY_GPU_BOUNCE_BYTES`, default 256 MiB), in buffers of
+    /// `chunk_bytes` (at least 2).
+    pub gpu_bounce_bytes: usize,
     /// Log filter for the `ferry` binary (`FERRY_LOG`, default "warn"); the
     /// library itself only emits `tracing` events.
     pub log: String,
@@ -144,6 +148,7 @@ impl Default for Config {
             auth_key: None,
             gpu: None,
             gpu_streams: 4,
+            gpu_bounce_bytes: 256 << 20,
             log: "warn".to_owned(),
         }
     }
@@ -265,6 +270,9 @@ impl Config {
         }
         if let Some(v) = get("FERRY_GPU_STREAMS") {
             c.gpu_streams = num("FERRY_GPU_STREAMS", &v, 1, 8)?;
+        }
+        if let Some(v) = get("FERRY_GPU_BOUNCE_BYTES") {
+            c.gpu_bounce_bytes = num("FERRY_GPU_BOUNCE_BYTES", &v, 1, 1 << 40)?;
         }
         if let Some(v) = get("FERRY_AUTH_KEY") {
             c.auth_key = Some(Secret::new(v.into_bytes())?);

@@ -138,6 +138,9 @@ impl MemoryRegion {
         })?;
         let mut reserved = [0u8; 32];
         reserved[..8].copy_from_slice(&self.inner.tag.to_le_bytes());
+        if self.inner.mem.is_device() {
+            reserved[8] |= crate::wire::REMOTE_FLAG_DEVICE;
+        }
         Ok(RemoteBuf {
             addr: self.addr() + offset as u64,
             size,

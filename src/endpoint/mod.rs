@@ -250,6 +250,7 @@ impl Endpoint {
             sq_depth: cfg.sq_depth,
             max_conn_inflight_ops: cfg.max_conn_inflight_ops,
             gpu_streams: cfg.gpu_streams,
+            gpu_bounce_bytes: cfg.gpu_bounce_bytes,
         };
         let (closed_tx, closed_rx) = mpsc::channel();
         let id = random_u64();
@@ -802,15 +803,9 @@ impl Endpoint {
 fn desc(mr: &MemoryRegion, offset: usize, len: usize, remote: &RemoteBuf) -> Result<OpDesc> {
     mr.check_range(offset, len)?;
     if mr.inner.mem.is_device() {
-        // The tcp and shm paths move bytes with the CPU (writev, memcpy,
-        // process_vm_*), which cannot touch GPU memory.
-        return Err(Error::Unsupported {
-            what: "GPU memory on the tcp/shm path",
-            reason: format!(
-                "region {:#x} is GPU memory; between processes of one host use advertise_ipc + write_ipc/read_ipc",
-                mr.addr()
-            ),
-        });
+        // A same-host target reaches GPU memory through its IPC handle;
+        // export it now so that a failure is this call's error.
+        mr.inner.export_ipc()?;
     }
     if len > remote.size as usize {
         return Err(Error::RemoteTooSmall {
@@ -825,6 +820,7 @@ fn desc(mr: &MemoryRegion, offset: usize, len: usize, remote: &RemoteBuf) -> Res
         remote_addr: remote.addr,
         rkey: remote.rkey,
         tag: remote.key_tag(),
+        remote_device: remote.is_device(),
     })
 }
 
@@ -949,6 +945,7 @@ impl Inner {
             access,
             mem,
             ipc_exported: Default::default(),
+            ipc_handle: Default::default(),
             _backing: backing,
         });
         for s in &self.shards {

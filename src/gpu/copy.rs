@@ -25,14 +25,16 @@ pub(crate) const SPLIT_MIN_BYTES: usize = 8 << 20;
 /// Staged copies issued in one batch at most.
 pub(crate) const MAX_BATCH: usize = 256;
 
-/// What one finished copy reports: the op slot, the IPC mapping to release
-/// and the registration to let go of.
+/// What one finished copy reports: what to do next, the IPC mapping to
+/// release and the memory to let go of.
 pub(crate) struct Entry {
-    pub slot: u32,
+    pub then: crate::reactor::Then,
     pub mapping: Option<super::ipc::MapKey>,
-    /// Alive until the copy ends (deregistration waits for it); held, never read.
-    #[allow(dead_code)]
+    /// Alive until the copy ends (deregistration waits for it).
     pub keep: Option<Arc<Region>>,
+    /// The copy's other side, when it is a region too; held, never read.
+    #[allow(dead_code)]
+    pub keep2: Option<Arc<Region>>,
 }
 
 /// Copies issued together, done when all their events have fired.

@@ -8,6 +8,7 @@ use std::sync::OnceLock;
 use cudarc::driver::sys as cu;
 
 use crate::error::{Error, Result};
+pub use crate::wire::normalize_bus_id;
 
 /// One visible GPU.
 #[derive(Debug)]
@@ -79,21 +80,6 @@ pub(crate) fn check(call: &'static str, r: cu::CUresult) -> Result<()> {
         code: r as u32,
         name: error_name(r),
     })
-}
-
-/// Normalises a PCI bus id as the seed does: lower case, with the 4-digit
-/// domain (`0000:1A:00.0` → `0000:1a:00.0`; `1a:00.0` → `0000:1a:00.0`).
-pub fn normalize_bus_id(raw: &str) -> String {
-    let s = raw.trim().to_ascii_lowercase();
-    let parts: Vec<&str> = s.split(':').collect();
-    match parts.as_slice() {
-        [bus, devfn] => format!("0000:{bus:0>2}:{devfn}"),
-        [dom, bus, devfn] => {
-            let dom = dom.trim_start_matches('0');
-            format!("{dom:0>4}:{bus:0>2}:{devfn}")
-        }
-        _ => s,
-    }
 }
 
 fn init() -> std::result::Result<Cuda, String> {
@@ -228,14 +214,6 @@ impl Cuda {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn bus_ids_are_normalised() {
-        assert_eq!(normalize_bus_id("0000:1A:00.0"), "0000:1a:00.0");
-        assert_eq!(normalize_bus_id("1a:00.0"), "0000:1a:00.0");
-        assert_eq!(normalize_bus_id("00000000:9B:00.0"), "0000:9b:00.0");
-        assert_eq!(normalize_bus_id(" 0001:03:00.1\n"), "0001:03:00.1");
-    }
 
     #[test]
     fn no_driver_is_a_clear_error_not_a_panic() {

@@ -1,35 +1,193 @@
-//! A shard's GPU work: CUDA IPC copies started from its queue, issued in
-//! batches once per drain, and finished by polling their events in the
-//! loop; and the shard's cache of opened IPC handles.
+//! A shard's GPU work: CUDA copies for this endpoint's IPC ops and for
+//! same-host peers' requests on its GPU memory, issued in batches once per
+//! drain and finished by polling their events in the loop; and the shard's
+//! cache of opened IPC handles.
+//!
+//! Results collect in two outboxes the shard drains after each call:
+//! completions of our ops (`done`) and answers to peers' requests
+//! (`replies`), so no failure path can lose either.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::queue::{IpcCmd, IpcDesc, IpcParts};
-use crate::error::{Error, OpKind, Result};
+use crate::error::{ConnId, Error, OpKind, Result};
 use crate::gpu::copy::{Copier, Entry};
-use crate::gpu::ipc::{IpcCache, IpcCounters};
+use crate::gpu::ipc::{IpcCache, IpcCounters, MapKey};
+use crate::gpu::MemKind;
+use crate::region::{KeyRef, Region};
+use crate::shm::local::{GpuReq, Theirs};
+use crate::tcp::{Bounce, Stage};
+use crate::wire::{IpcBuf, Status};
 
-type Done = Vec<(u32, Result<()>)>;
+pub(crate) type Done = Vec<(u32, Result<()>)>;
+/// Answers to same-host peers' requests: (connection, op id, write, status).
+pub(crate) type Replies = Vec<(ConnId, u64, bool, Status)>;
+
+/// What a finished copy leads to.
+pub(crate) enum Then {
+    /// One piece of our op `slot` is done.
+    Op(u32),
+    /// Answer a same-host peer's request (connection, op id, write).
+    Reply(ConnId, u64, bool),
+    /// A WRITE chunk of GPU memory is in its bounce buffer: send it.
+    Send(TcpSend),
+    /// Release gated frame `gate` of stream `stream` of a tcp connection.
+    Release(ConnId, u8, u64),
+}
+
+/// A staged tcp WRITE chunk, sent once its GPU→bounce copy is done.
+pub(crate) struct TcpSend {
+    pub conn: ConnId,
+    pub stream: usize,
+    pub slot: u32,
+    pub op_id: u64,
+    pub key: KeyRef,
+    pub addr: u64,
+    pub len: usize,
+}
+
+/// Pinned bounce buffers for GPU memory on the tcp path. A buffer is free
+/// when only the pool holds it: frames and copies hold clones while they
+/// use it, so nothing needs to give it back explicitly.
+struct BouncePool {
+    bufs: Vec<Arc<Region>>,
+    buf_len: usize,
+    max: usize,
+}
+
+impl BouncePool {
+    fn take(&mut self, len: usize) -> Bounce {
+        if len <= self.buf_len {
+            if let Some(b) = self.bufs.iter().find(|b| Arc::strong_count(b) == 1) {
+                return Bounce::Ready(b.clone());
+            }
+            if self.bufs.len() >= self.max {
+                return Bounce::Busy;
+            }
+        }
+        // Grow the pool (or, for a frame larger than the pool's buffers,
+        // which a peer with a larger FERRY_CHUNK_BYTES sends, use a one-off).
+        match crate::gpu::memory::PinnedBuf::new(len.max(self.buf_len)) {
+            Ok(p) => {
+                let b = Arc::new(Region::bounce(p, len.max(self.buf_len)));
+                if len <= self.buf_len {
+                    self.bufs.push(b.clone());
+                }
+                Bounce::Ready(b)
+            }
+            Err(e) => {
+                tracing::warn!("no pinned bounce buffer of {len} bytes: {e}");
+                Bounce::Never
+            }
+        }
+    }
+}
 
 pub(crate) struct GpuWork {
     /// One stream pool per device this shard has copied on.
     copiers: Vec<Copier>,
     cache: IpcCache,
     streams: usize,
+    done: Done,
+    replies: Replies,
+    pool: BouncePool,
+    /// Staged tcp WRITE chunks ready to send (or failed).
+    pub sends: Vec<(TcpSend, Option<Arc<Region>>, Result<()>)>,
+    /// Gated tcp frames whose copy ended: (conn, stream, gate, ok).
+    pub releases: Vec<(ConnId, u8, u64, bool)>,
+    /// Scratch for `poll` (kept for its capacity).
+    finished: Vec<(Entry, Result<()>)>,
 }
 
 impl GpuWork {
-    pub fn new(counters: Arc<IpcCounters>, streams: usize) -> Self {
+    pub fn new(
+        counters: Arc<IpcCounters>,
+        streams: usize,
+        bounce_len: usize,
+        bounce_bytes: usize,
+    ) -> Self {
         Self {
             copiers: Vec::new(),
             cache: IpcCache::new(counters),
             streams,
+            done: Vec::with_capacity(256),
+            replies: Vec::with_capacity(256),
+            pool: BouncePool {
+                bufs: Vec::new(),
+                buf_len: bounce_len,
+                max: (bounce_bytes / bounce_len.max(1)).max(2),
+            },
+            sends: Vec::with_capacity(64),
+            releases: Vec::with_capacity(64),
+            finished: Vec::with_capacity(64),
         }
     }
 
     pub fn busy(&self) -> bool {
         self.copiers.iter().any(|c| c.busy())
+    }
+
+    /// Moves finished (or failed) work into the shard's queues.
+    pub fn drain_into(&mut self, done: &mut Done, replies: &mut Replies) {
+        done.append(&mut self.done);
+        replies.append(&mut self.replies);
+    }
+
+    pub fn bounce(&mut self, len: usize) -> Bounce {
+        self.pool.take(len)
+    }
+
+    /// The device a copy between these regions runs on: the GPU side's.
+    fn ordinal_of(a: &Region, b: &Region) -> i32 {
+        match (a.mem, b.mem) {
+            (MemKind::Device { ordinal, .. }, _) | (_, MemKind::Device { ordinal, .. }) => ordinal,
+            _ => 0,
+        }
+    }
+
+    /// Starts the copy a tcp stream staged (see `Stage`).
+    pub fn stage_tcp(&mut self, conn: ConnId, st: Stage) {
+        let then = if st.gate == 0 {
+            Then::Op(st.slot)
+        } else {
+            Then::Release(conn, st.stream, st.gate)
+        };
+        let entry = Entry {
+            then,
+            mapping: None,
+            keep: None,
+            keep2: None,
+        };
+        let ordinal = Self::ordinal_of(&st.keep, &st.keep2);
+        let (dst, src, len) = (st.dst, st.src, st.len);
+        let entry = Entry {
+            keep: Some(st.keep),
+            keep2: Some(st.keep2),
+            ..entry
+        };
+        match self.copier(ordinal) {
+            Ok(ci) => self.stage(ci, entry, dst, src, len),
+            Err(e) => self.fail_all(e, vec![entry]),
+        }
+    }
+
+    /// Stages the GPU→bounce copy of a tcp WRITE chunk; `Then::Send` sends
+    /// it when done.
+    pub fn stage_send(&mut self, send: TcpSend, gpu: Arc<Region>, src: u64, bounce: Arc<Region>) {
+        let ordinal = Self::ordinal_of(&gpu, &bounce);
+        let dst = bounce.addr();
+        let len = send.len;
+        let entry = Entry {
+            then: Then::Send(send),
+            mapping: None,
+            keep: Some(bounce),
+            keep2: Some(gpu),
+        };
+        match self.copier(ordinal) {
+            Ok(ci) => self.stage(ci, entry, dst, src, len),
+            Err(e) => self.fail_all(e, vec![entry]),
+        }
     }
 
     fn copier(&mut self, ordinal: i32) -> Result<usize> {
@@ -40,34 +198,77 @@ impl GpuWork {
         Ok(self.copiers.len() - 1)
     }
 
-    /// Stages every piece of `cmd`; each piece reports to `done` once (now,
-    /// if it could not start).
-    pub fn start(&mut self, cmd: IpcCmd, done: &mut Done) {
+    /// Reports one entry's outcome to the right outbox.
+    fn report(&mut self, en: Entry, r: Result<()>) {
+        if let Some(k) = en.mapping {
+            self.cache.release(k);
+        }
+        match en.then {
+            Then::Reply(conn, op, write) => {
+                let st = match r {
+                    Ok(()) => Status::Ok,
+                    Err(e) => {
+                        tracing::warn!(%conn, "same-host GPU copy for op {op} failed: {e}");
+                        Status::PeerMemory
+                    }
+                };
+                self.replies.push((conn, op, write, st));
+            }
+            Then::Op(slot) => self.done.push((slot, r)),
+            Then::Send(s) => self.sends.push((s, en.keep, r)),
+            Then::Release(conn, stream, gate) => {
+                if let Err(e) = &r {
+                    tracing::warn!(%conn, "staging GPU memory for tcp failed: {e}");
+                }
+                self.releases.push((conn, stream, gate, r.is_ok()))
+            }
+        }
+    }
+
+    fn fail_all(&mut self, e: Error, failed: Vec<Entry>) {
+        for en in failed {
+            self.report(en, Err(e.duplicate()));
+        }
+    }
+
+    fn stage(&mut self, ci: usize, entry: Entry, dst: u64, src: u64, len: usize) {
+        if let Err((e, failed)) = self.copiers[ci].stage(entry, dst, src, len) {
+            self.fail_all(e, failed);
+        }
+    }
+
+    /// Stages every piece of an IPC op; each piece reports once.
+    pub fn start(&mut self, cmd: IpcCmd) {
         let slot = cmd.slot;
         let ci = match self.copier(cmd.ordinal) {
             Ok(i) => i,
             Err(e) => {
                 for _ in 0..cmd.parts.len() {
-                    done.push((slot, Err(e.duplicate())));
+                    self.done.push((slot, Err(e.duplicate())));
                 }
                 return;
             }
         };
         let kind = cmd.kind;
         match cmd.parts {
-            IpcParts::One(d) => self.start_one(ci, kind, slot, d, done),
+            IpcParts::One(d) => self.start_one(ci, kind, slot, d),
             IpcParts::Many(v) => {
                 for d in v {
-                    self.start_one(ci, kind, slot, d, done);
+                    self.start_one(ci, kind, slot, d);
                 }
             }
         }
     }
 
-    fn start_one(&mut self, ci: usize, kind: OpKind, slot: u32, d: IpcDesc, done: &mut Done) {
-        let (remote, key) = match self.acquire(ci, &d) {
+    fn acquire(&mut self, ordinal: i32, b: &IpcBuf) -> Result<(u64, Option<MapKey>)> {
+        crate::gpu::cuda()?.make_current(ordinal)?;
+        self.cache.acquire(b)
+    }
+
+    fn start_one(&mut self, ci: usize, kind: OpKind, slot: u32, d: IpcDesc) {
+        let (remote, key) = match self.acquire(self.copiers[ci].ordinal(), &d.remote) {
             Ok(x) => x,
-            Err(e) => return done.push((slot, Err(e))),
+            Err(e) => return self.done.push((slot, Err(e))),
         };
         let local = d.local.addr() + d.local_off as u64;
         let (dst, src) = match kind {
@@ -75,60 +276,96 @@ impl GpuWork {
             OpKind::Read => (local, remote),
         };
         let entry = Entry {
-            slot,
+            then: Then::Op(slot),
             mapping: key,
             keep: Some(d.local),
+            keep2: None,
         };
-        if let Err((e, failed)) = self.copiers[ci].stage(entry, dst, src, d.len) {
-            self.fail(e, failed, done);
-        }
+        self.stage(ci, entry, dst, src, d.len);
     }
 
-    fn acquire(&mut self, ci: usize, d: &IpcDesc) -> Result<(u64, Option<(u64, u64)>)> {
-        crate::gpu::cuda()?.make_current(self.copiers[ci].ordinal())?;
-        self.cache.acquire(&d.remote)
-    }
-
-    fn fail(&mut self, e: Error, failed: Vec<Entry>, done: &mut Done) {
-        for en in failed {
-            if let Some(k) = en.mapping {
-                self.cache.release(k);
+    /// Stages the copy a same-host peer's request needs: its GPU memory
+    /// through its IPC handle, or its memfd memory mapped here. Runs on our
+    /// region's GPU, else GPU 0. Always answered (now if it cannot start).
+    pub fn start_target(&mut self, r: GpuReq) {
+        let ordinal = match r.keep.mem {
+            crate::gpu::MemKind::Device { ordinal, .. } => ordinal,
+            _ => 0,
+        };
+        let theirs = match r.theirs {
+            Theirs::Host(p) => Ok((p as u64, None)),
+            Theirs::Ipc(x) => {
+                let b = IpcBuf {
+                    device: 0,
+                    owner_id: r.peer_id,
+                    host_token: 0,
+                    owner_pid: r.peer_pid,
+                    alloc_id: 0,
+                    alloc_base: x.alloc_base,
+                    alloc_len: 0,
+                    offset: x.offset,
+                    len: r.len as u64,
+                    handle: x.handle,
+                };
+                self.acquire(ordinal, &b)
             }
-            done.push((en.slot, Err(e.duplicate())));
-        }
+        };
+        let started = theirs.and_then(|t| Ok((t, self.copier(ordinal)?)));
+        let ((theirs, key), ci) = match started {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::warn!(conn = %r.conn, "same-host GPU copy for op {} failed: {e}", r.op_id);
+                return self
+                    .replies
+                    .push((r.conn, r.op_id, r.write, Status::PeerMemory));
+            }
+        };
+        let ours = r.ours as u64;
+        let (dst, src) = if r.write {
+            (ours, theirs)
+        } else {
+            (theirs, ours)
+        };
+        let entry = Entry {
+            then: Then::Reply(r.conn, r.op_id, r.write),
+            mapping: key,
+            keep: Some(r.keep),
+            keep2: None,
+        };
+        self.stage(ci, entry, dst, src, r.len);
     }
 
     /// Issues the copies staged since the last flush (once per drain).
-    pub fn flush(&mut self, done: &mut Done) {
+    pub fn flush(&mut self) {
         for ci in 0..self.copiers.len() {
             if let Err((e, failed)) = self.copiers[ci].flush() {
-                self.fail(e, failed, done);
+                tracing::warn!("CUDA copy batch failed: {e}");
+                self.fail_all(e, failed);
             }
         }
     }
 
-    /// Reports finished copies to `done`; returns how many finished.
-    pub fn poll(&mut self, done: &mut Done) -> usize {
-        let cache = &mut self.cache;
-        self.copiers
+    /// Collects finished copies; returns how many finished.
+    pub fn poll(&mut self) -> usize {
+        let mut finished = std::mem::take(&mut self.finished);
+        let n: usize = self
+            .copiers
             .iter_mut()
-            .map(|c| {
-                c.poll(|en, r| {
-                    if let Some(k) = en.mapping {
-                        cache.release(k);
-                    }
-                    done.push((en.slot, r));
-                })
-            })
-            .sum()
+            .map(|c| c.poll(|en, r| finished.push((en, r))))
+            .sum();
+        for (en, r) in finished.drain(..) {
+            self.report(en, r);
+        }
+        self.finished = finished;
+        n
     }
 
-    /// Waits (up to `max`) for every copy in flight, reporting each.
-    pub fn finish_all(&mut self, done: &mut Done, max: Duration) {
-        self.flush(done);
+    /// Waits (up to `max`) for every copy in flight.
+    pub fn finish_all(&mut self, max: Duration) {
+        self.flush();
         let deadline = Instant::now() + max;
         while self.busy() && Instant::now() < deadline {
-            self.poll(done);
+            self.poll();
             std::thread::yield_now();
         }
     }

@@ -18,6 +18,7 @@ mod queue;
 mod shard;
 
 pub use completion::Transfer;
+pub(crate) use gpu::Then;
 pub(crate) use queue::{
     Command, IpcCmd, IpcDesc, IpcParts, OpCmd, OpDesc, OpParts, RegionCmd, ShardHandle,
 };

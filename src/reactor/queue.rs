@@ -18,6 +18,8 @@ pub(crate) struct OpDesc {
     pub rkey: u32,
     /// The advertised key's tag (RemoteBuf reserved bytes 0..8).
     pub tag: u64,
+    /// The advertiser marked the window as GPU memory.
+    pub remote_device: bool,
 }
 
 pub(crate) enum OpParts {

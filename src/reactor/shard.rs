@@ -13,7 +13,7 @@ use tracing::{debug, info, warn};
 
 use super::completion::CompletionTable;
 use super::queue::{Command, OpCmd, RegionCmd, ShardHandle, WakeState};
-use crate::error::{ConnId, Error, Result};
+use crate::error::{ConnId, Error, OpKind, Result};
 use crate::region::{Access, KeyRef, Region, RegionTable, Regions};
 use crate::shm::fdpass::FdListener;
 use crate::shm::local::{LocalConn, PeerMaps};
@@ -51,6 +51,8 @@ const MAX_STREAMS: usize = 64;
 pub(crate) struct ShardConfig {
     /// CUDA streams per device for IPC copies.
     pub gpu_streams: usize,
+    /// Pinned bounce memory for GPU memory on tcp.
+    pub gpu_bounce_bytes: usize,
     pub spin: Duration,
     pub op_timeout: Duration,
     pub chunk_bytes: usize,
@@ -125,6 +127,10 @@ pub struct Shard {
     ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
     /// (connection, allocation base) revocations heard on same-host rings.
     ipc_revoked: Vec<(ConnId, u64)>,
+    /// Same-host requests for our memory that need a CUDA copy.
+    gpu_reqs: Vec<crate::shm::local::GpuReq>,
+    /// Their answers once copied: (connection, op id, write, status).
+    gpu_replies: Vec<(ConnId, u64, bool, Status)>,
 }
 
 /// Region lookups that first catch up on registrations the endpoint has
@@ -146,14 +152,16 @@ impl Regions for LiveRegions<'_> {
         need: Access,
     ) -> Result<(Arc<Region>, usize), Status> {
         let conn = self.conn;
-        match self.table.check(conn, key, addr, len, need) {
+        let found = match self.table.check(conn, key, addr, len, need) {
             Err(Status::UnknownKey) => {
                 apply_region_updates(self.table, self.updates);
-                self.table
-                    .check(conn, key, addr, len, need)
-                    .map(|(r, off)| (r.clone(), off))
+                self.table.check(conn, key, addr, len, need)
             }
-            other => other.map(|(r, off)| (r.clone(), off)),
+            other => other,
+        };
+        match found {
+            Ok((r, off)) => Ok((r.clone(), off)),
+            Err(e) => Err(e),
         }
     }
 }
@@ -176,6 +184,10 @@ struct ShardSink<'a> {
     inbox: &'a SyncSender<(ConnId, Vec<u8>)>,
     conn: ConnId,
     ipc_revoked: &'a mut Vec<(ConnId, u64)>,
+    /// Same-host requests that need a CUDA copy (None on tcp: refused).
+    gpu_reqs: Option<&'a mut Vec<crate::shm::local::GpuReq>>,
+    /// GPU staging for tcp frames (None without a GPU path).
+    gpu: Option<&'a mut super::gpu::GpuWork>,
 }
 
 impl Sink for ShardSink<'_> {
@@ -194,6 +206,31 @@ impl Sink for ShardSink<'_> {
 
     fn ipc_revoked(&mut self, alloc_base: u64) {
         self.ipc_revoked.push((self.conn, alloc_base));
+    }
+
+    fn bounce(&mut self, len: usize) -> crate::tcp::Bounce {
+        match &mut self.gpu {
+            Some(g) => g.bounce(len),
+            None => crate::tcp::Bounce::Never,
+        }
+    }
+
+    fn gpu_stage(&mut self, stage: crate::tcp::Stage) {
+        match &mut self.gpu {
+            Some(g) => g.stage_tcp(self.conn, stage),
+            // Unreachable: staging starts only after `bounce` gave a buffer.
+            None => warn!(conn = %self.conn, "GPU staging without a GPU path: dropped"),
+        }
+    }
+
+    fn gpu_copy(&mut self, req: crate::shm::local::GpuReq) -> bool {
+        match &mut self.gpu_reqs {
+            Some(v) if crate::gpu::cuda().is_ok() => {
+                v.push(req);
+                true
+            }
+            _ => false,
+        }
     }
 }
 
@@ -225,6 +262,8 @@ impl Shard {
         let (tx, rx) = mpsc::sync_channel(cfg.sq_depth);
         let (rtx, region_rx) = mpsc::channel();
         let ops = (0..table.capacity()).map(|_| LocalOp::default()).collect();
+        let (cfg_gpu_streams, cfg_chunk, cfg_bounce) =
+            (cfg.gpu_streams, cfg.chunk_bytes, cfg.gpu_bounce_bytes);
         let handle = ShardHandle {
             id,
             capacity: cfg.sq_depth,
@@ -257,9 +296,19 @@ impl Shard {
             stream_count: 0,
             conn_ops: Default::default(),
             closed,
-            gpu: None,
+            // With a driver, ready for GPU memory on tcp (no CUDA call yet).
+            gpu: crate::gpu::cuda().is_ok().then(|| {
+                super::gpu::GpuWork::new(
+                    ipc_counters.clone(),
+                    cfg_gpu_streams,
+                    cfg_chunk,
+                    cfg_bounce,
+                )
+            }),
             ipc_counters,
             ipc_revoked: Vec::new(),
+            gpu_reqs: Vec::new(),
+            gpu_replies: Vec::new(),
         };
         Ok((shard, handle))
     }
@@ -285,17 +334,35 @@ impl Shard {
         let mut work = apply_region_updates(&mut self.regions, &self.region_rx);
         work += self.drain_commands();
         if let Some(g) = &mut self.gpu {
-            g.flush(&mut self.done);
+            g.flush();
+            g.drain_into(&mut self.done, &mut self.gpu_replies);
         }
         work += self.service_conns();
         work += self.service_local();
         if !self.ipc_revoked.is_empty() {
             self.apply_ipc_revocations();
         }
+        if !self.gpu_reqs.is_empty() {
+            self.start_gpu_reqs();
+            if let Some(g) = &mut self.gpu {
+                g.flush();
+            }
+        }
         if let Some(g) = &mut self.gpu {
             if g.busy() {
-                work += g.poll(&mut self.done);
+                work += g.poll();
             }
+            g.drain_into(&mut self.done, &mut self.gpu_replies);
+        }
+        if !self.gpu_replies.is_empty() {
+            self.send_gpu_replies();
+        }
+        if self
+            .gpu
+            .as_ref()
+            .is_some_and(|g| !g.sends.is_empty() || !g.releases.is_empty())
+        {
+            self.deliver_tcp_staging();
         }
         self.iter = self.iter.wrapping_add(1);
         if self.iter % FD_CHECK_EVERY == 0 {
@@ -552,6 +619,7 @@ impl Shard {
                         local,
                         d.len,
                         &d.local,
+                        d.remote_device,
                         now,
                     ) {
                         return Some(op);
@@ -577,14 +645,74 @@ impl Shard {
             // SAFETY: the endpoint checked local_off + len <= region len
             // before submitting, and next_off < len (or both are 0).
             let local = unsafe { d.local.ptr.add(d.local_off + op.next_off) };
+            let key = KeyRef {
+                rkey: d.rkey,
+                tag: d.tag,
+            };
+            if d.local.mem.is_device() {
+                // GPU memory goes through a pinned bounce buffer: a WRITE
+                // chunk is sent once copied out (pipelined: later chunks copy
+                // while earlier ones are on the wire); a READ lands in the
+                // bounce buffer and is copied on before the op completes.
+                let bounce = match self.gpu.as_mut().map(|g| g.bounce(n)) {
+                    Some(crate::tcp::Bounce::Ready(b)) => b,
+                    Some(crate::tcp::Bounce::Busy) => return Some(op),
+                    _ => {
+                        let e = Error::Unsupported {
+                            what: "GPU memory on a tcp connection",
+                            reason: "no pinned bounce buffer could be allocated (see the log)"
+                                .into(),
+                        };
+                        for _ in op.emitted..total {
+                            self.done.push((op.slot, Err(e.duplicate())));
+                        }
+                        return None;
+                    }
+                };
+                let addr = d.remote_addr + op.next_off as u64;
+                match op.kind {
+                    OpKind::Write => {
+                        let g = self.gpu.as_mut().expect("bounce came from it");
+                        let send = super::gpu::TcpSend {
+                            conn: op.conn,
+                            stream: which,
+                            slot: op.slot,
+                            op_id,
+                            key,
+                            addr,
+                            len: n,
+                        };
+                        g.stage_send(send, d.local.clone(), local as u64, bounce);
+                    }
+                    OpKind::Read => {
+                        s.push_request(
+                            OpKind::Read,
+                            op.slot,
+                            op_id,
+                            key,
+                            addr,
+                            bounce.ptr,
+                            n,
+                            &bounce,
+                            now,
+                        );
+                        s.stage_last_read(local as u64, d.local.clone());
+                    }
+                }
+                conn.next = conn.next.wrapping_add(1);
+                op.emitted += 1;
+                op.next_off += n;
+                if op.next_off >= d.len {
+                    op.next_desc += 1;
+                    op.next_off = 0;
+                }
+                continue;
+            }
             s.push_request(
                 op.kind,
                 op.slot,
                 op_id,
-                KeyRef {
-                    rkey: d.rkey,
-                    tag: d.tag,
-                },
+                key,
                 d.remote_addr + op.next_off as u64,
                 local,
                 n,
@@ -635,11 +763,89 @@ impl Shard {
             error: None,
             conn: Some(cmd.conn),
         };
+        self.gpu_work().start(cmd);
+    }
+
+    fn gpu_work(&mut self) -> &mut super::gpu::GpuWork {
         let counters = &self.ipc_counters;
         let streams = self.cfg.gpu_streams;
-        self.gpu
-            .get_or_insert_with(|| super::gpu::GpuWork::new(counters.clone(), streams))
-            .start(cmd, &mut self.done);
+        let (bounce, bounce_bytes) = (self.cfg.chunk_bytes, self.cfg.gpu_bounce_bytes);
+        self.gpu.get_or_insert_with(|| {
+            super::gpu::GpuWork::new(counters.clone(), streams, bounce, bounce_bytes)
+        })
+    }
+
+    /// Starts the CUDA copies same-host peers asked of our memory.
+    fn start_gpu_reqs(&mut self) {
+        // Taken and put back, so the vector keeps its capacity.
+        let mut reqs = std::mem::take(&mut self.gpu_reqs);
+        let g = self.gpu_work();
+        for r in reqs.drain(..) {
+            g.start_target(r);
+        }
+        self.gpu_reqs = reqs;
+    }
+
+    /// Releases gated tcp frames whose copies ended, and sends WRITE
+    /// chunks that reached their bounce buffers (later, if the stream is
+    /// full now).
+    fn deliver_tcp_staging(&mut self) {
+        let Some(g) = &mut self.gpu else { return };
+        for (conn, stream, gate, ok) in g.releases.drain(..) {
+            if let Some(&ConnRef::Tcp(i)) = self.by_id.get(&conn) {
+                if let Some(s) = self.conns[i].streams.get_mut(stream as usize) {
+                    s.release(gate, ok);
+                }
+            }
+        }
+        let now = Instant::now();
+        let mut i = 0;
+        while i < g.sends.len() {
+            let (ts, bounce, r) = &g.sends[i];
+            let stream = match self.by_id.get(&ts.conn) {
+                Some(&ConnRef::Tcp(ci)) => self.conns[ci].streams.get_mut(ts.stream),
+                _ => None,
+            };
+            match (r, stream, bounce) {
+                (Ok(()), Some(s), Some(b)) => {
+                    if !s.can_request() {
+                        i += 1;
+                        continue;
+                    }
+                    s.push_request(
+                        OpKind::Write,
+                        ts.slot,
+                        ts.op_id,
+                        ts.key,
+                        ts.addr,
+                        b.ptr,
+                        ts.len,
+                        b,
+                        now,
+                    );
+                }
+                (Err(e), _, _) => self.done.push((ts.slot, Err(e.duplicate()))),
+                _ => {
+                    let e = match self.failed.get(&ts.conn) {
+                        Some(reason) => Error::ConnFailed {
+                            conn: ts.conn,
+                            reason: reason.clone(),
+                        },
+                        None => Error::UnknownConn { conn: ts.conn },
+                    };
+                    self.done.push((ts.slot, Err(e)));
+                }
+            }
+            let _ = g.sends.swap_remove(i);
+        }
+    }
+
+    fn send_gpu_replies(&mut self) {
+        for (conn, op_id, write, status) in self.gpu_replies.drain(..) {
+            if let Some(&ConnRef::Local(idx)) = self.by_id.get(&conn) {
+                self.local[idx].finish_gpu(op_id, write, status);
+            }
+        }
     }
 
     /// Applies revocations heard on same-host rings to the IPC cache.
@@ -690,7 +896,7 @@ impl Shard {
                     Interest::READABLE | Interest::WRITABLE,
                 )
                 .map_err(|e| Error::io("epoll_ctl", e))?;
-            out.push(Stream::new(m, limits));
+            out.push(Stream::new(m, limits, i as u8));
         }
         self.stream_count += out.len();
         entry.insert(Conn {
@@ -729,6 +935,8 @@ impl Shard {
             inbox: &self.inbox,
             conn: conn.id,
             ipc_revoked: &mut self.ipc_revoked,
+            gpu_reqs: None,
+            gpu: None,
         };
         for s in conn.streams.iter_mut() {
             s.fail_pending(&err, &mut sink);
@@ -752,6 +960,8 @@ impl Shard {
             inbox: &self.inbox,
             conn: lc.id,
             ipc_revoked: &mut self.ipc_revoked,
+            gpu_reqs: None,
+            gpu: None,
         };
         lc.fail_pending(&err, &mut sink);
         let peer = lc.peer_id;
@@ -812,6 +1022,8 @@ impl Shard {
                 inbox: &self.inbox,
                 conn: lc.id,
                 ipc_revoked: &mut self.ipc_revoked,
+                gpu_reqs: Some(&mut self.gpu_reqs),
+                gpu: None,
             };
             match lc.poll(&mut regions, &self.peer_maps, &mut sink) {
                 Ok(w) => work += w,
@@ -836,6 +1048,8 @@ impl Shard {
                 inbox: &self.inbox,
                 conn: conn.id,
                 ipc_revoked: &mut self.ipc_revoked,
+                gpu_reqs: None,
+                gpu: self.gpu.as_mut(),
             };
             for s in conn.streams.iter_mut() {
                 if direct {
@@ -860,6 +1074,9 @@ impl Shard {
                     }
                 }
             }
+        }
+        if let Some(g) = &mut self.gpu {
+            g.flush();
         }
         work + self.fail_marked()
     }
@@ -976,7 +1193,11 @@ impl Drop for Shard {
         }
         if let Some(g) = &mut self.gpu {
             // Copies in flight read or write memory their ops still hold.
-            g.finish_all(&mut self.done, self.cfg.op_timeout);
+            g.finish_all(self.cfg.op_timeout);
+            g.drain_into(&mut self.done, &mut self.gpu_replies);
+            for (ts, _, _) in g.sends.drain(..) {
+                self.done.push((ts.slot, Err(Error::Shutdown)));
+            }
         }
         self.publish();
         self.regions.clear();

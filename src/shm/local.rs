@@ -36,6 +36,74 @@ pub(crate) type PeerMaps = crate::region::IntMap<(u64, u32), PeerMap>;
 
 type Pending = PendingOp;
 
+/// Request `status` bits. The initiator's memory is GPU memory: the inline
+/// bytes are its IPC reference (`IpcRef`), not data.
+pub(crate) const REQ_INITIATOR_GPU: u8 = 1;
+/// Copy with CUDA, never through inline bytes (a GPU side is involved).
+pub(crate) const REQ_NO_INLINE: u8 = 2;
+/// Reply `aux` value: the target copied with CUDA; no inline bytes follow.
+pub(crate) const REPLY_GPU_COPIED: u64 = 1;
+
+/// Where the initiator's GPU memory is: its allocation's IPC handle, the
+/// allocation base in its process, and the offset of the transfer in it.
+/// 80 bytes inline.
+#[derive(Clone, Copy)]
+pub(crate) struct IpcRef {
+    pub handle: [u8; 64],
+    pub alloc_base: u64,
+    pub offset: u64,
+}
+
+impl IpcRef {
+    pub const LEN: usize = 80;
+
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut o = [0u8; Self::LEN];
+        o[..64].copy_from_slice(&self.handle);
+        o[64..72].copy_from_slice(&self.alloc_base.to_le_bytes());
+        o[72..80].copy_from_slice(&self.offset.to_le_bytes());
+        o
+    }
+
+    pub fn decode(b: &[u8]) -> Option<IpcRef> {
+        if b.len() != Self::LEN {
+            return None;
+        }
+        Some(IpcRef {
+            handle: b[..64].try_into().ok()?,
+            alloc_base: u64::from_le_bytes(b[64..72].try_into().ok()?),
+            offset: u64::from_le_bytes(b[72..80].try_into().ok()?),
+        })
+    }
+}
+
+/// The initiator's side of a copy the target does with CUDA.
+pub(crate) enum Theirs {
+    /// GPU memory of the peer, to be mapped through its IPC handle.
+    Ipc(IpcRef),
+    /// The peer's memfd memory mapped here.
+    Host(*mut u8),
+}
+
+/// A same-host request that needs a CUDA copy (a GPU side): checked like
+/// any request, then handed to the shard, which replies when it is done.
+pub(crate) struct GpuReq {
+    pub conn: ConnId,
+    pub peer_id: u64,
+    pub peer_pid: u32,
+    pub op_id: u64,
+    pub write: bool,
+    /// Our memory: `ours` inside `keep`.
+    pub ours: *mut u8,
+    pub keep: Arc<Region>,
+    pub len: usize,
+    pub theirs: Theirs,
+}
+
+// SAFETY: the pointers are addresses for CUDA copies, into `keep` (ours)
+// and a peer mapping the shard holds; the request stays on its shard.
+unsafe impl Send for GpuReq {}
+
 pub(crate) struct LocalConn {
     pub id: ConnId,
     pub peer_id: u64,
@@ -205,11 +273,13 @@ impl LocalConn {
         local: *mut u8,
         len: usize,
         keep: &Arc<Region>,
+        remote_device: bool,
         now: Instant,
     ) -> bool {
         if !self.can_request() {
             return false;
         }
+        let local_device = keep.mem.is_device();
         let entry = self.pending.vacant_entry();
         let mut m = Msg::new(if kind == OpKind::Write {
             MsgKind::WriteReq
@@ -225,7 +295,27 @@ impl LocalConn {
         m.len = len as u64;
         m.src_key = keep.rkey;
         m.src_addr = local as u64;
-        let inline: &[u8] = if kind == OpKind::Write && len <= MAX_INLINE {
+        let gpu_ref;
+        let inline: &[u8] = if local_device {
+            // The endpoint exported the handle before submitting.
+            let Some(handle) = keep.ipc_handle.get() else {
+                return false;
+            };
+            let crate::gpu::MemKind::Device { alloc_base, .. } = keep.mem else {
+                unreachable!("checked is_device")
+            };
+            m.status = REQ_INITIATOR_GPU | REQ_NO_INLINE;
+            gpu_ref = IpcRef {
+                handle: *handle,
+                alloc_base,
+                offset: local as u64 - alloc_base,
+            }
+            .encode();
+            &gpu_ref
+        } else if remote_device {
+            m.status = REQ_NO_INLINE;
+            &[]
+        } else if kind == OpKind::Write && len <= MAX_INLINE {
             // SAFETY: the endpoint checked [local, local + len) lies in `keep`.
             unsafe { std::slice::from_raw_parts(local, len) }
         } else {
@@ -245,6 +335,7 @@ impl LocalConn {
             addr,
             sent_at: now,
             _keep: keep.clone(),
+            post: None,
         });
         true
     }
@@ -273,6 +364,20 @@ impl LocalConn {
             }
         }
         true
+    }
+
+    /// Answers a request the shard finished with a CUDA copy.
+    pub fn finish_gpu(&mut self, op_id: u64, write: bool, status: Status) {
+        let mut reply = Msg::new(if write {
+            MsgKind::WriteAck
+        } else {
+            MsgKind::ReadResp
+        });
+        reply.conn = self.peer_conn;
+        reply.op_id = op_id;
+        reply.status = status as u8;
+        reply.aux = REPLY_GPU_COPIED;
+        self.reply(&reply, &[]);
     }
 
     /// Tells the peer to close its IPC mapping of the allocation at
@@ -399,6 +504,41 @@ impl LocalConn {
                     need,
                 ) {
                     Err(st) => st,
+                    Ok((r, off)) if m.status != 0 || r.mem.is_device() => {
+                        // A GPU side: the shard copies with CUDA and
+                        // replies when the copy is done.
+                        let len = m.len as usize;
+                        let theirs = if m.status & REQ_INITIATOR_GPU != 0 {
+                            IpcRef::decode(inline).map(Theirs::Ipc)
+                        } else {
+                            self.mapped(maps, m.src_key, m.src_addr, m.len)
+                                .map(Theirs::Host)
+                        };
+                        match theirs {
+                            // The initiator's host memory is not mapped here
+                            // (only alloc_host memory is), and the CPU
+                            // cannot copy into GPU memory across processes.
+                            None => Status::PeerMemory,
+                            Some(theirs) => {
+                                let req = GpuReq {
+                                    conn: self.id,
+                                    peer_id: self.peer_id,
+                                    peer_pid: self.peer_pid,
+                                    op_id: m.op_id,
+                                    write,
+                                    // SAFETY: `check` proved [off, off + len) lies in r.
+                                    ours: unsafe { r.ptr.add(off) },
+                                    keep: r,
+                                    len,
+                                    theirs,
+                                };
+                                if sink.gpu_copy(req) {
+                                    return Ok(());
+                                }
+                                Status::DeviceMemory
+                            }
+                        }
+                    }
                     Ok((r, off)) => {
                         let len = m.len as usize;
                         // SAFETY: `check` proved [off, off + len) lies in r.
@@ -458,7 +598,11 @@ impl LocalConn {
                     return Err(format!("{:?} answers a {} request", m.kind, p.kind));
                 }
                 let status = Status::from_u8(m.status).unwrap_or(Status::PeerMemory);
-                if status == Status::Ok && p.kind == OpKind::Read && p.len <= MAX_INLINE {
+                if status == Status::Ok
+                    && p.kind == OpKind::Read
+                    && p.len <= MAX_INLINE
+                    && m.aux != REPLY_GPU_COPIED
+                {
                     if inline.len() != p.len {
                         return Err(format!(
                             "READ reply carries {} inline bytes, {} were asked",

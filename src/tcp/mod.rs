@@ -24,4 +24,4 @@
 
 mod stream;
 
-pub(crate) use stream::{PendingOp, Sink, Stream, StreamLimits};
+pub(crate) use stream::{Bounce, PendingOp, Sink, Stage, Stream, StreamLimits};

@@ -26,6 +26,44 @@ pub(crate) trait Sink {
     fn notify(&mut self, payload: Vec<u8>) -> Result<(), Vec<u8>>;
     /// The peer deregistered IPC-exported GPU memory at `alloc_base`.
     fn ipc_revoked(&mut self, _alloc_base: u64) {}
+    /// Takes a same-host request that needs a CUDA copy; `false` when this
+    /// sink cannot (the request is then refused with `DeviceMemory`).
+    fn gpu_copy(&mut self, _req: crate::shm::local::GpuReq) -> bool {
+        false
+    }
+    /// A pinned bounce buffer of at least `len` bytes, for GPU memory on
+    /// the tcp path.
+    fn bounce(&mut self, _len: usize) -> Bounce {
+        Bounce::Never
+    }
+    /// Starts the CUDA copy a staged frame needs (see `Stage`).
+    fn gpu_stage(&mut self, _stage: Stage) {}
+}
+
+/// What `Sink::bounce` found.
+pub(crate) enum Bounce {
+    Ready(Arc<Region>),
+    /// All in use: try again once some copy or send finishes.
+    Busy,
+    /// No GPU path here: GPU memory cannot go over tcp.
+    Never,
+}
+
+/// A CUDA copy between GPU memory and a bounce buffer for a tcp frame.
+/// With `gate` set it releases that gated frame of stream `stream` when
+/// done (a WriteAck after the bounce→GPU copy, a ReadResp after GPU→bounce);
+/// with `gate` 0 it completes one frame of op `slot` (a READ that landed in
+/// a bounce buffer, copied on into GPU memory).
+pub(crate) struct Stage {
+    pub stream: u8,
+    pub gate: u64,
+    pub slot: u32,
+    pub dst: u64,
+    pub src: u64,
+    pub len: usize,
+    /// The GPU region and the bounce buffer, alive until the copy ends.
+    pub keep: Arc<Region>,
+    pub keep2: Arc<Region>,
 }
 
 /// Per-stream bounds, fixed at connection time.
@@ -50,6 +88,9 @@ struct TxFrame {
     class: FrameClass,
     /// Holds the payload's memory alive until the kernel has copied it.
     _keep: Keep,
+    /// Non-zero: not to be sent until `release(gate)` (its payload is being
+    /// staged from GPU memory, or its ack waits for a copy into it).
+    gate: u64,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -71,6 +112,9 @@ pub(crate) struct PendingOp {
     pub sent_at: Instant,
     /// Keeps the local memory alive while the peer reads from or writes to it.
     pub _keep: Arc<Region>,
+    /// A READ received into a bounce buffer (`dst`) goes on into this GPU
+    /// address of this region before the op completes.
+    pub post: Option<(u64, Arc<Region>)>,
 }
 
 impl PendingOp {
@@ -103,8 +147,20 @@ impl std::ops::Deref for Pending {
 }
 
 enum After {
-    Ack { op_id: u64, status: Status },
+    Ack {
+        op_id: u64,
+        status: Status,
+    },
     ReadDone,
+    /// A WRITE into GPU memory landed in a bounce buffer: copy it on, then
+    /// acknowledge.
+    AckStaged {
+        op_id: u64,
+        gpu_dst: u64,
+        gpu: Arc<Region>,
+        bounce: Arc<Region>,
+        len: usize,
+    },
 }
 
 enum Rx {
@@ -144,6 +200,9 @@ pub(crate) struct Stream {
     rs: usize,
     re: usize,
     rx: Rx,
+    /// This stream's index in its connection (names it in `Stage`).
+    idx: u8,
+    next_gate: u64,
 }
 
 // SAFETY: the raw pointers in a stream's frames, pending requests and
@@ -158,7 +217,7 @@ enum Read {
 }
 
 impl Stream {
-    pub fn new(sock: mio::net::TcpStream, limits: StreamLimits) -> Self {
+    pub fn new(sock: mio::net::TcpStream, limits: StreamLimits, idx: u8) -> Self {
         Self {
             sock,
             readable: true,
@@ -173,6 +232,8 @@ impl Stream {
             rs: 0,
             re: 0,
             rx: Rx::Header,
+            idx,
+            next_gate: 1,
         }
     }
 
@@ -225,6 +286,7 @@ impl Stream {
             len: plen,
             class: FrameClass::Request,
             _keep: Keep::None,
+            gate: 0,
         });
         let op = PendingOp {
             slot,
@@ -235,6 +297,7 @@ impl Stream {
             addr,
             sent_at: now,
             _keep: keep.clone(),
+            post: None,
         };
         self.pending.push_back(Pending { op_id, op });
     }
@@ -250,10 +313,23 @@ impl Stream {
             len,
             class: FrameClass::Notify,
             _keep: Keep::Bytes(payload),
+            gate: 0,
         });
     }
 
+    /// The READ just queued lands in a bounce buffer and goes on into GPU
+    /// memory at `gpu_dst` (in `keep`) before the op completes.
+    pub fn stage_last_read(&mut self, gpu_dst: u64, keep: Arc<Region>) {
+        if let Some(p) = self.pending.back_mut() {
+            p.op.post = Some((gpu_dst, keep));
+        }
+    }
+
     fn push_response(&mut self, hdr: DataHeader, payload: *const u8, keep: Keep) {
+        self.push_response_gated(hdr, payload, keep, 0);
+    }
+
+    fn push_response_gated(&mut self, hdr: DataHeader, payload: *const u8, keep: Keep, gate: u64) {
         let len = hdr.payload_len() as usize;
         // Room is guaranteed: responses never exceed the peer's declared
         // in-flight limit, which `take_request` enforces.
@@ -263,7 +339,32 @@ impl Stream {
             len,
             class: FrameClass::Response,
             _keep: keep,
+            gate,
         });
+    }
+
+    fn new_gate(&mut self) -> u64 {
+        let g = self.next_gate;
+        self.next_gate += 1;
+        g
+    }
+
+    /// A staged copy for gated frame `gate` ended: the frame may go. If the
+    /// copy failed, the response says so instead (and carries no payload).
+    /// Frames behind it wait: responses stay in request order.
+    pub fn release(&mut self, gate: u64, ok: bool) {
+        let Some(f) = self.tx.iter_mut().find(|f| f.gate == gate) else {
+            return;
+        };
+        f.gate = 0;
+        if !ok {
+            if let Ok(h) = DataHeader::decode(&f.hdr) {
+                f.hdr = DataHeader::response(h.kind, Status::DeviceMemory, h.op_id, 0).encode();
+                f.payload = std::ptr::null();
+                f.len = 0;
+                f._keep = Keep::None;
+            }
+        }
     }
 
     /// Fails every outstanding request of this stream.
@@ -278,7 +379,7 @@ impl Stream {
     pub fn flush(&mut self) -> Result<bool, String> {
         let fd = self.sock.as_raw_fd();
         let mut progress = false;
-        while self.writable && !self.tx.is_empty() {
+        while self.writable && self.tx.front().is_some_and(|f| f.gate == 0) {
             let empty = libc::iovec {
                 iov_base: std::ptr::null_mut(),
                 iov_len: 0,
@@ -287,7 +388,7 @@ impl Stream {
             let mut n_iov = 0;
             let mut skip = self.head_sent;
             for f in self.tx.iter() {
-                if n_iov + 2 > MAX_IOV {
+                if n_iov + 2 > MAX_IOV || f.gate != 0 {
                     break;
                 }
                 if skip < HDR {
@@ -439,7 +540,9 @@ impl Stream {
                     let h = DataHeader::decode(&self.rbuf[self.rs..self.rs + HDR])
                         .map_err(|e| e.to_string())?;
                     self.rs += HDR;
-                    self.on_header(h, regions, sink)?;
+                    if !self.on_header(h, regions, sink)? {
+                        return Ok(progress);
+                    }
                     progress = true;
                 }
                 Rx::Payload { dst, left, .. } => {
@@ -541,12 +644,14 @@ impl Stream {
         Ok(())
     }
 
+    /// Handles one header. `Ok(false)`: it needs a bounce buffer and none
+    /// is free; the header is put back, to be read again later.
     fn on_header(
         &mut self,
         h: DataHeader,
         regions: &mut impl Regions,
         sink: &mut impl Sink,
-    ) -> Result<(), String> {
+    ) -> Result<bool, String> {
         match h.kind {
             DataKind::WriteReq => {
                 self.take_request()?;
@@ -554,7 +659,7 @@ impl Stream {
                     op_id: h.op_id,
                     status,
                 };
-                self.rx = match regions.check(
+                let found = regions.check(
                     KeyRef {
                         rkey: h.rkey,
                         tag: h.tag,
@@ -562,7 +667,30 @@ impl Stream {
                     h.addr,
                     h.len,
                     Access::REMOTE_WRITE,
-                ) {
+                );
+                self.rx = match found {
+                    Ok((r, off)) if r.mem.is_device() => {
+                        let len = h.len as usize;
+                        match sink.bounce(len) {
+                            Bounce::Ready(b) => Rx::Payload {
+                                dst: b.ptr,
+                                left: len,
+                                then: After::AckStaged {
+                                    op_id: h.op_id,
+                                    gpu_dst: r.addr() + off as u64,
+                                    gpu: r,
+                                    bounce: b.clone(),
+                                    len,
+                                },
+                                _keep: Some(b),
+                            },
+                            Bounce::Busy => return Ok(self.unread_request()),
+                            Bounce::Never => Rx::Discard {
+                                left: len,
+                                then: then_ok(Status::DeviceMemory),
+                            },
+                        }
+                    }
                     Ok((r, off)) => Rx::Payload {
                         // SAFETY: `check` proved [off, off + len) lies inside the region.
                         dst: unsafe { r.ptr.add(off) },
@@ -587,6 +715,42 @@ impl Stream {
                     h.len,
                     Access::REMOTE_READ,
                 ) {
+                    Ok((r, off)) if r.mem.is_device() => {
+                        let len = h.len as usize;
+                        match sink.bounce(len) {
+                            Bounce::Ready(b) => {
+                                // Sent once the GPU→bounce copy is done.
+                                let gate = self.new_gate();
+                                let hdr = DataHeader::response(
+                                    DataKind::ReadResp,
+                                    Status::Ok,
+                                    h.op_id,
+                                    h.len,
+                                );
+                                self.push_response_gated(hdr, b.ptr, Keep::Region(b.clone()), gate);
+                                sink.gpu_stage(Stage {
+                                    stream: self.idx,
+                                    gate,
+                                    slot: 0,
+                                    dst: b.addr(),
+                                    src: r.addr() + off as u64,
+                                    len,
+                                    keep: r,
+                                    keep2: b,
+                                });
+                            }
+                            Bounce::Busy => return Ok(self.unread_request()),
+                            Bounce::Never => {
+                                let hdr = DataHeader::response(
+                                    DataKind::ReadResp,
+                                    Status::DeviceMemory,
+                                    h.op_id,
+                                    0,
+                                );
+                                self.push_response(hdr, std::ptr::null(), Keep::None);
+                            }
+                        }
+                    }
                     Ok((r, off)) => {
                         // SAFETY: `check` proved [off, off + len) lies inside the region.
                         let src = unsafe { r.ptr.add(off) };
@@ -635,13 +799,20 @@ impl Stream {
                         then: After::ReadDone,
                         _keep: None,
                     };
-                    return Ok(());
+                    return Ok(true);
                 }
                 let p = self.pending.pop_front().expect("front exists");
                 sink.done(p.slot, p.outcome(h.status));
             }
         }
-        Ok(())
+        Ok(true)
+    }
+
+    /// Puts back the request header just taken (no bounce buffer free).
+    fn unread_request(&mut self) -> bool {
+        self.rs -= HDR;
+        self.peer_owed -= 1;
+        false
     }
 
     fn finish(&mut self, then: After, sink: &mut impl Sink) {
@@ -655,7 +826,41 @@ impl Stream {
                     .pending
                     .pop_front()
                     .expect("a READ response matched the front request");
-                sink.done(p.slot, Ok(()));
+                match p.op.post {
+                    // Landed in a bounce buffer: on into GPU memory first.
+                    Some((gpu_dst, gpu)) => sink.gpu_stage(Stage {
+                        stream: self.idx,
+                        gate: 0,
+                        slot: p.op.slot,
+                        dst: gpu_dst,
+                        src: p.op.dst as u64,
+                        len: p.op.len,
+                        keep: gpu,
+                        keep2: p.op._keep,
+                    }),
+                    None => sink.done(p.slot, Ok(())),
+                }
+            }
+            After::AckStaged {
+                op_id,
+                gpu_dst,
+                gpu,
+                bounce,
+                len,
+            } => {
+                let gate = self.new_gate();
+                let hdr = DataHeader::response(DataKind::WriteAck, Status::Ok, op_id, 0);
+                self.push_response_gated(hdr, std::ptr::null(), Keep::None, gate);
+                sink.gpu_stage(Stage {
+                    stream: self.idx,
+                    gate,
+                    slot: 0,
+                    dst: gpu_dst,
+                    src: bounce.addr(),
+                    len,
+                    keep: gpu,
+                    keep2: bounce,
+                });
             }
         }
     }

@@ -126,9 +126,33 @@ fn check_bdf(bdf: &[u8]) -> Result<(), DecodeError> {
     Ok(())
 }
 
+/// Normalises a PCI bus id as the seed does: lower case, with the 4-digit
+/// domain (`0000:1A:00.0` → `0000:1a:00.0`; `1a:00.0` → `0000:1a:00.0`).
+pub fn normalize_bus_id(raw: &str) -> String {
+    let s = raw.trim().to_ascii_lowercase();
+    let parts: Vec<&str> = s.split(':').collect();
+    match parts.as_slice() {
+        [bus, devfn] => format!("0000:{bus:0>2}:{devfn}"),
+        [dom, bus, devfn] => {
+            let dom = dom.trim_start_matches('0');
+            format!("{dom:0>4}:{bus:0>2}:{devfn}")
+        }
+        _ => s,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bus_ids_are_normalised() {
+        assert_eq!(normalize_bus_id("0000:1A:00.0"), "0000:1a:00.0");
+        assert_eq!(normalize_bus_id("1a:00.0"), "0000:1a:00.0");
+        assert_eq!(normalize_bus_id("00000000:9B:00.0"), "0000:9b:00.0");
+        assert_eq!(normalize_bus_id(" 0001:03:00.1\n"), "0001:03:00.1");
+    }
+
     use crate::wire::testrng::Rng;
 
     #[test]

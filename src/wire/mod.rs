@@ -21,8 +21,8 @@ pub use frame::{
     MAX_STREAMS, PROTOCOL_VERSION,
 };
 pub use ipc::{IpcBuf, IPC_BUF_LEN};
-pub use metadata::{EndpointMetadata, MAX_BDF_LEN};
-pub use remote_buf::{RemoteBuf, REMOTE_BUF_LEN};
+pub use metadata::{normalize_bus_id, EndpointMetadata, MAX_BDF_LEN};
+pub use remote_buf::{RemoteBuf, REMOTE_BUF_LEN, REMOTE_FLAG_DEVICE};
 
 #[cfg(test)]
 pub(crate) mod testrng {

@@ -12,6 +12,8 @@
 use super::cursor::{DecodeError, Reader};
 
 pub const REMOTE_BUF_LEN: usize = 64;
+/// `reserved[8]` bit: the window is GPU memory.
+pub const REMOTE_FLAG_DEVICE: u8 = 1;
 
 /// A window of a peer's registered memory that the peer advertised to us.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -68,6 +70,13 @@ impl RemoteBuf {
     /// has zeros here.
     pub fn key_tag(&self) -> u64 {
         u64::from_le_bytes(self.reserved[..8].try_into().expect("8 bytes"))
+    }
+
+    /// Whether the advertiser marked the window as GPU memory (reserved
+    /// byte 8, bit 0): a same-host initiator then sends no inline bytes,
+    /// since the target copies with CUDA, not the CPU.
+    pub fn is_device(&self) -> bool {
+        self.reserved[8] & REMOTE_FLAG_DEVICE != 0
     }
 
     /// The sub-window `[offset, offset + len)` of this buffer, or `None` if it

@@ -37,6 +37,11 @@ Flags:
                          or more, else 0)
   --local gpu|pinned     ipc: the initiator's buffer: GPU memory (default)
                          or pinned host memory (host->GPU over IPC)
+  --device host|gpu      tcp/shm: where both sides' buffers live (default
+                         host). gpu: GPU memory on both sides (tcp stages
+                         through pinned bounce buffers; shm copies with
+                         CUDA); --baseline then measures the same path with
+                         host buffers in the same run
   --op write|read|both   operations to measure (default both)
   --sizes LIST           block sizes (default 4K,64K,1M,16M,64M)
   --batch N              operations in flight (default 32; capped so that
@@ -61,6 +66,7 @@ Environment: FERRY_* variables apply to both processes (see the README).";
 struct Opts {
     transport: Transport,
     ipc: bool,
+    device_gpu: bool,
     gpu: usize,
     peer_gpu: Option<usize>,
     pinned: bool,
@@ -104,6 +110,12 @@ fn parse(mut a: Args) -> Result<Opts> {
         t => bail!("--transport {t}: expected auto, tcp, shm or ipc"),
     };
     let gpu: usize = a.parsed("gpu", 0)?;
+    let device_gpu = match a.value("device").as_deref().unwrap_or("host") {
+        "host" => false,
+        "gpu" if ipc => bail!("--device gpu: ipc always uses GPU memory; see --local"),
+        "gpu" => true,
+        d => bail!("--device {d}: expected host or gpu"),
+    };
     let peer_gpu: Option<usize> = a.value("peer-gpu").map(|v| v.parse()).transpose()?;
     let pinned = match a.value("local").as_deref().unwrap_or("gpu") {
         "gpu" => false,
@@ -141,6 +153,7 @@ fn parse(mut a: Args) -> Result<Opts> {
     let o = Opts {
         transport,
         ipc,
+        device_gpu,
         gpu,
         peer_gpu,
         pinned,
@@ -430,7 +443,7 @@ pub fn run(a: Args) -> Result<()> {
         "auto"
     };
     std::env::set_var("FERRY_TRANSPORT", target_transport);
-    let peer_gpu = match (o.ipc, o.peer_gpu) {
+    let peer_gpu = match (o.ipc || o.device_gpu, o.peer_gpu) {
         (false, _) => None,
         (true, Some(g)) => Some(g),
         (true, None) => {
@@ -453,17 +466,28 @@ pub fn run(a: Args) -> Result<()> {
     cfg.mode = Mode::Embedded;
     cfg.shards = 1;
     cfg.transport = o.transport;
-    if o.ipc {
+    if o.ipc || o.device_gpu {
         cfg.gpu = Some(o.gpu);
     }
     let ep = Endpoint::builder().config(cfg).build()?;
     let shard = ep.take_shards().pop().context("embedded shard")?;
     let conn = ep.add_remote(&served.meta)?;
     let shm = matches!(ep.peer(conn), Some(ferry::Peer::Local { .. }));
-    let transport = match (o.ipc, shm) {
-        (true, _) => "ipc",
-        (false, true) => "shm",
-        (false, false) => "tcp",
+    let transport = match (o.ipc, shm, o.device_gpu) {
+        (true, _, _) => "ipc",
+        (false, true, false) => "shm",
+        (false, true, true) => "shm-gpu",
+        (false, false, false) => "tcp",
+        (false, false, true) => "tcp-gpu",
+    };
+    let host_local = |ep: &Endpoint| -> Result<MemoryRegion> {
+        Ok(if shm {
+            let m = ep.alloc_host(bytes)?;
+            m.write_at(0, &vec![0x3cu8; bytes])?;
+            m
+        } else {
+            ep.register(vec![0x3cu8; bytes])?
+        })
     };
     // Touch every page now, as an application's live buffers are: first-touch
     // page faults would otherwise be measured as transfer time. On the
@@ -500,6 +524,9 @@ pub fn run(a: Args) -> Result<()> {
 
     let mut reference = match (o.baseline, o.ipc, shm) {
         (false, _, _) => None,
+        (true, false, _) if o.device_gpu => {
+            Some(Reference::Host(host_local(&ep)?, Remote::Key(served.rbuf)))
+        }
         (true, true, _) => Some(Reference::Gpu(GpuRef::new(
             o.gpu,
             peer_gpu.unwrap_or(0),
@@ -511,6 +538,7 @@ pub fn run(a: Args) -> Result<()> {
     if !o.json {
         let base = match (o.baseline, o.ipc, shm) {
             (false, _, _) => "",
+            (true, false, _) if o.device_gpu => "  host GB/s  ratio",
             (true, true, _) if o.pinned => "   H2D GB/s  ratio",
             (true, true, _) => "  peer GB/s  ratio",
             (true, false, false) => "  raw GB/s   ratio",
@@ -549,7 +577,17 @@ pub fn run(a: Args) -> Result<()> {
                 gbps.push(g);
                 opss.push(ops_per_s);
                 lat.extend(l);
-                if let Some(p) = &mut reference {
+                if let Some(Reference::Host(hl, hr)) = &mut reference {
+                    // The same path with host buffers, on the same connection.
+                    std::mem::swap(&mut b.local, hl);
+                    std::mem::swap(&mut b.remote, hr);
+                    let host = b.throughput(op, size, o.batch, o.seconds);
+                    std::mem::swap(&mut b.local, hl);
+                    std::mem::swap(&mut b.remote, hr);
+                    let host = host?.0;
+                    base.push(host);
+                    ratios.push(g / host);
+                } else if let Some(p) = &mut reference {
                     let raw = p.gbps(op == OpKind::Read, size, b.slots(size), o.seconds)?;
                     base.push(raw);
                     ratios.push(g / raw);
@@ -632,6 +670,8 @@ enum Reference {
     Tcp(raw::RawPeer),
     Memcpy(Vec<u8>, Vec<u8>),
     Gpu(GpuRef),
+    /// ferry itself with host buffers (for --device gpu).
+    Host(MemoryRegion, Remote),
 }
 
 /// cuMemcpyAsync in this process between the benchmark's two GPUs (or
@@ -659,7 +699,7 @@ impl GpuRef {
 
     fn gbps(&mut self, reverse: bool, size: usize, slots: usize, secs: f64) -> Result<f64> {
         let need = size * slots;
-        if self.bufs.as_ref().is_none_or(|(a, _)| a.len() < need) {
+        if self.bufs.as_ref().map_or(true, |(a, _)| a.len() < need) {
             self.bufs = None;
             let mk = |g: usize| -> Result<Endpoint> {
                 let mut c = Config::from_env()?;
@@ -703,6 +743,7 @@ impl Reference {
         match self {
             Reference::Tcp(p) => p.stream_gbps(reverse, size, slots, secs),
             Reference::Gpu(g) => g.gbps(reverse, size, slots, secs),
+            Reference::Host(..) => unreachable!("measured through the Bench itself"),
             Reference::Memcpy(src, dst) => {
                 // Page-aligned source and destination: glibc's memcpy slows
                 // down ~15x here when the destination sits just past the

@@ -23,6 +23,7 @@ plus a 4 KiB read-only and a 4 KiB write-only region, prints
   RBUF <hex RemoteBuf of the whole region>
   RBUF_RO <hex RemoteBuf>   RBUF_WO <hex RemoteBuf>
   IPCBUF <hex IpcBuf of the whole GPU region>   (with --gpu)
+  GRBUF <hex RemoteBuf of the whole GPU region> (with --gpu)
   READY
 
 and accepts connections in the background. Notifications it answers:
@@ -140,7 +141,7 @@ fn answer(
     let g = || gpu.context("no GPU region (serve --gpu)");
     let in_gpu = |off: usize, len: usize| -> Result<u64> {
         let g = g()?;
-        if off.checked_add(len).is_none_or(|e| e > g.len()) {
+        if off.checked_add(len).map_or(true, |e| e > g.len()) {
             bail!("range {off}+{len} outside the {}-byte GPU region", g.len());
         }
         Ok(g.addr() + off as u64)
