@@ -494,20 +494,22 @@ pub fn run(a: Args) -> Result<()> {
     // same-host path the buffer is memfd memory the target maps.
     let local = if o.ipc && o.pinned {
         ep.alloc_pinned(bytes)?
-    } else if o.ipc {
+    } else if o.ipc || o.device_gpu {
         let m = ep.alloc_gpu(bytes)?;
         let fill = vec![0x3cu8; bytes];
         ferry::gpu::memory::copy_blocking(m.addr(), fill.as_ptr() as u64, bytes)?;
         m
-    } else if shm {
-        let m = ep.alloc_host(bytes)?;
-        m.write_at(0, &vec![0x3cu8; bytes])?;
-        m
     } else {
-        ep.register(vec![0x3cu8; bytes])?
+        host_local(&ep)?
     };
     let remote = if o.ipc {
         Remote::Ipc(served.ipc.context("the target printed no IPCBUF line")?)
+    } else if o.device_gpu {
+        Remote::Key(
+            served
+                .gpu_rbuf
+                .context("the target printed no GRBUF line")?,
+        )
     } else {
         Remote::Key(served.rbuf)
     };

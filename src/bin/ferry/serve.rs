@@ -94,6 +94,7 @@ pub fn run(mut a: Args) -> Result<()> {
             "IPCBUF {}",
             hex(&g.advertise_ipc(0, g.len())?.encode())
         )?;
+        writeln!(out, "GRBUF {}", rb(g)?)?;
     }
     writeln!(out, "READY")?;
     out.flush()?;
