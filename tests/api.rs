@@ -147,6 +147,34 @@ fn in_flight_ops_are_bounded() {
 }
 
 #[test]
+fn ops_that_wait_for_stream_room_count_once_against_the_conn_limit() {
+    // One request in flight per stream: every op after the first waits for
+    // room before its first frame, and is retried. Each must still count
+    // once against the 8-op connection limit, or the limit fills with
+    // ops that have long finished.
+    let target = client(IoPreference::Auto);
+    target.start_passive_accept().unwrap();
+    let cfg = Config {
+        stream_inflight: 1,
+        max_conn_inflight_ops: 8,
+        ..config(IoPreference::Auto)
+    };
+    let ep = Endpoint::builder().config(cfg).build().unwrap();
+    let conn = ep.add_remote(&target.metadata_bytes()).unwrap();
+    let remote = target.alloc(4096).unwrap();
+    let rb = remote.advertise(0, 4096).unwrap();
+    let local = ep.alloc(4096).unwrap();
+    for round in 0..50 {
+        let ts: Vec<_> = (0..8)
+            .map(|_| ep.write_async(conn, &local, 0, 64, &rb).unwrap())
+            .collect();
+        for t in ts {
+            t.wait().unwrap_or_else(|e| panic!("round {round}: {e}"));
+        }
+    }
+}
+
+#[test]
 fn submission_queue_full_is_back_pressure() {
     let target = client(IoPreference::Auto);
     target.start_passive_accept().unwrap();

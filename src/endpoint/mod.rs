@@ -892,6 +892,7 @@ impl Inner {
             next_desc: 0,
             next_off: 0,
             emitted: 0,
+            counted: false,
         };
         match self.shard_of(conn).submit(Command::Op(cmd)) {
             Ok(()) => Ok(t),

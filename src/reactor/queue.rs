@@ -46,6 +46,10 @@ pub(crate) struct OpCmd {
     pub next_off: usize,
     /// Frames queued so far.
     pub emitted: u32,
+    /// Counted against its connection's in-flight limit already (an op
+    /// that stalls before its first frame is retried, and must not count
+    /// twice).
+    pub counted: bool,
 }
 
 /// One piece of a CUDA IPC operation: a local slice and the peer's window.

@@ -564,7 +564,8 @@ impl Shard {
                 .map(|d| frames_of(d.len, chunk))
                 .sum(),
         };
-        if op.emitted == 0 {
+        if !op.counted {
+            op.counted = true;
             let mut conn = None;
             if target.is_some() {
                 let n = self.conn_ops.entry(op.conn).or_insert(0);

@@ -153,6 +153,12 @@ impl Msg {
         let status_ok = match kind {
             MsgKind::WriteAck | MsgKind::ReadResp => status_from(m.status).is_some(),
             MsgKind::Notify | MsgKind::ConnectAck => m.status <= 1,
+            // Request flags: initiator memory is GPU (bit 0, then the
+            // inline bytes are its 80-byte IPC reference), no inline data
+            // (bit 1).
+            MsgKind::WriteReq | MsgKind::ReadReq => {
+                m.status <= 3 && (m.status & 1 == 0 || m.inline_len == 80)
+            }
             _ => m.status == 0,
         };
         if !status_ok {
@@ -191,8 +197,15 @@ mod tests {
             Err(DecodeError::UnknownKind { got: 9, .. })
         ));
         out[0] = 4;
+        out[1] = 4;
+        assert!(Msg::decode(&out[..n]).is_err(), "unknown request flags");
         out[1] = 1;
-        assert!(Msg::decode(&out[..n]).is_err(), "requests carry no status");
+        assert!(
+            Msg::decode(&out[..n]).is_err(),
+            "a GPU initiator's request carries its 80-byte IPC reference"
+        );
+        out[1] = 2;
+        assert!(Msg::decode(&out[..n]).is_ok(), "no-inline flag");
     }
 
     #[test]
