@@ -23,6 +23,7 @@ pub mod driver {
     #[derive(Debug)]
     pub struct Cuda {
         pub devices: Vec<DeviceInfo>,
+        pub has_batch_copy: bool,
     }
 
     impl Cuda {

@@ -20,7 +20,23 @@ pub fn run(a: Args) -> Result<()> {
     println!("transports:");
     println!("  tcp           usable: kernel TCP, the default network path");
     println!("  verbs (rdma)  not usable: this build has no RDMA verbs transport yet");
-    println!("  cuda-ipc      not usable: this build has no GPU path yet");
+    match ferry::gpu::driver::status() {
+        Ok(c) => {
+            println!(
+                "  cuda-ipc      usable: {} GPU(s){}",
+                c.devices.len(),
+                if c.has_batch_copy {
+                    ", batched copies (cuMemcpyBatchAsync)"
+                } else {
+                    ""
+                }
+            );
+            for d in &c.devices {
+                println!("                GPU {}: {} at {}", d.ordinal, d.name, d.bus_id);
+            }
+        }
+        Err(why) => println!("  cuda-ipc      not usable: {why}"),
+    }
     match ferry::probe_shm() {
         Ok(()) => println!(
             "  shm           usable: same-host peers (rings in /dev/shm, memfd host memory)"
