@@ -32,7 +32,10 @@ pub fn run(a: Args) -> Result<()> {
                 }
             );
             for d in &c.devices {
-                println!("                GPU {}: {} at {}", d.ordinal, d.name, d.bus_id);
+                println!(
+                    "                GPU {}: {} at {}",
+                    d.ordinal, d.name, d.bus_id
+                );
             }
         }
         Err(why) => println!("  cuda-ipc      not usable: {why}"),
