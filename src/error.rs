@@ -128,6 +128,8 @@ pub enum Error {
     NoGpu { why: String },
     #[error("GPU index {idx} is out of range: {count} GPU(s) visible")]
     GpuOutOfRange { idx: usize, count: usize },
+    #[error("RDMA verbs: {what} failed: {reason}")]
+    Verbs { what: &'static str, reason: String },
     #[error("CUDA {call} failed: {name} ({code})")]
     Cuda {
         call: &'static str,

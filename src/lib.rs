@@ -75,6 +75,7 @@ pub mod reactor;
 pub(crate) mod region;
 pub(crate) mod shm;
 pub(crate) mod tcp;
+pub mod verbs;
 pub mod wire;
 
 #[doc(hidden)]

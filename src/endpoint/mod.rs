@@ -123,6 +123,8 @@ pub(crate) struct Inner {
     handshakes: AtomicUsize,
     /// Why the same-host path is off, if it is.
     shm_note: Option<String>,
+    /// The NICs verbs would use, or why verbs is off (connections use tcp).
+    verbs: std::result::Result<Vec<String>, String>,
     host_token: u64,
     local_connects: Mutex<Receiver<(crate::shm::msg::Msg, Vec<u8>)>>,
     memfd_regions: Mutex<HashMap<u32, std::sync::Weak<Region>>>,
@@ -142,6 +144,12 @@ pub struct Endpoint {
     inner: Arc<Inner>,
     threads: Vec<JoinHandle<()>>,
     embedded: Mutex<Vec<Shard>>,
+}
+
+/// 32 random bits (PSNs and the like).
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+pub(crate) fn random_u32() -> u32 {
+    random_u64() as u32
 }
 
 fn random_u64() -> u64 {
@@ -282,6 +290,14 @@ impl Endpoint {
                 (_, Err(e)) => Some(format!("cannot bind the fd-passing socket: {e}")),
             }
         };
+        let verbs = crate::verbs::status(Some(metadata.gpu_bdf.as_str()));
+        match &verbs {
+            Ok(nics) => info!(
+                "RDMA devices {}: the verbs data path is not wired into connections yet; using tcp",
+                nics.join(", ")
+            ),
+            Err(why) => info!("RDMA verbs off ({why}): connections use tcp"),
+        }
         if let Some(why) = &shm_note {
             info!("same-host path off: {why}");
         }
@@ -307,6 +323,7 @@ impl Endpoint {
             id,
             host_token: crate::shm::object::host_token(),
             shm_note,
+            verbs,
             local_connects: Mutex::new(connects_rx),
             closed: Mutex::new(closed_rx),
             registrations: Arc::new(AtomicUsize::new(0)),
@@ -457,9 +474,20 @@ impl Endpoint {
             .expect("lock")
             .retain(|_, c| *c != conn);
         let deadline = Instant::now() + self.inner.cfg.connect_timeout();
+        // Managed shards confirm, so that once this returns the connection
+        // serves no further request (an embedded shard is polled by the
+        // caller, who may be this thread: no waiting there).
+        let (ack, done) = mpsc::sync_channel(1);
+        let managed = self.inner.cfg.mode == Mode::Managed;
         self.inner
             .shard_of(conn)
-            .submit_blocking(Command::RemoveConn(conn), deadline)?;
+            .submit_blocking(Command::RemoveConn(conn, managed.then_some(ack)), deadline)?;
+        if managed {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if done.recv_timeout(left).is_err() {
+                warn!(%conn, "shard did not confirm the removal in time");
+            }
+        }
         info!(%conn, peer = %info.peer, "connection removed");
         Ok(())
     }
@@ -585,6 +613,12 @@ impl Endpoint {
     /// the metadata names a same-host endpoint.
     pub fn connect_local(&self, peer_id: u64) -> Result<ConnId> {
         self.inner.connect_local(peer_id)
+    }
+
+    /// The RDMA NICs verbs would use here (best first), or why verbs is off.
+    /// Connections use tcp either way in this version.
+    pub fn verbs_status(&self) -> std::result::Result<&[String], &str> {
+        self.inner.verbs.as_deref().map_err(String::as_str)
     }
 
     /// Whether same-host connections are possible, and if not, why.

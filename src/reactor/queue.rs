@@ -98,7 +98,8 @@ pub(crate) enum Command {
         limits: StreamLimits,
     },
     AddLocal(Box<crate::shm::local::LocalConn>),
-    RemoveConn(ConnId),
+    /// Drops a connection; the sender (if any) hears once it is gone.
+    RemoveConn(ConnId, Option<SyncSender<()>>),
     Notify {
         conn: ConnId,
         payload: Vec<u8>,

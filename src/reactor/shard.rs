@@ -514,7 +514,7 @@ impl Shard {
                 debug!(shard = self.id, %conn, "same-host connection adopted");
                 None
             }
-            Command::RemoveConn(conn) => {
+            Command::RemoveConn(conn, ack) => {
                 match self.by_id.get(&conn) {
                     Some(&ConnRef::Tcp(idx)) => {
                         self.drop_conn(idx, "removed by remove_remote".to_owned())
@@ -525,6 +525,9 @@ impl Shard {
                     None => {}
                 }
                 self.failed.remove(&conn);
+                if let Some(ack) = ack {
+                    let _ = ack.try_send(());
+                }
                 None
             }
             Command::Notify { conn, payload } => {

@@ -13,6 +13,7 @@ mod frame;
 mod ipc;
 mod metadata;
 mod remote_buf;
+mod verbs;
 
 pub use cursor::DecodeError;
 pub use data::{DataHeader, DataKind, Status, DATA_HEADER_LEN, MAX_NOTIFY_BYTES};
@@ -23,6 +24,7 @@ pub use frame::{
 pub use ipc::{IpcBuf, IPC_BUF_LEN};
 pub use metadata::{normalize_bus_id, EndpointMetadata, MAX_BDF_LEN};
 pub use remote_buf::{RemoteBuf, REMOTE_BUF_LEN, REMOTE_FLAG_DEVICE};
+pub use verbs::{VerbsInfo, LINK_ETHERNET, LINK_INFINIBAND, MAX_DATA_QPS};
 
 #[cfg(test)]
 pub(crate) mod testrng {

@@ -19,7 +19,13 @@ pub fn run(a: Args) -> Result<()> {
     }
     println!("transports:");
     println!("  tcp           usable: kernel TCP, the default network path");
-    println!("  verbs (rdma)  not usable: this build has no RDMA verbs transport yet");
+    match ferry::verbs::status(None) {
+        Ok(nics) => println!(
+            "  verbs (rdma)  devices found: {} (the verbs data path is not wired into connections yet; tcp is used)",
+            nics.join(", ")
+        ),
+        Err(why) => println!("  verbs (rdma)  not usable: {why}; connections use tcp"),
+    }
     match ferry::gpu::driver::status() {
         Ok(c) => {
             println!(
