@@ -73,6 +73,10 @@ pub mod memory {
         Err(off())
     }
 
+    pub fn dmabuf_fd(_ordinal: i32, _alloc_base: u64, _alloc_len: usize) -> Result<i32> {
+        Err(off())
+    }
+
     pub fn copy_throughput(
         _ordinal: i32,
         _dst: u64,

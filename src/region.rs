@@ -76,6 +76,10 @@ pub(crate) struct Region {
     pub ipc_exported: std::sync::atomic::AtomicBool,
     /// The allocation's CUDA IPC handle, exported on first need.
     pub ipc_handle: std::sync::OnceLock<[u8; 64]>,
+    /// Its RDMA memory region, registered on first use; dropped (so
+    /// deregistered from the NIC) before the memory below is freed.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub verbs_mr: std::sync::OnceLock<crate::verbs::Mr>,
     pub _backing: Backing,
 }
 
@@ -117,6 +121,7 @@ impl Region {
             mem: crate::gpu::MemKind::Pinned,
             ipc_exported: Default::default(),
             ipc_handle: Default::default(),
+            verbs_mr: Default::default(),
             _backing: Backing::Pinned(buf),
         }
     }
@@ -268,6 +273,7 @@ mod tests {
             mem: crate::gpu::MemKind::Host,
             ipc_exported: Default::default(),
             ipc_handle: Default::default(),
+            verbs_mr: Default::default(),
             _backing: Backing::Raw,
         });
         let base = r.addr();

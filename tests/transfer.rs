@@ -28,6 +28,29 @@ macro_rules! on_every_path {
     };
 }
 
+/// The suite's tests whose expectations hold on RDMA too. Not here: a bad
+/// key or window is refused by the target's NIC, which moves the RC queue
+/// pair to the error state (the connection fails, as in the seed), so the
+/// "connection stays usable" tests are tcp/shm only; a killed peer shows as
+/// a retry-exceeded completion.
+macro_rules! on_verbs {
+    ($($name:ident),* $(,)?) => {
+        mod verbs {
+            $( #[test] fn $name() { if super::Path::Verbs.available() { super::$name(super::Path::Verbs) } } )*
+        }
+    };
+}
+
+on_verbs!(
+    byte_exact_sizes_and_unaligned_offsets,
+    large_transfer_256_mib,
+    vectored_ops,
+    async_ops_complete_out_of_order,
+    thousand_ops_in_flight,
+    local_argument_errors,
+    notifications_and_remove_remote,
+);
+
 on_every_path!(
     byte_exact_sizes_and_unaligned_offsets,
     large_transfer_256_mib,
@@ -47,6 +70,16 @@ fn setup(io: Path, bytes: usize) -> (Target, ferry::Endpoint, ferry::ConnId) {
     let t = Target::start_on(io, bytes, &[]);
     let ep = path_client(io);
     let conn = ep.add_remote(&t.served.meta).expect("connect to target");
+    if io == Path::Verbs {
+        assert!(
+            ep.uses_verbs(conn),
+            "both sides have a NIC: the connection has queue pairs"
+        );
+        assert!(
+            t.served.rbuf.nic_rkey().is_some(),
+            "the target's window carries its NIC key"
+        );
+    }
     (t, ep, conn)
 }
 

@@ -37,7 +37,7 @@ fn without_a_nic_verbs_says_why_and_tcp_carries_the_bytes() {
         assert!(why.contains("`rdma` feature"), "{why}");
     }
     // The same reason, computed directly.
-    assert_eq!(ferry::verbs::status(None).unwrap_err(), why);
+    assert_eq!(ferry::verbs::status(None, None).unwrap_err(), why);
 
     let target = Target::start_on(Path::TcpEpoll, 8 << 20, &[("FERRY_TRANSPORT", "tcp")]);
     let conn = ep.add_remote(&target.served.meta).unwrap();

@@ -117,6 +117,19 @@ pub struct Config {
     /// (`FERRY_GPU_BOUNCE_BYTES`, default 256 MiB), in buffers of
     /// `chunk_bytes` (at least 2).
     pub gpu_bounce_bytes: usize,
+    /// RDMA devices to use, best first (`FERRY_RDMA_DEV=name[,name]`);
+    /// default: the NICs nearest the GPU on the PCIe tree.
+    pub rdma_dev: Option<String>,
+    /// GID table index (`FERRY_RDMA_GID_INDEX`, default 0; RoCE v2 GIDs
+    /// often sit at 1 or 3).
+    pub rdma_gid_index: u32,
+    /// Data queue pairs per connection (`FERRY_RDMA_QPS`, default 4, at most 64).
+    pub rdma_qps: usize,
+    /// Outstanding RDMA READs per queue pair (`FERRY_RDMA_MAX_RD_ATOMIC`, default 16).
+    pub rdma_max_rd_atomic: u8,
+    /// Service level and traffic class (`FERRY_RDMA_SL`, `FERRY_RDMA_TC`, default 0).
+    pub rdma_sl: u8,
+    pub rdma_tc: u8,
     /// Log filter for the `ferry` binary (`FERRY_LOG`, default "warn"); the
     /// library itself only emits `tracing` events.
     pub log: String,
@@ -149,6 +162,12 @@ impl Default for Config {
             gpu: None,
             gpu_streams: 4,
             gpu_bounce_bytes: 256 << 20,
+            rdma_dev: None,
+            rdma_gid_index: 0,
+            rdma_qps: 4,
+            rdma_max_rd_atomic: 16,
+            rdma_sl: 0,
+            rdma_tc: 0,
             log: "warn".to_owned(),
         }
     }
@@ -174,6 +193,18 @@ where
 }
 
 impl Config {
+    /// The verbs settings these fields give.
+    pub fn verbs(&self) -> crate::verbs::VerbsConfig {
+        crate::verbs::VerbsConfig {
+            gid_index: self.rdma_gid_index,
+            n_qps: self.rdma_qps,
+            max_rd_atomic: self.rdma_max_rd_atomic,
+            service_level: self.rdma_sl,
+            traffic_class: self.rdma_tc,
+            ..Default::default()
+        }
+    }
+
     /// Defaults overridden by every `FERRY_*` variable that is set.
     pub fn from_env() -> Result<Config> {
         Self::from_lookup(|k| std::env::var(k).ok())
@@ -270,6 +301,27 @@ impl Config {
         }
         if let Some(v) = get("FERRY_GPU_STREAMS") {
             c.gpu_streams = num("FERRY_GPU_STREAMS", &v, 1, 8)?;
+        }
+        if let Some(v) = get("FERRY_RDMA_DEV") {
+            if v.split(',').all(|s| s.trim().is_empty()) {
+                return Err(bad("FERRY_RDMA_DEV", &v, "names no device"));
+            }
+            c.rdma_dev = Some(v);
+        }
+        if let Some(v) = get("FERRY_RDMA_GID_INDEX") {
+            c.rdma_gid_index = num("FERRY_RDMA_GID_INDEX", &v, 0, 255)?;
+        }
+        if let Some(v) = get("FERRY_RDMA_QPS") {
+            c.rdma_qps = num("FERRY_RDMA_QPS", &v, 1, crate::wire::MAX_DATA_QPS)?;
+        }
+        if let Some(v) = get("FERRY_RDMA_MAX_RD_ATOMIC") {
+            c.rdma_max_rd_atomic = num("FERRY_RDMA_MAX_RD_ATOMIC", &v, 1, 255)?;
+        }
+        if let Some(v) = get("FERRY_RDMA_SL") {
+            c.rdma_sl = num("FERRY_RDMA_SL", &v, 0, 15)?;
+        }
+        if let Some(v) = get("FERRY_RDMA_TC") {
+            c.rdma_tc = num("FERRY_RDMA_TC", &v, 0, 255)?;
         }
         if let Some(v) = get("FERRY_GPU_BOUNCE_BYTES") {
             c.gpu_bounce_bytes = num("FERRY_GPU_BOUNCE_BYTES", &v, 1, 1 << 40)?;

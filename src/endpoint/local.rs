@@ -214,6 +214,7 @@ impl Inner {
         self.conns.lock().expect("lock").insert(
             conn,
             ConnInfo {
+                verbs: false,
                 peer: Peer::Local {
                     endpoint_id: peer_id,
                     pid,

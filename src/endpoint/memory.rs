@@ -141,6 +141,12 @@ impl MemoryRegion {
         if self.inner.mem.is_device() {
             reserved[8] |= crate::wire::REMOTE_FLAG_DEVICE;
         }
+        let ep = self.ep.upgrade();
+        let nic = ep.as_ref().and_then(|ep| ep.nic.as_ref());
+        if let Some(rkey) = crate::verbs::remote_key(nic, &self.inner) {
+            reserved[8] |= crate::wire::REMOTE_FLAG_NIC_KEY;
+            reserved[12..16].copy_from_slice(&rkey.to_le_bytes());
+        }
         Ok(RemoteBuf {
             addr: self.addr() + offset as u64,
             size,

@@ -100,6 +100,8 @@ impl std::fmt::Display for Peer {
 /// A connection's record on the control side.
 struct ConnInfo {
     peer: Peer,
+    /// One-sided ops with NIC-keyed windows go over RDMA queue pairs.
+    verbs: bool,
 }
 
 pub(crate) struct Inner {
@@ -125,6 +127,8 @@ pub(crate) struct Inner {
     shm_note: Option<String>,
     /// The NICs verbs would use, or why verbs is off (connections use tcp).
     verbs: std::result::Result<Vec<String>, String>,
+    /// The opened NIC when verbs is on.
+    pub(crate) nic: Option<crate::verbs::NicHandle>,
     host_token: u64,
     local_connects: Mutex<Receiver<(crate::shm::msg::Msg, Vec<u8>)>>,
     memfd_regions: Mutex<HashMap<u32, std::sync::Weak<Region>>>,
@@ -290,14 +294,23 @@ impl Endpoint {
                 (_, Err(e)) => Some(format!("cannot bind the fd-passing socket: {e}")),
             }
         };
-        let verbs = crate::verbs::status(Some(metadata.gpu_bdf.as_str()));
-        match &verbs {
-            Ok(nics) => info!(
-                "RDMA devices {}: the verbs data path is not wired into connections yet; using tcp",
-                nics.join(", ")
-            ),
-            Err(why) => info!("RDMA verbs off ({why}): connections use tcp"),
-        }
+        let (verbs, nic) = match crate::verbs::open_nic(
+            Some(metadata.gpu_bdf.as_str()),
+            cfg.rdma_dev.as_deref(),
+            &cfg.verbs(),
+        ) {
+            Ok((nics, nic)) => {
+                info!(
+                    "RDMA verbs on {}: peers with verbs get queue pairs",
+                    nics[0]
+                );
+                (Ok(nics), nic)
+            }
+            Err(why) => {
+                info!("RDMA verbs off ({why}): connections use tcp");
+                (Err(why), None)
+            }
+        };
         if let Some(why) = &shm_note {
             info!("same-host path off: {why}");
         }
@@ -324,6 +337,7 @@ impl Endpoint {
             host_token: crate::shm::object::host_token(),
             shm_note,
             verbs,
+            nic,
             local_connects: Mutex::new(connects_rx),
             closed: Mutex::new(closed_rx),
             registrations: Arc::new(AtomicUsize::new(0)),
@@ -415,6 +429,18 @@ impl Endpoint {
             .expect("lock")
             .get(&conn)
             .map(|c| c.peer)
+    }
+
+    /// Whether `conn` has RDMA queue pairs (both sides had a usable NIC):
+    /// its WRITEs and READs to windows advertised with a NIC key go over
+    /// verbs.
+    pub fn uses_verbs(&self, conn: ConnId) -> bool {
+        self.inner
+            .conns
+            .lock()
+            .expect("lock")
+            .get(&conn)
+            .is_some_and(|c| c.verbs)
     }
 
     /// Open connections (dead ones are forgotten first).
@@ -855,6 +881,7 @@ fn desc(mr: &MemoryRegion, offset: usize, len: usize, remote: &RemoteBuf) -> Res
         rkey: remote.rkey,
         tag: remote.key_tag(),
         remote_device: remote.is_device(),
+        nic_rkey: remote.nic_rkey(),
     })
 }
 
@@ -981,6 +1008,7 @@ impl Inner {
             mem,
             ipc_exported: Default::default(),
             ipc_handle: Default::default(),
+            verbs_mr: Default::default(),
             _backing: backing,
         });
         for s in &self.shards {
@@ -1002,7 +1030,11 @@ impl Inner {
     fn stream_hello(&self) -> Hello {
         Hello {
             endpoint_id: self.id,
-            caps: if self.shm_ready() { CAP_SHM } else { 0 }
+            caps: if self.nic.is_some() {
+                crate::wire::CAP_VERBS
+            } else {
+                0
+            } | if self.shm_ready() { CAP_SHM } else { 0 }
                 | if self.cfg.auth_key.is_some() {
                     CAP_AUTH
                 } else {
@@ -1049,6 +1081,41 @@ impl Inner {
         self.adopt(streams, ack, addr)
     }
 
+    /// When both sides offer verbs, sets up the connection's RDMA queue
+    /// pairs over its first stream (both sides send their info, then read
+    /// the other's). `None`: the connection uses tcp only.
+    fn verbs_link(
+        &self,
+        s: &std::net::TcpStream,
+        peer: &Hello,
+        deadline: Instant,
+    ) -> Result<Option<Box<crate::verbs::Link>>> {
+        #[cfg(feature = "rdma")]
+        {
+            let Some(nic) = &self.nic else {
+                return Ok(None);
+            };
+            if peer.caps & crate::wire::CAP_VERBS == 0 {
+                return Ok(None);
+            }
+            let ctl = std::cell::RefCell::new(Ctl::new(self.backend)?);
+            let chunk = self.cfg.chunk_bytes.min(1 << 30) as u32;
+            let link = crate::verbs::device::exchange(
+                nic,
+                &self.cfg.verbs(),
+                chunk,
+                |f| ctl.borrow_mut().send_all(s, &f.encode(), deadline),
+                || handshake::read_frame(&mut ctl.borrow_mut(), s, deadline),
+            )?;
+            Ok(link.map(Box::new))
+        }
+        #[cfg(not(feature = "rdma"))]
+        {
+            let _ = (s, peer, deadline);
+            Ok(None)
+        }
+    }
+
     fn adopt(
         &self,
         streams: Vec<std::net::TcpStream>,
@@ -1061,10 +1128,12 @@ impl Inner {
             peer_max: peer_hello.max_inflight as usize,
         };
         let deadline = Instant::now() + self.cfg.connect_timeout();
+        let verbs = self.verbs_link(&streams[0], &peer_hello, deadline)?;
         self.conns.lock().expect("lock").insert(
             conn,
             ConnInfo {
                 peer: Peer::Net(peer),
+                verbs: verbs.is_some(),
             },
         );
         self.shard_of(conn).submit_blocking(
@@ -1072,6 +1141,7 @@ impl Inner {
                 conn,
                 streams,
                 limits,
+                verbs,
             },
             deadline,
         )?;

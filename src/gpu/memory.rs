@@ -224,3 +224,22 @@ pub fn copy_throughput(
     unsafe { cu::cuStreamDestroy_v2(stream) };
     result
 }
+
+/// A dma-buf file descriptor for the GPU allocation `[alloc_base,
+/// alloc_base + alloc_len)` (for `ibv_reg_dmabuf_mr`). The caller closes it.
+pub fn dmabuf_fd(ordinal: i32, alloc_base: u64, alloc_len: usize) -> Result<i32> {
+    let c = cuda()?;
+    c.make_current(ordinal)?;
+    let mut fd: i32 = -1;
+    // SAFETY: writes one int (the fd) for a live allocation's whole range.
+    check("cuMemGetHandleForAddressRange", unsafe {
+        cu::cuMemGetHandleForAddressRange(
+            (&mut fd as *mut i32).cast(),
+            alloc_base,
+            alloc_len,
+            cu::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+            0,
+        )
+    })?;
+    Ok(fd)
+}

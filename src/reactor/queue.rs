@@ -20,6 +20,8 @@ pub(crate) struct OpDesc {
     pub tag: u64,
     /// The advertiser marked the window as GPU memory.
     pub remote_device: bool,
+    /// The window's RDMA rkey, when the advertiser's NIC registered it.
+    pub nic_rkey: Option<u32>,
 }
 
 pub(crate) enum OpParts {
@@ -96,6 +98,8 @@ pub(crate) enum Command {
         conn: ConnId,
         streams: Vec<TcpStream>,
         limits: StreamLimits,
+        /// RDMA queue pairs, when both sides set them up.
+        verbs: Option<Box<crate::verbs::Link>>,
     },
     AddLocal(Box<crate::shm::local::LocalConn>),
     /// Drops a connection; the sender (if any) hears once it is gone.

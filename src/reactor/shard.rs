@@ -64,6 +64,9 @@ struct Conn {
     id: ConnId,
     streams: Vec<Stream>,
     next: usize,
+    /// RDMA queue pairs: ops whose windows carry a NIC key go here; the
+    /// streams keep notifications and the rest.
+    verbs: Option<Box<crate::verbs::Link>>,
 }
 
 /// Where a connection id lives in a shard.
@@ -383,8 +386,13 @@ impl Shard {
         // see `parked` queued its item before it, so this pass finds it.
         // Replies on shared-memory rings cannot wake an epoll wait: with
         // same-host requests outstanding, keep spinning instead.
+        // Nor can GPU events or RDMA completion queues (polled, no channel).
         let awaiting_local = self.local.iter().any(|(_, c)| c.has_pending())
-            || self.gpu.as_ref().is_some_and(|g| g.busy());
+            || self.gpu.as_ref().is_some_and(|g| g.busy())
+            || self
+                .conns
+                .iter()
+                .any(|(_, c)| c.verbs.as_ref().is_some_and(|v| v.busy()));
         if self.poll() == 0 && !awaiting_local {
             let mut wait = max
                 .min(self.cfg.op_timeout / 4)
@@ -500,8 +508,9 @@ impl Shard {
                 conn,
                 streams,
                 limits,
+                verbs,
             } => {
-                if let Err(e) = self.add_conn(conn, streams, limits) {
+                if let Err(e) = self.add_conn(conn, streams, limits, verbs) {
                     warn!(shard = self.id, %conn, "could not adopt connection: {e}");
                     self.remember_failed(conn, e.to_string());
                 }
@@ -556,9 +565,19 @@ impl Shard {
     fn apply_op(&mut self, mut op: OpCmd) -> Option<OpCmd> {
         let chunk = self.cfg.chunk_bytes;
         let target = self.by_id.get(&op.conn).copied();
+        // An op goes over RDMA when its connection has queue pairs and
+        // every window carries the peer NIC's key; it then completes once.
+        let via_verbs = match target {
+            Some(ConnRef::Tcp(i)) => {
+                self.conns[i].verbs.is_some()
+                    && op.parts.as_slice().iter().all(|d| d.nic_rkey.is_some())
+            }
+            _ => false,
+        };
         // Same-host connections send one message per piece; tcp ones one
         // frame per chunk.
         let total: u32 = match target {
+            _ if via_verbs => 1,
             Some(ConnRef::Local(_)) => op.parts.as_slice().len() as u32,
             _ => op
                 .parts
@@ -633,6 +652,7 @@ impl Shard {
                 }
                 return None;
             }
+            Some(ConnRef::Tcp(idx)) if via_verbs => return self.post_verbs(idx, op),
             Some(ConnRef::Tcp(idx)) => idx,
         };
         let conn = &mut self.conns[idx];
@@ -729,6 +749,40 @@ impl Shard {
             if op.next_off >= d.len {
                 op.next_desc += 1;
                 op.next_off = 0;
+            }
+        }
+        None
+    }
+
+    /// Posts a whole op on the connection's RDMA queue pairs, or none of it
+    /// (stalls) while their send queues lack room: an op completes once,
+    /// when the last of its completions arrives.
+    fn post_verbs(&mut self, idx: usize, op: OpCmd) -> Option<OpCmd> {
+        let link = self.conns[idx]
+            .verbs
+            .as_mut()
+            .expect("checked by the caller");
+        let descs = op.parts.as_slice();
+        let pieces: usize = descs.iter().map(|d| link.pieces(d.len as u64)).sum();
+        if !link.has_room(pieces) {
+            return Some(op);
+        }
+        let write = op.kind == OpKind::Write;
+        for d in descs {
+            let posted = link.lkey(&d.local).and_then(|lkey| {
+                link.post(
+                    write,
+                    op.slot,
+                    lkey,
+                    d.local.addr() + d.local_off as u64,
+                    d.nic_rkey.expect("checked by the caller"),
+                    d.remote_addr,
+                    d.len as u64,
+                )
+            });
+            if let Err(e) = posted {
+                link.fail_slot(op.slot, e, &mut self.done);
+                break;
             }
         }
         None
@@ -869,6 +923,7 @@ impl Shard {
         conn: ConnId,
         streams: Vec<std::net::TcpStream>,
         limits: StreamLimits,
+        verbs: Option<Box<crate::verbs::Link>>,
     ) -> Result<()> {
         if streams.is_empty() || streams.len() > MAX_STREAMS {
             return Err(Error::Unsupported {
@@ -907,6 +962,7 @@ impl Shard {
             id: conn,
             streams: out,
             next: 0,
+            verbs,
         });
         self.by_id.insert(conn, ConnRef::Tcp(key));
         debug!(shard = self.id, %conn, "connection adopted");
@@ -945,6 +1001,9 @@ impl Shard {
         for s in conn.streams.iter_mut() {
             s.fail_pending(&err, &mut sink);
             let _ = self.epoll.registry().deregister(&mut s.sock);
+        }
+        if let Some(v) = &mut conn.verbs {
+            v.fail_all(&err, sink.done);
         }
         if let Error::ConnFailed { reason, .. } = err {
             self.remember_failed(conn.id, reason);
@@ -1047,6 +1106,15 @@ impl Shard {
         };
         for (idx, conn) in self.conns.iter_mut() {
             regions.conn = conn.id;
+            if let Some(v) = &mut conn.verbs {
+                match v.poll(&mut self.done) {
+                    Ok(n) => work += n,
+                    Err(reason) => {
+                        self.to_fail.push((ConnRef::Tcp(idx), reason));
+                        continue;
+                    }
+                }
+            }
             let mut sink = ShardSink {
                 done: &mut self.done,
                 inbox: &self.inbox,

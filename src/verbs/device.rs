@@ -276,59 +276,6 @@ impl DataQps {
         Ok(())
     }
 
-    /// Posts one op: `len` bytes striped in `chunk`-byte WRs over the QPs
-    /// starting at `first_qp`, one linked list per QP (one doorbell each).
-    /// Every WR carries `wr_id`; signalled ones produce completions.
-    /// Returns how many completions the op will produce.
-    #[allow(clippy::too_many_arguments)]
-    pub fn post(
-        &mut self,
-        write: bool,
-        sge: &Sge,
-        len: u64,
-        chunk: u32,
-        first_qp: usize,
-        wr_id: u64,
-        cfg: &VerbsConfig,
-    ) -> Result<usize> {
-        self.pieces.clear();
-        self.pieces
-            .extend(plan::stripe(len, chunk, self.qps.len(), first_qp));
-        plan::batch(
-            &self.pieces,
-            cfg.max_wr_per_post,
-            cfg.signal_every,
-            &mut self.wrs,
-            &mut self.signaled,
-            &mut self.posts,
-        );
-        let mut signaled = 0;
-        for p in &self.posts {
-            let mut g = self.qps[p.qp].start_post_send();
-            for k in p.start..p.start + p.count {
-                let w = self.wrs[k];
-                let flags = if self.signaled[k] {
-                    signaled += 1;
-                    WorkRequestFlags::Signaled
-                } else {
-                    WorkRequestFlags::none()
-                };
-                let h = g.construct_wr(wr_id, flags);
-                let h = if write {
-                    h.setup_write(sge.rkey, sge.raddr + w.off)
-                } else {
-                    h.setup_read(sge.rkey, sge.raddr + w.off)
-                };
-                // SAFETY: the local range lies in a registration the op
-                // holds until its completions arrive.
-                unsafe { h.setup_sge(sge.lkey, sge.laddr + w.off, w.len) };
-            }
-            g.post()
-                .map_err(|e| verbs_err("ibv_wr_complete (post)", e))?;
-        }
-        Ok(signaled)
-    }
-
     /// Hands each completion's (wr_id, outcome, status name) to `out`;
     /// returns how many there were. Never blocks.
     pub fn poll(&self, mut out: impl FnMut(u64, WcOutcome, &'static str)) -> usize {
@@ -343,4 +290,239 @@ impl DataQps {
         }
         n
     }
+}
+
+/// The verbs side of one connection: its data QPs and what is in flight
+/// on them. Lives in the shard that owns the connection.
+pub(crate) struct Link {
+    nic: Arc<Nic>,
+    qps: DataQps,
+    cfg: VerbsConfig,
+    chunk: u32,
+    next_qp: usize,
+    /// WRs posted and not yet retired, per QP (bounded by the QP depth).
+    wr_out: Vec<u32>,
+    /// Per op slot: completions still owed, and the first error seen. An op
+    /// completes once (one `done` per slot) when its last one arrives.
+    owed: crate::region::IntMap<u32, (u32, Option<Error>)>,
+}
+
+// SAFETY: the verbs objects are used by one shard at a time (they move with
+// it); libibverbs handles are usable from any thread.
+unsafe impl Send for Link {}
+
+impl Link {
+    /// Can `n_pieces` more WRs go out without overrunning a send queue?
+    pub fn has_room(&self, n_pieces: usize) -> bool {
+        let per_qp = n_pieces.div_ceil(self.wr_out.len()) as u32 + 1;
+        self.wr_out.iter().all(|&o| o + per_qp <= self.cfg.qp_depth)
+    }
+
+    pub fn busy(&self) -> bool {
+        !self.owed.is_empty()
+    }
+
+    /// WRs an op piece of `len` bytes becomes.
+    pub fn pieces(&self, len: u64) -> usize {
+        if len == 0 {
+            1
+        } else {
+            len.div_ceil(self.chunk as u64) as usize
+        }
+    }
+
+    /// The local registration's key, registering `r` with the NIC on first
+    /// use (the registration cache: one MR per registration, dropped with it).
+    pub fn lkey(&self, r: &crate::region::Region) -> Result<u32> {
+        super::mr_of(&self.nic, r).map(|mr| mr.lkey())
+    }
+
+    /// Posts one piece of an op (WRITE or READ of `len` bytes between
+    /// `laddr` under `lkey` and the peer's `raddr` under `rkey`). Returns
+    /// the completions it will produce.
+    #[allow(clippy::too_many_arguments)]
+    pub fn post(
+        &mut self,
+        write: bool,
+        slot: u32,
+        lkey: u32,
+        laddr: u64,
+        rkey: u32,
+        raddr: u64,
+        len: u64,
+    ) -> Result<u32> {
+        let first = self.next_qp;
+        let n_qps = self.wr_out.len();
+        let pieces = if len == 0 {
+            1
+        } else {
+            len.div_ceil(self.chunk as u64)
+        } as usize;
+        self.next_qp = (first + pieces) % n_qps;
+        let sge = Sge {
+            lkey,
+            laddr,
+            rkey,
+            raddr,
+        };
+        // Plan, then post with wr_ids that say how many WRs each completion
+        // retires (since the previous signalled WR on its QP).
+        self.qps.pieces.clear();
+        self.qps
+            .pieces
+            .extend(plan::stripe(len, self.chunk, n_qps, first));
+        plan::batch(
+            &self.qps.pieces,
+            self.cfg.max_wr_per_post,
+            self.cfg.signal_every,
+            &mut self.qps.wrs,
+            &mut self.qps.signaled,
+            &mut self.qps.posts,
+        );
+        let mut signaled = 0u32;
+        let mut retires = plan::retires(&self.qps.posts, &self.qps.signaled);
+        for p in &self.qps.posts {
+            let mut g = self.qps.qps[p.qp].start_post_send();
+            for k in p.start..p.start + p.count {
+                let w = self.qps.wrs[k];
+                let n = retires.next().expect("one per WR");
+                let id = plan::wr_id(slot, p.qp, n);
+                let flags = if self.qps.signaled[k] {
+                    signaled += 1;
+                    WorkRequestFlags::Signaled
+                } else {
+                    WorkRequestFlags::none()
+                };
+                let h = g.construct_wr(id, flags);
+                let h = if write {
+                    h.setup_write(sge.rkey, sge.raddr + w.off)
+                } else {
+                    h.setup_read(sge.rkey, sge.raddr + w.off)
+                };
+                // SAFETY: the local range lies in a registration the op
+                // holds (its OpCmd) until its completions arrive.
+                unsafe { h.setup_sge(sge.lkey, sge.laddr + w.off, w.len) };
+            }
+            g.post()
+                .map_err(|e| verbs_err("ibv_wr_complete (post)", e))?;
+            self.wr_out[p.qp] += p.count as u32;
+        }
+        self.owed.entry(slot).or_insert((0, None)).0 += signaled;
+        Ok(signaled)
+    }
+
+    /// Records a failure of op `slot` found while posting; the op completes
+    /// with it (now, if nothing of it is in flight).
+    pub fn fail_slot(&mut self, slot: u32, err: Error, done: &mut Vec<(u32, Result<()>)>) {
+        match self.owed.get_mut(&slot) {
+            Some((n, e)) if *n > 0 => {
+                e.get_or_insert(err);
+            }
+            _ => {
+                self.owed.remove(&slot);
+                done.push((slot, Err(err)));
+            }
+        }
+    }
+
+    /// Reports completions to `done`. `Err` (with the reason) when a
+    /// completion says the connection is broken: the QPs are in the error
+    /// state and every later WR would be flushed.
+    pub fn poll(
+        &mut self,
+        done: &mut Vec<(u32, Result<()>)>,
+    ) -> std::result::Result<usize, String> {
+        let mut broken = None;
+        let (wr_out, owed) = (&mut self.wr_out, &mut self.owed);
+        let n = self.qps.poll(|id, outcome, name| {
+            let (slot, qp, retires) = plan::split_wr_id(id);
+            if let Some(o) = wr_out.get_mut(qp) {
+                *o = o.saturating_sub(retires);
+            }
+            let r = match outcome {
+                WcOutcome::Ok => Ok(()),
+                WcOutcome::RemoteRefused => Err(Error::Verbs {
+                    what: "RDMA operation",
+                    reason: format!(
+                        "{name}: the target's NIC refused it (unknown key, outside the registration, or not permitted)"
+                    ),
+                }),
+                WcOutcome::ConnBroken => {
+                    broken.get_or_insert_with(|| format!("RDMA completion {name}"));
+                    Err(Error::Verbs {
+                        what: "RDMA operation",
+                        reason: name.to_owned(),
+                    })
+                }
+            };
+            if let Some((left, err)) = owed.get_mut(&slot) {
+                if let Err(e) = r {
+                    err.get_or_insert(e);
+                }
+                *left = left.saturating_sub(1);
+                if *left == 0 {
+                    let (_, err) = owed.remove(&slot).expect("present");
+                    done.push((slot, err.map_or(Ok(()), Err)));
+                }
+            }
+        });
+        match broken {
+            Some(reason) => Err(reason),
+            None => Ok(n),
+        }
+    }
+
+    /// The link is going away: every completion still owed fails with `err`.
+    pub fn fail_all(&mut self, err: &Error, done: &mut Vec<(u32, Result<()>)>) {
+        for (slot, (_, first)) in self.owed.drain() {
+            done.push((slot, Err(first.unwrap_or_else(|| err.duplicate()))));
+        }
+    }
+}
+
+/// Sets up this connection's verbs link over its first control stream:
+/// both sides send their QP info (or a refusal), then read the other's,
+/// then connect. Any failure leaves the connection on tcp (`None`).
+pub(crate) fn exchange(
+    nic: &Arc<Nic>,
+    cfg: &VerbsConfig,
+    chunk: u32,
+    send: impl FnOnce(&crate::wire::ControlFrame) -> Result<()>,
+    recv: impl FnOnce() -> Result<crate::wire::ControlFrame>,
+) -> Result<Option<Link>> {
+    use crate::wire::ControlFrame;
+    let mine = nic.data_qps(cfg);
+    let frame = match &mine {
+        Ok(q) => ControlFrame::Verbs(Some(nic.info(q, cfg))),
+        Err(e) => {
+            tracing::warn!("RDMA queue pairs could not be created, using tcp: {e}");
+            ControlFrame::Verbs(None)
+        }
+    };
+    send(&frame)?;
+    let theirs = match recv()? {
+        ControlFrame::Verbs(Some(v)) => v,
+        ControlFrame::Verbs(None) => return Ok(None),
+        other => {
+            return Err(verbs_err(
+                "the verbs exchange",
+                format!("expected the peer's QP info, got {other:?}"),
+            ))
+        }
+    };
+    let Ok(mut qps) = mine else { return Ok(None) };
+    if let Err(e) = qps.connect(nic, &theirs, cfg) {
+        tracing::warn!("RDMA queue pairs did not connect, using tcp: {e}");
+        return Ok(None);
+    }
+    let n = qps.qps.len();
+    Ok(Some(Link {
+        nic: nic.clone(),
+        qps,
+        cfg: cfg.clone(),
+        chunk,
+        next_qp: 0,
+        wr_out: vec![0; n],
+        owed: Default::default(),
+    }))
 }

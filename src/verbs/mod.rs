@@ -17,6 +17,144 @@ pub mod plan;
 #[cfg(feature = "rdma")]
 pub mod device;
 
+#[cfg(feature = "rdma")]
+pub(crate) use device::Link;
+
+/// The endpoint's opened NIC (none in a build without `rdma`).
+#[cfg(feature = "rdma")]
+pub(crate) type NicHandle = std::sync::Arc<device::Nic>;
+#[cfg(not(feature = "rdma"))]
+pub(crate) type NicHandle = std::convert::Infallible;
+
+/// A registration's memory region on the NIC (the registration cache is
+/// one of these per `Region`, made on first use, dropped with it).
+#[cfg(feature = "rdma")]
+pub(crate) type Mr = std::sync::Arc<sideway::ibverbs::memory_region::MemoryRegion>;
+#[cfg(not(feature = "rdma"))]
+pub(crate) type Mr = std::convert::Infallible;
+
+/// A connection's verbs link; cannot exist in a build without `rdma`.
+#[cfg(not(feature = "rdma"))]
+pub(crate) enum Link {}
+
+#[cfg(not(feature = "rdma"))]
+impl Link {
+    pub fn has_room(&self, _n: usize) -> bool {
+        match *self {}
+    }
+    pub fn busy(&self) -> bool {
+        match *self {}
+    }
+    pub fn pieces(&self, _len: u64) -> usize {
+        match *self {}
+    }
+    pub fn fail_slot(
+        &mut self,
+        _slot: u32,
+        _err: crate::error::Error,
+        _done: &mut Vec<(u32, crate::error::Result<()>)>,
+    ) {
+        match *self {}
+    }
+    pub fn lkey(&self, _r: &crate::region::Region) -> crate::error::Result<u32> {
+        match *self {}
+    }
+    #[allow(clippy::too_many_arguments)]
+    pub fn post(
+        &mut self,
+        _write: bool,
+        _slot: u32,
+        _lkey: u32,
+        _laddr: u64,
+        _rkey: u32,
+        _raddr: u64,
+        _len: u64,
+    ) -> crate::error::Result<u32> {
+        match *self {}
+    }
+    pub fn poll(
+        &mut self,
+        _done: &mut Vec<(u32, crate::error::Result<()>)>,
+    ) -> Result<usize, String> {
+        match *self {}
+    }
+    pub fn fail_all(
+        &mut self,
+        _err: &crate::error::Error,
+        _done: &mut Vec<(u32, crate::error::Result<()>)>,
+    ) {
+        match *self {}
+    }
+}
+
+/// Opens the first usable NIC, or says why verbs is off.
+pub(crate) fn open_nic(
+    gpu_bdf: Option<&str>,
+    wanted: Option<&str>,
+    cfg: &VerbsConfig,
+) -> Result<(Vec<String>, Option<NicHandle>), String> {
+    let nics = status(gpu_bdf, wanted)?;
+    #[cfg(feature = "rdma")]
+    {
+        let nic = device::Nic::open(&nics[0], cfg).map_err(|e| e.to_string())?;
+        Ok((nics, Some(std::sync::Arc::new(nic))))
+    }
+    #[cfg(not(feature = "rdma"))]
+    {
+        let _ = cfg;
+        Ok((nics, None))
+    }
+}
+
+/// `r`'s memory region on `nic`: registered on first use (host memory with
+/// `ibv_reg_mr`, GPU memory through a dma-buf of its allocation).
+#[cfg(feature = "rdma")]
+pub(crate) fn mr_of(nic: &device::Nic, r: &crate::region::Region) -> crate::error::Result<Mr> {
+    if let Some(mr) = r.verbs_mr.get() {
+        return Ok(mr.clone());
+    }
+    let mr = match r.mem {
+        crate::gpu::MemKind::Device {
+            ordinal,
+            alloc_base,
+            alloc_len,
+        } => {
+            let fd = crate::gpu::memory::dmabuf_fd(ordinal, alloc_base, alloc_len)?;
+            // SAFETY: the fd is a dma-buf of the allocation holding the
+            // region, which outlives the MR (dropped with the Region).
+            let mr = unsafe { nic.reg_dmabuf(fd, r.addr() - alloc_base, r.addr(), r.len) };
+            // SAFETY: our fd; the MR holds its own reference to the buffer.
+            unsafe { libc::close(fd) };
+            mr?
+        }
+        // SAFETY: the region's memory outlives the MR (dropped with it).
+        _ => unsafe { nic.reg_host(r.addr(), r.len)? },
+    };
+    Ok(r.verbs_mr.get_or_init(|| mr).clone())
+}
+
+/// The NIC rkey of `r` for a `RemoteBuf`, registering it if needed; `None`
+/// without a NIC (or when registration fails: the window then works over
+/// tcp only, which the log says).
+pub(crate) fn remote_key(nic: Option<&NicHandle>, r: &crate::region::Region) -> Option<u32> {
+    #[cfg(feature = "rdma")]
+    {
+        let nic = nic?;
+        match mr_of(nic, r) {
+            Ok(mr) => Some(mr.rkey()),
+            Err(e) => {
+                tracing::warn!("RDMA registration of {:#x} failed; tcp only: {e}", r.addr());
+                None
+            }
+        }
+    }
+    #[cfg(not(feature = "rdma"))]
+    {
+        let _ = (nic, r);
+        None
+    }
+}
+
 /// Verbs settings (`FERRY_RDMA_*`).
 #[derive(Debug, Clone)]
 pub struct VerbsConfig {
@@ -54,17 +192,16 @@ impl Default for VerbsConfig {
 }
 
 /// The NICs verbs would use here, best first, or why verbs is off.
-pub fn status(gpu_bdf: Option<&str>) -> Result<Vec<String>, String> {
+pub fn status(gpu_bdf: Option<&str>, wanted: Option<&str>) -> Result<Vec<String>, String> {
     #[cfg(not(feature = "rdma"))]
     {
-        let _ = gpu_bdf;
+        let _ = (gpu_bdf, wanted);
         Err("this build has no RDMA verbs path (built without the `rdma` feature)".into())
     }
     #[cfg(feature = "rdma")]
     {
         let names = device::device_names()?;
-        let wanted = std::env::var("FERRY_RDMA_DEV").ok();
-        let chosen = nic::choose(std::path::Path::new("/sys"), gpu_bdf, wanted.as_deref())?;
+        let chosen = nic::choose(std::path::Path::new("/sys"), gpu_bdf, wanted)?;
         let usable: Vec<String> = chosen
             .into_iter()
             .map(|n| n.name)

@@ -79,6 +79,39 @@ pub fn batch(
     }
 }
 
+/// A WR's `wr_id`: op slot (32 bits) | queue pair (8 bits) | how many WRs
+/// of that QP its completion retires (24 bits; 0 for unsignalled WRs).
+pub fn wr_id(slot: u32, qp: usize, retires: u32) -> u64 {
+    debug_assert!(qp < 256 && retires < 1 << 24);
+    ((slot as u64) << 32) | ((qp as u64 & 0xff) << 24) | (retires as u64 & 0xff_ffff)
+}
+
+/// The fields `wr_id` packed: (slot, qp, retires).
+pub fn split_wr_id(id: u64) -> (u32, usize, u32) {
+    (
+        (id >> 32) as u32,
+        ((id >> 24) & 0xff) as usize,
+        (id & 0xff_ffff) as u32,
+    )
+}
+
+/// For each WR of `posts`, how many WRs its completion retires: a
+/// signalled WR retires itself and the unsignalled ones before it in its
+/// post (0 for unsignalled WRs). Their sum is the number of WRs.
+pub fn retires<'a>(posts: &'a [Post], signaled: &'a [bool]) -> impl Iterator<Item = u32> + 'a {
+    posts.iter().flat_map(move |p| {
+        let mut since = 0u32;
+        (p.start..p.start + p.count).map(move |k| {
+            since += 1;
+            if signaled[k] {
+                std::mem::replace(&mut since, 0)
+            } else {
+                0
+            }
+        })
+    })
+}
+
 /// The name of an `ibv_wc_status` (for errors and logs).
 pub fn wc_status_name(status: u32) -> &'static str {
     const NAMES: [&str; 23] = [
@@ -237,6 +270,28 @@ mod tests {
                     assert!(sig[p.start + p.count - 1]);
                     assert!(wrs[p.start..p.start + p.count].iter().all(|w| w.qp == p.qp));
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn wr_ids_pack_and_retire_counts_add_up() {
+        for (slot, qp, r) in [(0, 0, 0), (u32::MAX, 255, (1 << 24) - 1), (77, 3, 16)] {
+            assert_eq!(split_wr_id(wr_id(slot, qp, r)), (slot, qp, r));
+        }
+        let pieces: Vec<Piece> = stripe(37 * 4096, 4096, 4, 1).collect();
+        let (mut wrs, mut sig, mut posts) = (vec![], vec![], vec![]);
+        for (max, every) in [(32, 16), (5, 2), (1, 1), (8, 3)] {
+            batch(&pieces, max, every, &mut wrs, &mut sig, &mut posts);
+            let r: Vec<u32> = retires(&posts, &sig).collect();
+            assert_eq!(r.len(), wrs.len());
+            assert_eq!(
+                r.iter().sum::<u32>() as usize,
+                pieces.len(),
+                "every WR is retired once"
+            );
+            for (k, &n) in r.iter().enumerate() {
+                assert_eq!(n > 0, sig[k]);
             }
         }
     }

@@ -30,6 +30,7 @@ const KIND_HELLO_ACK: u8 = 2;
 const KIND_ERROR: u8 = 3;
 const KIND_AUTH: u8 = 4;
 const KIND_AUTH_OK: u8 = 5;
+const KIND_VERBS: u8 = 6;
 
 /// One side's introduction on a new stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,6 +56,8 @@ pub struct Hello {
 pub const CAP_SHM: u32 = 1;
 /// The sender has a shared secret and requires the peer to prove it too.
 pub const CAP_AUTH: u32 = 2;
+/// The sender has a usable RDMA NIC and offers verbs queue pairs.
+pub const CAP_VERBS: u32 = 4;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ControlFrame {
@@ -68,6 +71,10 @@ pub enum ControlFrame {
     Auth([u8; 32]),
     /// The peer's proof was accepted.
     AuthOk,
+    /// RDMA queue pairs for this connection (after the handshake, on stream
+    /// 0, when both hellos carry `CAP_VERBS`); `None`: this side will not
+    /// use verbs for it, and both fall back to tcp.
+    Verbs(Option<super::VerbsInfo>),
 }
 
 impl ControlFrame {
@@ -90,6 +97,9 @@ impl ControlFrame {
             }
             ControlFrame::Auth(mac) => (KIND_AUTH, mac.to_vec()),
             ControlFrame::AuthOk => (KIND_AUTH_OK, Vec::new()),
+            ControlFrame::Verbs(v) => {
+                (KIND_VERBS, v.as_ref().map_or_else(Vec::new, |v| v.encode()))
+            }
         };
         let mut out = Vec::with_capacity(CONTROL_HEADER_LEN + body.len());
         out.extend_from_slice(&CONTROL_MAGIC.to_le_bytes());
@@ -122,7 +132,7 @@ impl ControlFrame {
             });
         }
         let kind = r.u8()?;
-        if !(KIND_HELLO..=KIND_AUTH_OK).contains(&kind) {
+        if !(KIND_HELLO..=KIND_VERBS).contains(&kind) {
             return Err(DecodeError::UnknownKind { what, got: kind });
         }
         let flags = r.u8()?;
@@ -166,6 +176,8 @@ impl ControlFrame {
                 what: "auth-ok frame",
                 extra: body.len(),
             }),
+            KIND_VERBS if body.is_empty() => Ok(ControlFrame::Verbs(None)),
+            KIND_VERBS => Ok(ControlFrame::Verbs(Some(super::VerbsInfo::decode(body)?))),
             _ => {
                 let what = "control error frame";
                 let mut r = Reader::new(body, what);
@@ -260,8 +272,23 @@ mod tests {
     fn property_round_trip() {
         let mut rng = Rng(99);
         for i in 0..3000 {
-            let f = match i % 5 {
+            let f = match i % 7 {
                 0 => ControlFrame::Hello(hello(&mut rng)),
+                5 => ControlFrame::Verbs(None),
+                6 => ControlFrame::Verbs(Some(crate::wire::VerbsInfo {
+                    gid: rng.bytes(16).try_into().unwrap(),
+                    lid: rng.next() as u16,
+                    port: 1,
+                    mtu: 5,
+                    link_layer: crate::wire::LINK_ETHERNET,
+                    sl: 0,
+                    traffic_class: 0,
+                    max_rd_atomic: 16,
+                    qps: vec![
+                        (rng.below(1 << 24) as u32, rng.below(1 << 24) as u32);
+                        1 + rng.below(64) as usize
+                    ],
+                })),
                 1 => ControlFrame::HelloAck(hello(&mut rng)),
                 3 => ControlFrame::Auth(rng.bytes(32).try_into().unwrap()),
                 4 => ControlFrame::AuthOk,

@@ -18,12 +18,12 @@ mod verbs;
 pub use cursor::DecodeError;
 pub use data::{DataHeader, DataKind, Status, DATA_HEADER_LEN, MAX_NOTIFY_BYTES};
 pub use frame::{
-    ControlFrame, Hello, CAP_AUTH, CAP_SHM, CONTROL_HEADER_LEN, CONTROL_MAGIC, MAX_CONTROL_BODY,
-    MAX_STREAMS, PROTOCOL_VERSION,
+    ControlFrame, Hello, CAP_AUTH, CAP_SHM, CAP_VERBS, CONTROL_HEADER_LEN, CONTROL_MAGIC,
+    MAX_CONTROL_BODY, MAX_STREAMS, PROTOCOL_VERSION,
 };
 pub use ipc::{IpcBuf, IPC_BUF_LEN};
 pub use metadata::{normalize_bus_id, EndpointMetadata, MAX_BDF_LEN};
-pub use remote_buf::{RemoteBuf, REMOTE_BUF_LEN, REMOTE_FLAG_DEVICE};
+pub use remote_buf::{RemoteBuf, REMOTE_BUF_LEN, REMOTE_FLAG_DEVICE, REMOTE_FLAG_NIC_KEY};
 pub use verbs::{VerbsInfo, LINK_ETHERNET, LINK_INFINIBAND, MAX_DATA_QPS};
 
 #[cfg(test)]

@@ -14,6 +14,9 @@ use super::cursor::{DecodeError, Reader};
 pub const REMOTE_BUF_LEN: usize = 64;
 /// `reserved[8]` bit: the window is GPU memory.
 pub const REMOTE_FLAG_DEVICE: u8 = 1;
+/// `reserved[8]` bit: `reserved[12..16]` holds the registration's RDMA
+/// rkey (the NIC's key; `rkey` stays ferry's own for tcp and shm).
+pub const REMOTE_FLAG_NIC_KEY: u8 = 2;
 
 /// A window of a peer's registered memory that the peer advertised to us.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -77,6 +80,12 @@ impl RemoteBuf {
     /// since the target copies with CUDA, not the CPU.
     pub fn is_device(&self) -> bool {
         self.reserved[8] & REMOTE_FLAG_DEVICE != 0
+    }
+
+    /// The RDMA rkey the advertiser's NIC honours for this window, if any.
+    pub fn nic_rkey(&self) -> Option<u32> {
+        (self.reserved[8] & REMOTE_FLAG_NIC_KEY != 0)
+            .then(|| u32::from_le_bytes(self.reserved[12..16].try_into().expect("4 bytes")))
     }
 
     /// The sub-window `[offset, offset + len)` of this buffer, or `None` if it

@@ -37,13 +37,15 @@ pub enum Path {
     TcpUring,
     TcpEpoll,
     Shm,
+    /// RDMA queue pairs (tcp control); needs FERRY_TEST_RDMA=1 and a NIC.
+    Verbs,
 }
 
 impl Path {
     pub fn io(self) -> IoPreference {
         match self {
             Path::TcpUring => IoPreference::Uring,
-            Path::TcpEpoll => IoPreference::Epoll,
+            Path::TcpEpoll | Path::Verbs => IoPreference::Epoll,
             Path::Shm => IoPreference::Auto,
         }
     }
@@ -58,12 +60,22 @@ impl Path {
     pub fn transport_name(self) -> &'static str {
         match self {
             Path::Shm => "shm",
+            Path::Verbs => "verbs",
             _ => "tcp",
         }
     }
 
     /// False (with a printed reason) where this path cannot run here.
     pub fn available(self) -> bool {
+        if self == Path::Verbs {
+            if std::env::var("FERRY_TEST_RDMA").as_deref() != Ok("1") {
+                println!("skipped: the verbs path needs FERRY_TEST_RDMA=1 and an RDMA NIC");
+                return false;
+            }
+            if let Err(why) = ferry::verbs::status(None, None) {
+                panic!("FERRY_TEST_RDMA=1 but verbs is off here: {why}");
+            }
+        }
         backend_available(self.io())
     }
 }

@@ -19,9 +19,10 @@ pub fn run(a: Args) -> Result<()> {
     }
     println!("transports:");
     println!("  tcp           usable: kernel TCP, the default network path");
-    match ferry::verbs::status(None) {
+    let wanted = cfg.as_ref().ok().and_then(|c| c.rdma_dev.clone());
+    match ferry::verbs::status(None, wanted.as_deref()) {
         Ok(nics) => println!(
-            "  verbs (rdma)  devices found: {} (the verbs data path is not wired into connections yet; tcp is used)",
+            "  verbs (rdma)  usable: {} (first is used; peers with verbs get RDMA queue pairs)",
             nics.join(", ")
         ),
         Err(why) => println!("  verbs (rdma)  not usable: {why}; connections use tcp"),
