@@ -950,9 +950,7 @@ impl Inner {
             kind,
             slot: t.slot(),
             parts,
-            next_desc: 0,
-            next_off: 0,
-            emitted: 0,
+            at: Default::default(),
             counted: false,
         };
         match self.shard_of(conn).submit(Command::Op(cmd)) {

@@ -25,6 +25,9 @@ pub(crate) const SPLIT_MIN_BYTES: usize = 8 << 20;
 /// Staged copies issued in one batch at most.
 pub(crate) const MAX_BATCH: usize = 256;
 
+/// A staging outcome: on failure, the error and every entry it took down.
+pub(crate) type Staged = std::result::Result<(), (Error, Vec<Entry>)>;
+
 /// What one finished copy reports: what to do next, the IPC mapping to
 /// release and the memory to let go of.
 pub(crate) struct Entry {
@@ -133,13 +136,7 @@ impl Copier {
     /// caller guarantees both stay valid until `entry` comes back from
     /// `poll` (or with an error from here or `flush`). Large copies start
     /// now; small ones wait for `flush`.
-    pub fn stage(
-        &mut self,
-        entry: Entry,
-        dst: u64,
-        src: u64,
-        len: usize,
-    ) -> std::result::Result<(), (Error, Vec<Entry>)> {
+    pub fn stage(&mut self, entry: Entry, dst: u64, src: u64, len: usize) -> Staged {
         if len >= SPLIT_MIN_BYTES {
             return self.start_split(entry, dst, src, len);
         }
@@ -154,13 +151,7 @@ impl Copier {
     }
 
     /// A large copy, split across the stream pool, one event per piece.
-    fn start_split(
-        &mut self,
-        entry: Entry,
-        dst: u64,
-        src: u64,
-        len: usize,
-    ) -> std::result::Result<(), (Error, Vec<Entry>)> {
+    fn start_split(&mut self, entry: Entry, dst: u64, src: u64, len: usize) -> Staged {
         let mut entries = self.entries_vec();
         entries.push(entry);
         let pieces = self.streams.len();
@@ -196,7 +187,7 @@ impl Copier {
 
     /// Issues every staged copy: one batch call (or one cuMemcpyAsync per
     /// copy without batch support) and one event, on the next stream.
-    pub fn flush(&mut self) -> std::result::Result<(), (Error, Vec<Entry>)> {
+    pub fn flush(&mut self) -> Staged {
         if self.staged.is_empty() {
             return Ok(());
         }
@@ -251,11 +242,7 @@ impl Copier {
         self.launched(f, r)
     }
 
-    fn launched(
-        &mut self,
-        mut f: InFlight,
-        r: Result<()>,
-    ) -> std::result::Result<(), (Error, Vec<Entry>)> {
+    fn launched(&mut self, mut f: InFlight, r: Result<()>) -> Staged {
         match r {
             Ok(()) => {
                 self.inflight.push_back(f);

@@ -619,7 +619,7 @@ impl Shard {
         let idx = match target {
             None => {
                 let err = self.conn_error(op.conn);
-                for _ in op.emitted..total {
+                for _ in op.at.emitted..total {
                     self.done.push((op.slot, Err(err.duplicate())));
                 }
                 return None;
@@ -627,8 +627,8 @@ impl Shard {
             Some(ConnRef::Local(idx)) => {
                 let lc = &mut self.local[idx];
                 let descs = op.parts.as_slice();
-                while op.next_desc < descs.len() {
-                    let d = &descs[op.next_desc];
+                while op.at.desc < descs.len() {
+                    let d = &descs[op.at.desc];
                     // SAFETY: the endpoint checked local_off + len <= region len.
                     let local = unsafe { d.local.ptr.add(d.local_off) };
                     if !lc.push_request(
@@ -647,8 +647,8 @@ impl Shard {
                     ) {
                         return Some(op);
                     }
-                    op.emitted += 1;
-                    op.next_desc += 1;
+                    op.at.emitted += 1;
+                    op.at.desc += 1;
                 }
                 return None;
             }
@@ -657,18 +657,18 @@ impl Shard {
         };
         let conn = &mut self.conns[idx];
         let descs = op.parts.as_slice();
-        while op.next_desc < descs.len() {
-            let d = &descs[op.next_desc];
-            let n = chunk.min(d.len - op.next_off);
+        while op.at.desc < descs.len() {
+            let d = &descs[op.at.desc];
+            let n = chunk.min(d.len - op.at.off);
             let which = conn.next % conn.streams.len();
             let s = &mut conn.streams[which];
             if !s.can_request() {
                 return Some(op);
             }
-            let op_id = ((op.slot as u64) << 32) | op.emitted as u64;
+            let op_id = ((op.slot as u64) << 32) | op.at.emitted as u64;
             // SAFETY: the endpoint checked local_off + len <= region len
             // before submitting, and next_off < len (or both are 0).
-            let local = unsafe { d.local.ptr.add(d.local_off + op.next_off) };
+            let local = unsafe { d.local.ptr.add(d.local_off + op.at.off) };
             let key = KeyRef {
                 rkey: d.rkey,
                 tag: d.tag,
@@ -687,13 +687,13 @@ impl Shard {
                             reason: "no pinned bounce buffer could be allocated (see the log)"
                                 .into(),
                         };
-                        for _ in op.emitted..total {
+                        for _ in op.at.emitted..total {
                             self.done.push((op.slot, Err(e.duplicate())));
                         }
                         return None;
                     }
                 };
-                let addr = d.remote_addr + op.next_off as u64;
+                let addr = d.remote_addr + op.at.off as u64;
                 match op.kind {
                     OpKind::Write => {
                         let g = self.gpu.as_mut().expect("bounce came from it");
@@ -724,12 +724,7 @@ impl Shard {
                     }
                 }
                 conn.next = conn.next.wrapping_add(1);
-                op.emitted += 1;
-                op.next_off += n;
-                if op.next_off >= d.len {
-                    op.next_desc += 1;
-                    op.next_off = 0;
-                }
+                op.at.advance(n, d.len);
                 continue;
             }
             s.push_request(
@@ -737,19 +732,14 @@ impl Shard {
                 op.slot,
                 op_id,
                 key,
-                d.remote_addr + op.next_off as u64,
+                d.remote_addr + op.at.off as u64,
                 local,
                 n,
                 &d.local,
                 now,
             );
             conn.next = conn.next.wrapping_add(1);
-            op.emitted += 1;
-            op.next_off += n;
-            if op.next_off >= d.len {
-                op.next_desc += 1;
-                op.next_off = 0;
-            }
+            op.at.advance(n, d.len);
         }
         None
     }
