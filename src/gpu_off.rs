@@ -48,22 +48,7 @@ pub mod driver {
 pub mod memory {
     use super::*;
 
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-    pub enum MemKind {
-        Host,
-        Pinned,
-        Device {
-            ordinal: i32,
-            alloc_base: u64,
-            alloc_len: usize,
-        },
-    }
-
-    impl MemKind {
-        pub fn is_device(&self) -> bool {
-            matches!(self, MemKind::Device { .. })
-        }
-    }
+    pub use crate::gpu_kinds::MemKind;
 
     pub fn classify(_ptr: u64) -> Result<MemKind> {
         Ok(MemKind::Host)
@@ -157,16 +142,8 @@ pub(crate) mod ipc {
 
     pub(crate) type MapKey = (u64, u64);
 
-    #[derive(Debug, Default)]
-    pub(crate) struct IpcCounters {
-        _none: (),
-    }
-
-    impl IpcCounters {
-        pub fn snapshot(&self) -> IpcStats {
-            IpcStats::default()
-        }
-    }
+    pub(crate) use crate::gpu_kinds::IpcCounters;
+    pub use crate::gpu_kinds::IpcStats;
 
     pub(crate) fn export(_ordinal: i32, _alloc_base: u64) -> Result<[u8; 64]> {
         Err(off())
@@ -184,16 +161,6 @@ pub(crate) mod ipc {
         pub fn release(&mut self, _key: MapKey) {}
         pub fn revoke(&mut self, _owner_id: u64, _alloc_base: u64) {}
         pub fn revoke_owner(&mut self, _owner_id: u64) {}
-    }
-
-    /// A snapshot of the IPC counters of one endpoint (all zero here).
-    #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-    pub struct IpcStats {
-        pub opens: u64,
-        pub hits: u64,
-        pub closes: u64,
-        pub same_process: u64,
-        pub open_now: u64,
     }
 }
 

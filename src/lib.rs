@@ -70,6 +70,7 @@ pub mod gpu;
 #[cfg(not(feature = "gpu"))]
 #[path = "gpu_off.rs"]
 pub mod gpu;
+mod gpu_kinds;
 pub mod oob;
 pub mod reactor;
 pub(crate) mod region;

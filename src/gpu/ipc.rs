@@ -6,54 +6,18 @@
 //! shuts down — never while a copy still uses it.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 
 use cudarc::driver::sys as cu;
 
 use super::driver::{check, cuda};
 use crate::error::Result;
+pub(crate) use crate::gpu_kinds::IpcCounters;
+pub use crate::gpu_kinds::IpcStats;
 use crate::wire::IpcBuf;
 
 /// A cached mapping: (owner endpoint id, owner's allocation base).
 pub(crate) type MapKey = (u64, u64);
-
-/// IPC counters, shared by an endpoint's shards (read by `Endpoint::ipc_stats`).
-#[derive(Debug, Default)]
-pub(crate) struct IpcCounters {
-    pub opens: AtomicU64,
-    pub hits: AtomicU64,
-    pub closes: AtomicU64,
-    pub same_process: AtomicU64,
-}
-
-/// A snapshot of the IPC counters of one endpoint.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct IpcStats {
-    /// `cuIpcOpenMemHandle` calls (cache misses).
-    pub opens: u64,
-    /// Operations that found their mapping already open.
-    pub hits: u64,
-    /// `cuIpcCloseMemHandle` calls.
-    pub closes: u64,
-    /// Operations on memory of this same process (no handle opened).
-    pub same_process: u64,
-    /// Mappings open now (`opens - closes`).
-    pub open_now: u64,
-}
-
-impl IpcCounters {
-    pub fn snapshot(&self) -> IpcStats {
-        let opens = self.opens.load(Ordering::Relaxed);
-        let closes = self.closes.load(Ordering::Relaxed);
-        IpcStats {
-            opens,
-            hits: self.hits.load(Ordering::Relaxed),
-            closes,
-            same_process: self.same_process.load(Ordering::Relaxed),
-            open_now: opens.saturating_sub(closes),
-        }
-    }
-}
 
 /// The IPC handle of the allocation starting at `alloc_base` (device memory
 /// of `ordinal`).

@@ -7,28 +7,7 @@ use cudarc::driver::sys as cu;
 
 use super::driver::{check, cuda};
 use crate::error::{Error, Result};
-
-/// Where the bytes of a registration live.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MemKind {
-    /// Ordinary (pageable) host memory, or no driver to say otherwise.
-    Host,
-    /// Host memory the driver has pinned (page-locked); GPUs reach it by DMA.
-    Pinned,
-    /// Memory of GPU `ordinal`, inside the allocation `[alloc_base,
-    /// alloc_base + alloc_len)` (from the driver, not assumed).
-    Device {
-        ordinal: i32,
-        alloc_base: u64,
-        alloc_len: usize,
-    },
-}
-
-impl MemKind {
-    pub fn is_device(&self) -> bool {
-        matches!(self, MemKind::Device { .. })
-    }
-}
+pub use crate::gpu_kinds::MemKind;
 
 /// Asks the driver what `ptr` is. Without a driver every pointer is host
 /// memory. Managed (unified) memory is refused: the engine cannot tell
