@@ -757,23 +757,26 @@ impl Shard {
         if !link.has_room(pieces) {
             return Some(op);
         }
-        let write = op.kind == OpKind::Write;
         for d in descs {
-            let posted = link.lkey(&d.local).and_then(|lkey| {
-                link.post(
-                    write,
-                    op.slot,
+            match link.lkey(&d.local) {
+                Ok(lkey) => link.add(
                     lkey,
                     d.local.addr() + d.local_off as u64,
                     d.nic_rkey.expect("checked by the caller"),
                     d.remote_addr,
                     d.len as u64,
-                )
-            });
-            if let Err(e) = posted {
-                link.fail_slot(op.slot, e, &mut self.done);
-                break;
+                ),
+                Err(e) => {
+                    // Nothing of this op has been posted yet: drop the
+                    // gathered parts by posting none.
+                    link.discard();
+                    link.fail_slot(op.slot, e, &mut self.done);
+                    return None;
+                }
             }
+        }
+        if let Err(e) = link.post(op.kind == OpKind::Write, op.slot) {
+            link.fail_slot(op.slot, e, &mut self.done);
         }
         None
     }

@@ -305,6 +305,8 @@ pub(crate) struct Link {
     /// Per op slot: completions still owed, and the first error seen. An op
     /// completes once (one `done` per slot) when its last one arrives.
     owed: crate::region::IntMap<u32, (u32, Option<Error>)>,
+    /// The parts of the op being built (reused).
+    items: Vec<Sge>,
 }
 
 // SAFETY: the verbs objects are used by one shard at a time (they move with
@@ -337,40 +339,36 @@ impl Link {
         super::mr_of(&self.nic, r).map(|mr| mr.lkey())
     }
 
-    /// Posts one piece of an op (WRITE or READ of `len` bytes between
-    /// `laddr` under `lkey` and the peer's `raddr` under `rkey`). Returns
-    /// the completions it will produce.
-    #[allow(clippy::too_many_arguments)]
-    pub fn post(
-        &mut self,
-        write: bool,
-        slot: u32,
-        lkey: u32,
-        laddr: u64,
-        rkey: u32,
-        raddr: u64,
-        len: u64,
-    ) -> Result<u32> {
-        let first = self.next_qp;
+    /// Adds one part of an op (`len` bytes between `laddr` under `lkey`
+    /// and the peer's `raddr` under `rkey`) to the op being built; `post`
+    /// sends them all.
+    pub fn add(&mut self, lkey: u32, laddr: u64, rkey: u32, raddr: u64, len: u64) {
         let n_qps = self.wr_out.len();
-        let pieces = if len == 0 {
-            1
-        } else {
-            len.div_ceil(self.chunk as u64)
-        } as usize;
-        self.next_qp = (first + pieces) % n_qps;
-        let sge = Sge {
+        let item = self.items.len() as u32;
+        let first = self.next_qp;
+        self.next_qp = (first + self.pieces(len)) % n_qps;
+        self.qps
+            .pieces
+            .extend(plan::stripe_item(item, len, self.chunk, n_qps, first));
+        self.items.push(Sge {
             lkey,
             laddr,
             rkey,
             raddr,
-        };
-        // Plan, then post with wr_ids that say how many WRs each completion
-        // retires (since the previous signalled WR on its QP).
+        });
+    }
+
+    /// Forgets the parts gathered so far (the op failed before posting).
+    pub fn discard(&mut self) {
         self.qps.pieces.clear();
-        self.qps
-            .pieces
-            .extend(plan::stripe(len, self.chunk, n_qps, first));
+        self.items.clear();
+    }
+
+    /// Posts the parts `add` gathered as op `slot`: all its WRs for one QP
+    /// go as linked lists of at most `max_wr_per_post` (one doorbell each),
+    /// so a vectored op rings each QP's doorbell once, not once per part.
+    /// Returns the completions it will produce.
+    pub fn post(&mut self, write: bool, slot: u32) -> Result<u32> {
         plan::batch(
             &self.qps.pieces,
             self.cfg.max_wr_per_post,
@@ -379,36 +377,48 @@ impl Link {
             &mut self.qps.signaled,
             &mut self.qps.posts,
         );
+        self.qps.pieces.clear();
         let mut signaled = 0u32;
         let mut retires = plan::retires(&self.qps.posts, &self.qps.signaled);
+        let mut result = Ok(());
         for p in &self.qps.posts {
             let mut g = self.qps.qps[p.qp].start_post_send();
+            let mut in_post = 0u32;
             for k in p.start..p.start + p.count {
                 let w = self.qps.wrs[k];
+                let it = &self.items[w.item as usize];
                 let n = retires.next().expect("one per WR");
                 let id = plan::wr_id(slot, p.qp, n);
                 let flags = if self.qps.signaled[k] {
-                    signaled += 1;
+                    in_post += 1;
                     WorkRequestFlags::Signaled
                 } else {
                     WorkRequestFlags::none()
                 };
                 let h = g.construct_wr(id, flags);
                 let h = if write {
-                    h.setup_write(sge.rkey, sge.raddr + w.off)
+                    h.setup_write(it.rkey, it.raddr + w.off)
                 } else {
-                    h.setup_read(sge.rkey, sge.raddr + w.off)
+                    h.setup_read(it.rkey, it.raddr + w.off)
                 };
                 // SAFETY: the local range lies in a registration the op
                 // holds (its OpCmd) until its completions arrive.
-                unsafe { h.setup_sge(sge.lkey, sge.laddr + w.off, w.len) };
+                unsafe { h.setup_sge(it.lkey, it.laddr + w.off, w.len) };
             }
-            g.post()
-                .map_err(|e| verbs_err("ibv_wr_complete (post)", e))?;
+            if let Err(e) = g.post() {
+                // Nothing of this list went out; earlier lists did, and
+                // their completions still arrive.
+                result = Err(verbs_err("ibv_wr_complete (post)", e));
+                break;
+            }
+            signaled += in_post;
             self.wr_out[p.qp] += p.count as u32;
         }
-        self.owed.entry(slot).or_insert((0, None)).0 += signaled;
-        Ok(signaled)
+        self.items.clear();
+        if signaled > 0 {
+            self.owed.entry(slot).or_insert((0, None)).0 += signaled;
+        }
+        result.map(|()| signaled)
     }
 
     /// Records a failure of op `slot` found while posting; the op completes
@@ -524,5 +534,6 @@ pub(crate) fn exchange(
         next_qp: 0,
         wr_out: vec![0; n],
         owed: Default::default(),
+        items: Vec::new(),
     }))
 }

@@ -59,17 +59,13 @@ impl Link {
     pub fn lkey(&self, _r: &crate::region::Region) -> crate::error::Result<u32> {
         match *self {}
     }
-    #[allow(clippy::too_many_arguments)]
-    pub fn post(
-        &mut self,
-        _write: bool,
-        _slot: u32,
-        _lkey: u32,
-        _laddr: u64,
-        _rkey: u32,
-        _raddr: u64,
-        _len: u64,
-    ) -> crate::error::Result<u32> {
+    pub fn add(&mut self, _lkey: u32, _laddr: u64, _rkey: u32, _raddr: u64, _len: u64) {
+        match *self {}
+    }
+    pub fn post(&mut self, _write: bool, _slot: u32) -> crate::error::Result<u32> {
+        match *self {}
+    }
+    pub fn discard(&mut self) {
         match *self {}
     }
     pub fn poll(
