@@ -2,7 +2,6 @@
 //! advertisement, and write_ipc/read_ipc (single, vectored, async) — the
 //! seed's `advertise_ipc` / `write_ipc` / `read_ipc` family.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::{Endpoint, Inner, MemoryRegion, Peer};
@@ -198,8 +197,8 @@ impl MemoryRegion {
             });
         };
         let ep = self.ep.upgrade().ok_or(Error::Shutdown)?;
-        let handle = crate::gpu::ipc::export(ordinal, alloc_base)?;
-        self.inner.ipc_exported.store(true, Ordering::Release);
+        // Exported once per registration and marked for revocation.
+        let handle = self.inner.export_ipc()?;
         Ok(IpcBuf {
             device: ordinal as u16,
             owner_id: ep.id,

@@ -155,17 +155,14 @@ impl Regions for LiveRegions<'_> {
         need: Access,
     ) -> Result<(Arc<Region>, usize), Status> {
         let conn = self.conn;
-        let found = match self.table.check(conn, key, addr, len, need) {
+        match self.table.check(conn, key, addr, len, need) {
             Err(Status::UnknownKey) => {
                 apply_region_updates(self.table, self.updates);
                 self.table.check(conn, key, addr, len, need)
             }
             other => other,
-        };
-        match found {
-            Ok((r, off)) => Ok((r.clone(), off)),
-            Err(e) => Err(e),
         }
+        .map(|(r, off)| (r.clone(), off))
     }
 }
 
