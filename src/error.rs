@@ -111,7 +111,7 @@ pub enum Error {
     Timeout { what: &'static str, timeout_ms: u64 },
     #[error("notification of {len} bytes exceeds the {max}-byte limit")]
     NotifyTooLong { len: usize, max: usize },
-    #[error("config {name}={value:?}: {reason}")]
+    #[error("invalid {name} = {value:?}: {reason}")]
     Config {
         name: &'static str,
         value: String,

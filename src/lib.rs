@@ -40,7 +40,8 @@
 //! use ferry::{Config, Endpoint};
 //!
 //! # fn main() -> ferry::Result<()> {
-//! let cfg = Config { listen_addr: "127.0.0.1".parse().unwrap(), ..Config::default() };
+//! let mut cfg = Config::default();
+//! cfg.listen_addr = "127.0.0.1".parse().unwrap();
 //! let target = Endpoint::builder().config(cfg.clone()).build()?;
 //! let initiator = Endpoint::builder().config(cfg).build()?;
 //! target.start_passive_accept()?;
@@ -65,19 +66,16 @@
 pub(crate) mod auth;
 pub mod endpoint;
 pub mod error;
-#[cfg(feature = "gpu")]
 pub mod gpu;
-#[cfg(not(feature = "gpu"))]
-#[path = "gpu_off.rs"]
-pub mod gpu;
-mod gpu_kinds;
 pub mod oob;
 pub mod reactor;
 pub(crate) mod region;
 pub(crate) mod shm;
+pub(crate) mod sys;
 pub(crate) mod tcp;
 pub mod verbs;
 pub mod wire;
+pub(crate) mod xfer;
 
 #[doc(hidden)]
 pub mod testkit;

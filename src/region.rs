@@ -1,34 +1,8 @@
 //! Registered memory: the engine's record of a region, and the per-shard
 //! table a target consults to check every remote request.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use crate::sys::IntMap;
 use std::sync::Arc;
-
-/// A multiply-shift hasher for the engine's small integer keys (rkeys,
-/// connection ids): the hot-path tables need speed, not DoS resistance, and
-/// their keys come from this process (a peer can only name them).
-#[derive(Default, Clone, Copy)]
-pub(crate) struct IntHasher(u64);
-
-impl Hasher for IntHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.write_u64(b as u64);
-        }
-    }
-    fn write_u32(&mut self, v: u32) {
-        self.write_u64(v as u64);
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-}
-
-pub(crate) type IntMap<K, V> = HashMap<K, V, BuildHasherDefault<IntHasher>>;
 
 use bitflags::bitflags;
 
@@ -52,7 +26,7 @@ pub(crate) enum Backing {
     /// deregistration completes.
     Raw,
     /// A memfd mapping (`alloc_host`), shareable with local peers.
-    Memfd(#[allow(dead_code)] crate::shm::object::MemfdBuf),
+    Memfd(#[allow(dead_code)] crate::sys::MemfdBuf),
     /// GPU memory the engine allocated (`alloc_gpu`).
     Device(#[allow(dead_code)] crate::gpu::memory::DeviceBuf),
     /// Pinned host memory the engine allocated (`alloc_pinned`).
@@ -76,10 +50,12 @@ pub(crate) struct Region {
     pub ipc_exported: std::sync::atomic::AtomicBool,
     /// The allocation's CUDA IPC handle, exported on first need.
     pub ipc_handle: std::sync::OnceLock<[u8; 64]>,
-    /// Its RDMA memory region, registered on first use; dropped (so
-    /// deregistered from the NIC) before the memory below is freed.
+    /// What a NIC layer attached to this registration (the verbs layer's
+    /// memory region, registered on first use). Declared before the
+    /// backing so it drops first: the NIC lets go of the pages before they
+    /// are freed. Opaque here: the region layer knows no transport.
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
-    pub verbs_mr: std::sync::OnceLock<crate::verbs::Mr>,
+    pub nic_attach: std::sync::OnceLock<Arc<dyn std::any::Any + Send + Sync>>,
     pub _backing: Backing,
 }
 
@@ -121,7 +97,7 @@ impl Region {
             mem: crate::gpu::MemKind::Pinned,
             ipc_exported: Default::default(),
             ipc_handle: Default::default(),
-            verbs_mr: Default::default(),
+            nic_attach: Default::default(),
             _backing: Backing::Pinned(buf),
         }
     }
@@ -150,6 +126,71 @@ impl Region {
     }
 }
 
+/// A checked part of a registration: `[off, off + len)` lies inside
+/// `region`, proved once by the constructor. Code holding one may hand its
+/// address to a syscall, a NIC or the GPU driver without checking again,
+/// and the memory stays alive as long as the slice does. This is the one
+/// currency for "local memory of an operation": raw pointers are derived
+/// from it only at the syscall or driver call.
+#[derive(Clone)]
+pub(crate) struct RegionSlice {
+    region: Arc<Region>,
+    off: usize,
+    len: usize,
+}
+
+impl std::fmt::Debug for RegionSlice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}[{}..+{}]", self.region, self.off, self.len)
+    }
+}
+
+impl RegionSlice {
+    /// `[off, off + len)` of `region`, or `None` if it does not fit.
+    pub fn new(region: &Arc<Region>, off: usize, len: usize) -> Option<RegionSlice> {
+        let end = off.checked_add(len)?;
+        (end <= region.len).then(|| RegionSlice {
+            region: region.clone(),
+            off,
+            len,
+        })
+    }
+
+    /// `[off, off + len)` of this slice, or `None` if it does not fit.
+    pub fn sub(&self, off: usize, len: usize) -> Option<RegionSlice> {
+        let end = off.checked_add(len)?;
+        (end <= self.len).then(|| RegionSlice {
+            region: self.region.clone(),
+            off: self.off + off,
+            len,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn region(&self) -> &Arc<Region> {
+        &self.region
+    }
+
+    /// Where the slice starts in this process's address space.
+    pub fn addr(&self) -> u64 {
+        self.region.addr() + self.off as u64
+    }
+
+    /// The first byte's address, for a syscall or driver call. Valid for
+    /// `len` bytes while this slice (which holds the region) lives.
+    pub fn ptr(&self) -> *mut u8 {
+        // In bounds by construction; wrapping_add keeps this safe code.
+        self.region.ptr.wrapping_add(self.off)
+    }
+
+    pub fn is_device(&self) -> bool {
+        self.region.mem.is_device()
+    }
+}
+
 /// What a request must present: the key, and the tag that was advertised
 /// with it (the `RemoteBuf`'s first 8 reserved bytes, random per key).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -161,14 +202,14 @@ pub(crate) struct KeyRef {
 /// Where a connection looks up the registration a request names (the
 /// shard's table, seen from that connection).
 pub(crate) trait Regions {
-    /// As `RegionTable::check`, returning a counted handle to the region.
+    /// As `RegionTable::check`, returning the window the request may touch.
     fn check(
         &mut self,
         key: KeyRef,
         addr: u64,
         len: u64,
         need: Access,
-    ) -> Result<(Arc<Region>, usize), Status>;
+    ) -> Result<RegionSlice, Status>;
 }
 
 /// What a key opens: a window of a region, for any peer or for one
@@ -273,7 +314,7 @@ mod tests {
             mem: crate::gpu::MemKind::Host,
             ipc_exported: Default::default(),
             ipc_handle: Default::default(),
-            verbs_mr: Default::default(),
+            nic_attach: Default::default(),
             _backing: Backing::Raw,
         });
         let base = r.addr();

@@ -25,12 +25,7 @@ pub fn check_pattern(buf: &[u8], start: u64, seed: u8) -> Option<usize> {
         .position(|(i, &b)| b != pattern_byte(start + i as u64, seed))
 }
 
-/// FNV-1a 64 of `buf`, to compare large buffers across processes.
-pub fn fnv64(buf: &[u8]) -> u64 {
-    buf.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-    })
-}
+pub use crate::sys::fnv64;
 
 /// What a `ferry serve` process prints before it is ready.
 pub struct Served {

@@ -10,9 +10,10 @@ use common::*;
 use ferry::{Config, Endpoint, Error, Secret};
 
 fn keyed(path: Path, key: Option<&str>) -> Endpoint {
-    let cfg = Config {
-        auth_key: key.map(|k| Secret::new(k.as_bytes().to_vec()).unwrap()),
-        ..path_config(path)
+    let cfg = {
+        let mut conf = path_config(path);
+        conf.auth_key = key.map(|k| Secret::new(k.as_bytes().to_vec()).unwrap());
+        conf
     };
     Endpoint::builder().config(cfg).build().unwrap()
 }
@@ -50,9 +51,10 @@ fn tcp_peers_must_share_the_secret() {
     let why = handshake_reason(good.add_remote(&open.served.meta));
     assert!(why.contains("FERRY_AUTH_KEY"), "{why}");
     // The secret never shows in debug output.
-    let cfg = Config {
-        auth_key: Some(Secret::new(b"hunter2hunter2".to_vec()).unwrap()),
-        ..Config::default()
+    let cfg = {
+        let mut conf = Config::default();
+        conf.auth_key = Some(Secret::new(b"hunter2hunter2".to_vec()).unwrap());
+        conf
     };
     assert!(!format!("{cfg:?}").contains("hunter2"));
     assert!(Secret::new(b"short".to_vec()).is_err());

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use ferry::oob::IoPreference;
-use ferry::{Config, Endpoint, Error, Mode};
+use ferry::{Endpoint, Error, Mode};
 
 const MIB: usize = 1 << 20;
 
@@ -65,10 +65,11 @@ fn restarted_peer_on_the_same_address() {
 #[test]
 fn stopped_peer_is_back_pressure_with_bounded_memory() {
     let t = Target::start_on(Path::TcpEpoll, 64 * MIB, &[]);
-    let cfg = Config {
-        max_inflight_ops: 64,
-        op_timeout_ms: 20_000,
-        ..config(IoPreference::Epoll)
+    let cfg = {
+        let mut conf = config(IoPreference::Epoll);
+        conf.max_inflight_ops = 64;
+        conf.op_timeout_ms = 20_000;
+        conf
     };
     let ep = Endpoint::builder().config(cfg).build().unwrap();
     let conn = ep.add_remote(&t.served.meta).unwrap();
@@ -120,9 +121,10 @@ fn peer_killed_mid_handshake_is_an_error_not_a_hang() {
         signal(pid, "-KILL");
     });
     let ep = Endpoint::builder()
-        .config(Config {
-            connect_timeout_ms: 10_000,
-            ..config(IoPreference::Epoll)
+        .config({
+            let mut conf = config(IoPreference::Epoll);
+            conf.connect_timeout_ms = 10_000;
+            conf
         })
         .build()
         .unwrap();
@@ -142,9 +144,10 @@ fn limits_are_enforced_and_named() {
     // Connections, on the connecting side and on the accepting side.
     let t = Target::start_on(Path::TcpEpoll, 4096, &[("FERRY_MAX_CONNS", "1")]);
     let ep = Endpoint::builder()
-        .config(Config {
-            max_conns: 1,
-            ..config(IoPreference::Epoll)
+        .config({
+            let mut conf = config(IoPreference::Epoll);
+            conf.max_conns = 1;
+            conf
         })
         .build()
         .unwrap();
@@ -166,9 +169,10 @@ fn limits_are_enforced_and_named() {
     assert!(e.to_string().contains("FERRY_MAX_CONNS"), "{e}");
     // Registrations.
     let ep3 = Endpoint::builder()
-        .config(Config {
-            max_registrations: 2,
-            ..config(IoPreference::Epoll)
+        .config({
+            let mut conf = config(IoPreference::Epoll);
+            conf.max_registrations = 2;
+            conf
         })
         .build()
         .unwrap();
@@ -189,10 +193,11 @@ fn limits_are_enforced_and_named() {
     let _c = ep3.alloc(8).unwrap();
     assert_eq!(ep3.registration_count(), 2);
     // In-flight operations on one connection.
-    let cfg = Config {
-        max_conn_inflight_ops: 2,
-        mode: Mode::Embedded,
-        ..config(IoPreference::Epoll)
+    let cfg = {
+        let mut conf = config(IoPreference::Epoll);
+        conf.max_conn_inflight_ops = 2;
+        conf.mode = Mode::Embedded;
+        conf
     };
     let ep4 = Endpoint::builder().config(cfg).build().unwrap();
     let mut shard = ep4.take_shards().pop().unwrap();

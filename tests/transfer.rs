@@ -17,7 +17,7 @@ const MIB: usize = 1 << 20;
 macro_rules! on_every_path {
     ($($name:ident),* $(,)?) => {
         mod uring {
-            $( #[test] fn $name() { if super::Path::TcpUring.available() { super::$name(super::Path::TcpUring) } } )*
+            $( #[test] fn $name() { super::Path::TcpUring.require(); super::$name(super::Path::TcpUring) } )*
         }
         mod epoll {
             $( #[test] fn $name() { super::$name(super::Path::TcpEpoll) } )*
@@ -36,7 +36,11 @@ macro_rules! on_every_path {
 macro_rules! on_verbs {
     ($($name:ident),* $(,)?) => {
         mod verbs {
-            $( #[test] fn $name() { if super::Path::Verbs.available() { super::$name(super::Path::Verbs) } } )*
+            $(
+                #[test]
+                #[ignore = "needs an RDMA NIC (FERRY_TEST_RDMA=1 cargo test --features rdma -- --ignored verbs::)"]
+                fn $name() { super::Path::Verbs.require(); super::$name(super::Path::Verbs) }
+            )*
         }
     };
 }
@@ -553,10 +557,11 @@ fn notifications_and_remove_remote(io: Path) {
 
 fn several_streams_chunked(io: Path) {
     let t = Target::start_on(io, 32 * MIB, &[]);
-    let cfg = ferry::Config {
-        streams_per_conn: 4,
-        chunk_bytes: 64 * 1024,
-        ..path_config(io)
+    let cfg = {
+        let mut conf = path_config(io);
+        conf.streams_per_conn = 4;
+        conf.chunk_bytes = 64 * 1024;
+        conf
     };
     let ep = ferry::Endpoint::builder().config(cfg).build().unwrap();
     let conn = ep.add_remote(&t.served.meta).unwrap();

@@ -56,7 +56,12 @@ impl std::fmt::Debug for Secret {
     }
 }
 
+/// Every knob of an endpoint. Start from `Config::default()` or
+/// `Config::from_env()` and set fields; `EndpointBuilder::build` checks the
+/// result with [`Config::validate`]. `#[non_exhaustive]`: new knobs are
+/// not breaking changes, so build one by assignment, not a struct literal.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct Config {
     /// Address the control listener binds (`FERRY_LISTEN_ADDR`, default 0.0.0.0).
     pub listen_addr: IpAddr,
@@ -181,15 +186,24 @@ fn bad(name: &'static str, value: &str, reason: impl Into<String>) -> Error {
     }
 }
 
-fn num<T>(name: &'static str, v: &str, min: T, max: T) -> Result<T>
+/// Parses a number; its range is checked by `validate`.
+fn num<T: std::str::FromStr>(name: &'static str, v: &str) -> Result<T> {
+    v.trim().parse().map_err(|_| bad(name, v, "not a number"))
+}
+
+/// `min <= v <= max`, or an error naming the field (and its variable).
+fn within<T>(name: &'static str, v: T, min: T, max: T) -> Result<()>
 where
-    T: std::str::FromStr + PartialOrd + std::fmt::Display + Copy,
+    T: PartialOrd + std::fmt::Display + Copy,
 {
-    let n: T = v.trim().parse().map_err(|_| bad(name, v, "not a number"))?;
-    if n < min || n > max {
-        return Err(bad(name, v, format!("must be in {min}..={max}")));
+    if v < min || v > max {
+        return Err(bad(
+            name,
+            &v.to_string(),
+            format!("must be in {min}..={max}"),
+        ));
     }
-    Ok(n)
+    Ok(())
 }
 
 impl Config {
@@ -205,7 +219,116 @@ impl Config {
         }
     }
 
-    /// Defaults overridden by every `FERRY_*` variable that is set.
+    /// Checks every field against its bounds. `EndpointBuilder::build` calls it, and so does `from_env`, so
+    /// a value set in code meets the same rules as one from a variable.
+    /// The error names the field, its variable and the value.
+    pub fn validate(&self) -> Result<()> {
+        within("shards (FERRY_SHARDS)", self.shards, 1, 256)?;
+        within(
+            "max_inflight_ops (FERRY_MAX_INFLIGHT_OPS)",
+            self.max_inflight_ops,
+            1,
+            1 << 20,
+        )?;
+        within(
+            "stream_inflight (FERRY_STREAM_INFLIGHT)",
+            self.stream_inflight,
+            1,
+            1 << 20,
+        )?;
+        within("sq_depth (FERRY_SQ_DEPTH)", self.sq_depth, 1, 1 << 20)?;
+        within(
+            "streams_per_conn (FERRY_STREAMS)",
+            self.streams_per_conn,
+            1,
+            crate::wire::MAX_STREAMS,
+        )?;
+        within(
+            "chunk_bytes (FERRY_CHUNK_BYTES)",
+            self.chunk_bytes,
+            4096,
+            1 << 30,
+        )?;
+        within(
+            "connect_timeout_ms (FERRY_CONNECT_TIMEOUT_MS)",
+            self.connect_timeout_ms,
+            1,
+            3_600_000,
+        )?;
+        within(
+            "op_timeout_ms (FERRY_OP_TIMEOUT_MS)",
+            self.op_timeout_ms,
+            1,
+            3_600_000,
+        )?;
+        within("spin_us (FERRY_SPIN_US)", self.spin_us, 0, 10_000_000)?;
+        within(
+            "inbox_depth (FERRY_INBOX_DEPTH)",
+            self.inbox_depth,
+            1,
+            1 << 20,
+        )?;
+        within("max_conns (FERRY_MAX_CONNS)", self.max_conns, 1, 1 << 20)?;
+        within(
+            "max_registrations (FERRY_MAX_REGISTRATIONS)",
+            self.max_registrations,
+            1,
+            1 << 24,
+        )?;
+        within(
+            "max_conn_inflight_ops (FERRY_MAX_CONN_INFLIGHT_OPS)",
+            self.max_conn_inflight_ops,
+            1,
+            1 << 20,
+        )?;
+        if let Some(g) = self.gpu {
+            within("gpu (FERRY_GPU)", g, 0, 1023)?;
+        }
+        within("gpu_streams (FERRY_GPU_STREAMS)", self.gpu_streams, 1, 8)?;
+        within(
+            "gpu_bounce_bytes (FERRY_GPU_BOUNCE_BYTES)",
+            self.gpu_bounce_bytes,
+            1,
+            1 << 40,
+        )?;
+        within(
+            "rdma_gid_index (FERRY_RDMA_GID_INDEX)",
+            self.rdma_gid_index,
+            0,
+            255,
+        )?;
+        within(
+            "rdma_qps (FERRY_RDMA_QPS)",
+            self.rdma_qps,
+            1,
+            crate::wire::MAX_DATA_QPS,
+        )?;
+        within(
+            "rdma_max_rd_atomic (FERRY_RDMA_MAX_RD_ATOMIC)",
+            self.rdma_max_rd_atomic,
+            1,
+            255,
+        )?;
+        within("rdma_sl (FERRY_RDMA_SL)", self.rdma_sl, 0, 15)?;
+        if let Some(d) = &self.rdma_dev {
+            if d.split(',').all(|s| s.trim().is_empty()) {
+                return Err(bad("rdma_dev (FERRY_RDMA_DEV)", d, "names no device"));
+            }
+        }
+        if let Some(a) = self.advertise_addr {
+            if a.is_unspecified() || a.is_multicast() {
+                return Err(bad(
+                    "advertise_addr (FERRY_ADVERTISE_ADDR)",
+                    &a.to_string(),
+                    "peers cannot connect to an unspecified or multicast address",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Defaults overridden by every `FERRY_*` variable that is set,
+    /// validated.
     pub fn from_env() -> Result<Config> {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
@@ -213,48 +336,51 @@ impl Config {
     /// As `from_env`, reading variables through `get` (for tests).
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config> {
         let mut c = Config::default();
-        if let Some(v) = get("FERRY_LISTEN_ADDR") {
-            c.listen_addr = v
-                .trim()
+        let addr = |name: &'static str, v: &str| -> Result<IpAddr> {
+            v.trim()
                 .parse()
-                .map_err(|_| bad("FERRY_LISTEN_ADDR", &v, "not an IP address"))?;
+                .map_err(|_| bad(name, v, "not an IP address"))
+        };
+        if let Some(v) = get("FERRY_LISTEN_ADDR") {
+            c.listen_addr = addr("FERRY_LISTEN_ADDR", &v)?;
         }
         if let Some(v) = get("FERRY_LISTEN_PORT") {
-            c.listen_port = num("FERRY_LISTEN_PORT", &v, 0, u16::MAX)?;
+            c.listen_port = num("FERRY_LISTEN_PORT", &v)?;
         }
         if let Some(v) = get("FERRY_ADVERTISE_ADDR") {
-            c.advertise_addr = Some(
-                v.trim()
-                    .parse()
-                    .map_err(|_| bad("FERRY_ADVERTISE_ADDR", &v, "not an IP address"))?,
-            );
+            c.advertise_addr = Some(addr("FERRY_ADVERTISE_ADDR", &v)?);
         }
-        if let Some(v) = get("FERRY_SHARDS") {
-            c.shards = num("FERRY_SHARDS", &v, 1, 256)?;
+        macro_rules! numbers {
+            ($($var:literal => $field:ident),* $(,)?) => {$(
+                if let Some(v) = get($var) {
+                    c.$field = num($var, &v)?;
+                }
+            )*};
         }
-        if let Some(v) = get("FERRY_MAX_INFLIGHT_OPS") {
-            c.max_inflight_ops = num("FERRY_MAX_INFLIGHT_OPS", &v, 1, 1 << 20)?;
+        numbers! {
+            "FERRY_SHARDS" => shards,
+            "FERRY_MAX_INFLIGHT_OPS" => max_inflight_ops,
+            "FERRY_STREAM_INFLIGHT" => stream_inflight,
+            "FERRY_SQ_DEPTH" => sq_depth,
+            "FERRY_STREAMS" => streams_per_conn,
+            "FERRY_CHUNK_BYTES" => chunk_bytes,
+            "FERRY_CONNECT_TIMEOUT_MS" => connect_timeout_ms,
+            "FERRY_OP_TIMEOUT_MS" => op_timeout_ms,
+            "FERRY_SPIN_US" => spin_us,
+            "FERRY_INBOX_DEPTH" => inbox_depth,
+            "FERRY_MAX_CONNS" => max_conns,
+            "FERRY_MAX_REGISTRATIONS" => max_registrations,
+            "FERRY_MAX_CONN_INFLIGHT_OPS" => max_conn_inflight_ops,
+            "FERRY_GPU_STREAMS" => gpu_streams,
+            "FERRY_GPU_BOUNCE_BYTES" => gpu_bounce_bytes,
+            "FERRY_RDMA_GID_INDEX" => rdma_gid_index,
+            "FERRY_RDMA_QPS" => rdma_qps,
+            "FERRY_RDMA_MAX_RD_ATOMIC" => rdma_max_rd_atomic,
+            "FERRY_RDMA_SL" => rdma_sl,
+            "FERRY_RDMA_TC" => rdma_tc,
         }
-        if let Some(v) = get("FERRY_STREAM_INFLIGHT") {
-            c.stream_inflight = num("FERRY_STREAM_INFLIGHT", &v, 1, 1 << 20)?;
-        }
-        if let Some(v) = get("FERRY_SQ_DEPTH") {
-            c.sq_depth = num("FERRY_SQ_DEPTH", &v, 1, 1 << 20)?;
-        }
-        if let Some(v) = get("FERRY_STREAMS") {
-            c.streams_per_conn = num("FERRY_STREAMS", &v, 1, crate::wire::MAX_STREAMS)?;
-        }
-        if let Some(v) = get("FERRY_CHUNK_BYTES") {
-            c.chunk_bytes = num("FERRY_CHUNK_BYTES", &v, 4096, 1 << 30)?;
-        }
-        if let Some(v) = get("FERRY_CONNECT_TIMEOUT_MS") {
-            c.connect_timeout_ms = num("FERRY_CONNECT_TIMEOUT_MS", &v, 1, 3_600_000)?;
-        }
-        if let Some(v) = get("FERRY_OP_TIMEOUT_MS") {
-            c.op_timeout_ms = num("FERRY_OP_TIMEOUT_MS", &v, 1, 3_600_000)?;
-        }
-        if let Some(v) = get("FERRY_SPIN_US") {
-            c.spin_us = num("FERRY_SPIN_US", &v, 0, 10_000_000)?;
+        if let Some(v) = get("FERRY_GPU") {
+            c.gpu = Some(num("FERRY_GPU", &v)?);
         }
         if let Some(v) = get("FERRY_IO") {
             c.io = match v.trim() {
@@ -268,13 +394,8 @@ impl Config {
             c.transport = match v.trim() {
                 "auto" => Transport::Auto,
                 "tcp" => Transport::Tcp,
-                _ => {
-                    return Err(bad(
-                        "FERRY_TRANSPORT",
-                        &v,
-                        "expected auto or tcp (the transports this build has)",
-                    ))
-                }
+                "shm" => Transport::Shm,
+                _ => return Err(bad("FERRY_TRANSPORT", &v, "expected auto, tcp or shm")),
             };
         }
         if let Some(v) = get("FERRY_PIN") {
@@ -284,47 +405,8 @@ impl Config {
                 _ => return Err(bad("FERRY_PIN", &v, "expected 0 or 1")),
             };
         }
-        if let Some(v) = get("FERRY_INBOX_DEPTH") {
-            c.inbox_depth = num("FERRY_INBOX_DEPTH", &v, 1, 1 << 20)?;
-        }
-        if let Some(v) = get("FERRY_MAX_CONNS") {
-            c.max_conns = num("FERRY_MAX_CONNS", &v, 1, 1 << 20)?;
-        }
-        if let Some(v) = get("FERRY_MAX_REGISTRATIONS") {
-            c.max_registrations = num("FERRY_MAX_REGISTRATIONS", &v, 1, 1 << 24)?;
-        }
-        if let Some(v) = get("FERRY_MAX_CONN_INFLIGHT_OPS") {
-            c.max_conn_inflight_ops = num("FERRY_MAX_CONN_INFLIGHT_OPS", &v, 1, 1 << 20)?;
-        }
-        if let Some(v) = get("FERRY_GPU") {
-            c.gpu = Some(num("FERRY_GPU", &v, 0, 1023)?);
-        }
-        if let Some(v) = get("FERRY_GPU_STREAMS") {
-            c.gpu_streams = num("FERRY_GPU_STREAMS", &v, 1, 8)?;
-        }
         if let Some(v) = get("FERRY_RDMA_DEV") {
-            if v.split(',').all(|s| s.trim().is_empty()) {
-                return Err(bad("FERRY_RDMA_DEV", &v, "names no device"));
-            }
             c.rdma_dev = Some(v);
-        }
-        if let Some(v) = get("FERRY_RDMA_GID_INDEX") {
-            c.rdma_gid_index = num("FERRY_RDMA_GID_INDEX", &v, 0, 255)?;
-        }
-        if let Some(v) = get("FERRY_RDMA_QPS") {
-            c.rdma_qps = num("FERRY_RDMA_QPS", &v, 1, crate::wire::MAX_DATA_QPS)?;
-        }
-        if let Some(v) = get("FERRY_RDMA_MAX_RD_ATOMIC") {
-            c.rdma_max_rd_atomic = num("FERRY_RDMA_MAX_RD_ATOMIC", &v, 1, 255)?;
-        }
-        if let Some(v) = get("FERRY_RDMA_SL") {
-            c.rdma_sl = num("FERRY_RDMA_SL", &v, 0, 15)?;
-        }
-        if let Some(v) = get("FERRY_RDMA_TC") {
-            c.rdma_tc = num("FERRY_RDMA_TC", &v, 0, 255)?;
-        }
-        if let Some(v) = get("FERRY_GPU_BOUNCE_BYTES") {
-            c.gpu_bounce_bytes = num("FERRY_GPU_BOUNCE_BYTES", &v, 1, 1 << 40)?;
         }
         if let Some(v) = get("FERRY_AUTH_KEY") {
             c.auth_key = Some(Secret::new(v.into_bytes())?);
@@ -332,6 +414,7 @@ impl Config {
         if let Some(v) = get("FERRY_LOG") {
             c.log = v;
         }
+        c.validate()?;
         Ok(c)
     }
 
@@ -370,9 +453,39 @@ mod tests {
         assert_eq!(c.max_inflight_ops, 77);
         assert!(c.listen_addr.is_ipv6());
         let e = Config::from_lookup(env(&[("FERRY_SHARDS", "0")])).unwrap_err();
-        assert!(e.to_string().contains("FERRY_SHARDS=\"0\""), "{e}");
+        assert!(e.to_string().contains("FERRY_SHARDS"), "{e}");
+        assert!(e.to_string().contains("\"0\""), "{e}");
+        let c = Config::from_lookup(env(&[("FERRY_TRANSPORT", "shm")])).unwrap();
+        assert_eq!(c.transport, Transport::Shm);
         let e = Config::from_lookup(env(&[("FERRY_TRANSPORT", "carrier-pigeon")])).unwrap_err();
         assert!(e.to_string().contains("carrier-pigeon"), "{e}");
         assert!(Config::from_lookup(env(&[("FERRY_OP_TIMEOUT_MS", "x")])).is_err());
+    }
+
+    #[test]
+    fn validate_names_each_zero_field() {
+        type Set = fn(&mut Config);
+        let cases: [(&str, Set); 8] = [
+            ("advertise_addr", |c| {
+                c.advertise_addr = Some("0.0.0.0".parse().unwrap())
+            }),
+            ("shards", |c| c.shards = 0),
+            ("max_inflight_ops", |c| c.max_inflight_ops = 0),
+            ("streams_per_conn", |c| c.streams_per_conn = 0),
+            ("chunk_bytes", |c| c.chunk_bytes = 0),
+            ("sq_depth", |c| c.sq_depth = 0),
+            ("stream_inflight", |c| c.stream_inflight = 0),
+            ("inbox_depth", |c| c.inbox_depth = 0),
+        ];
+        assert!(Config::default().validate().is_ok());
+        for (field, set) in cases {
+            let mut c = Config::default();
+            set(&mut c);
+            let e = c.validate().unwrap_err().to_string();
+            assert!(
+                e.starts_with(&format!("invalid {field} (FERRY_")),
+                "{field}: {e}"
+            );
+        }
     }
 }

@@ -252,9 +252,7 @@ impl Inner {
             }
         }
         Ok(IpcDesc {
-            local: mr.inner.clone(),
-            local_off: offset,
-            len,
+            local: mr.slice(offset, len)?,
             remote: *remote,
         })
     }
@@ -287,8 +285,8 @@ impl Inner {
         // Copies run on the local buffer's GPU when it has one, else on the
         // endpoint's (GPU 0 in lazy mode).
         let ordinal = match &parts {
-            IpcParts::One(d) => d.local.mem,
-            IpcParts::Many(v) => v[0].local.mem,
+            IpcParts::One(d) => d.local.region().mem,
+            IpcParts::Many(v) => v[0].local.region().mem,
         };
         let ordinal = match ordinal {
             MemKind::Device { ordinal, .. } => ordinal,

@@ -15,8 +15,9 @@ use crate::region::Backing;
 use crate::shm::fdpass::{self, Shared};
 use crate::shm::local::{probe_cma, LocalConn, CMA_CANARY};
 use crate::shm::msg::{Msg, MsgKind};
-use crate::shm::object::{accept_ring_name, pair_ring_name, pid_alive, this_pid, ShmRing};
+use crate::shm::object::{accept_ring_name, pair_ring_name, ShmRing};
 use crate::shm::ring::SLOT_PAYLOAD;
+use crate::sys::{pid_alive, random_u64, this_pid};
 
 /// Slots of one connection direction's ring.
 pub(crate) const PAIR_RING_SLOTS: usize = 1024;
@@ -120,7 +121,7 @@ impl Inner {
         let rx = ShmRing::create(
             &pair_ring_name(peer_id, self.id, conn.0 as u32),
             PAIR_RING_SLOTS,
-            super::random_u64(),
+            random_u64(),
         )?;
         let accept = ShmRing::open(&accept_ring_name(peer_id))?;
         if !pid_alive(accept.owner_pid()) {
@@ -133,7 +134,7 @@ impl Inner {
         m.conn = conn.0 as u32;
         m.addr = this_pid() as u64;
         m.aux = self.id;
-        m.aux2 = super::random_u64();
+        m.aux2 = random_u64();
         m.src_key = self.cfg.stream_inflight as u32;
         m.src_addr = &CMA_CANARY as *const u64 as u64;
         // With a shared secret, CONNECT carries our proof of it, and the
@@ -272,7 +273,7 @@ impl Inner {
         let rx = ShmRing::create(
             &pair_ring_name(peer_id, self.id, m.conn),
             PAIR_RING_SLOTS,
-            super::random_u64(),
+            random_u64(),
         )?;
         ack.conn = conn.0 as u32;
         ack.src_key = self.cfg.stream_inflight as u32;

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use super::Inner;
 use crate::error::{Error, Result};
-use crate::region::{Access, Region};
+use crate::region::{Access, Region, RegionSlice};
 use crate::wire::RemoteBuf;
 
 /// Registered memory. Peers may WRITE into it or READ from it at any time
@@ -84,46 +84,78 @@ impl MemoryRegion {
         }
     }
 
-    /// Copies `dst.len()` bytes starting at `offset` out of the region.
-    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        self.check_range(offset, dst.len())?;
-        // SAFETY: the range is inside the live region; a concurrent remote
-        // write can change the bytes we copy, never their validity (u8).
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.inner.ptr.add(offset), dst.as_mut_ptr(), dst.len())
-        };
-        Ok(())
+    /// `[offset, offset + len)` as a checked slice, or `OutOfRange`.
+    pub(crate) fn slice(&self, offset: usize, len: usize) -> Result<RegionSlice> {
+        self.check_range(offset, len)?;
+        Ok(RegionSlice::new(&self.inner, offset, len).expect("range checked"))
     }
 
-    /// Copies `src` into the region at `offset`.
+    /// Copies `dst.len()` bytes starting at `offset` out of the region:
+    /// with the CPU from host memory, through the CUDA driver (a blocking
+    /// copy) from GPU memory. Fails with `OutOfRange` outside the region.
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.check_range(offset, dst.len())?;
+        // SAFETY: the range is inside the live region (checked above; the
+        // `Arc<Region>` keeps it alive) and `dst` is ours for `dst.len()`.
+        unsafe { self.copy_raw(dst.as_mut_ptr(), self.inner.ptr.add(offset), dst.len()) }
+    }
+
+    /// Copies `src` into the region at `offset` (host or GPU memory, as
+    /// [`read_at`](Self::read_at)).
     pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check_range(offset, src.len())?;
-        // SAFETY: as in `read_at`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.inner.ptr.add(offset), src.len())
-        };
+        // SAFETY: as in `read_at`, the other way.
+        unsafe { self.copy_raw(self.inner.ptr.add(offset), src.as_ptr(), src.len()) }
+    }
+
+    /// One copy between this region and application memory.
+    ///
+    /// # Safety
+    /// Both ranges are live for `len` bytes; one of them lies in this region.
+    unsafe fn copy_raw(&self, dst: *mut u8, src: *const u8, len: usize) -> Result<()> {
+        if self.inner.mem.is_device() {
+            // The CPU cannot dereference device memory: the driver copies.
+            // SAFETY: the caller's promise.
+            return unsafe { crate::gpu::memory::copy_blocking(dst as u64, src as u64, len) };
+        }
+        // SAFETY: host memory, both ranges live (the caller's promise); a
+        // concurrent remote write can change the bytes we copy, never their
+        // validity (u8).
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
         Ok(())
     }
 
     /// The region's bytes as a slice.
     ///
     /// # Safety
-    /// No peer may write to the region, and no local transfer may READ into
+    /// The region must be host memory (`Endpoint::mem_kind` is not
+    /// `Device`: the CPU cannot read GPU memory; this panics on it), and no
+    /// peer may write to the region, and no local transfer may READ into
     /// it, while the slice lives.
     pub unsafe fn as_slice(&self) -> &[u8] {
-        // SAFETY: the region is live; exclusivity is the caller's promise.
+        self.assert_host();
+        // SAFETY: live host memory; exclusivity is the caller's promise.
         unsafe { std::slice::from_raw_parts(self.inner.ptr, self.inner.len) }
     }
 
     /// The region's bytes as a mutable slice.
     ///
     /// # Safety
-    /// No peer may read or write the region, and no local transfer may use
-    /// it, while the slice lives.
+    /// As `as_slice`, and no peer may read the region or local transfer use
+    /// it while the slice lives.
     #[allow(clippy::mut_from_ref)]
     pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
+        self.assert_host();
         // SAFETY: as for `as_slice`.
         unsafe { std::slice::from_raw_parts_mut(self.inner.ptr, self.inner.len) }
+    }
+
+    fn assert_host(&self) {
+        assert!(
+            !self.inner.mem.is_device(),
+            "a slice of GPU memory ({:?}) cannot be read by the CPU; use read_at/write_at",
+            self.inner.mem
+        );
     }
 
     /// Describes `[offset, offset + len)` with the registration's own key,

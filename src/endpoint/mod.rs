@@ -28,6 +28,7 @@ use crate::reactor::{
     Command, OpCmd, OpDesc, OpParts, RegionCmd, Shard, ShardConfig, ShardHandle, Transfer,
 };
 use crate::region::{Access, Backing, Region};
+use crate::sys::{pin_to_core, primary_ipv4, random_u64};
 use crate::tcp::StreamLimits;
 use crate::wire::{EndpointMetadata, Hello, RemoteBuf, CAP_AUTH, CAP_SHM, MAX_NOTIFY_BYTES};
 
@@ -73,6 +74,7 @@ impl EndpointBuilder {
             Some(c) => c,
             None => Config::from_env()?,
         };
+        cfg.validate()?;
         Endpoint::start(cfg)
     }
 }
@@ -148,74 +150,6 @@ pub struct Endpoint {
     inner: Arc<Inner>,
     threads: Vec<JoinHandle<()>>,
     embedded: Mutex<Vec<Shard>>,
-}
-
-/// 32 random bits (PSNs and the like).
-#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
-pub(crate) fn random_u32() -> u32 {
-    random_u64() as u32
-}
-
-fn random_u64() -> u64 {
-    let mut b = [0u8; 8];
-    // SAFETY: getrandom writes at most b.len() bytes into b.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    if n == b.len() as isize {
-        return u64::from_le_bytes(b);
-    }
-    // getrandom cannot fail for 8 bytes on Linux >= 3.17; mix clock and pid if it did.
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    (t.as_nanos() as u64) ^ ((std::process::id() as u64) << 32)
-}
-
-/// The first non-loopback IPv4 address of an interface that is up.
-fn primary_ipv4() -> Option<IpAddr> {
-    let mut ifa: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `ifa` with a list we free below.
-    if unsafe { libc::getifaddrs(&mut ifa) } != 0 {
-        return None;
-    }
-    let mut cur = ifa;
-    let mut found = None;
-    while !cur.is_null() {
-        // SAFETY: `cur` is a node of the list getifaddrs returned.
-        let a = unsafe { &*cur };
-        let up = a.ifa_flags & libc::IFF_UP as u32 != 0;
-        let lo = a.ifa_flags & libc::IFF_LOOPBACK as u32 != 0;
-        // SAFETY: ifa_addr, when non-null, points to a sockaddr whose family
-        // field says which sockaddr type it is.
-        let family = (!a.ifa_addr.is_null()).then(|| unsafe { (*a.ifa_addr).sa_family } as i32);
-        if up && !lo && family == Some(libc::AF_INET) {
-            // SAFETY: the family is AF_INET, so this is a sockaddr_in.
-            let sin = unsafe { &*(a.ifa_addr as *const libc::sockaddr_in) };
-            found = Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(
-                sin.sin_addr.s_addr,
-            ))));
-            break;
-        }
-        cur = a.ifa_next;
-    }
-    // SAFETY: `ifa` came from getifaddrs and is freed once.
-    unsafe { libc::freeifaddrs(ifa) };
-    found
-}
-
-fn pin_to_core(core: usize) {
-    // SAFETY: cpu_set_t is plain bits; CPU_SET and sched_setaffinity(0, ..)
-    // act on this thread only.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(core, &mut set);
-        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-            warn!(
-                core,
-                "could not pin shard thread: {}",
-                std::io::Error::last_os_error()
-            );
-        }
-    }
 }
 
 impl Endpoint {
@@ -620,7 +554,7 @@ impl Endpoint {
     /// shared with same-host peers so their transfers into or out of it are
     /// one memcpy (other memory is copied with process_vm_readv/writev).
     pub fn alloc_host(&self, len: usize) -> Result<MemoryRegion> {
-        let m = crate::shm::object::MemfdBuf::new(len)?;
+        let m = crate::sys::MemfdBuf::new(len)?;
         let ptr = m.map.ptr;
         let mr = self
             .inner
@@ -874,9 +808,7 @@ fn desc(mr: &MemoryRegion, offset: usize, len: usize, remote: &RemoteBuf) -> Res
         });
     }
     Ok(OpDesc {
-        local: mr.inner.clone(),
-        local_off: offset,
-        len,
+        local: mr.slice(offset, len)?,
         remote_addr: remote.addr,
         rkey: remote.rkey,
         tag: remote.key_tag(),
@@ -1006,7 +938,7 @@ impl Inner {
             mem,
             ipc_exported: Default::default(),
             ipc_handle: Default::default(),
-            verbs_mr: Default::default(),
+            nic_attach: Default::default(),
             _backing: backing,
         });
         for s in &self.shards {

@@ -10,13 +10,11 @@
 //! one transfer.
 
 use std::collections::VecDeque;
-use std::sync::Arc;
 
 use cudarc::driver::sys as cu;
 
 use super::driver::{check, cuda};
 use crate::error::{Error, Result};
-use crate::region::Region;
 
 /// Pieces one copy is split into at most (one per stream).
 pub(crate) const MAX_SPLIT: usize = 8;
@@ -26,49 +24,39 @@ pub(crate) const SPLIT_MIN_BYTES: usize = 8 << 20;
 pub(crate) const MAX_BATCH: usize = 256;
 
 /// A staging outcome: on failure, the error and every entry it took down.
-pub(crate) type Staged = std::result::Result<(), (Error, Vec<Entry>)>;
-
-/// What one finished copy reports: what to do next, the IPC mapping to
-/// release and the memory to let go of.
-pub(crate) struct Entry {
-    pub then: crate::reactor::Then,
-    pub mapping: Option<super::ipc::MapKey>,
-    /// Alive until the copy ends (deregistration waits for it).
-    pub keep: Option<Arc<Region>>,
-    /// The copy's other side, when it is a region too; held, never read.
-    #[allow(dead_code)]
-    pub keep2: Option<Arc<Region>>,
-}
+pub(crate) type Staged<E> = std::result::Result<(), (Error, Vec<E>)>;
 
 /// Copies issued together, done when all their events have fired.
-struct InFlight {
+struct InFlight<E> {
     events: [cu::CUevent; MAX_SPLIT],
     n: usize,
-    entries: Vec<Entry>,
+    entries: Vec<E>,
 }
 
 /// A device's stream pool, staged copies and copies in flight. Owned by
-/// one shard.
-pub(crate) struct Copier {
+/// one shard. `E` is the caller's record of each copy (what to do when it
+/// ends, and whatever keeps its memory alive); the copier only holds it and
+/// hands it back, so this layer knows nothing of who asked.
+pub(crate) struct Copier<E> {
     ordinal: i32,
     streams: Vec<cu::CUstream>,
     free_events: Vec<cu::CUevent>,
     next_stream: usize,
     has_batch: bool,
-    staged: Vec<Entry>,
+    staged: Vec<E>,
     dsts: Vec<u64>,
     srcs: Vec<u64>,
     sizes: Vec<usize>,
-    inflight: VecDeque<InFlight>,
+    inflight: VecDeque<InFlight<E>>,
     /// Emptied entry vectors, reused so steady state allocates nothing.
-    spare: Vec<Vec<Entry>>,
+    spare: Vec<Vec<E>>,
 }
 
 // SAFETY: streams and events are driver handles usable from any thread; a
 // Copier is used by one shard at a time (it moves with the shard).
-unsafe impl Send for Copier {}
+unsafe impl<E: Send> Send for Copier<E> {}
 
-impl Copier {
+impl<E> Copier<E> {
     pub fn new(ordinal: i32, streams: usize) -> Result<Self> {
         let c = cuda()?;
         c.make_current(ordinal)?;
@@ -127,18 +115,23 @@ impl Copier {
         s
     }
 
-    fn entries_vec(&mut self) -> Vec<Entry> {
+    fn entries_vec(&mut self) -> Vec<E> {
         self.spare.pop().unwrap_or_default()
     }
 
     /// Queues a copy of `len` bytes from `src` to `dst` (any addresses the
-    /// driver can reach: device, mapped IPC, pinned or pageable host). The
-    /// caller guarantees both stay valid until `entry` comes back from
-    /// `poll` (or with an error from here or `flush`). Large copies start
-    /// now; small ones wait for `flush`.
-    pub fn stage(&mut self, entry: Entry, dst: u64, src: u64, len: usize) -> Staged {
+    /// driver can reach: device, mapped IPC, pinned or pageable host).
+    /// Large copies start now; small ones wait for `flush`.
+    ///
+    /// # Safety
+    /// `[dst, dst + len)` and `[src, src + len)` must stay valid (mapped,
+    /// not freed) until `entry` comes back from `poll`, or with an error
+    /// from here or `flush`: the DMA engine reads and writes them until then.
+    /// Holding what keeps them alive inside `entry` meets this.
+    pub unsafe fn stage(&mut self, entry: E, dst: u64, src: u64, len: usize) -> Staged<E> {
         if len >= SPLIT_MIN_BYTES {
-            return self.start_split(entry, dst, src, len);
+            // SAFETY: the caller's promise, passed on.
+            return unsafe { self.start_split(entry, dst, src, len) };
         }
         self.staged.push(entry);
         self.dsts.push(dst);
@@ -151,7 +144,10 @@ impl Copier {
     }
 
     /// A large copy, split across the stream pool, one event per piece.
-    fn start_split(&mut self, entry: Entry, dst: u64, src: u64, len: usize) -> Staged {
+    ///
+    /// # Safety
+    /// As `stage`.
+    unsafe fn start_split(&mut self, entry: E, dst: u64, src: u64, len: usize) -> Staged<E> {
         let mut entries = self.entries_vec();
         entries.push(entry);
         let pieces = self.streams.len();
@@ -187,7 +183,7 @@ impl Copier {
 
     /// Issues every staged copy: one batch call (or one cuMemcpyAsync per
     /// copy without batch support) and one event, on the next stream.
-    pub fn flush(&mut self) -> Staged {
+    pub fn flush(&mut self) -> Staged<E> {
         if self.staged.is_empty() {
             return Ok(());
         }
@@ -242,7 +238,7 @@ impl Copier {
         self.launched(f, r)
     }
 
-    fn launched(&mut self, mut f: InFlight, r: Result<()>) -> Staged {
+    fn launched(&mut self, mut f: InFlight<E>, r: Result<()>) -> Staged<E> {
         match r {
             Ok(()) => {
                 self.inflight.push_back(f);
@@ -262,7 +258,7 @@ impl Copier {
     }
 
     /// Hands every finished copy's entry to `out`; returns how many.
-    pub fn poll(&mut self, mut out: impl FnMut(Entry, Result<()>)) -> usize {
+    pub fn poll(&mut self, mut out: impl FnMut(E, Result<()>)) -> usize {
         let mut n = 0;
         let mut i = 0;
         while i < self.inflight.len() {
@@ -298,7 +294,7 @@ impl Copier {
     }
 }
 
-impl Drop for Copier {
+impl<E> Drop for Copier<E> {
     fn drop(&mut self) {
         if cuda().and_then(|c| c.make_current(self.ordinal)).is_err() {
             return;

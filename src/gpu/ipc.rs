@@ -11,9 +11,9 @@ use std::sync::atomic::Ordering;
 use cudarc::driver::sys as cu;
 
 use super::driver::{check, cuda};
+pub(crate) use super::kinds::IpcCounters;
+pub use super::kinds::IpcStats;
 use crate::error::Result;
-pub(crate) use crate::gpu_kinds::IpcCounters;
-pub use crate::gpu_kinds::IpcStats;
 use crate::wire::IpcBuf;
 
 /// A cached mapping: (owner endpoint id, owner's allocation base).

@@ -6,8 +6,8 @@ use std::ffi::c_void;
 use cudarc::driver::sys as cu;
 
 use super::driver::{check, cuda};
+pub use super::kinds::MemKind;
 use crate::error::{Error, Result};
-pub use crate::gpu_kinds::MemKind;
 
 /// Asks the driver what `ptr` is. Without a driver every pointer is host
 /// memory. Managed (unified) memory is refused: the engine cannot tell
@@ -136,12 +136,17 @@ impl Drop for PinnedBuf {
 }
 
 /// Blocking copy between any two addresses the driver knows (unified
-/// addressing); for setup and tests, never on the loop.
-pub fn copy_blocking(dst: u64, src: u64, len: usize) -> Result<()> {
+/// addressing); for setup and tests, never on the loop. Safe code uses
+/// `MemoryRegion::read_at`/`write_at`, which check the range first.
+///
+/// # Safety
+/// `[dst, dst + len)` and `[src, src + len)` must be live memory (GPU,
+/// pinned or pageable host) for the whole call: the driver reads pageable
+/// host memory with the CPU, and a bad host address faults.
+pub unsafe fn copy_blocking(dst: u64, src: u64, len: usize) -> Result<()> {
     let c = cuda()?;
     c.make_current(0)?;
-    // SAFETY: the caller passes addresses of live allocations of at least
-    // `len` bytes; cuMemcpy fails (not faults) on unknown device addresses.
+    // SAFETY: the caller's promise: both ranges are live for `len` bytes.
     check("cuMemcpy", unsafe { cu::cuMemcpy(dst, src, len) })?;
     // From pageable memory cuMemcpy may return before the DMA lands, and
     // the engine's streams do not wait for the legacy stream: finish here.
@@ -154,7 +159,11 @@ pub fn copy_blocking(dst: u64, src: u64, len: usize) -> Result<()> {
 /// device `ordinal`, `batch` copies per synchronisation, for about `secs`
 /// seconds; returns GB/s (1e9 B/s). With device buffers on two GPUs this is
 /// `cudaMemcpyPeer`'s rate; with a pinned host source, pinned H2D.
-pub fn copy_throughput(
+///
+/// # Safety
+/// `dst` and `src` must each be live memory of at least `size * slots`
+/// bytes for the whole call.
+pub unsafe fn copy_throughput(
     ordinal: i32,
     dst: u64,
     src: u64,

@@ -1,4 +1,4 @@
-//! The GPU path (feature `gpu`): the CUDA driver loaded at run time through
+//! The GPU path: the CUDA driver loaded at run time through
 //! cudarc, device discovery, pointer classification, CUDA IPC between
 //! processes of one host, and asynchronous copies on a stream pool whose
 //! events the shard's loop polls.
@@ -10,6 +10,7 @@
 pub(crate) mod copy;
 pub mod driver;
 pub(crate) mod ipc;
+mod kinds;
 pub mod memory;
 
 pub use driver::{cuda, normalize_bus_id, Cuda, DeviceInfo};

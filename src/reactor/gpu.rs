@@ -12,17 +12,33 @@ use std::time::{Duration, Instant};
 
 use super::queue::{IpcCmd, IpcDesc, IpcParts};
 use crate::error::{ConnId, Error, OpKind, Result};
-use crate::gpu::copy::{Copier, Entry};
+use crate::gpu::copy::Copier;
 use crate::gpu::ipc::{IpcCache, IpcCounters, MapKey};
 use crate::gpu::MemKind;
-use crate::region::{KeyRef, Region};
-use crate::shm::local::{GpuReq, Theirs};
-use crate::tcp::{Bounce, Stage};
+use crate::region::{KeyRef, Region, RegionSlice};
 use crate::wire::{IpcBuf, Status};
+use crate::xfer::{Bounce, GpuReq, Stage, Theirs};
 
 pub(crate) type Done = Vec<(u32, Result<()>)>;
 /// Answers to same-host peers' requests: (connection, op id, write, status).
 pub(crate) type Replies = Vec<(ConnId, u64, bool, Status)>;
+
+/// The shard's record of one CUDA copy: what it leads to, the IPC mapping
+/// to release and the memory to hold until it ends (the copier hands it
+/// back untouched).
+pub(crate) struct Entry {
+    pub then: Then,
+    pub mapping: Option<MapKey>,
+    /// Alive until the copy ends (deregistration waits for it).
+    pub keep: Option<Arc<Region>>,
+    /// The copy's other side, when it is a region too; held, never read.
+    #[allow(dead_code)]
+    pub keep2: Option<Arc<Region>>,
+    /// A same-host peer's memfd mapping the copy reads or writes; held,
+    /// never read.
+    #[allow(dead_code)]
+    pub keep_map: Option<Arc<crate::sys::Mapping>>,
+}
 
 /// What a finished copy leads to.
 pub(crate) enum Then {
@@ -86,7 +102,7 @@ impl BouncePool {
 
 pub(crate) struct GpuWork {
     /// One stream pool per device this shard has copied on.
-    copiers: Vec<Copier>,
+    copiers: Vec<Copier<Entry>>,
     cache: IpcCache,
     streams: usize,
     done: Done,
@@ -153,18 +169,14 @@ impl GpuWork {
         } else {
             Then::Release(conn, st.stream, st.gate)
         };
+        let ordinal = Self::ordinal_of(st.dst.region(), st.src.region());
+        let (dst, src, len) = (st.dst.addr(), st.src.addr(), st.dst.len().min(st.src.len()));
         let entry = Entry {
             then,
             mapping: None,
-            keep: None,
-            keep2: None,
-        };
-        let ordinal = Self::ordinal_of(&st.keep, &st.keep2);
-        let (dst, src, len) = (st.dst, st.src, st.len);
-        let entry = Entry {
-            keep: Some(st.keep),
-            keep2: Some(st.keep2),
-            ..entry
+            keep: Some(st.dst.region().clone()),
+            keep2: Some(st.src.region().clone()),
+            keep_map: None,
         };
         match self.copier(ordinal) {
             Ok(ci) => self.stage(ci, entry, dst, src, len),
@@ -174,15 +186,16 @@ impl GpuWork {
 
     /// Stages the GPU→bounce copy of a tcp WRITE chunk; `Then::Send` sends
     /// it when done.
-    pub fn stage_send(&mut self, send: TcpSend, gpu: Arc<Region>, src: u64, bounce: Arc<Region>) {
-        let ordinal = Self::ordinal_of(&gpu, &bounce);
-        let dst = bounce.addr();
-        let len = send.len;
+    pub fn stage_send(&mut self, send: TcpSend, gpu: RegionSlice, bounce: Arc<Region>) {
+        let ordinal = Self::ordinal_of(gpu.region(), &bounce);
+        let (dst, src) = (bounce.addr(), gpu.addr());
+        let len = gpu.len().min(bounce.len);
         let entry = Entry {
             then: Then::Send(send),
             mapping: None,
             keep: Some(bounce),
-            keep2: Some(gpu),
+            keep2: Some(gpu.region().clone()),
+            keep_map: None,
         };
         match self.copier(ordinal) {
             Ok(ci) => self.stage(ci, entry, dst, src, len),
@@ -231,8 +244,13 @@ impl GpuWork {
         }
     }
 
+    /// Stages one copy on copier `ci`. Every caller puts in `entry` the
+    /// regions, the IPC mapping (counted in the cache until released) or
+    /// the peer's memfd mapping that hold `dst` and `src`.
     fn stage(&mut self, ci: usize, entry: Entry, dst: u64, src: u64, len: usize) {
-        if let Err((e, failed)) = self.copiers[ci].stage(entry, dst, src, len) {
+        // SAFETY: both ranges stay valid until the entry returns (see above);
+        // the copier returns it only once the copy has ended or failed.
+        if let Err((e, failed)) = unsafe { self.copiers[ci].stage(entry, dst, src, len) } {
             self.fail_all(e, failed);
         }
     }
@@ -270,7 +288,8 @@ impl GpuWork {
             Ok(x) => x,
             Err(e) => return self.done.push((slot, Err(e))),
         };
-        let local = d.local.addr() + d.local_off as u64;
+        let local = d.local.addr();
+        let len = d.local.len();
         let (dst, src) = match kind {
             OpKind::Write => (remote, local),
             OpKind::Read => (local, remote),
@@ -278,22 +297,24 @@ impl GpuWork {
         let entry = Entry {
             then: Then::Op(slot),
             mapping: key,
-            keep: Some(d.local),
+            keep: Some(d.local.region().clone()),
             keep2: None,
+            keep_map: None,
         };
-        self.stage(ci, entry, dst, src, d.len);
+        self.stage(ci, entry, dst, src, len);
     }
 
     /// Stages the copy a same-host peer's request needs: its GPU memory
     /// through its IPC handle, or its memfd memory mapped here. Runs on our
     /// region's GPU, else GPU 0. Always answered (now if it cannot start).
     pub fn start_target(&mut self, r: GpuReq) {
-        let ordinal = match r.keep.mem {
+        let len = r.ours.len();
+        let ordinal = match r.ours.region().mem {
             crate::gpu::MemKind::Device { ordinal, .. } => ordinal,
             _ => 0,
         };
-        let theirs = match r.theirs {
-            Theirs::Host(p) => Ok((p as u64, None)),
+        let (theirs, keep_map) = match r.theirs {
+            Theirs::Host(p, m) => (Ok((p as u64, None)), Some(m)),
             Theirs::Ipc(x) => {
                 let b = IpcBuf {
                     device: 0,
@@ -304,10 +325,10 @@ impl GpuWork {
                     alloc_base: x.alloc_base,
                     alloc_len: 0,
                     offset: x.offset,
-                    len: r.len as u64,
+                    len: len as u64,
                     handle: x.handle,
                 };
-                self.acquire(ordinal, &b)
+                (self.acquire(ordinal, &b), None)
             }
         };
         let started = theirs.and_then(|t| Ok((t, self.copier(ordinal)?)));
@@ -320,7 +341,7 @@ impl GpuWork {
                     .push((r.conn, r.op_id, r.write, Status::PeerMemory));
             }
         };
-        let ours = r.ours as u64;
+        let ours = r.ours.addr();
         let (dst, src) = if r.write {
             (ours, theirs)
         } else {
@@ -329,10 +350,11 @@ impl GpuWork {
         let entry = Entry {
             then: Then::Reply(r.conn, r.op_id, r.write),
             mapping: key,
-            keep: Some(r.keep),
+            keep: Some(r.ours.region().clone()),
             keep2: None,
+            keep_map,
         };
-        self.stage(ci, entry, dst, src, r.len);
+        self.stage(ci, entry, dst, src, len);
     }
 
     /// Issues the copies staged since the last flush (once per drain).

@@ -18,7 +18,6 @@ mod queue;
 mod shard;
 
 pub use completion::Transfer;
-pub(crate) use gpu::Then;
 pub(crate) use queue::{
     Command, IpcCmd, IpcDesc, IpcParts, OpCmd, OpDesc, OpParts, RegionCmd, ShardHandle,
 };

@@ -6,14 +6,13 @@ use std::sync::mpsc::{Sender, SyncSender, TrySendError};
 use std::sync::Arc;
 
 use crate::error::{ConnId, Error, OpKind, Result};
-use crate::region::Region;
+use crate::region::{Region, RegionSlice};
 use crate::tcp::StreamLimits;
 
 /// One contiguous piece of a one-sided operation.
 pub(crate) struct OpDesc {
-    pub local: Arc<Region>,
-    pub local_off: usize,
-    pub len: usize,
+    /// Our side, checked against its registration when the op was made.
+    pub local: RegionSlice,
     pub remote_addr: u64,
     pub rkey: u32,
     /// The advertised key's tag (RemoteBuf reserved bytes 0..8).
@@ -53,9 +52,7 @@ pub(crate) struct OpCmd {
 
 /// One piece of a CUDA IPC operation: a local slice and the peer's window.
 pub(crate) struct IpcDesc {
-    pub local: Arc<Region>,
-    pub local_off: usize,
-    pub len: usize,
+    pub local: RegionSlice,
     pub remote: crate::wire::IpcBuf,
 }
 

@@ -14,14 +14,15 @@ use tracing::{debug, info, warn};
 use super::completion::CompletionTable;
 use super::queue::{Command, OpCmd, RegionCmd, ShardHandle, WakeState};
 use crate::error::{ConnId, Error, OpKind, Result};
-use crate::region::{Access, KeyRef, Region, RegionTable, Regions};
+use crate::region::{Access, KeyRef, RegionSlice, RegionTable, Regions};
 use crate::shm::fdpass::FdListener;
 use crate::shm::local::{LocalConn, PeerMaps};
 use crate::shm::msg::{Msg, MsgKind};
 use crate::shm::object::ShmRing;
 use crate::shm::ring::SLOT_PAYLOAD;
-use crate::tcp::{Sink, Stream, StreamLimits};
+use crate::tcp::{Stream, StreamLimits};
 use crate::wire::Status;
+use crate::xfer::Sink;
 
 const WAKER: Token = Token(usize::MAX);
 /// Commands taken from the queue per `poll`, so one busy submitter cannot
@@ -107,7 +108,7 @@ pub struct Shard {
     events: Events,
     conns: Slab<Conn>,
     local: Slab<LocalConn>,
-    by_id: crate::region::IntMap<ConnId, ConnRef>,
+    by_id: crate::sys::IntMap<ConnId, ConnRef>,
     local_setup: Option<LocalSetup>,
     peer_maps: PeerMaps,
     failed: HashMap<ConnId, String>,
@@ -122,7 +123,7 @@ pub struct Shard {
     iter: u32,
     stream_count: usize,
     /// Operations in flight per connection.
-    conn_ops: crate::region::IntMap<ConnId, usize>,
+    conn_ops: crate::sys::IntMap<ConnId, usize>,
     /// Tells the endpoint which connections died, so it can forget them.
     closed: mpsc::Sender<ConnId>,
     /// CUDA IPC copies and opened handles; made on the first IPC op.
@@ -131,7 +132,7 @@ pub struct Shard {
     /// (connection, allocation base) revocations heard on same-host rings.
     ipc_revoked: Vec<(ConnId, u64)>,
     /// Same-host requests for our memory that need a CUDA copy.
-    gpu_reqs: Vec<crate::shm::local::GpuReq>,
+    gpu_reqs: Vec<crate::xfer::GpuReq>,
     /// Their answers once copied: (connection, op id, write, status).
     gpu_replies: Vec<(ConnId, u64, bool, Status)>,
 }
@@ -153,7 +154,7 @@ impl Regions for LiveRegions<'_> {
         addr: u64,
         len: u64,
         need: Access,
-    ) -> Result<(Arc<Region>, usize), Status> {
+    ) -> Result<RegionSlice, Status> {
         let conn = self.conn;
         match self.table.check(conn, key, addr, len, need) {
             Err(Status::UnknownKey) => {
@@ -162,7 +163,9 @@ impl Regions for LiveRegions<'_> {
             }
             other => other,
         }
-        .map(|(r, off)| (r.clone(), off))
+        .map(|(r, off)| {
+            RegionSlice::new(r, off, len as usize).expect("the table checked the window")
+        })
     }
 }
 
@@ -185,7 +188,7 @@ struct ShardSink<'a> {
     conn: ConnId,
     ipc_revoked: &'a mut Vec<(ConnId, u64)>,
     /// Same-host requests that need a CUDA copy (None on tcp: refused).
-    gpu_reqs: Option<&'a mut Vec<crate::shm::local::GpuReq>>,
+    gpu_reqs: Option<&'a mut Vec<crate::xfer::GpuReq>>,
     /// GPU staging for tcp frames (None without a GPU path).
     gpu: Option<&'a mut super::gpu::GpuWork>,
 }
@@ -208,14 +211,14 @@ impl Sink for ShardSink<'_> {
         self.ipc_revoked.push((self.conn, alloc_base));
     }
 
-    fn bounce(&mut self, len: usize) -> crate::tcp::Bounce {
+    fn bounce(&mut self, len: usize) -> crate::xfer::Bounce {
         match &mut self.gpu {
             Some(g) => g.bounce(len),
-            None => crate::tcp::Bounce::Never,
+            None => crate::xfer::Bounce::Never,
         }
     }
 
-    fn gpu_stage(&mut self, stage: crate::tcp::Stage) {
+    fn gpu_stage(&mut self, stage: crate::xfer::Stage) {
         match &mut self.gpu {
             Some(g) => g.stage_tcp(self.conn, stage),
             // Unreachable: staging starts only after `bounce` gave a buffer.
@@ -223,7 +226,7 @@ impl Sink for ShardSink<'_> {
         }
     }
 
-    fn gpu_copy(&mut self, req: crate::shm::local::GpuReq) -> bool {
+    fn gpu_copy(&mut self, req: crate::xfer::GpuReq) -> bool {
         match &mut self.gpu_reqs {
             Some(v) if crate::gpu::cuda().is_ok() => {
                 v.push(req);
@@ -580,7 +583,7 @@ impl Shard {
                 .parts
                 .as_slice()
                 .iter()
-                .map(|d| frames_of(d.len, chunk))
+                .map(|d| frames_of(d.local.len(), chunk))
                 .sum(),
         };
         if !op.counted {
@@ -626,8 +629,6 @@ impl Shard {
                 let descs = op.parts.as_slice();
                 while op.at.desc < descs.len() {
                     let d = &descs[op.at.desc];
-                    // SAFETY: the endpoint checked local_off + len <= region len.
-                    let local = unsafe { d.local.ptr.add(d.local_off) };
                     if !lc.push_request(
                         op.kind,
                         op.slot,
@@ -636,8 +637,6 @@ impl Shard {
                             tag: d.tag,
                         },
                         d.remote_addr,
-                        local,
-                        d.len,
                         &d.local,
                         d.remote_device,
                         now,
@@ -656,28 +655,29 @@ impl Shard {
         let descs = op.parts.as_slice();
         while op.at.desc < descs.len() {
             let d = &descs[op.at.desc];
-            let n = chunk.min(d.len - op.at.off);
+            let n = chunk.min(d.local.len() - op.at.off);
             let which = conn.next % conn.streams.len();
             let s = &mut conn.streams[which];
             if !s.can_request() {
                 return Some(op);
             }
             let op_id = ((op.slot as u64) << 32) | op.at.emitted as u64;
-            // SAFETY: the endpoint checked local_off + len <= region len
-            // before submitting, and next_off < len (or both are 0).
-            let local = unsafe { d.local.ptr.add(d.local_off + op.at.off) };
+            let local = d
+                .local
+                .sub(op.at.off, n)
+                .expect("the planner stays inside the op's slice");
             let key = KeyRef {
                 rkey: d.rkey,
                 tag: d.tag,
             };
-            if d.local.mem.is_device() {
+            if local.is_device() {
                 // GPU memory goes through a pinned bounce buffer: a WRITE
                 // chunk is sent once copied out (pipelined: later chunks copy
                 // while earlier ones are on the wire); a READ lands in the
                 // bounce buffer and is copied on before the op completes.
                 let bounce = match self.gpu.as_mut().map(|g| g.bounce(n)) {
-                    Some(crate::tcp::Bounce::Ready(b)) => b,
-                    Some(crate::tcp::Bounce::Busy) => return Some(op),
+                    Some(crate::xfer::Bounce::Ready(b)) => b,
+                    Some(crate::xfer::Bounce::Busy) => return Some(op),
                     _ => {
                         let e = Error::Unsupported {
                             what: "GPU memory on a tcp connection",
@@ -703,25 +703,16 @@ impl Shard {
                             addr,
                             len: n,
                         };
-                        g.stage_send(send, d.local.clone(), local as u64, bounce);
+                        g.stage_send(send, local, bounce);
                     }
                     OpKind::Read => {
-                        s.push_request(
-                            OpKind::Read,
-                            op.slot,
-                            op_id,
-                            key,
-                            addr,
-                            bounce.ptr,
-                            n,
-                            &bounce,
-                            now,
-                        );
-                        s.stage_last_read(local as u64, d.local.clone());
+                        let into = RegionSlice::new(&bounce, 0, n).expect("bounce fits a chunk");
+                        s.push_request(OpKind::Read, op.slot, op_id, key, addr, into, now);
+                        s.stage_last_read(local);
                     }
                 }
                 conn.next = conn.next.wrapping_add(1);
-                op.at.advance(n, d.len);
+                op.at.advance(n, d.local.len());
                 continue;
             }
             s.push_request(
@@ -731,12 +722,10 @@ impl Shard {
                 key,
                 d.remote_addr + op.at.off as u64,
                 local,
-                n,
-                &d.local,
                 now,
             );
             conn.next = conn.next.wrapping_add(1);
-            op.at.advance(n, d.len);
+            op.at.advance(n, d.local.len());
         }
         None
     }
@@ -750,18 +739,21 @@ impl Shard {
             .as_mut()
             .expect("checked by the caller");
         let descs = op.parts.as_slice();
-        let pieces: usize = descs.iter().map(|d| link.pieces(d.len as u64)).sum();
+        let pieces: usize = descs
+            .iter()
+            .map(|d| link.pieces(d.local.len() as u64))
+            .sum();
         if !link.has_room(pieces) {
             return Some(op);
         }
         for d in descs {
-            match link.lkey(&d.local) {
+            match link.lkey(d.local.region()) {
                 Ok(lkey) => link.add(
                     lkey,
-                    d.local.addr() + d.local_off as u64,
+                    d.local.addr(),
                     d.nic_rkey.expect("checked by the caller"),
                     d.remote_addr,
-                    d.len as u64,
+                    d.local.len() as u64,
                 ),
                 Err(e) => {
                     // Nothing of this op has been posted yet: drop the
@@ -860,17 +852,8 @@ impl Shard {
                         i += 1;
                         continue;
                     }
-                    s.push_request(
-                        OpKind::Write,
-                        ts.slot,
-                        ts.op_id,
-                        ts.key,
-                        ts.addr,
-                        b.ptr,
-                        ts.len,
-                        b,
-                        now,
-                    );
+                    let from = RegionSlice::new(b, 0, ts.len).expect("bounce fits a chunk");
+                    s.push_request(OpKind::Write, ts.slot, ts.op_id, ts.key, ts.addr, from, now);
                 }
                 (Err(e), _, _) => self.done.push((ts.slot, Err(e.duplicate()))),
                 _ => {

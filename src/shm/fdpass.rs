@@ -10,7 +10,7 @@ use std::io;
 use std::time::Duration;
 
 use super::local::{PeerMap, PeerMaps};
-use super::object::Mapping;
+use crate::sys::Mapping;
 
 /// Regions per message (and descriptors per SCM_RIGHTS).
 pub const MAX_PER_MSG: usize = 64;
@@ -198,7 +198,13 @@ fn receive(fd: i32, maps: &mut PeerMaps) -> io::Result<usize> {
             )));
         }
         let map = Mapping::map_fd(fd.0, len as usize)?;
-        maps.insert((sender, key), PeerMap { map, base });
+        maps.insert(
+            (sender, key),
+            PeerMap {
+                map: std::sync::Arc::new(map),
+                base,
+            },
+        );
     }
     Ok(count)
 }

@@ -17,22 +17,25 @@ use std::time::Instant;
 use slab::Slab;
 
 use super::msg::{Msg, MsgKind, MAX_INLINE};
-use super::object::{pid_alive, Mapping, ShmRing};
+use super::object::ShmRing;
 use super::ring::SLOT_PAYLOAD;
 use crate::error::{ConnId, Error, OpKind, Result};
-use crate::region::{Access, KeyRef, Region, Regions};
-use crate::tcp::{PendingOp, Sink};
+use crate::region::{Access, KeyRef, RegionSlice, Regions};
+use crate::sys::{pid_alive, Mapping};
+use crate::wire::IpcRef;
 use crate::wire::{Status, MAX_NOTIFY_BYTES};
+use crate::xfer::{GpuReq, PendingOp, Sink, Theirs};
 
 /// A peer's memfd region mapped into this process.
 pub(crate) struct PeerMap {
-    pub map: Mapping,
+    /// Shared with CUDA copies in flight, which hold it until they end.
+    pub map: Arc<Mapping>,
     /// The address the region has in the peer's process.
     pub base: u64,
 }
 
 /// Regions of local peers this process has mapped, by (peer id, key).
-pub(crate) type PeerMaps = crate::region::IntMap<(u64, u32), PeerMap>;
+pub(crate) type PeerMaps = crate::sys::IntMap<(u64, u32), PeerMap>;
 
 type Pending = PendingOp;
 
@@ -43,66 +46,6 @@ pub(crate) const REQ_INITIATOR_GPU: u8 = 1;
 pub(crate) const REQ_NO_INLINE: u8 = 2;
 /// Reply `aux` value: the target copied with CUDA; no inline bytes follow.
 pub(crate) const REPLY_GPU_COPIED: u64 = 1;
-
-/// Where the initiator's GPU memory is: its allocation's IPC handle, the
-/// allocation base in its process, and the offset of the transfer in it.
-/// 80 bytes inline.
-#[derive(Clone, Copy)]
-pub(crate) struct IpcRef {
-    pub handle: [u8; 64],
-    pub alloc_base: u64,
-    pub offset: u64,
-}
-
-impl IpcRef {
-    pub const LEN: usize = 80;
-
-    pub fn encode(&self) -> [u8; Self::LEN] {
-        let mut o = [0u8; Self::LEN];
-        o[..64].copy_from_slice(&self.handle);
-        o[64..72].copy_from_slice(&self.alloc_base.to_le_bytes());
-        o[72..80].copy_from_slice(&self.offset.to_le_bytes());
-        o
-    }
-
-    pub fn decode(b: &[u8]) -> Option<IpcRef> {
-        if b.len() != Self::LEN {
-            return None;
-        }
-        Some(IpcRef {
-            handle: b[..64].try_into().ok()?,
-            alloc_base: u64::from_le_bytes(b[64..72].try_into().ok()?),
-            offset: u64::from_le_bytes(b[72..80].try_into().ok()?),
-        })
-    }
-}
-
-/// The initiator's side of a copy the target does with CUDA.
-pub(crate) enum Theirs {
-    /// GPU memory of the peer, to be mapped through its IPC handle.
-    Ipc(IpcRef),
-    /// The peer's memfd memory mapped here.
-    Host(*mut u8),
-}
-
-/// A same-host request that needs a CUDA copy (a GPU side): checked like
-/// any request, then handed to the shard, which replies when it is done.
-pub(crate) struct GpuReq {
-    pub conn: ConnId,
-    pub peer_id: u64,
-    pub peer_pid: u32,
-    pub op_id: u64,
-    pub write: bool,
-    /// Our memory: `ours` inside `keep`.
-    pub ours: *mut u8,
-    pub keep: Arc<Region>,
-    pub len: usize,
-    pub theirs: Theirs,
-}
-
-// SAFETY: the pointers are addresses for CUDA copies, into `keep` (ours)
-// and a peer mapping the shard holds; the request stays on its shard.
-unsafe impl Send for GpuReq {}
 
 pub(crate) struct LocalConn {
     pub id: ConnId,
@@ -270,16 +213,16 @@ impl LocalConn {
         slot: u32,
         key: KeyRef,
         addr: u64,
-        local: *mut u8,
-        len: usize,
-        keep: &Arc<Region>,
+        local: &RegionSlice,
         remote_device: bool,
         now: Instant,
     ) -> bool {
         if !self.can_request() {
             return false;
         }
-        let local_device = keep.mem.is_device();
+        let len = local.len();
+        let keep = local.region();
+        let local_device = local.is_device();
         let entry = self.pending.vacant_entry();
         let mut m = Msg::new(if kind == OpKind::Write {
             MsgKind::WriteReq
@@ -294,7 +237,7 @@ impl LocalConn {
         m.addr = addr;
         m.len = len as u64;
         m.src_key = keep.rkey;
-        m.src_addr = local as u64;
+        m.src_addr = local.addr();
         let gpu_ref;
         let inline: &[u8] = if local_device {
             // The endpoint exported the handle before submitting.
@@ -308,7 +251,7 @@ impl LocalConn {
             gpu_ref = IpcRef {
                 handle: *handle,
                 alloc_base,
-                offset: local as u64 - alloc_base,
+                offset: local.addr() - alloc_base,
             }
             .encode();
             &gpu_ref
@@ -316,8 +259,10 @@ impl LocalConn {
             m.status = REQ_NO_INLINE;
             &[]
         } else if kind == OpKind::Write && len <= MAX_INLINE {
-            // SAFETY: the endpoint checked [local, local + len) lies in `keep`.
-            unsafe { std::slice::from_raw_parts(local, len) }
+            // SAFETY: `local` is a checked slice of `len` live bytes (it
+            // holds its region); a racing remote write can change the bytes,
+            // never their validity (u8).
+            unsafe { std::slice::from_raw_parts(local.ptr(), len) }
         } else {
             &[]
         };
@@ -329,12 +274,10 @@ impl LocalConn {
         entry.insert(Pending {
             slot,
             kind,
-            dst: local,
-            len,
+            local: local.clone(),
             rkey: key.rkey,
             addr,
             sent_at: now,
-            _keep: keep.clone(),
             post: None,
         });
         true
@@ -452,12 +395,20 @@ impl LocalConn {
     }
 
     /// Finds the initiator's side of a transfer in a mapped memfd region.
-    fn mapped(&self, maps: &PeerMaps, key: u32, addr: u64, len: u64) -> Option<*mut u8> {
+    /// The address of the peer's `[addr, addr + len)` in its memfd
+    /// mapping here, and the mapping itself.
+    fn mapped<'m>(
+        &self,
+        maps: &'m PeerMaps,
+        key: u32,
+        addr: u64,
+        len: u64,
+    ) -> Option<(*mut u8, &'m Arc<Mapping>)> {
         let pm = maps.get(&(self.peer_id, key))?;
         let off = addr.checked_sub(pm.base)?;
         let end = off.checked_add(len)?;
         // SAFETY: off + len <= mapping length, checked here.
-        (end <= pm.map.len as u64).then(|| unsafe { pm.map.ptr.add(off as usize) })
+        (end <= pm.map.len as u64).then(|| (unsafe { pm.map.ptr.add(off as usize) }, &pm.map))
     }
 
     fn on_msg(
@@ -492,7 +443,7 @@ impl LocalConn {
                 reply.op_id = m.op_id;
                 // Holds the region (and so the bytes an inline reply copies)
                 // until the reply is encoded.
-                let mut held: Option<Arc<Region>> = None;
+                let mut held: Option<RegionSlice> = None;
                 let mut out_inline: &[u8] = &[];
                 let status = match regions.check(
                     KeyRef {
@@ -504,15 +455,14 @@ impl LocalConn {
                     need,
                 ) {
                     Err(st) => st,
-                    Ok((r, off)) if m.status != 0 || r.mem.is_device() => {
+                    Ok(w) if m.status != 0 || w.is_device() => {
                         // A GPU side: the shard copies with CUDA and
                         // replies when the copy is done.
-                        let len = m.len as usize;
                         let theirs = if m.status & REQ_INITIATOR_GPU != 0 {
                             IpcRef::decode(inline).map(Theirs::Ipc)
                         } else {
                             self.mapped(maps, m.src_key, m.src_addr, m.len)
-                                .map(Theirs::Host)
+                                .map(|(p, m)| Theirs::Host(p, m.clone()))
                         };
                         match theirs {
                             // The initiator's host memory is not mapped here
@@ -526,10 +476,7 @@ impl LocalConn {
                                     peer_pid: self.peer_pid,
                                     op_id: m.op_id,
                                     write,
-                                    // SAFETY: `check` proved [off, off + len) lies in r.
-                                    ours: unsafe { r.ptr.add(off) },
-                                    keep: r,
-                                    len,
+                                    ours: w,
                                     theirs,
                                 };
                                 if sink.gpu_copy(req) {
@@ -539,11 +486,10 @@ impl LocalConn {
                             }
                         }
                     }
-                    Ok((r, off)) => {
-                        let len = m.len as usize;
-                        // SAFETY: `check` proved [off, off + len) lies in r.
-                        let ours = unsafe { r.ptr.add(off) };
-                        held = Some(r);
+                    Ok(w) => {
+                        let len = w.len();
+                        let ours = w.ptr();
+                        held = Some(w);
                         let copied = if write && inline.len() == len {
                             // SAFETY: both ranges are `len` long and distinct.
                             unsafe { std::ptr::copy_nonoverlapping(inline.as_ptr(), ours, len) };
@@ -552,7 +498,8 @@ impl LocalConn {
                             // SAFETY: `ours` is len readable bytes kept alive by `held`.
                             out_inline = unsafe { std::slice::from_raw_parts(ours, len) };
                             true
-                        } else if let Some(theirs) = self.mapped(maps, m.src_key, m.src_addr, m.len)
+                        } else if let Some((theirs, _)) =
+                            self.mapped(maps, m.src_key, m.src_addr, m.len)
                         {
                             // SAFETY: both ranges checked, `len` long; the
                             // peer's mapping lives in `maps` during the call.
@@ -600,18 +547,21 @@ impl LocalConn {
                 let status = Status::from_u8(m.status).unwrap_or(Status::PeerMemory);
                 if status == Status::Ok
                     && p.kind == OpKind::Read
-                    && p.len <= MAX_INLINE
+                    && p.local.len() <= MAX_INLINE
                     && m.aux != REPLY_GPU_COPIED
                 {
-                    if inline.len() != p.len {
+                    if inline.len() != p.local.len() {
                         return Err(format!(
                             "READ reply carries {} inline bytes, {} were asked",
                             inline.len(),
-                            p.len
+                            p.local.len()
                         ));
                     }
-                    // SAFETY: dst has p.len bytes, checked at submission, kept by _keep.
-                    unsafe { std::ptr::copy_nonoverlapping(inline.as_ptr(), p.dst, p.len) };
+                    // SAFETY: `p.local` is a checked slice of exactly
+                    // `inline.len()` live bytes (held by the pending op).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(inline.as_ptr(), p.local.ptr(), inline.len())
+                    };
                 }
                 sink.done(p.slot, p.outcome(status));
             }

@@ -5,73 +5,18 @@ use std::io;
 
 use super::ring::{ring_bytes, Ring};
 use crate::error::{Error, Result};
+use crate::sys::{pid_alive, this_pid, Mapping};
 
-/// A shared mapping, unmapped on drop.
-pub(crate) struct Mapping {
-    pub ptr: *mut u8,
-    pub len: usize,
-}
-
-// SAFETY: a Mapping is an address range; users synchronise through it.
-unsafe impl Send for Mapping {}
-// SAFETY: as above.
-unsafe impl Sync for Mapping {}
-
-impl Mapping {
-    /// Maps `len` bytes of `fd` shared, read-write.
-    pub fn map_fd(fd: i32, len: usize) -> io::Result<Mapping> {
-        if len == 0 {
-            return Ok(Mapping {
-                ptr: std::ptr::NonNull::dangling().as_ptr(),
-                len: 0,
-            });
-        }
-        // SAFETY: a fresh shared mapping of an fd we hold; checked below.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(Mapping {
-            ptr: p as *mut u8,
-            len,
-        })
-    }
-}
-
-impl Drop for Mapping {
+struct Fd(i32);
+impl Drop for Fd {
     fn drop(&mut self) {
-        if self.len > 0 {
-            // SAFETY: we mapped exactly this range and nobody uses it after drop.
-            unsafe { libc::munmap(self.ptr as *mut _, self.len) };
-        }
+        // SAFETY: we own the descriptor.
+        unsafe { libc::close(self.0) };
     }
 }
 
 fn cname(name: &str) -> CString {
     CString::new(name).expect("ring names have no NUL")
-}
-
-/// Whether process `pid` exists (EPERM means it does, owned by another user).
-pub(crate) fn pid_alive(pid: u32) -> bool {
-    if pid == 0 || pid > i32::MAX as u32 {
-        return false;
-    }
-    // SAFETY: signal 0 only checks for existence and permission.
-    let r = unsafe { libc::kill(pid as i32, 0) };
-    r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
-}
-
-pub(crate) fn this_pid() -> u32 {
-    std::process::id()
 }
 
 /// Inode of this process's pid namespace (0 if unknown).
@@ -240,54 +185,6 @@ impl Drop for ShmRing {
     }
 }
 
-struct Fd(i32);
-impl Drop for Fd {
-    fn drop(&mut self) {
-        // SAFETY: we own the descriptor.
-        unsafe { libc::close(self.0) };
-    }
-}
-
-/// Host memory in a memfd: shareable with local peers by passing the fd.
-pub(crate) struct MemfdBuf {
-    pub fd: i32,
-    pub map: Mapping,
-}
-
-impl MemfdBuf {
-    pub fn new(len: usize) -> Result<MemfdBuf> {
-        let name = cname("ferry-host");
-        // SAFETY: valid name; flags are plain bits.
-        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(Error::io("memfd_create", io::Error::last_os_error()));
-        }
-        // SAFETY: fd is ours.
-        if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
-            let e = io::Error::last_os_error();
-            // SAFETY: fd is ours.
-            unsafe { libc::close(fd) };
-            return Err(Error::io("ftruncate(memfd)", e));
-        }
-        let map = match Mapping::map_fd(fd, len) {
-            Ok(m) => m,
-            Err(e) => {
-                // SAFETY: fd is ours.
-                unsafe { libc::close(fd) };
-                return Err(Error::io("mmap(memfd)", e));
-            }
-        };
-        Ok(MemfdBuf { fd, map })
-    }
-}
-
-impl Drop for MemfdBuf {
-    fn drop(&mut self) {
-        // SAFETY: we own the descriptor (the mapping drops separately).
-        unsafe { libc::close(self.fd) };
-    }
-}
-
 /// Names of the shared-memory objects ferry makes, so tests and tools can
 /// find them: `/dev/shm/ferry-<sender id>-<receiver id>-<conn>`, and the
 /// accept ring `/dev/shm/ferry-<id>`.
@@ -317,7 +214,7 @@ pub(crate) fn host_token() -> u64 {
     if boot.is_empty() {
         return 0;
     }
-    let mut h = crate::testkit::fnv64(boot.trim().as_bytes());
+    let mut h = crate::sys::fnv64(boot.trim().as_bytes());
     h ^= shm.dev().wrapping_mul(0x9E37_79B9_7F4A_7C15);
     h ^= shm.ino().rotate_left(17);
     h ^= net
@@ -375,7 +272,7 @@ mod tests {
 
     #[test]
     fn memfd_buffer_maps() {
-        let m = MemfdBuf::new(1 << 20).unwrap();
+        let m = crate::sys::MemfdBuf::new(1 << 20).unwrap();
         // SAFETY: the mapping is 1 MiB long.
         unsafe { *m.map.ptr.add(12345) = 7 };
         let again = Mapping::map_fd(m.fd, 1 << 20).unwrap();

@@ -1,7 +1,7 @@
 //! One-sided WRITE and READ over kernel TCP: the default path between hosts.
 //!
 //! Each stream carries request frames one way and response frames the other,
-//! both sides acting as initiator and target at once. A frame is a 32-byte
+//! both sides acting as initiator and target at once. A frame is a 40-byte
 //! `DataHeader` plus, for `WriteReq`, `ReadResp` and `Notify`, its payload.
 //!
 //! * The initiator sends `WriteReq` header and payload with one `writev`
@@ -22,6 +22,15 @@
 //!   flight per stream; the other side sizes its response queue by it and
 //!   drops a peer that exceeds it. Queues never grow.
 
+//!
+//! The protocol is a sans-IO state machine (`proto.rs`: bytes, time and
+//! copy completions in; what to send and where to read out); `stream.rs`
+//! is the thin driver that makes its syscalls.
+
+#[cfg(test)]
+mod pair;
+pub(crate) mod proto;
 mod stream;
 
-pub(crate) use stream::{Bounce, PendingOp, Sink, Stage, Stream, StreamLimits};
+pub(crate) use proto::StreamLimits;
+pub(crate) use stream::Stream;

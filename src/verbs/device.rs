@@ -167,7 +167,7 @@ impl Nic {
         }
         let psns = qps
             .iter()
-            .map(|_| crate::endpoint::random_u32() & 0xff_ffff)
+            .map(|_| crate::sys::random_u32() & 0xff_ffff)
             .collect();
         Ok(DataQps {
             qps,
@@ -304,7 +304,7 @@ pub(crate) struct Link {
     wr_out: Vec<u32>,
     /// Per op slot: completions still owed, and the first error seen. An op
     /// completes once (one `done` per slot) when its last one arrives.
-    owed: crate::region::IntMap<u32, (u32, Option<Error>)>,
+    owed: crate::sys::IntMap<u32, (u32, Option<Error>)>,
     /// The parts of the op being built (reused).
     items: Vec<Sge>,
 }

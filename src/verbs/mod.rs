@@ -27,11 +27,10 @@ pub(crate) type NicHandle = std::sync::Arc<device::Nic>;
 pub(crate) type NicHandle = std::convert::Infallible;
 
 /// A registration's memory region on the NIC (the registration cache is
-/// one of these per `Region`, made on first use, dropped with it).
+/// one of these per `Region`, hung on its `nic_attach` on first use,
+/// dropped with it).
 #[cfg(feature = "rdma")]
 pub(crate) type Mr = std::sync::Arc<sideway::ibverbs::memory_region::MemoryRegion>;
-#[cfg(not(feature = "rdma"))]
-pub(crate) type Mr = std::convert::Infallible;
 
 /// A connection's verbs link; cannot exist in a build without `rdma`.
 #[cfg(not(feature = "rdma"))]
@@ -106,8 +105,13 @@ pub(crate) fn open_nic(
 /// `ibv_reg_mr`, GPU memory through a dma-buf of its allocation).
 #[cfg(feature = "rdma")]
 pub(crate) fn mr_of(nic: &device::Nic, r: &crate::region::Region) -> crate::error::Result<Mr> {
-    if let Some(mr) = r.verbs_mr.get() {
-        return Ok(mr.clone());
+    let attached = |a: &std::sync::Arc<dyn std::any::Any + Send + Sync>| {
+        a.clone()
+            .downcast::<sideway::ibverbs::memory_region::MemoryRegion>()
+            .ok()
+    };
+    if let Some(mr) = r.nic_attach.get().and_then(attached) {
+        return Ok(mr);
     }
     let mr = match r.mem {
         crate::gpu::MemKind::Device {
@@ -126,7 +130,12 @@ pub(crate) fn mr_of(nic: &device::Nic, r: &crate::region::Region) -> crate::erro
         // SAFETY: the region's memory outlives the MR (dropped with it).
         _ => unsafe { nic.reg_host(r.addr(), r.len)? },
     };
-    Ok(r.verbs_mr.get_or_init(|| mr).clone())
+    let mr: std::sync::Arc<dyn std::any::Any + Send + Sync> = mr;
+    let mr = r.nic_attach.get_or_init(|| mr);
+    attached(mr).ok_or_else(|| crate::error::Error::Unsupported {
+        what: "RDMA registration",
+        reason: format!("region {:#x} carries a foreign NIC attachment", r.addr()),
+    })
 }
 
 /// The NIC rkey of `r` for a `RemoteBuf`, registering it if needed; `None`

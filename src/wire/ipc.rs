@@ -131,6 +131,39 @@ impl IpcBuf {
     }
 }
 
+/// Where the initiator's GPU memory is: its allocation's IPC handle, the
+/// allocation base in its process, and the offset of the transfer in it.
+/// 80 bytes inline.
+#[derive(Clone, Copy)]
+pub struct IpcRef {
+    pub handle: [u8; 64],
+    pub alloc_base: u64,
+    pub offset: u64,
+}
+
+impl IpcRef {
+    pub const LEN: usize = 80;
+
+    pub fn encode(&self) -> [u8; Self::LEN] {
+        let mut o = [0u8; Self::LEN];
+        o[..64].copy_from_slice(&self.handle);
+        o[64..72].copy_from_slice(&self.alloc_base.to_le_bytes());
+        o[72..80].copy_from_slice(&self.offset.to_le_bytes());
+        o
+    }
+
+    pub fn decode(b: &[u8]) -> Option<IpcRef> {
+        if b.len() != Self::LEN {
+            return None;
+        }
+        Some(IpcRef {
+            handle: b[..64].try_into().ok()?,
+            alloc_base: u64::from_le_bytes(b[64..72].try_into().ok()?),
+            offset: u64::from_le_bytes(b[72..80].try_into().ok()?),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

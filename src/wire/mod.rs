@@ -21,7 +21,7 @@ pub use frame::{
     ControlFrame, Hello, CAP_AUTH, CAP_SHM, CAP_VERBS, CONTROL_HEADER_LEN, CONTROL_MAGIC,
     MAX_CONTROL_BODY, MAX_STREAMS, PROTOCOL_VERSION,
 };
-pub use ipc::{IpcBuf, IPC_BUF_LEN};
+pub use ipc::{IpcBuf, IpcRef, IPC_BUF_LEN};
 pub use metadata::{normalize_bus_id, EndpointMetadata, MAX_BDF_LEN};
 pub use remote_buf::{RemoteBuf, REMOTE_BUF_LEN, REMOTE_FLAG_DEVICE, REMOTE_FLAG_NIC_KEY};
 pub use verbs::{VerbsInfo, LINK_ETHERNET, LINK_INFINIBAND, MAX_DATA_QPS};

@@ -11,16 +11,15 @@ use ferry::oob::IoPreference;
 use ferry::testkit::{read_served, Served};
 use ferry::{Config, ConnId, Endpoint, Mode, Transport};
 
-/// The control-path backends a suite runs on. io_uring is reported as
-/// skipped (not passed) where the kernel refuses it.
-pub fn backend_available(io: IoPreference) -> bool {
+/// Fails the calling test, saying why, where the kernel refuses io_uring:
+/// a suite arm that did not run must not count as passed. (Leave those
+/// arms out with `cargo test -- --skip uring` on such a machine.)
+pub fn require_backend(io: IoPreference) {
     if io == IoPreference::Uring {
         if let Err(why) = ferry::oob::probe_uring() {
-            println!("skipped: io_uring is not usable here: {why}");
-            return false;
+            panic!("io_uring is not usable here ({why}); run with --skip uring to leave it out");
         }
     }
-    true
 }
 
 pub fn io_name(io: IoPreference) -> &'static str {
@@ -65,25 +64,27 @@ impl Path {
         }
     }
 
-    /// False (with a printed reason) where this path cannot run here.
-    pub fn available(self) -> bool {
+    /// Fails the calling test, saying why, where this path cannot run
+    /// here (the verbs arms are `#[ignore]`d, so this fires only when they
+    /// were asked for).
+    pub fn require(self) {
         if self == Path::Verbs {
             if std::env::var("FERRY_TEST_RDMA").as_deref() != Ok("1") {
-                println!("skipped: the verbs path needs FERRY_TEST_RDMA=1 and an RDMA NIC");
-                return false;
+                panic!("the verbs path needs FERRY_TEST_RDMA=1 and an RDMA NIC");
             }
             if let Err(why) = ferry::verbs::status(None, None) {
                 panic!("FERRY_TEST_RDMA=1 but verbs is off here: {why}");
             }
         }
-        backend_available(self.io())
+        require_backend(self.io())
     }
 }
 
 pub fn path_config(path: Path) -> Config {
-    Config {
-        transport: path.transport(),
-        ..config(path.io())
+    {
+        let mut conf = config(path.io());
+        conf.transport = path.transport();
+        conf
     }
 }
 
@@ -96,13 +97,14 @@ pub fn path_client(path: Path) -> Endpoint {
 
 /// Endpoints in these tests talk tcp unless a test asks for shared memory.
 pub fn config(io: IoPreference) -> Config {
-    Config {
-        listen_addr: "127.0.0.1".parse().unwrap(),
-        transport: Transport::Tcp,
-        io,
-        op_timeout_ms: 5000,
-        connect_timeout_ms: 3000,
-        ..Config::default()
+    {
+        let mut conf = Config::default();
+        conf.listen_addr = "127.0.0.1".parse().unwrap();
+        conf.transport = Transport::Tcp;
+        conf.io = io;
+        conf.op_timeout_ms = 5000;
+        conf.connect_timeout_ms = 3000;
+        conf
     }
 }
 
@@ -115,9 +117,10 @@ pub fn client(io: IoPreference) -> Endpoint {
 
 pub fn embedded(io: IoPreference) -> Endpoint {
     Endpoint::builder()
-        .config(Config {
-            mode: Mode::Embedded,
-            ..config(io)
+        .config({
+            let mut conf = config(io);
+            conf.mode = Mode::Embedded;
+            conf
         })
         .build()
         .expect("embedded endpoint")

@@ -497,7 +497,7 @@ pub fn run(a: Args) -> Result<()> {
     } else if o.ipc || o.device_gpu {
         let m = ep.alloc_gpu(bytes)?;
         let fill = vec![0x3cu8; bytes];
-        ferry::gpu::memory::copy_blocking(m.addr(), fill.as_ptr() as u64, bytes)?;
+        m.write_at(0, &fill)?;
         m
     } else {
         host_local(&ep)?
@@ -728,15 +728,11 @@ impl GpuRef {
         } else {
             (far.addr(), near.addr())
         };
-        Ok(ferry::gpu::memory::copy_throughput(
-            self.gpu as i32,
-            dst,
-            src,
-            size,
-            slots,
-            32,
-            secs,
-        )?)
+        // SAFETY: `near` and `far` are live GPU allocations of `need` =
+        // size * slots bytes each, held in `self.bufs`.
+        Ok(unsafe {
+            ferry::gpu::memory::copy_throughput(self.gpu as i32, dst, src, size, slots, 32, secs)?
+        })
     }
 }
 

@@ -75,7 +75,7 @@ pub fn run(mut a: Args) -> Result<()> {
             let g = ep.alloc_gpu(bytes)?;
             let mut b = vec![0u8; bytes];
             fill_pattern(&mut b, 0, seed);
-            ferry::gpu::memory::copy_blocking(g.addr(), b.as_ptr() as u64, bytes)?;
+            g.write_at(0, &b)?;
             Some(g)
         }
         None => None,
@@ -140,25 +140,19 @@ fn answer(
     let w: Vec<&str> = text.split_whitespace().collect();
     let num = |i: usize| -> Result<usize> { Ok(w.get(i).context("missing argument")?.parse()?) };
     let g = || gpu.context("no GPU region (serve --gpu)");
-    let in_gpu = |off: usize, len: usize| -> Result<u64> {
-        let g = g()?;
-        if off.checked_add(len).map_or(true, |e| e > g.len()) {
-            bail!("range {off}+{len} outside the {}-byte GPU region", g.len());
-        }
-        Ok(g.addr() + off as u64)
-    };
+
     match w.first().copied() {
         Some("ghash") => {
             let (off, len) = (num(1)?, num(2)?);
             let mut b = vec![0u8; len];
-            ferry::gpu::memory::copy_blocking(b.as_mut_ptr() as u64, in_gpu(off, len)?, len)?;
+            g()?.read_at(off, &mut b)?;
             Ok(format!("hash {:016x}", fnv64(&b)))
         }
         Some("gfill") => {
             let (off, len, seed) = (num(1)?, num(2)?, num(3)?);
             let mut b = vec![0u8; len];
             fill_pattern(&mut b, off as u64, seed as u8);
-            ferry::gpu::memory::copy_blocking(in_gpu(off, len)?, b.as_ptr() as u64, len)?;
+            g()?.write_at(off, &b)?;
             Ok("ok".into())
         }
         Some("hash") => {

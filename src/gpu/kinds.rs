@@ -1,5 +1,5 @@
-//! GPU facts every build names, with or without the `gpu` feature: where a
-//! registration's bytes live, and the IPC counters.
+//! GPU facts the rest of the engine names: where a registration's bytes
+//! live, and the IPC counters.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -1,0 +1,218 @@
+//! OS helpers shared by every layer: randomness, interface addresses,
+//! thread affinity, hashes, shared mappings and memfd memory, process
+//! liveness. No transport logic lives here.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::io;
+use std::net::{IpAddr, Ipv4Addr};
+
+use tracing::warn;
+
+/// 32 random bits (PSNs and the like).
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+pub(crate) fn random_u32() -> u32 {
+    random_u64() as u32
+}
+
+pub(crate) fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom writes at most b.len() bytes into b.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n == b.len() as isize {
+        return u64::from_le_bytes(b);
+    }
+    // getrandom cannot fail for 8 bytes on Linux >= 3.17; mix clock and pid if it did.
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    (t.as_nanos() as u64) ^ ((std::process::id() as u64) << 32)
+}
+
+/// The first non-loopback IPv4 address of an interface that is up.
+pub(crate) fn primary_ipv4() -> Option<IpAddr> {
+    let mut ifa: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `ifa` with a list we free below.
+    if unsafe { libc::getifaddrs(&mut ifa) } != 0 {
+        return None;
+    }
+    let mut cur = ifa;
+    let mut found = None;
+    while !cur.is_null() {
+        // SAFETY: `cur` is a node of the list getifaddrs returned.
+        let a = unsafe { &*cur };
+        let up = a.ifa_flags & libc::IFF_UP as u32 != 0;
+        let lo = a.ifa_flags & libc::IFF_LOOPBACK as u32 != 0;
+        // SAFETY: ifa_addr, when non-null, points to a sockaddr whose family
+        // field says which sockaddr type it is.
+        let family = (!a.ifa_addr.is_null()).then(|| unsafe { (*a.ifa_addr).sa_family } as i32);
+        if up && !lo && family == Some(libc::AF_INET) {
+            // SAFETY: the family is AF_INET, so this is a sockaddr_in.
+            let sin = unsafe { &*(a.ifa_addr as *const libc::sockaddr_in) };
+            found = Some(IpAddr::V4(Ipv4Addr::from(u32::from_be(
+                sin.sin_addr.s_addr,
+            ))));
+            break;
+        }
+        cur = a.ifa_next;
+    }
+    // SAFETY: `ifa` came from getifaddrs and is freed once.
+    unsafe { libc::freeifaddrs(ifa) };
+    found
+}
+
+/// Pins the calling thread to `core`.
+pub(crate) fn pin_to_core(core: usize) {
+    // SAFETY: cpu_set_t is plain bits; CPU_SET and sched_setaffinity(0, ..)
+    // act on this thread only.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(core, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            warn!(
+                core,
+                "could not pin shard thread: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+}
+
+/// A multiply-shift hasher for the engine's small integer keys (rkeys,
+/// connection ids): the hot-path tables need speed, not DoS resistance, and
+/// their keys come from this process (a peer can only name them).
+#[derive(Default, Clone, Copy)]
+pub(crate) struct IntHasher(u64);
+
+impl Hasher for IntHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.write_u64(b as u64);
+        }
+    }
+    fn write_u32(&mut self, v: u32) {
+        self.write_u64(v as u64);
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0.rotate_left(5) ^ v).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+pub(crate) type IntMap<K, V> = HashMap<K, V, BuildHasherDefault<IntHasher>>;
+
+/// FNV-1a 64 of `buf` (host tokens; tests compare large buffers with it).
+pub fn fnv64(buf: &[u8]) -> u64 {
+    buf.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// A shared mapping, unmapped on drop.
+pub(crate) struct Mapping {
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+
+// SAFETY: a Mapping is an address range; users synchronise through it.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps `len` bytes of `fd` shared, read-write.
+    pub fn map_fd(fd: i32, len: usize) -> io::Result<Mapping> {
+        if len == 0 {
+            return Ok(Mapping {
+                ptr: std::ptr::NonNull::dangling().as_ptr(),
+                len: 0,
+            });
+        }
+        // SAFETY: a fresh shared mapping of an fd we hold; checked below.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Mapping {
+            ptr: p as *mut u8,
+            len,
+        })
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: we mapped exactly this range and nobody uses it after drop.
+            unsafe { libc::munmap(self.ptr as *mut _, self.len) };
+        }
+    }
+}
+
+/// Host memory in a memfd: shareable with local peers by passing the fd.
+pub(crate) struct MemfdBuf {
+    pub fd: i32,
+    pub map: Mapping,
+}
+
+impl MemfdBuf {
+    pub fn new(len: usize) -> crate::error::Result<MemfdBuf> {
+        let name = std::ffi::CString::new("ferry-host").expect("no NUL");
+        // SAFETY: valid name; flags are plain bits.
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(crate::error::Error::io(
+                "memfd_create",
+                io::Error::last_os_error(),
+            ));
+        }
+        // SAFETY: fd is ours.
+        if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
+            let e = io::Error::last_os_error();
+            // SAFETY: fd is ours.
+            unsafe { libc::close(fd) };
+            return Err(crate::error::Error::io("ftruncate(memfd)", e));
+        }
+        let map = match Mapping::map_fd(fd, len) {
+            Ok(m) => m,
+            Err(e) => {
+                // SAFETY: fd is ours.
+                unsafe { libc::close(fd) };
+                return Err(crate::error::Error::io("mmap(memfd)", e));
+            }
+        };
+        Ok(MemfdBuf { fd, map })
+    }
+}
+
+impl Drop for MemfdBuf {
+    fn drop(&mut self) {
+        // SAFETY: we own the descriptor (the mapping drops separately).
+        unsafe { libc::close(self.fd) };
+    }
+}
+
+/// Whether process `pid` exists (EPERM means it does, owned by another user).
+pub(crate) fn pid_alive(pid: u32) -> bool {
+    if pid == 0 || pid > i32::MAX as u32 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks for existence and permission.
+    let r = unsafe { libc::kill(pid as i32, 0) };
+    r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+pub(crate) fn this_pid() -> u32 {
+    std::process::id()
+}

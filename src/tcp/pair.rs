@@ -1,0 +1,904 @@
+//! `Pair`: two tcp protocol engines — one connection of N streams, both
+//! sides initiating — over a simulated link, in virtual time, in one
+//! thread, deterministic from a seed. No sockets: the engines are the real
+//! `StreamProto`s and the target side checks every request against a real
+//! `RegionTable`; only the kernel's byte pipes are simulated.
+//!
+//! The link can fragment writes and reads, delay each stream by its own
+//! amount (so streams overtake each other), stop one side reading, cut a
+//! stream after some bytes (truncation), reset the whole connection, and
+//! corrupt frame headers in flight (a hostile relay). The harness checks
+//! that every operation ends exactly once, byte-exact when it succeeds or
+//! with an error when it does not, that nothing hangs (an iteration cap),
+//! that queues stay within their bounds, and that no request is left
+//! pending when the dust settles.
+//!
+//! A seed that once failed becomes a case in the tests below.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::proto::{Step, StreamLimits, StreamProto, NOTIFY_QUEUE};
+use crate::error::{ConnId, Error, OpKind, Result};
+use crate::region::{Access, Backing, Grant, KeyRef, Region, RegionSlice, RegionTable, Regions};
+use crate::wire::testrng::Rng;
+use crate::wire::{DataHeader, Status, DATA_HEADER_LEN};
+use crate::xfer::Sink;
+
+const HDR: usize = DATA_HEADER_LEN;
+const RKEY: u32 = 0x5151;
+const TAG: u64 = 0x7a67_7a67_0000_0001;
+
+/// How a relay spoils a header in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Corrupt {
+    /// An unknown frame kind: a decode error.
+    Kind,
+    /// Non-zero reserved bits: a decode error.
+    Reserved,
+    /// A flipped op id: a response that matches no request.
+    OpId,
+    /// A flipped key tag: the target refuses the request (UnknownKey).
+    Tag,
+}
+
+/// The faults of one run.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Faults {
+    /// Writes and reads move a few random bytes at a time.
+    pub fragment: bool,
+    /// Each stream delays its bytes by up to this many µs (its own amount).
+    pub delay_us: u64,
+    /// (side, from µs, for µs): that side reads nothing in the window.
+    pub stop_reading: Option<(usize, u64, u64)>,
+    /// (direction a→b = 0, stream, bytes): the stream dies after that many
+    /// bytes in that direction; the reader sees them, then end of stream.
+    pub cut: Option<(usize, usize, usize)>,
+    /// The connection resets at this virtual time (µs).
+    pub reset_at_us: Option<u64>,
+    /// (direction, nth header on stream 0, how).
+    pub corrupt: Option<(usize, usize, Corrupt)>,
+    /// Notifications the receiving application holds before it must drain
+    /// (a full inbox pushes back through the stream).
+    pub inbox_cap: usize,
+}
+
+/// One direction of one stream: the kernel's send and receive buffers.
+struct Pipe {
+    /// Bytes in flight, each with the virtual time it may be read.
+    bytes: VecDeque<(u64, u8)>,
+    cap: usize,
+    delay_us: u64,
+    /// Bytes accepted so far, and the count after which the pipe dies.
+    accepted: usize,
+    cut_after: Option<usize>,
+    closed: bool,
+    relay: Relay,
+}
+
+/// Watches frames go by (headers and payload lengths) and can spoil one
+/// header, as a hostile box on the path would.
+struct Relay {
+    hdr: Vec<u8>,
+    payload_left: u64,
+    headers_seen: usize,
+    corrupt: Option<(usize, Corrupt)>,
+}
+
+impl Relay {
+    /// Passes `b` on, changed if it completes the header to spoil.
+    fn pass(&mut self, out: &mut Vec<u8>, b: u8) {
+        if self.payload_left > 0 {
+            self.payload_left -= 1;
+            out.push(b);
+            return;
+        }
+        self.hdr.push(b);
+        if self.hdr.len() < HDR {
+            return;
+        }
+        let mut h = std::mem::take(&mut self.hdr);
+        if let Ok(d) = DataHeader::decode(&h) {
+            self.payload_left = d.payload_len();
+        }
+        if let Some((nth, how)) = self.corrupt {
+            if nth == self.headers_seen {
+                match how {
+                    Corrupt::Kind => h[0] = 0x7f,
+                    Corrupt::Reserved => h[2] = 1,
+                    Corrupt::OpId => h[8] ^= 0x40,
+                    Corrupt::Tag => h[32] ^= 0x01,
+                }
+            }
+        }
+        self.headers_seen += 1;
+        out.extend_from_slice(&h);
+    }
+}
+
+impl Pipe {
+    fn room(&self) -> usize {
+        self.cap - self.bytes.len()
+    }
+}
+
+/// An operation one side started, as its application sees it.
+struct OpRec {
+    kind: OpKind,
+    /// Frames not yet ended.
+    left: usize,
+    result: Option<Result<()>>,
+    ended: bool,
+    local_off: usize,
+    remote_off: usize,
+    len: usize,
+    seed: u8,
+}
+
+/// A frame waiting for room on its stream.
+struct Queued {
+    slot: u32,
+    op_id: u64,
+    stream: usize,
+    off: usize,
+    len: usize,
+}
+
+struct Side {
+    conn: ConnId,
+    streams: Vec<StreamProto>,
+    table: RegionTable,
+    mem: Arc<Region>,
+    done: Vec<(u32, Result<()>)>,
+    inbox: VecDeque<Vec<u8>>,
+    delivered: Vec<Vec<u8>>,
+    notes_sent: Vec<Vec<u8>>,
+    notes_queued: VecDeque<Vec<u8>>,
+    dead: Option<String>,
+    ops: Vec<OpRec>,
+    queued: VecDeque<Queued>,
+    next_local: usize,
+    next_remote: usize,
+}
+
+struct HSink<'a> {
+    done: &'a mut Vec<(u32, Result<()>)>,
+    inbox: &'a mut VecDeque<Vec<u8>>,
+    cap: usize,
+}
+
+impl Sink for HSink<'_> {
+    fn done(&mut self, slot: u32, result: Result<()>) {
+        self.done.push((slot, result));
+    }
+    fn notify(&mut self, payload: Vec<u8>) -> std::result::Result<(), Vec<u8>> {
+        if self.inbox.len() >= self.cap {
+            return Err(payload);
+        }
+        self.inbox.push_back(payload);
+        Ok(())
+    }
+}
+
+struct View<'a> {
+    table: &'a RegionTable,
+    conn: ConnId,
+}
+
+impl Regions for View<'_> {
+    fn check(
+        &mut self,
+        key: KeyRef,
+        addr: u64,
+        len: u64,
+        need: Access,
+    ) -> std::result::Result<RegionSlice, Status> {
+        let (r, off) = self.table.check(self.conn, key, addr, len, need)?;
+        Ok(RegionSlice::new(r, off, len as usize).expect("checked window"))
+    }
+}
+
+fn owned_region(len: usize) -> Arc<Region> {
+    let mut b = vec![0u8; len].into_boxed_slice();
+    Arc::new(Region {
+        ptr: b.as_mut_ptr(),
+        len,
+        rkey: RKEY,
+        tag: TAG,
+        access: Access::all(),
+        mem: crate::gpu::MemKind::Host,
+        ipc_exported: Default::default(),
+        ipc_handle: Default::default(),
+        nic_attach: Default::default(),
+        _backing: Backing::Owned(b),
+    })
+}
+
+fn pattern(i: usize, seed: u8) -> u8 {
+    ((i as u64)
+        .wrapping_add(1)
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        >> 56) as u8
+        ^ seed
+}
+
+fn bytes_of(r: &Region, off: usize, len: usize) -> &[u8] {
+    assert!(off + len <= r.len);
+    // SAFETY: in bounds of a live owned region; the harness is single
+    // threaded and no engine writes while this slice is read.
+    unsafe { std::slice::from_raw_parts(r.ptr.add(off), len) }
+}
+
+fn fill(r: &Region, off: usize, len: usize, seed: u8) {
+    assert!(off + len <= r.len);
+    for i in 0..len {
+        // SAFETY: in bounds of a live owned region (checked above).
+        unsafe { *r.ptr.add(off + i) = pattern(i, seed) };
+    }
+}
+
+/// The outcome of a run, for the tests' extra checks.
+pub(crate) struct Report {
+    pub ok: usize,
+    pub failed: usize,
+    pub errors: Vec<String>,
+    pub notes_delivered: usize,
+    pub died: [Option<String>; 2],
+    pub end_us: u64,
+}
+
+pub(crate) struct Pair {
+    sides: [Side; 2],
+    /// pipes[dir][stream]; dir 0 carries a→b.
+    pipes: [Vec<Pipe>; 2],
+    rng: Rng,
+    faults: Faults,
+    now_us: u64,
+    base: Instant,
+    limits: StreamLimits,
+    chunk: usize,
+    op_timeout_us: u64,
+}
+
+const MEM: usize = 8 << 20;
+const HALF: usize = MEM / 2;
+
+impl Pair {
+    pub fn new(seed: u64, n_streams: usize, faults: Faults) -> Pair {
+        let mut rng = Rng(seed | 1);
+        let limits = StreamLimits {
+            own_max: 8,
+            peer_max: 8,
+        };
+        let side = |id: u64| {
+            let mem = owned_region(MEM);
+            let mut table = RegionTable::default();
+            table.insert(RKEY, Grant::whole(&mem));
+            Side {
+                conn: ConnId(id),
+                streams: (0..n_streams)
+                    .map(|i| StreamProto::new(limits, i as u8))
+                    .collect(),
+                table,
+                mem,
+                done: Vec::new(),
+                inbox: VecDeque::new(),
+                delivered: Vec::new(),
+                notes_sent: Vec::new(),
+                notes_queued: VecDeque::new(),
+                dead: None,
+                ops: Vec::new(),
+                queued: VecDeque::new(),
+                next_local: 0,
+                next_remote: 0,
+            }
+        };
+        let mut pipes: [Vec<Pipe>; 2] = [Vec::new(), Vec::new()];
+        for (dir, p) in pipes.iter_mut().enumerate() {
+            for s in 0..n_streams {
+                let cut_after = match faults.cut {
+                    Some((d, st, n)) if d == dir && st == s => Some(n),
+                    _ => None,
+                };
+                let corrupt = match faults.corrupt {
+                    Some((d, nth, how)) if d == dir && s == 0 => Some((nth, how)),
+                    _ => None,
+                };
+                p.push(Pipe {
+                    bytes: VecDeque::new(),
+                    cap: 64 << 10,
+                    delay_us: if faults.delay_us > 0 {
+                        rng.below(faults.delay_us + 1)
+                    } else {
+                        0
+                    },
+                    accepted: 0,
+                    cut_after,
+                    closed: false,
+                    relay: Relay {
+                        hdr: Vec::new(),
+                        payload_left: 0,
+                        headers_seen: 0,
+                        corrupt,
+                    },
+                });
+            }
+        }
+        Pair {
+            sides: [side(1), side(2)],
+            pipes,
+            rng,
+            faults,
+            now_us: 0,
+            base: Instant::now(),
+            limits,
+            chunk: 16 << 10,
+            op_timeout_us: 200_000,
+        }
+    }
+
+    fn now(&self) -> Instant {
+        self.base + Duration::from_micros(self.now_us)
+    }
+
+    /// Side `s` starts an operation of `len` bytes on its peer's memory.
+    pub fn start_op(&mut self, s: usize, kind: OpKind, len: usize) {
+        let seed = self.rng.next() as u8;
+        let peer = &self.sides[1 - s];
+        let side = &self.sides[s];
+        let local_off = side.next_local;
+        let remote_off = HALF + side.next_remote;
+        assert!(
+            local_off + len <= HALF && remote_off + len <= MEM,
+            "harness memory"
+        );
+        match kind {
+            OpKind::Write => fill(&side.mem, local_off, len, seed),
+            OpKind::Read => fill(&peer.mem, remote_off, len, seed),
+        }
+        let side = &mut self.sides[s];
+        // Each op gets its own ranges, 8-byte aligned plus a random skew.
+        let skew = (self.rng.below(8)) as usize;
+        side.next_local += len + skew;
+        side.next_remote += len + skew;
+        let slot = side.ops.len() as u32;
+        let frames = len.div_ceil(self.chunk).max(1);
+        for i in 0..frames {
+            let off = i * self.chunk;
+            side.queued.push_back(Queued {
+                slot,
+                op_id: ((slot as u64) << 32) | i as u64,
+                stream: (slot as usize + i) % side.streams.len(),
+                off,
+                len: self.chunk.min(len - off),
+            });
+        }
+        side.ops.push(OpRec {
+            kind,
+            left: frames,
+            result: None,
+            ended: false,
+            local_off,
+            remote_off,
+            len,
+            seed,
+        });
+    }
+
+    /// Side `s` sends a notification.
+    pub fn notify(&mut self, s: usize, payload: Vec<u8>) {
+        self.sides[s].notes_queued.push_back(payload);
+    }
+
+    /// Queues what fits on each stream, as the shard's planner does.
+    fn submit(&mut self, s: usize) {
+        let now = self.now();
+        let peer_base = self.sides[1 - s].mem.addr();
+        let side = &mut self.sides[s];
+        if side.dead.is_some() {
+            return;
+        }
+        while let Some(q) = side.queued.front() {
+            if !side.streams[q.stream].can_request() {
+                break;
+            }
+            let op = &side.ops[q.slot as usize];
+            let local = RegionSlice::new(&side.mem, op.local_off + q.off, q.len).expect("fits");
+            let key = KeyRef {
+                rkey: RKEY,
+                tag: TAG,
+            };
+            let addr = peer_base + (op.remote_off + q.off) as u64;
+            let kind = op.kind;
+            side.streams[q.stream].push_request(kind, q.slot, q.op_id, key, addr, local, now);
+            side.queued.pop_front();
+        }
+        let side = &mut self.sides[s];
+        while let Some(n) = side.notes_queued.front() {
+            let st = &mut side.streams[0];
+            if !st.can_notify() {
+                break;
+            }
+            let n = n.clone();
+            st.push_notify(n.clone());
+            side.notes_sent.push(n);
+            side.notes_queued.pop_front();
+        }
+    }
+
+    /// Moves what side `s` may send into its pipes.
+    fn send(&mut self, s: usize) {
+        if self.sides[s].dead.is_some() {
+            return;
+        }
+        let mut iov = [libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; 16];
+        for i in 0..self.sides[s].streams.len() {
+            let pipe = &mut self.pipes[s][i];
+            if pipe.closed {
+                continue;
+            }
+            let st = &mut self.sides[s].streams[i];
+            // The send queue never holds more than its bounds allow.
+            assert!(
+                !st.has_tx() || st.pending_len() <= self.limits.own_max,
+                "pending beyond own_max"
+            );
+            let n_iov = st.tx_iovecs(&mut iov);
+            let mut budget = pipe.room();
+            if self.faults.fragment {
+                budget = budget.min(1 + self.rng.below(97) as usize);
+            }
+            let mut sent = 0;
+            let mut out = Vec::new();
+            for v in &iov[..n_iov] {
+                let n = v.iov_len.min(budget - sent);
+                // SAFETY: the engine's iovecs are valid until its next
+                // `&mut` call (`on_sent` below).
+                let b = unsafe { std::slice::from_raw_parts(v.iov_base as *const u8, n) };
+                for &x in b {
+                    pipe.relay.pass(&mut out, x);
+                }
+                sent += n;
+                if sent == budget {
+                    break;
+                }
+            }
+            // The relay hands on whole headers only; what it holds back is
+            // in flight all the same.
+            let at = self.now_us + pipe.delay_us;
+            for x in out {
+                if pipe.cut_after.is_some_and(|c| pipe.accepted >= c) {
+                    pipe.closed = true;
+                    break;
+                }
+                pipe.accepted += 1;
+                pipe.bytes.push_back((at, x));
+            }
+            st.on_sent(sent);
+        }
+    }
+
+    /// Side `s` reads what has arrived and handles it.
+    fn receive(&mut self, s: usize) {
+        if self.sides[s].dead.is_some() {
+            return;
+        }
+        if let Some((who, from, len)) = self.faults.stop_reading {
+            if who == s && self.now_us >= from && self.now_us < from + len {
+                return;
+            }
+        }
+        let n = self.sides[s].streams.len();
+        let start = self.rng.below(n as u64) as usize;
+        for k in 0..n {
+            let i = (start + k) % n;
+            let pipe = &mut self.pipes[1 - s][i];
+            let mut avail = pipe
+                .bytes
+                .iter()
+                .take_while(|(t, _)| *t <= self.now_us)
+                .count();
+            if self.faults.fragment {
+                avail = avail.min(1 + self.rng.below(131) as usize);
+            }
+            let chunk: Vec<u8> = pipe.bytes.iter().take(avail).map(|&(_, b)| b).collect();
+            let eof = pipe.closed && pipe.bytes.len() == avail;
+            let side = &mut self.sides[s];
+            let st = &mut side.streams[i];
+            let taken = st.receive_bytes(&chunk);
+            self.pipes[1 - s][i].bytes.drain(..taken);
+            let mut regions = View {
+                table: &side.table,
+                conn: side.conn,
+            };
+            let mut sink = HSink {
+                done: &mut side.done,
+                inbox: &mut side.inbox,
+                cap: self.faults.inbox_cap.max(1),
+            };
+            let r = loop {
+                match st.step(&mut regions, &mut sink) {
+                    Ok(Step::Progress) => continue,
+                    Ok(_) => break Ok(()),
+                    Err(e) => break Err(e),
+                }
+            };
+            let r = r.and_then(|()| {
+                if eof && taken == chunk.len() {
+                    Err("peer closed the connection".to_owned())
+                } else {
+                    Ok(())
+                }
+            });
+            if let Err(e) = r {
+                self.kill(s, e);
+                return;
+            }
+        }
+    }
+
+    /// The connection of side `s` dies (as the shard's `drop_conn`): every
+    /// outstanding request fails with one error, and the peer sees the
+    /// socket close.
+    fn kill(&mut self, s: usize, reason: String) {
+        let side = &mut self.sides[s];
+        if side.dead.is_some() {
+            return;
+        }
+        let err = Error::ConnFailed {
+            conn: side.conn,
+            reason: reason.clone(),
+        };
+        let mut sink = HSink {
+            done: &mut side.done,
+            inbox: &mut side.inbox,
+            cap: usize::MAX,
+        };
+        for st in side.streams.iter_mut() {
+            st.fail_pending(&err, &mut sink);
+        }
+        // Frames never queued fail too.
+        for q in side.queued.drain(..) {
+            side.done.push((q.slot, Err(err.duplicate())));
+        }
+        side.dead = Some(reason);
+        for dir in 0..2 {
+            for p in self.pipes[dir].iter_mut() {
+                p.closed = true;
+            }
+        }
+    }
+
+    /// Publishes completions to the op records, checking each op ends once.
+    fn reap(&mut self, s: usize) {
+        let side = &mut self.sides[s];
+        for (slot, r) in side.done.drain(..) {
+            let op = &mut side.ops[slot as usize];
+            assert!(!op.ended, "op {slot} of side {s} completed twice");
+            assert!(op.left > 0);
+            op.left -= 1;
+            if let Err(e) = r {
+                op.result.get_or_insert(Err(e));
+            }
+            if op.left == 0 {
+                op.ended = true;
+                op.result.get_or_insert(Ok(()));
+            }
+        }
+        // The application drains its inbox, slowly when asked to.
+        let take = if self.faults.inbox_cap > 0 {
+            1
+        } else {
+            usize::MAX
+        };
+        for _ in 0..take {
+            match side.inbox.pop_front() {
+                Some(n) => side.delivered.push(n),
+                None => break,
+            }
+        }
+    }
+
+    fn check_timeouts(&mut self, s: usize) {
+        let now = self.now();
+        let limit = Duration::from_micros(self.op_timeout_us);
+        let late = self.sides[s]
+            .streams
+            .iter()
+            .filter_map(|st| st.oldest_pending())
+            .any(|t| now.duration_since(t) > limit);
+        if late {
+            self.kill(s, "no response within the op timeout".into());
+        }
+    }
+
+    fn all_ended(&self) -> bool {
+        self.sides.iter().all(|s| {
+            s.ops.iter().all(|o| o.ended)
+                && (s.dead.is_some() || s.notes_queued.is_empty())
+                && s.inbox.is_empty()
+        }) && self.notes_settled()
+    }
+
+    /// Every notification sent was delivered, or the connection died.
+    fn notes_settled(&self) -> bool {
+        (0..2).all(|s| {
+            let (from, to) = (&self.sides[s], &self.sides[1 - s]);
+            from.dead.is_some() || to.dead.is_some() || to.delivered.len() == from.notes_sent.len()
+        })
+    }
+
+    /// Runs until every operation has ended; panics on a hang.
+    pub fn run(&mut self) -> Report {
+        for _ in 0..200_000 {
+            if let Some(t) = self.faults.reset_at_us {
+                if self.now_us >= t {
+                    self.kill(0, "connection reset".into());
+                    self.kill(1, "connection reset by peer".into());
+                }
+            }
+            for s in 0..2 {
+                self.submit(s);
+                self.send(s);
+            }
+            for s in 0..2 {
+                self.receive(s);
+                self.reap(s);
+                self.check_timeouts(s);
+                self.reap(s);
+            }
+            if self.all_ended() {
+                return self.verify();
+            }
+            self.now_us += 1 + self.rng.below(20);
+        }
+        panic!(
+            "hang: ops left {:?}, dead {:?}",
+            self.sides
+                .iter()
+                .map(|s| s.ops.iter().filter(|o| !o.ended).count())
+                .collect::<Vec<_>>(),
+            self.sides.iter().map(|s| &s.dead).collect::<Vec<_>>()
+        );
+    }
+
+    fn verify(&mut self) -> Report {
+        let mut rep = Report {
+            ok: 0,
+            failed: 0,
+            errors: Vec::new(),
+            notes_delivered: 0,
+            died: [self.sides[0].dead.clone(), self.sides[1].dead.clone()],
+            end_us: self.now_us,
+        };
+        for s in 0..2 {
+            let (side, peer) = (&self.sides[s], &self.sides[1 - s]);
+            for (i, op) in side.ops.iter().enumerate() {
+                match op.result.as_ref().expect("ended ops have a result") {
+                    Ok(()) => {
+                        let got = match op.kind {
+                            OpKind::Write => bytes_of(&peer.mem, op.remote_off, op.len),
+                            OpKind::Read => bytes_of(&side.mem, op.local_off, op.len),
+                        };
+                        let bad = got
+                            .iter()
+                            .enumerate()
+                            .position(|(j, &b)| b != pattern(j, op.seed));
+                        assert_eq!(bad, None, "side {s} op {i} ({}) reported Ok", op.kind);
+                        rep.ok += 1;
+                    }
+                    Err(e) => {
+                        rep.failed += 1;
+                        rep.errors.push(e.to_string());
+                    }
+                }
+            }
+            // No request is left behind, and nothing still waits to go.
+            for st in &side.streams {
+                assert!(!st.has_pending(), "side {s}: a request still pending");
+                assert!(
+                    side.dead.is_some() || !st.has_tx(),
+                    "side {s}: frames left unsent"
+                );
+            }
+            // Notifications arrive whole and in order.
+            let sent = &peer.notes_sent;
+            assert!(side.delivered.len() <= sent.len());
+            assert_eq!(&side.delivered[..], &sent[..side.delivered.len()]);
+            rep.notes_delivered += side.delivered.len();
+        }
+        rep
+    }
+}
+
+/// A workload: both sides start a mix of READs and WRITEs (single- and
+/// multi-frame) and some notifications.
+fn workload(p: &mut Pair, seed: u64, ops: usize) {
+    let mut rng = Rng(seed ^ 0xabcdef);
+    for i in 0..ops {
+        let s = i % 2;
+        let kind = if rng.below(2) == 0 {
+            OpKind::Write
+        } else {
+            OpKind::Read
+        };
+        let len = match rng.below(4) {
+            0 => 1 + rng.below(64) as usize,
+            1 => 1 + rng.below(8 << 10) as usize,
+            _ => 1 + rng.below(96 << 10) as usize,
+        };
+        p.start_op(s, kind, len);
+        if rng.below(4) == 0 {
+            let n = rng.below(300) as usize;
+            p.notify(s, (0..n).map(|j| (j as u8) ^ (i as u8)).collect());
+        }
+    }
+}
+
+fn run(seed: u64, streams: usize, faults: Faults) -> Report {
+    let mut p = Pair::new(seed, streams, faults);
+    workload(&mut p, seed, 40);
+    p.run()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SEEDS: std::ops::Range<u64> = 1..9;
+
+    #[test]
+    fn clean_link_moves_every_byte() {
+        for seed in SEEDS {
+            let r = run(seed, 2, Faults::default());
+            assert_eq!(r.failed, 0, "seed {seed}: {:?}", r.errors);
+            assert_eq!(r.ok, 40);
+            assert!(r.died.iter().all(|d| d.is_none()));
+        }
+    }
+
+    #[test]
+    fn fragmented_reads_and_writes() {
+        for seed in SEEDS {
+            let f = Faults {
+                fragment: true,
+                ..Faults::default()
+            };
+            let r = run(seed, 3, f);
+            assert_eq!(r.failed, 0, "seed {seed}: {:?}", r.errors);
+        }
+    }
+
+    #[test]
+    fn delayed_streams_overtake_each_other() {
+        for seed in SEEDS {
+            let f = Faults {
+                delay_us: 400,
+                fragment: seed % 2 == 0,
+                ..Faults::default()
+            };
+            let r = run(seed, 4, f);
+            assert_eq!(r.failed, 0, "seed {seed}: {:?}", r.errors);
+        }
+    }
+
+    #[test]
+    fn a_pause_in_reading_shorter_than_the_timeout_loses_nothing() {
+        for seed in SEEDS {
+            let f = Faults {
+                stop_reading: Some(((seed % 2) as usize, 50, 20_000)),
+                ..Faults::default()
+            };
+            let r = run(seed, 2, f);
+            assert_eq!(r.failed, 0, "seed {seed}: {:?}", r.errors);
+        }
+    }
+
+    #[test]
+    fn a_peer_that_stops_reading_fails_ops_at_the_timeout() {
+        for seed in SEEDS {
+            let f = Faults {
+                stop_reading: Some((1, 30, u64::MAX / 2)),
+                ..Faults::default()
+            };
+            let r = run(seed, 2, f);
+            // Side 0 gets no answers: its ops fail (cleanly) once the op
+            // timeout passes, not before, and nothing hangs.
+            assert!(r.failed > 0, "seed {seed}");
+            assert!(r.end_us >= 200_000, "seed {seed}: ended at {} µs", r.end_us);
+            assert!(
+                r.errors.iter().any(|e| e.contains("op timeout")),
+                "seed {seed}: {:?}",
+                r.errors
+            );
+        }
+    }
+
+    #[test]
+    fn truncated_stream_fails_cleanly() {
+        for seed in SEEDS {
+            for cut in [1, HDR - 1, HDR, HDR + 3, 20_000] {
+                let f = Faults {
+                    cut: Some(((seed % 2) as usize, 0, cut)),
+                    ..Faults::default()
+                };
+                let r = run(seed, 2, f);
+                assert!(r.failed > 0, "seed {seed} cut {cut}");
+                assert!(r.died.iter().any(|d| d.is_some()));
+            }
+        }
+    }
+
+    #[test]
+    fn reset_mid_transfer_fails_the_rest_once() {
+        for seed in SEEDS {
+            let f = Faults {
+                reset_at_us: Some(100 + seed * 37),
+                fragment: true,
+                ..Faults::default()
+            };
+            let r = run(seed, 3, f);
+            assert!(r.failed > 0, "seed {seed}");
+            assert!(r
+                .errors
+                .iter()
+                .all(|e| e.contains("reset") || e.contains("closed")));
+        }
+    }
+
+    #[test]
+    fn corrupted_headers_are_caught() {
+        for seed in SEEDS {
+            for how in [
+                Corrupt::Kind,
+                Corrupt::Reserved,
+                Corrupt::OpId,
+                Corrupt::Tag,
+            ] {
+                for dir in 0..2 {
+                    let f = Faults {
+                        corrupt: Some((dir, (seed % 5) as usize, how)),
+                        ..Faults::default()
+                    };
+                    let r = run(seed, 2, f);
+                    // Every op ended, byte-exact if Ok (checked in
+                    // `verify`); the spoiled frame made something fail.
+                    assert!(r.failed > 0, "seed {seed} {how:?} dir {dir}");
+                    if how == Corrupt::Tag && r.died.iter().all(|d| d.is_none()) {
+                        // A refused request leaves the connection usable.
+                        assert!(
+                            r.errors.iter().any(|e| e.contains("no live registration")),
+                            "{:?}",
+                            r.errors
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_full_inbox_pushes_back_and_loses_no_notification() {
+        for seed in SEEDS {
+            let mut p = Pair::new(
+                seed,
+                2,
+                Faults {
+                    inbox_cap: 1,
+                    ..Faults::default()
+                },
+            );
+            for i in 0..(NOTIFY_QUEUE * 2) {
+                p.notify(i % 2, vec![i as u8; 1 + i % 40]);
+            }
+            workload(&mut p, seed, 10);
+            let r = p.run();
+            assert_eq!(r.failed, 0, "seed {seed}: {:?}", r.errors);
+            assert!(r.notes_delivered >= NOTIFY_QUEUE * 2);
+        }
+    }
+}

@@ -1,0 +1,715 @@
+//! The protocol of one tcp data stream, with no I/O: a state machine that
+//! takes received bytes, time and copy completions in, and says what to
+//! send and where the next bytes should land.
+//!
+//! The driver (`stream.rs`, or the `Pair` harness in tests) calls, in any
+//! interleaving:
+//!
+//! * `push_request` / `push_notify` to queue frames (after `can_request` /
+//!   `can_notify`), `release` when a staged GPU copy of a gated frame ends;
+//! * `tx_iovecs` to learn what may be written now (frames in order, a gated
+//!   frame and everything behind it held back), then `on_sent(n)` with the
+//!   number of bytes the socket took;
+//! * `rx_iovecs` to learn where received bytes go (the rest of a payload's
+//!   destination first, then the header buffer), then `on_received(n)`;
+//! * `step` to handle what is buffered, one unit at a time, until it says
+//!   `NeedBytes` (read more) or `Blocked` (the shard must make room first:
+//!   a full inbox, or no bounce buffer free);
+//! * `oldest_pending` for the op timeout, `fail_pending` when the stream
+//!   dies.
+//!
+//! Every memory range it hands out lies in a `RegionSlice` it holds, so the
+//! pointers in `tx_iovecs` / `rx_iovecs` stay valid until the next call
+//! that takes `&mut self`.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use crate::error::{Error, OpKind};
+use crate::region::{Access, KeyRef, RegionSlice, Regions};
+use crate::wire::{DataHeader, DataKind, Status, DATA_HEADER_LEN};
+use crate::xfer::{Bounce, PendingOp, Sink, Stage};
+
+const HDR: usize = DATA_HEADER_LEN;
+/// Receive buffer for headers (and payload bytes that share their read).
+pub(crate) const RBUF_BYTES: usize = 256 * 1024;
+/// iovecs gathered into one `writev`.
+pub(crate) const MAX_IOV: usize = 64;
+/// Notifications queued for sending per stream.
+pub(crate) const NOTIFY_QUEUE: usize = 64;
+
+/// Per-stream bounds, fixed at connection time.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StreamLimits {
+    /// Requests we keep outstanding at most.
+    pub own_max: usize,
+    /// Requests the peer declared it keeps outstanding at most.
+    pub peer_max: usize,
+}
+
+/// What a frame's payload is, and what keeps it alive until it is sent.
+enum TxPayload {
+    None,
+    Slice(RegionSlice),
+    Bytes(Vec<u8>),
+}
+
+impl TxPayload {
+    fn ptr_len(&self) -> (*const u8, usize) {
+        match self {
+            TxPayload::None => (std::ptr::null(), 0),
+            TxPayload::Slice(s) => (s.ptr(), s.len()),
+            TxPayload::Bytes(b) => (b.as_ptr(), b.len()),
+        }
+    }
+}
+
+struct TxFrame {
+    hdr: [u8; HDR],
+    payload: TxPayload,
+    class: FrameClass,
+    /// Non-zero: not to be sent until `release(gate)` (its payload is being
+    /// staged from GPU memory, or its ack waits for a copy into it).
+    gate: u64,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum FrameClass {
+    Request,
+    Response,
+    Notify,
+}
+
+/// On tcp a request also has the op id its response must echo.
+struct Pending {
+    op_id: u64,
+    op: PendingOp,
+}
+
+enum After {
+    Ack {
+        op_id: u64,
+        status: Status,
+    },
+    ReadDone,
+    /// A WRITE into GPU memory landed in a bounce buffer: copy it on, then
+    /// acknowledge.
+    AckStaged {
+        op_id: u64,
+        gpu: RegionSlice,
+        bounce: RegionSlice,
+    },
+}
+
+enum Rx {
+    Header,
+    /// Payload bytes go into `into`; `done` of them have arrived.
+    Payload {
+        into: RegionSlice,
+        done: usize,
+        then: After,
+    },
+    Discard {
+        left: usize,
+        then: After,
+    },
+    Notify {
+        buf: Vec<u8>,
+        want: usize,
+    },
+    NotifyBlocked(Vec<u8>),
+}
+
+/// What `step` did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Handled a unit (a header, a finished payload, a notification).
+    Progress,
+    /// Needs more bytes from the peer.
+    NeedBytes,
+    /// Cannot go on until the shard makes room (inbox full, no bounce
+    /// buffer free); reading more would only buffer what cannot be handled.
+    Blocked,
+}
+
+pub(crate) struct StreamProto {
+    limits: StreamLimits,
+    tx: VecDeque<TxFrame>,
+    /// Bytes of `tx.front()` already sent.
+    head_sent: usize,
+    notify_queued: usize,
+    pending: VecDeque<Pending>,
+    /// Requests received from the peer whose response is not yet sent.
+    peer_owed: usize,
+    rbuf: Box<[u8]>,
+    rs: usize,
+    re: usize,
+    rx: Rx,
+    /// This stream's index in its connection (names it in `Stage`).
+    idx: u8,
+    next_gate: u64,
+}
+
+// SAFETY: the only raw pointers a StreamProto makes are derived on demand
+// from the `RegionSlice`s and buffers it owns; moving it to another thread
+// moves those owners with it.
+unsafe impl Send for StreamProto {}
+
+const EMPTY_IOV: libc::iovec = libc::iovec {
+    iov_base: std::ptr::null_mut(),
+    iov_len: 0,
+};
+
+impl StreamProto {
+    pub fn new(limits: StreamLimits, idx: u8) -> Self {
+        Self {
+            limits,
+            tx: VecDeque::with_capacity(limits.own_max + limits.peer_max + NOTIFY_QUEUE),
+            head_sent: 0,
+            notify_queued: 0,
+            pending: VecDeque::with_capacity(limits.own_max),
+            peer_owed: 0,
+            rbuf: vec![0u8; RBUF_BYTES].into_boxed_slice(),
+            rs: 0,
+            re: 0,
+            rx: Rx::Header,
+            idx,
+            next_gate: 1,
+        }
+    }
+
+    pub fn can_request(&self) -> bool {
+        self.pending.len() < self.limits.own_max
+    }
+
+    pub fn can_notify(&self) -> bool {
+        self.notify_queued < NOTIFY_QUEUE
+    }
+
+    pub fn has_tx(&self) -> bool {
+        !self.tx.is_empty()
+    }
+
+    /// Whether the front frame may be sent now (queued and not gated).
+    pub fn tx_ready(&self) -> bool {
+        self.tx.front().is_some_and(|f| f.gate == 0)
+    }
+
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    #[cfg(test)]
+    pub fn pending_len(&self) -> usize {
+        self.pending.len()
+    }
+
+    pub fn oldest_pending(&self) -> Option<Instant> {
+        self.pending.front().map(|p| p.op.sent_at)
+    }
+
+    /// Queues one request frame for `local` (the source of a WRITE, the
+    /// destination of a READ). The caller checked `can_request`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn push_request(
+        &mut self,
+        kind: OpKind,
+        slot: u32,
+        op_id: u64,
+        key: KeyRef,
+        addr: u64,
+        local: RegionSlice,
+        now: Instant,
+    ) {
+        debug_assert!(self.can_request());
+        let len = local.len();
+        let (dk, payload) = match kind {
+            OpKind::Write => (DataKind::WriteReq, TxPayload::Slice(local.clone())),
+            OpKind::Read => (DataKind::ReadReq, TxPayload::None),
+        };
+        let hdr = DataHeader::request(dk, key.rkey, key.tag, op_id, addr, len as u64).encode();
+        self.tx.push_back(TxFrame {
+            hdr,
+            payload,
+            class: FrameClass::Request,
+            gate: 0,
+        });
+        let op = PendingOp {
+            slot,
+            kind,
+            local,
+            rkey: key.rkey,
+            addr,
+            sent_at: now,
+            post: None,
+        };
+        self.pending.push_back(Pending { op_id, op });
+    }
+
+    pub fn push_notify(&mut self, payload: Vec<u8>) {
+        debug_assert!(self.can_notify());
+        let hdr = DataHeader::request(DataKind::Notify, 0, 0, 0, 0, payload.len() as u64).encode();
+        self.notify_queued += 1;
+        self.tx.push_back(TxFrame {
+            hdr,
+            payload: TxPayload::Bytes(payload),
+            class: FrameClass::Notify,
+            gate: 0,
+        });
+    }
+
+    /// The READ just queued lands in a bounce buffer and goes on into GPU
+    /// memory `gpu` before the op completes.
+    pub fn stage_last_read(&mut self, gpu: RegionSlice) {
+        if let Some(p) = self.pending.back_mut() {
+            p.op.post = Some(gpu);
+        }
+    }
+
+    fn push_response(&mut self, hdr: DataHeader, payload: TxPayload, gate: u64) {
+        // Room is guaranteed: responses never exceed the peer's declared
+        // in-flight limit, which `take_request` enforces.
+        self.tx.push_back(TxFrame {
+            hdr: hdr.encode(),
+            payload,
+            class: FrameClass::Response,
+            gate,
+        });
+    }
+
+    fn new_gate(&mut self) -> u64 {
+        let g = self.next_gate;
+        self.next_gate += 1;
+        g
+    }
+
+    /// A staged copy for gated frame `gate` ended: the frame may go. If the
+    /// copy failed, the response says so instead (and carries no payload).
+    /// Frames behind it wait: responses stay in request order.
+    pub fn release(&mut self, gate: u64, ok: bool) {
+        let Some(f) = self.tx.iter_mut().find(|f| f.gate == gate) else {
+            return;
+        };
+        f.gate = 0;
+        if !ok {
+            if let Ok(h) = DataHeader::decode(&f.hdr) {
+                f.hdr = DataHeader::response(h.kind, Status::DeviceMemory, h.op_id, 0).encode();
+                f.payload = TxPayload::None;
+            }
+        }
+    }
+
+    /// Fails every outstanding request of this stream.
+    pub fn fail_pending(&mut self, err: &Error, sink: &mut impl Sink) {
+        for p in self.pending.drain(..) {
+            sink.done(p.op.slot, Err(err.duplicate()));
+        }
+    }
+
+    /// Fills `iov` with the bytes that may be sent now, in order (up to a
+    /// gated frame); returns how many entries it used. The pointers stay
+    /// valid until the next call that takes `&mut self`.
+    pub fn tx_iovecs(&self, iov: &mut [libc::iovec]) -> usize {
+        let mut n_iov = 0;
+        let mut skip = self.head_sent;
+        for f in self.tx.iter() {
+            if n_iov + 2 > iov.len() || f.gate != 0 {
+                break;
+            }
+            if skip < HDR {
+                iov[n_iov] = libc::iovec {
+                    iov_base: f.hdr[skip..].as_ptr() as *mut _,
+                    iov_len: HDR - skip,
+                };
+                n_iov += 1;
+                skip = 0;
+            } else {
+                skip -= HDR;
+            }
+            let (p, len) = f.payload.ptr_len();
+            if len > skip {
+                iov[n_iov] = libc::iovec {
+                    // In bounds: skip < len.
+                    iov_base: p.wrapping_add(skip) as *mut _,
+                    iov_len: len - skip,
+                };
+                n_iov += 1;
+            }
+            skip = 0;
+        }
+        n_iov
+    }
+
+    /// `n` bytes of what `tx_iovecs` offered were sent: frames wholly sent
+    /// leave the queue (and their payload's memory is let go).
+    pub fn on_sent(&mut self, mut n: usize) {
+        while n > 0 {
+            let f = self.tx.front().expect("bytes sent belong to queued frames");
+            let left = HDR + f.payload.ptr_len().1 - self.head_sent;
+            if n < left {
+                self.head_sent += n;
+                break;
+            }
+            n -= left;
+            self.head_sent = 0;
+            let f = self.tx.pop_front().expect("front exists");
+            match f.class {
+                FrameClass::Response => self.peer_owed -= 1,
+                FrameClass::Notify => self.notify_queued -= 1,
+                FrameClass::Request => {}
+            }
+        }
+    }
+
+    /// Whether the receive state sits between frames (the driver hands
+    /// back what it has before reading again there).
+    pub fn at_frame_boundary(&self) -> bool {
+        matches!(self.rx, Rx::Header)
+    }
+
+    /// Where the next received bytes go: the rest of a payload's
+    /// destination (when one is being received), then the free part of the
+    /// header buffer. Returns how many entries of `iov` it filled. The
+    /// pointers stay valid until the next call that takes `&mut self`.
+    pub fn rx_iovecs(&mut self, iov: &mut [libc::iovec; 2]) -> usize {
+        if self.rs == self.re {
+            self.rs = 0;
+            self.re = 0;
+        } else if self.re == self.rbuf.len() {
+            self.rbuf.copy_within(self.rs..self.re, 0);
+            self.re -= self.rs;
+            self.rs = 0;
+        }
+        let mut n_iov = 0;
+        if let Rx::Payload { into, done, .. } = &self.rx {
+            if *done < into.len() {
+                iov[0] = libc::iovec {
+                    // In bounds: done < len.
+                    iov_base: into.ptr().wrapping_add(*done) as *mut _,
+                    iov_len: into.len() - done,
+                };
+                n_iov = 1;
+            }
+        }
+        let spare = &mut self.rbuf[self.re..];
+        iov[n_iov] = libc::iovec {
+            iov_base: spare.as_mut_ptr() as *mut _,
+            iov_len: spare.len(),
+        };
+        for e in iov.iter_mut().skip(n_iov + 1) {
+            *e = EMPTY_IOV;
+        }
+        n_iov + 1
+    }
+
+    /// `n` bytes landed where the last `rx_iovecs` said, in order.
+    pub fn on_received(&mut self, n: usize) {
+        let mut n = n;
+        if let Rx::Payload { into, done, .. } = &mut self.rx {
+            let got = n.min(into.len() - *done);
+            *done += got;
+            n -= got;
+        }
+        debug_assert!(self.re + n <= self.rbuf.len());
+        self.re += n;
+    }
+
+    /// Copies `bytes` as if received (tests and harnesses that have bytes
+    /// rather than a socket); returns how many it took.
+    #[cfg(test)]
+    pub fn receive_bytes(&mut self, bytes: &[u8]) -> usize {
+        let mut iov = [EMPTY_IOV; 2];
+        let n_iov = self.rx_iovecs(&mut iov);
+        let mut taken = 0;
+        for v in &iov[..n_iov] {
+            let n = v.iov_len.min(bytes.len() - taken);
+            // SAFETY: `rx_iovecs` gave `v` as `iov_len` writable bytes (a
+            // held region slice or our buffer), distinct from `bytes`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(bytes[taken..].as_ptr(), v.iov_base as *mut u8, n)
+            };
+            taken += n;
+        }
+        self.on_received(taken);
+        taken
+    }
+
+    /// Handles one unit of what is buffered. `Err` means the peer broke the
+    /// protocol (the stream, and its connection, are dead).
+    pub fn step(
+        &mut self,
+        regions: &mut impl Regions,
+        sink: &mut impl Sink,
+    ) -> Result<Step, String> {
+        match &mut self.rx {
+            Rx::Header => {
+                if self.re - self.rs < HDR {
+                    return Ok(Step::NeedBytes);
+                }
+                let h = DataHeader::decode(&self.rbuf[self.rs..self.rs + HDR])
+                    .map_err(|e| e.to_string())?;
+                self.rs += HDR;
+                if !self.on_header(h, regions, sink)? {
+                    return Ok(Step::Blocked);
+                }
+                Ok(Step::Progress)
+            }
+            Rx::Payload { into, done, .. } => {
+                let n = (self.re - self.rs).min(into.len() - *done);
+                if n > 0 {
+                    // SAFETY: `into` holds `len` writable bytes alive, and
+                    // `done + n <= len`; the source is our own buffer.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            self.rbuf[self.rs..].as_ptr(),
+                            into.ptr().add(*done),
+                            n,
+                        )
+                    };
+                    self.rs += n;
+                    *done += n;
+                }
+                if *done < into.len() {
+                    return Ok(Step::NeedBytes);
+                }
+                let Rx::Payload { then, .. } = std::mem::replace(&mut self.rx, Rx::Header) else {
+                    unreachable!()
+                };
+                self.finish(then, sink);
+                Ok(Step::Progress)
+            }
+            Rx::Discard { left, .. } => {
+                let n = (self.re - self.rs).min(*left);
+                self.rs += n;
+                *left -= n;
+                if *left > 0 {
+                    return Ok(Step::NeedBytes);
+                }
+                let Rx::Discard { then, .. } = std::mem::replace(&mut self.rx, Rx::Header) else {
+                    unreachable!()
+                };
+                self.finish(then, sink);
+                Ok(Step::Progress)
+            }
+            Rx::Notify { buf, want } => {
+                let n = (self.re - self.rs).min(*want - buf.len());
+                buf.extend_from_slice(&self.rbuf[self.rs..self.rs + n]);
+                self.rs += n;
+                if buf.len() < *want {
+                    return Ok(Step::NeedBytes);
+                }
+                let Rx::Notify { buf, .. } = std::mem::replace(&mut self.rx, Rx::Header) else {
+                    unreachable!()
+                };
+                self.deliver(buf, sink)
+            }
+            Rx::NotifyBlocked(_) => {
+                let Rx::NotifyBlocked(buf) = std::mem::replace(&mut self.rx, Rx::Header) else {
+                    unreachable!()
+                };
+                self.deliver(buf, sink)
+            }
+        }
+    }
+
+    fn deliver(&mut self, buf: Vec<u8>, sink: &mut impl Sink) -> Result<Step, String> {
+        match sink.notify(buf) {
+            Ok(()) => Ok(Step::Progress),
+            Err(back) => {
+                // The inbox is full: stop reading, which pushes back on
+                // the sender through TCP.
+                self.rx = Rx::NotifyBlocked(back);
+                Ok(Step::Blocked)
+            }
+        }
+    }
+
+    fn take_request(&mut self) -> Result<(), String> {
+        if self.peer_owed >= self.limits.peer_max {
+            return Err(format!(
+                "peer sent more than its declared {} requests in flight",
+                self.limits.peer_max
+            ));
+        }
+        self.peer_owed += 1;
+        Ok(())
+    }
+
+    /// Handles one header. `Ok(false)`: it needs a bounce buffer and none
+    /// is free; the header is put back, to be read again later.
+    fn on_header(
+        &mut self,
+        h: DataHeader,
+        regions: &mut impl Regions,
+        sink: &mut impl Sink,
+    ) -> Result<bool, String> {
+        let key = KeyRef {
+            rkey: h.rkey,
+            tag: h.tag,
+        };
+        match h.kind {
+            DataKind::WriteReq => {
+                self.take_request()?;
+                let then_ok = |status| After::Ack {
+                    op_id: h.op_id,
+                    status,
+                };
+                let len = h.len as usize;
+                self.rx = match regions.check(key, h.addr, h.len, Access::REMOTE_WRITE) {
+                    Ok(w) if w.is_device() => match sink.bounce(len) {
+                        Bounce::Ready(b) => {
+                            let into = RegionSlice::new(&b, 0, len).expect("bounce fits len");
+                            Rx::Payload {
+                                into: into.clone(),
+                                done: 0,
+                                then: After::AckStaged {
+                                    op_id: h.op_id,
+                                    gpu: w,
+                                    bounce: into,
+                                },
+                            }
+                        }
+                        Bounce::Busy => return Ok(self.unread_request()),
+                        Bounce::Never => Rx::Discard {
+                            left: len,
+                            then: then_ok(Status::DeviceMemory),
+                        },
+                    },
+                    Ok(w) => Rx::Payload {
+                        into: w,
+                        done: 0,
+                        then: then_ok(Status::Ok),
+                    },
+                    Err(status) => Rx::Discard {
+                        left: len,
+                        then: then_ok(status),
+                    },
+                };
+            }
+            DataKind::ReadReq => {
+                self.take_request()?;
+                let len = h.len as usize;
+                let refuse = |status| DataHeader::response(DataKind::ReadResp, status, h.op_id, 0);
+                match regions.check(key, h.addr, h.len, Access::REMOTE_READ) {
+                    Ok(w) if w.is_device() => match sink.bounce(len) {
+                        Bounce::Ready(b) => {
+                            let out = RegionSlice::new(&b, 0, len).expect("bounce fits len");
+                            // Sent once the GPU→bounce copy is done.
+                            let gate = self.new_gate();
+                            let hdr = DataHeader::response(
+                                DataKind::ReadResp,
+                                Status::Ok,
+                                h.op_id,
+                                h.len,
+                            );
+                            self.push_response(hdr, TxPayload::Slice(out.clone()), gate);
+                            sink.gpu_stage(Stage {
+                                stream: self.idx,
+                                gate,
+                                slot: 0,
+                                dst: out,
+                                src: w,
+                            });
+                        }
+                        Bounce::Busy => return Ok(self.unread_request()),
+                        Bounce::Never => {
+                            self.push_response(refuse(Status::DeviceMemory), TxPayload::None, 0)
+                        }
+                    },
+                    Ok(w) => {
+                        let hdr =
+                            DataHeader::response(DataKind::ReadResp, Status::Ok, h.op_id, h.len);
+                        self.push_response(hdr, TxPayload::Slice(w), 0);
+                    }
+                    Err(status) => self.push_response(refuse(status), TxPayload::None, 0),
+                }
+            }
+            DataKind::Notify => {
+                self.rx = Rx::Notify {
+                    buf: Vec::with_capacity(h.len as usize),
+                    want: h.len as usize,
+                };
+            }
+            DataKind::WriteAck | DataKind::ReadResp => {
+                let p = self
+                    .pending
+                    .front()
+                    .ok_or_else(|| format!("{:?} with no request outstanding", h.kind))?;
+                let want = if p.op.kind == OpKind::Write {
+                    DataKind::WriteAck
+                } else {
+                    DataKind::ReadResp
+                };
+                if p.op_id != h.op_id || h.kind != want {
+                    return Err(format!(
+                        "response {:?} for op {:#x}, but the oldest request is {} op {:#x}",
+                        h.kind, h.op_id, p.op.kind, p.op_id
+                    ));
+                }
+                if h.kind == DataKind::ReadResp && h.status == Status::Ok {
+                    if h.len != p.op.local.len() as u64 {
+                        return Err(format!(
+                            "READ response carries {} bytes, {} were asked",
+                            h.len,
+                            p.op.local.len()
+                        ));
+                    }
+                    self.rx = Rx::Payload {
+                        into: p.op.local.clone(),
+                        done: 0,
+                        then: After::ReadDone,
+                    };
+                    return Ok(true);
+                }
+                let p = self.pending.pop_front().expect("front exists");
+                sink.done(p.op.slot, p.op.outcome(h.status));
+            }
+        }
+        Ok(true)
+    }
+
+    /// Puts back the request header just taken (no bounce buffer free).
+    fn unread_request(&mut self) -> bool {
+        self.rs -= HDR;
+        self.peer_owed -= 1;
+        false
+    }
+
+    fn finish(&mut self, then: After, sink: &mut impl Sink) {
+        match then {
+            After::Ack { op_id, status } => {
+                let hdr = DataHeader::response(DataKind::WriteAck, status, op_id, 0);
+                self.push_response(hdr, TxPayload::None, 0);
+            }
+            After::ReadDone => {
+                let p = self
+                    .pending
+                    .pop_front()
+                    .expect("a READ response matched the front request");
+                match p.op.post {
+                    // Landed in a bounce buffer: on into GPU memory first.
+                    Some(gpu) => sink.gpu_stage(Stage {
+                        stream: self.idx,
+                        gate: 0,
+                        slot: p.op.slot,
+                        dst: gpu,
+                        src: p.op.local,
+                    }),
+                    None => sink.done(p.op.slot, Ok(())),
+                }
+            }
+            After::AckStaged { op_id, gpu, bounce } => {
+                let gate = self.new_gate();
+                let hdr = DataHeader::response(DataKind::WriteAck, Status::Ok, op_id, 0);
+                self.push_response(hdr, TxPayload::None, gate);
+                sink.gpu_stage(Stage {
+                    stream: self.idx,
+                    gate,
+                    slot: 0,
+                    dst: gpu,
+                    src: bounce,
+                });
+            }
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! The transport-neutral contract: what an operation in flight is, where a
+//! transport reports what it finished, and the copy requests it hands to the
+//! GPU layer. tcp, shm and verbs use these types; none of them owns them,
+//! so transports never import each other.
+//!
+//! A transport engine is driven by its shard. It reports through a [`Sink`]:
+//! one call per finished frame of an operation (`done`), notifications that
+//! arrived, and requests that need a CUDA copy — a same-host peer's request
+//! on GPU memory ([`GpuReq`]) or a tcp frame staged through a pinned bounce
+//! buffer ([`Stage`]). The shard answers those when the copy ends.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crate::error::{ConnId, Error, OpKind, Result};
+use crate::region::{Region, RegionSlice};
+use crate::sys::Mapping;
+use crate::wire::{IpcRef, Status};
+
+/// Where a stream reports what it finished.
+pub(crate) trait Sink {
+    /// One request frame of operation `slot` ended.
+    fn done(&mut self, slot: u32, result: Result<()>);
+    /// A notification arrived; hand it back if the inbox is full.
+    fn notify(&mut self, payload: Vec<u8>) -> Result<(), Vec<u8>>;
+    /// The peer deregistered IPC-exported GPU memory at `alloc_base`.
+    fn ipc_revoked(&mut self, _alloc_base: u64) {}
+    /// Takes a same-host request that needs a CUDA copy; `false` when this
+    /// sink cannot (the request is then refused with `DeviceMemory`).
+    fn gpu_copy(&mut self, _req: GpuReq) -> bool {
+        false
+    }
+    /// A pinned bounce buffer of at least `len` bytes, for GPU memory on
+    /// the tcp path.
+    fn bounce(&mut self, _len: usize) -> Bounce {
+        Bounce::Never
+    }
+    /// Starts the CUDA copy a staged frame needs (see `Stage`).
+    fn gpu_stage(&mut self, _stage: Stage) {}
+}
+
+/// What `Sink::bounce` found.
+pub(crate) enum Bounce {
+    Ready(Arc<Region>),
+    /// All in use: try again once some copy or send finishes.
+    Busy,
+    /// No GPU path here: GPU memory cannot go over tcp.
+    Never,
+}
+
+/// A CUDA copy between GPU memory and a bounce buffer for a tcp frame.
+/// With `gate` set it releases that gated frame of stream `stream` when
+/// done (a WriteAck after the bounce→GPU copy, a ReadResp after GPU→bounce);
+/// with `gate` 0 it completes one frame of op `slot` (a READ that landed in
+/// a bounce buffer, copied on into GPU memory).
+/// The two slices are equally long and alive until the copy ends.
+pub(crate) struct Stage {
+    pub stream: u8,
+    pub gate: u64,
+    pub slot: u32,
+    pub dst: RegionSlice,
+    pub src: RegionSlice,
+}
+
+/// A request sent and not yet answered (the shm path uses it too).
+pub(crate) struct PendingOp {
+    pub slot: u32,
+    pub kind: OpKind,
+    /// Local memory: the source of a WRITE, the destination of a READ;
+    /// held alive while the peer reads from or writes to it.
+    pub local: RegionSlice,
+    pub rkey: u32,
+    pub addr: u64,
+    pub sent_at: Instant,
+    /// A READ received into a bounce buffer (`local`) goes on into this
+    /// GPU memory before the op completes.
+    pub post: Option<RegionSlice>,
+}
+
+impl PendingOp {
+    /// The operation's result, given the status its target answered.
+    pub fn outcome(&self, status: Status) -> Result<()> {
+        if status == Status::Ok {
+            return Ok(());
+        }
+        Err(Error::Remote {
+            op: self.kind,
+            status,
+            rkey: self.rkey,
+            addr: self.addr,
+            len: self.local.len() as u64,
+        })
+    }
+}
+
+/// The initiator's side of a copy the target does with CUDA.
+pub(crate) enum Theirs {
+    /// GPU memory of the peer, to be mapped through its IPC handle.
+    Ipc(IpcRef),
+    /// The peer's memfd memory mapped here: the address, and the mapping,
+    /// held until the copy ends (a peer's new mapping or its departure
+    /// cannot unmap it under the DMA engine).
+    Host(*mut u8, Arc<Mapping>),
+}
+
+/// A same-host request that needs a CUDA copy (a GPU side): checked like
+/// any request, then handed to the shard, which replies when it is done.
+pub(crate) struct GpuReq {
+    pub conn: ConnId,
+    pub peer_id: u64,
+    pub peer_pid: u32,
+    pub op_id: u64,
+    pub write: bool,
+    /// Our memory, as the request's key check found it.
+    pub ours: RegionSlice,
+    pub theirs: Theirs,
+}
+
+// SAFETY: the one raw pointer (`Theirs::Host`) is an address for a CUDA
+// copy into a peer mapping the request holds; nothing dereferences it here.
+unsafe impl Send for GpuReq {}
