@@ -77,11 +77,8 @@ pub mod verbs;
 pub mod wire;
 pub(crate) mod xfer;
 
-#[doc(hidden)]
-pub mod testkit;
-
 pub use endpoint::{
-    Config, Endpoint, EndpointBuilder, MemoryRegion, Mode, Peer, Secret, Transport,
+    Config, Endpoint, EndpointBuilder, MemoryRegion, Mode, Peer, Secret, Transport, Window,
 };
 pub use error::{ConnId, Error, OpKind, Result};
 pub use gpu::{IpcStats, MemKind};

@@ -78,97 +78,6 @@ impl Endpoint {
             .collect()
     }
 
-    /// Starts copying `mr[offset..offset + len]` to the start of the peer's
-    /// GPU window `remote` with CUDA IPC. `mr` may be GPU memory or host
-    /// memory (pinned host memory is fastest). The copy runs on this
-    /// endpoint's GPU streams; the shard polls its events.
-    pub fn write_ipc_async(
-        &self,
-        conn: ConnId,
-        mr: &MemoryRegion,
-        offset: usize,
-        len: usize,
-        remote: &IpcBuf,
-    ) -> Result<Transfer> {
-        let d = self.inner.ipc_desc(conn, mr, offset, len, remote)?;
-        self.inner.submit_ipc(conn, OpKind::Write, IpcParts::One(d))
-    }
-
-    /// Starts copying the start of `remote` into `mr[offset..offset + len]`.
-    pub fn read_ipc_async(
-        &self,
-        conn: ConnId,
-        mr: &MemoryRegion,
-        offset: usize,
-        len: usize,
-        remote: &IpcBuf,
-    ) -> Result<Transfer> {
-        let d = self.inner.ipc_desc(conn, mr, offset, len, remote)?;
-        self.inner.submit_ipc(conn, OpKind::Read, IpcParts::One(d))
-    }
-
-    pub fn write_ipc(
-        &self,
-        conn: ConnId,
-        mr: &MemoryRegion,
-        offset: usize,
-        len: usize,
-        remote: &IpcBuf,
-    ) -> Result<()> {
-        self.write_ipc_async(conn, mr, offset, len, remote)?.wait()
-    }
-
-    pub fn read_ipc(
-        &self,
-        conn: ConnId,
-        mr: &MemoryRegion,
-        offset: usize,
-        len: usize,
-        remote: &IpcBuf,
-    ) -> Result<()> {
-        self.read_ipc_async(conn, mr, offset, len, remote)?.wait()
-    }
-
-    /// One IPC WRITE per (local slice, remote window) pair, as one transfer.
-    pub fn writev_ipc_async(
-        &self,
-        conn: ConnId,
-        locals: &[(&MemoryRegion, usize, usize)],
-        remotes: &[IpcBuf],
-    ) -> Result<Transfer> {
-        let parts = self.inner.ipc_descs(conn, locals, remotes)?;
-        self.inner.submit_ipc(conn, OpKind::Write, parts)
-    }
-
-    /// One IPC READ per (local slice, remote window) pair, as one transfer.
-    pub fn readv_ipc_async(
-        &self,
-        conn: ConnId,
-        locals: &[(&MemoryRegion, usize, usize)],
-        remotes: &[IpcBuf],
-    ) -> Result<Transfer> {
-        let parts = self.inner.ipc_descs(conn, locals, remotes)?;
-        self.inner.submit_ipc(conn, OpKind::Read, parts)
-    }
-
-    pub fn writev_ipc(
-        &self,
-        conn: ConnId,
-        locals: &[(&MemoryRegion, usize, usize)],
-        remotes: &[IpcBuf],
-    ) -> Result<()> {
-        self.writev_ipc_async(conn, locals, remotes)?.wait()
-    }
-
-    pub fn readv_ipc(
-        &self,
-        conn: ConnId,
-        locals: &[(&MemoryRegion, usize, usize)],
-        remotes: &[IpcBuf],
-    ) -> Result<()> {
-        self.readv_ipc_async(conn, locals, remotes)?.wait()
-    }
-
     /// CUDA IPC counters: handles opened (cache misses), cache hits,
     /// handles closed, same-process shortcuts, mappings open now.
     pub fn ipc_stats(&self) -> IpcStats {
@@ -215,7 +124,7 @@ impl MemoryRegion {
 }
 
 impl Inner {
-    fn ipc_desc(
+    pub(super) fn ipc_desc(
         &self,
         conn: ConnId,
         mr: &MemoryRegion,
@@ -257,7 +166,7 @@ impl Inner {
         })
     }
 
-    fn ipc_descs(
+    pub(super) fn ipc_descs(
         &self,
         conn: ConnId,
         locals: &[(&MemoryRegion, usize, usize)],
@@ -280,7 +189,12 @@ impl Inner {
         Ok(IpcParts::Many(v))
     }
 
-    fn submit_ipc(&self, conn: ConnId, kind: OpKind, parts: IpcParts) -> Result<Transfer> {
+    pub(super) fn submit_ipc(
+        &self,
+        conn: ConnId,
+        kind: OpKind,
+        parts: IpcParts,
+    ) -> Result<Transfer> {
         let cuda = crate::gpu::cuda()?;
         // Copies run on the local buffer's GPU when it has one, else on the
         // endpoint's (GPU 0 in lazy mode).

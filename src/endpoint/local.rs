@@ -14,10 +14,10 @@ use crate::reactor::Command;
 use crate::region::Backing;
 use crate::shm::fdpass::{self, Shared};
 use crate::shm::local::{probe_cma, LocalConn, CMA_CANARY};
-use crate::shm::msg::{Msg, MsgKind};
 use crate::shm::object::{accept_ring_name, pair_ring_name, ShmRing};
 use crate::shm::ring::SLOT_PAYLOAD;
 use crate::sys::{pid_alive, random_u64, this_pid};
+use crate::wire::shm_msg::{Msg, MsgKind};
 
 /// Slots of one connection direction's ring.
 pub(crate) const PAIR_RING_SLOTS: usize = 1024;
@@ -264,7 +264,7 @@ impl Inner {
             push_msg(
                 &tx,
                 &ack,
-                &text[..text.len().min(crate::shm::msg::MAX_INLINE)],
+                &text[..text.len().min(crate::wire::shm_msg::MAX_INLINE)],
                 deadline,
             )?;
             return Err(refuse("a same-host connection", why));

@@ -6,6 +6,7 @@ mod config;
 mod gpu;
 mod local;
 mod memory;
+mod ops;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
@@ -19,6 +20,7 @@ use tracing::{info, warn};
 
 pub use config::{Config, Mode, Secret, Transport};
 pub use memory::MemoryRegion;
+pub use ops::Window;
 
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::oob::handshake::{self, Assembler};
@@ -132,7 +134,7 @@ pub(crate) struct Inner {
     /// The opened NIC when verbs is on.
     pub(crate) nic: Option<crate::verbs::NicHandle>,
     host_token: u64,
-    local_connects: Mutex<Receiver<(crate::shm::msg::Msg, Vec<u8>)>>,
+    local_connects: Mutex<Receiver<(crate::wire::shm_msg::Msg, Vec<u8>)>>,
     memfd_regions: Mutex<HashMap<u32, std::sync::Weak<Region>>>,
     local_peers: Mutex<std::collections::HashSet<u64>>,
     /// Connections the shards saw die; forgotten on the next control call.
@@ -660,99 +662,6 @@ impl Endpoint {
             .collect()
     }
 
-    // ---- one-sided operations ------------------------------------------
-
-    /// Starts a WRITE of `mr[offset..offset + len]` to the start of `remote`.
-    pub fn write_async(
-        &self,
-        conn: ConnId,
-        mr: &MemoryRegion,
-        offset: usize,
-        len: usize,
-        remote: &RemoteBuf,
-    ) -> Result<Transfer> {
-        let d = desc(mr, offset, len, remote)?;
-        self.inner.submit(conn, OpKind::Write, OpParts::One(d))
-    }
-
-    /// Starts a READ of the start of `remote` into `mr[offset..offset + len]`.
-    pub fn read_async(
-        &self,
-        conn: ConnId,
-        mr: &MemoryRegion,
-        offset: usize,
-        len: usize,
-        remote: &RemoteBuf,
-    ) -> Result<Transfer> {
-        let d = desc(mr, offset, len, remote)?;
-        self.inner.submit(conn, OpKind::Read, OpParts::One(d))
-    }
-
-    /// Starts one WRITE per (local slice, remote buffer) pair as one transfer.
-    pub fn writev_async(
-        &self,
-        conn: ConnId,
-        locals: &[(&MemoryRegion, usize, usize)],
-        remotes: &[RemoteBuf],
-    ) -> Result<Transfer> {
-        let parts = descs(locals, remotes)?;
-        self.inner.submit(conn, OpKind::Write, parts)
-    }
-
-    /// Starts one READ per (local slice, remote buffer) pair as one transfer.
-    pub fn readv_async(
-        &self,
-        conn: ConnId,
-        locals: &[(&MemoryRegion, usize, usize)],
-        remotes: &[RemoteBuf],
-    ) -> Result<Transfer> {
-        let parts = descs(locals, remotes)?;
-        self.inner.submit(conn, OpKind::Read, parts)
-    }
-
-    /// WRITE and wait. Needs managed shards, or embedded ones polled by
-    /// another thread.
-    pub fn write(
-        &self,
-        conn: ConnId,
-        mr: &MemoryRegion,
-        offset: usize,
-        len: usize,
-        remote: &RemoteBuf,
-    ) -> Result<()> {
-        self.write_async(conn, mr, offset, len, remote)?.wait()
-    }
-
-    /// READ and wait (see [`write`](Endpoint::write)).
-    pub fn read(
-        &self,
-        conn: ConnId,
-        mr: &MemoryRegion,
-        offset: usize,
-        len: usize,
-        remote: &RemoteBuf,
-    ) -> Result<()> {
-        self.read_async(conn, mr, offset, len, remote)?.wait()
-    }
-
-    pub fn writev(
-        &self,
-        conn: ConnId,
-        locals: &[(&MemoryRegion, usize, usize)],
-        remotes: &[RemoteBuf],
-    ) -> Result<()> {
-        self.writev_async(conn, locals, remotes)?.wait()
-    }
-
-    pub fn readv(
-        &self,
-        conn: ConnId,
-        locals: &[(&MemoryRegion, usize, usize)],
-        remotes: &[RemoteBuf],
-    ) -> Result<()> {
-        self.readv_async(conn, locals, remotes)?.wait()
-    }
-
     // ---- notifications -------------------------------------------------
 
     /// Sends a small message (at most 4096 bytes) to the peer's inbox.
@@ -794,7 +703,12 @@ impl Endpoint {
     }
 }
 
-fn desc(mr: &MemoryRegion, offset: usize, len: usize, remote: &RemoteBuf) -> Result<OpDesc> {
+pub(super) fn desc(
+    mr: &MemoryRegion,
+    offset: usize,
+    len: usize,
+    remote: &RemoteBuf,
+) -> Result<OpDesc> {
     mr.check_range(offset, len)?;
     if mr.inner.mem.is_device() {
         // A same-host target reaches GPU memory through its IPC handle;
@@ -817,7 +731,10 @@ fn desc(mr: &MemoryRegion, offset: usize, len: usize, remote: &RemoteBuf) -> Res
     })
 }
 
-fn descs(locals: &[(&MemoryRegion, usize, usize)], remotes: &[RemoteBuf]) -> Result<OpParts> {
+pub(super) fn descs(
+    locals: &[(&MemoryRegion, usize, usize)],
+    remotes: &[RemoteBuf],
+) -> Result<OpParts> {
     if locals.len() != remotes.len() {
         return Err(Error::VectorMismatch {
             locals: locals.len(),
@@ -873,7 +790,7 @@ impl Inner {
         &self.shards[(conn.0 % self.shards.len() as u64) as usize]
     }
 
-    fn submit(&self, conn: ConnId, kind: OpKind, parts: OpParts) -> Result<Transfer> {
+    pub(super) fn submit(&self, conn: ConnId, kind: OpKind, parts: OpParts) -> Result<Transfer> {
         let t = self.table.claim().ok_or(Error::TooManyInflight {
             max: self.table.capacity(),
         })?;

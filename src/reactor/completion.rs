@@ -20,6 +20,8 @@ const DONE: u32 = 2;
 const WAITER: u32 = 4;
 /// The `Transfer` was dropped; whoever completes the op frees the slot.
 const DETACHED: u32 = 8;
+/// A completer owns `result` (set by the CAS that admits exactly one).
+const COMPLETING: u32 = 16;
 
 /// Spins before a waiter sleeps: long enough to catch a loopback round trip
 /// without a syscall, short enough not to burn a core on slow ops.
@@ -92,21 +94,37 @@ impl CompletionTable {
         None
     }
 
-    /// Records the outcome of the operation in `idx`. Called once per claim,
-    /// by the shard that ran it.
-    pub fn complete(&self, idx: u32, outcome: Result<()>) {
+    /// Records the outcome of the operation in `idx`. Returns `false` (and
+    /// changes nothing) if the slot has no operation in flight or another
+    /// completion got there first: only the first completion of a claim
+    /// counts, so no caller can race the owner's read of the result.
+    pub fn complete(&self, idx: u32, outcome: Result<()>) -> bool {
         let slot = &self.slots[idx as usize];
-        // SAFETY: the state is PENDING (this op's one completion), so the
-        // owner does not touch `result` until it sees DONE below.
-        unsafe { *slot.result.get() = outcome.err() };
         let mut s = slot.state.load(Ordering::Relaxed);
         loop {
-            debug_assert!(s & PENDING != 0, "completing slot {idx} in state {s}");
+            if s & PENDING == 0 || s & (DONE | COMPLETING) != 0 {
+                return false;
+            }
+            match slot.state.compare_exchange_weak(
+                s,
+                s | COMPLETING,
+                Ordering::Acquire,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => break,
+                Err(cur) => s = cur,
+            }
+        }
+        // SAFETY: our CAS set COMPLETING, which admits one completer; the
+        // owner does not touch `result` until it sees DONE below.
+        unsafe { *slot.result.get() = outcome.err() };
+        s |= COMPLETING;
+        loop {
             if s & DETACHED != 0 {
                 // SAFETY: nobody will ever read this result; we own it again.
                 unsafe { *slot.result.get() = None };
                 slot.state.store(FREE, Ordering::Release);
-                return;
+                return true;
             }
             match slot.state.compare_exchange_weak(
                 s,
@@ -121,6 +139,7 @@ impl CompletionTable {
         if s & WAITER != 0 {
             futex_wake(&slot.state);
         }
+        true
     }
 }
 
@@ -354,5 +373,22 @@ mod tests {
         ));
         t.complete(a.slot(), Ok(()));
         a.wait_timeout(Duration::from_millis(20)).unwrap();
+    }
+
+    #[test]
+    fn a_second_completion_changes_nothing() {
+        let t = CompletionTable::new(2);
+        let mut a = t.claim().unwrap();
+        assert!(t.complete(
+            a.slot(),
+            Err(Error::Unsupported {
+                what: "first",
+                reason: String::new(),
+            })
+        ));
+        assert!(!t.complete(a.slot(), Ok(())), "second completion refused");
+        assert!(a.poll().unwrap().is_err(), "the first outcome stands");
+        // A free slot cannot be completed either.
+        assert!(!t.complete(a.slot(), Ok(())));
     }
 }

@@ -14,6 +14,8 @@
 
 pub(crate) mod completion;
 mod gpu;
+mod ledger;
+mod plan;
 mod queue;
 mod shard;
 

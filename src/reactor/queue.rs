@@ -43,7 +43,7 @@ pub(crate) struct OpCmd {
     pub slot: u32,
     pub parts: OpParts,
     /// How far the op is queued.
-    pub at: Progress,
+    pub at: super::plan::Progress,
     /// Counted against its connection's in-flight limit already (an op
     /// that stalls before its first frame is retried, and must not count
     /// twice).
@@ -78,29 +78,6 @@ pub(crate) struct IpcCmd {
     pub slot: u32,
     pub ordinal: i32,
     pub parts: IpcParts,
-}
-
-/// Progress through an op's parts when it is queued in pieces.
-#[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct Progress {
-    /// The part being queued, and the offset in it.
-    pub desc: usize,
-    pub off: usize,
-    /// Frames queued so far.
-    pub emitted: u32,
-}
-
-impl Progress {
-    /// One more frame of `n` bytes of the current part (of `part_len`)
-    /// is queued.
-    pub fn advance(&mut self, n: usize, part_len: usize) {
-        self.emitted += 1;
-        self.off += n;
-        if self.off >= part_len {
-            self.desc += 1;
-            self.off = 0;
-        }
-    }
 }
 
 pub(crate) enum Command {

@@ -12,15 +12,17 @@ use slab::Slab;
 use tracing::{debug, info, warn};
 
 use super::completion::CompletionTable;
+use super::ledger::OpLedger;
+use super::plan::{self, Route};
 use super::queue::{Command, OpCmd, RegionCmd, ShardHandle, WakeState};
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::region::{Access, KeyRef, RegionSlice, RegionTable, Regions};
 use crate::shm::fdpass::FdListener;
 use crate::shm::local::{LocalConn, PeerMaps};
-use crate::shm::msg::{Msg, MsgKind};
 use crate::shm::object::ShmRing;
 use crate::shm::ring::SLOT_PAYLOAD;
 use crate::tcp::{Stream, StreamLimits};
+use crate::wire::shm_msg::{Msg, MsgKind};
 use crate::wire::Status;
 use crate::xfer::Sink;
 
@@ -88,14 +90,6 @@ pub(crate) struct LocalSetup {
     pub connects: SyncSender<(Msg, Vec<u8>)>,
 }
 
-#[derive(Default)]
-struct LocalOp {
-    remaining: u32,
-    error: Option<Error>,
-    /// The connection the op counts against (its in-flight limit).
-    conn: Option<ConnId>,
-}
-
 /// One shard: its connections, its view of the registrations, and its loop.
 /// In embedded mode the caller owns it and calls [`Shard::poll`].
 pub struct Shard {
@@ -113,17 +107,14 @@ pub struct Shard {
     peer_maps: PeerMaps,
     failed: HashMap<ConnId, String>,
     regions: RegionTable,
-    table: Arc<CompletionTable>,
-    ops: Box<[LocalOp]>,
+    /// Every op this shard runs, its pieces and its one outcome.
+    ledger: OpLedger,
     stalled: Option<Command>,
-    done: Vec<(u32, Result<()>)>,
     /// Connections found broken during a pass, dropped after it.
     to_fail: Vec<(ConnRef, String)>,
     inbox: SyncSender<(ConnId, Vec<u8>)>,
     iter: u32,
     stream_count: usize,
-    /// Operations in flight per connection.
-    conn_ops: crate::sys::IntMap<ConnId, usize>,
     /// Tells the endpoint which connections died, so it can forget them.
     closed: mpsc::Sender<ConnId>,
     /// CUDA IPC copies and opened handles; made on the first IPC op.
@@ -237,14 +228,6 @@ impl Sink for ShardSink<'_> {
     }
 }
 
-fn frames_of(len: usize, chunk: usize) -> u32 {
-    if len == 0 {
-        1
-    } else {
-        len.div_ceil(chunk) as u32
-    }
-}
-
 impl Shard {
     pub(crate) fn new(
         id: usize,
@@ -264,7 +247,7 @@ impl Shard {
         });
         let (tx, rx) = mpsc::sync_channel(cfg.sq_depth);
         let (rtx, region_rx) = mpsc::channel();
-        let ops = (0..table.capacity()).map(|_| LocalOp::default()).collect();
+        let max_conn_ops = cfg.max_conn_inflight_ops;
         let (cfg_gpu_streams, cfg_chunk, cfg_bounce) =
             (cfg.gpu_streams, cfg.chunk_bytes, cfg.gpu_bounce_bytes);
         let handle = ShardHandle {
@@ -289,15 +272,12 @@ impl Shard {
             peer_maps: PeerMaps::default(),
             failed: HashMap::new(),
             regions: RegionTable::default(),
-            done: Vec::with_capacity(table.capacity()),
-            table,
-            ops,
+            ledger: OpLedger::new(table, max_conn_ops),
             stalled: None,
             to_fail: Vec::new(),
             inbox,
             iter: 0,
             stream_count: 0,
-            conn_ops: Default::default(),
             closed,
             // With a driver, ready for GPU memory on tcp (no CUDA call yet).
             gpu: crate::gpu::cuda().is_ok().then(|| {
@@ -338,7 +318,7 @@ impl Shard {
         work += self.drain_commands();
         if let Some(g) = &mut self.gpu {
             g.flush();
-            g.drain_into(&mut self.done, &mut self.gpu_replies);
+            g.drain_into(&mut self.ledger.done, &mut self.gpu_replies);
         }
         work += self.service_conns();
         work += self.service_local();
@@ -355,7 +335,7 @@ impl Shard {
             if g.busy() {
                 work += g.poll();
             }
-            g.drain_into(&mut self.done, &mut self.gpu_replies);
+            g.drain_into(&mut self.ledger.done, &mut self.gpu_replies);
         }
         if !self.gpu_replies.is_empty() {
             self.send_gpu_replies();
@@ -565,6 +545,11 @@ impl Shard {
     fn apply_op(&mut self, mut op: OpCmd) -> Option<OpCmd> {
         let chunk = self.cfg.chunk_bytes;
         let target = self.by_id.get(&op.conn).copied();
+        if target.is_none() && !op.counted {
+            let err = self.conn_error(op.conn);
+            self.ledger.fail(op.slot, err);
+            return None;
+        }
         // An op goes over RDMA when its connection has queue pairs and
         // every window carries the peer NIC's key; it then completes once.
         let via_verbs = match target {
@@ -574,54 +559,29 @@ impl Shard {
             }
             _ => false,
         };
-        // Same-host connections send one message per piece; tcp ones one
-        // frame per chunk.
-        let total: u32 = match target {
-            _ if via_verbs => 1,
-            Some(ConnRef::Local(_)) => op.parts.as_slice().len() as u32,
-            _ => op
-                .parts
-                .as_slice()
-                .iter()
-                .map(|d| frames_of(d.local.len(), chunk))
-                .sum(),
+        let route = match target {
+            _ if via_verbs => Route::Verbs,
+            Some(ConnRef::Local(_)) => Route::Local,
+            _ => Route::Tcp,
         };
+        let total = plan::pieces(
+            route,
+            op.parts.as_slice().iter().map(|d| d.local.len()),
+            chunk,
+        );
         if !op.counted {
             op.counted = true;
-            let mut conn = None;
-            if target.is_some() {
-                let n = self.conn_ops.entry(op.conn).or_insert(0);
-                if *n >= self.cfg.max_conn_inflight_ops {
-                    let limit = Error::LimitReached {
-                        limit: "FERRY_MAX_CONN_INFLIGHT_OPS",
-                        max: self.cfg.max_conn_inflight_ops,
-                    };
-                    self.ops[op.slot as usize] = LocalOp {
-                        remaining: total,
-                        error: None,
-                        conn: None,
-                    };
-                    for _ in 0..total {
-                        self.done.push((op.slot, Err(limit.duplicate())));
-                    }
-                    return None;
-                }
-                *n += 1;
-                conn = Some(op.conn);
+            if let Err(e) = self.ledger.open(op.slot, total, Some(op.conn)) {
+                self.ledger.fail(op.slot, e);
+                return None;
             }
-            self.ops[op.slot as usize] = LocalOp {
-                remaining: total,
-                error: None,
-                conn,
-            };
         }
         let now = Instant::now();
         let idx = match target {
             None => {
+                // Its connection died while the op waited for room.
                 let err = self.conn_error(op.conn);
-                for _ in op.at.emitted..total {
-                    self.done.push((op.slot, Err(err.duplicate())));
-                }
+                self.ledger.fail_rest(op.slot, total - op.at.emitted, err);
                 return None;
             }
             Some(ConnRef::Local(idx)) => {
@@ -655,7 +615,7 @@ impl Shard {
         let descs = op.parts.as_slice();
         while op.at.desc < descs.len() {
             let d = &descs[op.at.desc];
-            let n = chunk.min(d.local.len() - op.at.off);
+            let n = op.at.frame_len(d.local.len(), chunk);
             let which = conn.next % conn.streams.len();
             let s = &mut conn.streams[which];
             if !s.can_request() {
@@ -684,9 +644,7 @@ impl Shard {
                             reason: "no pinned bounce buffer could be allocated (see the log)"
                                 .into(),
                         };
-                        for _ in op.at.emitted..total {
-                            self.done.push((op.slot, Err(e.duplicate())));
-                        }
+                        self.ledger.fail_rest(op.slot, total - op.at.emitted, e);
                         return None;
                     }
                 };
@@ -759,13 +717,13 @@ impl Shard {
                     // Nothing of this op has been posted yet: drop the
                     // gathered parts by posting none.
                     link.discard();
-                    link.fail_slot(op.slot, e, &mut self.done);
+                    link.fail_slot(op.slot, e, &mut self.ledger.done);
                     return None;
                 }
             }
         }
         if let Err(e) = link.post(op.kind == OpKind::Write, op.slot) {
-            link.fail_slot(op.slot, e, &mut self.done);
+            link.fail_slot(op.slot, e, &mut self.ledger.done);
         }
         None
     }
@@ -774,35 +732,13 @@ impl Shard {
     /// limit like any op, and fails like one on an unknown connection.
     fn apply_ipc(&mut self, cmd: super::queue::IpcCmd) {
         let total = cmd.parts.len() as u32;
-        let slot = cmd.slot;
-        let fail = |s: &mut Self, e: Error| {
-            s.ops[slot as usize] = LocalOp {
-                remaining: total,
-                error: None,
-                conn: None,
-            };
-            for _ in 0..total {
-                s.done.push((slot, Err(e.duplicate())));
-            }
-        };
         if !self.by_id.contains_key(&cmd.conn) {
             let e = self.conn_error(cmd.conn);
-            return fail(self, e);
+            return self.ledger.fail(cmd.slot, e);
         }
-        let n = self.conn_ops.entry(cmd.conn).or_insert(0);
-        if *n >= self.cfg.max_conn_inflight_ops {
-            let e = Error::LimitReached {
-                limit: "FERRY_MAX_CONN_INFLIGHT_OPS",
-                max: self.cfg.max_conn_inflight_ops,
-            };
-            return fail(self, e);
+        if let Err(e) = self.ledger.open(cmd.slot, total, Some(cmd.conn)) {
+            return self.ledger.fail(cmd.slot, e);
         }
-        *n += 1;
-        self.ops[slot as usize] = LocalOp {
-            remaining: total,
-            error: None,
-            conn: Some(cmd.conn),
-        };
         self.gpu_work().start(cmd);
     }
 
@@ -855,7 +791,7 @@ impl Shard {
                     let from = RegionSlice::new(b, 0, ts.len).expect("bounce fits a chunk");
                     s.push_request(OpKind::Write, ts.slot, ts.op_id, ts.key, ts.addr, from, now);
                 }
-                (Err(e), _, _) => self.done.push((ts.slot, Err(e.duplicate()))),
+                (Err(e), _, _) => self.ledger.done.push((ts.slot, Err(e.duplicate()))),
                 _ => {
                     let e = match self.failed.get(&ts.conn) {
                         Some(reason) => Error::ConnFailed {
@@ -864,7 +800,7 @@ impl Shard {
                         },
                         None => Error::UnknownConn { conn: ts.conn },
                     };
-                    self.done.push((ts.slot, Err(e)));
+                    self.ledger.done.push((ts.slot, Err(e)));
                 }
             }
             let _ = g.sends.swap_remove(i);
@@ -945,9 +881,7 @@ impl Shard {
     fn remember_failed(&mut self, conn: ConnId, reason: String) {
         // The endpoint may be gone already; then nobody needs to know.
         let _ = self.closed.send(conn);
-        if self.conn_ops.get(&conn) == Some(&0) {
-            self.conn_ops.remove(&conn);
-        }
+        self.ledger.forget_conn_if_idle(conn);
         if self.failed.len() >= FAILED_MEMORY {
             self.failed.clear();
         }
@@ -964,7 +898,7 @@ impl Shard {
             reason,
         };
         let mut sink = ShardSink {
-            done: &mut self.done,
+            done: &mut self.ledger.done,
             inbox: &self.inbox,
             conn: conn.id,
             ipc_revoked: &mut self.ipc_revoked,
@@ -992,7 +926,7 @@ impl Shard {
             reason: reason.clone(),
         };
         let mut sink = ShardSink {
-            done: &mut self.done,
+            done: &mut self.ledger.done,
             inbox: &self.inbox,
             conn: lc.id,
             ipc_revoked: &mut self.ipc_revoked,
@@ -1054,7 +988,7 @@ impl Shard {
         for (idx, lc) in self.local.iter_mut() {
             regions.conn = lc.id;
             let mut sink = ShardSink {
-                done: &mut self.done,
+                done: &mut self.ledger.done,
                 inbox: &self.inbox,
                 conn: lc.id,
                 ipc_revoked: &mut self.ipc_revoked,
@@ -1080,7 +1014,7 @@ impl Shard {
         for (idx, conn) in self.conns.iter_mut() {
             regions.conn = conn.id;
             if let Some(v) = &mut conn.verbs {
-                match v.poll(&mut self.done) {
+                match v.poll(&mut self.ledger.done) {
                     Ok(n) => work += n,
                     Err(reason) => {
                         self.to_fail.push((ConnRef::Tcp(idx), reason));
@@ -1089,7 +1023,7 @@ impl Shard {
                 }
             }
             let mut sink = ShardSink {
-                done: &mut self.done,
+                done: &mut self.ledger.done,
                 inbox: &self.inbox,
                 conn: conn.id,
                 ipc_revoked: &mut self.ipc_revoked,
@@ -1187,27 +1121,8 @@ impl Shard {
     }
 
     fn publish(&mut self) -> usize {
-        let n = self.done.len();
-        for (slot, result) in self.done.drain(..) {
-            let op = &mut self.ops[slot as usize];
-            if let Err(e) = result {
-                op.error.get_or_insert(e);
-            }
-            op.remaining -= 1;
-            if op.remaining == 0 {
-                if let Some(c) = op.conn.take() {
-                    if let Some(n) = self.conn_ops.get_mut(&c) {
-                        *n = n.saturating_sub(1);
-                        if *n == 0 && !self.by_id.contains_key(&c) {
-                            self.conn_ops.remove(&c);
-                        }
-                    }
-                }
-                self.table
-                    .complete(slot, op.error.take().map_or(Ok(()), Err));
-            }
-        }
-        n
+        let by_id = &self.by_id;
+        self.ledger.publish(|c| by_id.contains_key(&c))
     }
 }
 
@@ -1239,9 +1154,9 @@ impl Drop for Shard {
         if let Some(g) = &mut self.gpu {
             // Copies in flight read or write memory their ops still hold.
             g.finish_all(self.cfg.op_timeout);
-            g.drain_into(&mut self.done, &mut self.gpu_replies);
+            g.drain_into(&mut self.ledger.done, &mut self.gpu_replies);
             for (ts, _, _) in g.sends.drain(..) {
-                self.done.push((ts.slot, Err(Error::Shutdown)));
+                self.ledger.done.push((ts.slot, Err(Error::Shutdown)));
             }
         }
         self.publish();

@@ -16,12 +16,12 @@ use std::time::Instant;
 
 use slab::Slab;
 
-use super::msg::{Msg, MsgKind, MAX_INLINE};
 use super::object::ShmRing;
 use super::ring::SLOT_PAYLOAD;
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::region::{Access, KeyRef, RegionSlice, Regions};
 use crate::sys::{pid_alive, Mapping};
+use crate::wire::shm_msg::{Msg, MsgKind, MAX_INLINE};
 use crate::wire::IpcRef;
 use crate::wire::{Status, MAX_NOTIFY_BYTES};
 use crate::xfer::{GpuReq, PendingOp, Sink, Theirs};

@@ -9,7 +9,6 @@
 
 pub(crate) mod fdpass;
 pub(crate) mod local;
-pub(crate) mod msg;
 pub(crate) mod object;
 pub(crate) mod ring;
 

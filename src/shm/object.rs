@@ -280,4 +280,66 @@ mod tests {
         assert_eq!(unsafe { *again.ptr.add(12345) }, 7);
         assert_ne!(host_token(), 0);
     }
+
+    /// Several producer processes push into one ring (a shared mapping they
+    /// inherit); the consumer sees every message once, in order per
+    /// producer. The children touch only the mapping (no allocation, no
+    /// locks: safe after `fork` in a threaded test runner) and `_exit`.
+    #[test]
+    fn ring_under_several_producer_processes() {
+        let name = format!("/ferry-stress-{:x}", std::process::id());
+        let ring = ShmRing::create(&name, 64, 1).unwrap();
+        let producers = 4u32;
+        let per = 50_000u32;
+        let mut kids = Vec::new();
+        for p in 0..producers {
+            // SAFETY: the child only pushes into the inherited shared
+            // mapping (atomics and a memcpy) and leaves with `_exit`.
+            let pid = unsafe { libc::fork() };
+            assert!(pid >= 0, "fork: {}", io::Error::last_os_error());
+            if pid == 0 {
+                for i in 0..per {
+                    let mut m = [0u8; 8];
+                    m[..4].copy_from_slice(&p.to_le_bytes());
+                    m[4..].copy_from_slice(&i.to_le_bytes());
+                    while ring.ring.push(&m).is_err() {
+                        std::hint::spin_loop();
+                    }
+                }
+                // SAFETY: ends the child without running the parent's
+                // destructors or atexit handlers.
+                unsafe { libc::_exit(0) };
+            }
+            kids.push(pid);
+        }
+        let mut next = vec![0u32; producers as usize];
+        let mut got = 0;
+        let mut buf = [0u8; crate::shm::ring::SLOT_PAYLOAD];
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while got < producers * per {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "only {got} messages arrived"
+            );
+            match ring.ring.pop(&mut buf) {
+                Some(n) => {
+                    assert_eq!(n, 8);
+                    let p = u32::from_le_bytes(buf[..4].try_into().unwrap()) as usize;
+                    let i = u32::from_le_bytes(buf[4..8].try_into().unwrap());
+                    assert_eq!(i, next[p], "producer {p} out of order");
+                    next[p] += 1;
+                    got += 1;
+                }
+                None => std::hint::spin_loop(),
+            }
+        }
+        for pid in kids {
+            let mut status = 0;
+            // SAFETY: reaps a child of ours; `status` is ours to write.
+            let r = unsafe { libc::waitpid(pid, &mut status, 0) };
+            assert_eq!(r, pid);
+            assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0);
+        }
+        assert!(ring.ring.pop(&mut buf).is_none());
+    }
 }

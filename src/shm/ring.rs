@@ -19,6 +19,8 @@ pub const RING_MAGIC: u64 = u64::from_le_bytes(*b"FRYRING1");
 pub const SLOT_BYTES: usize = 256;
 /// Bytes of message a slot holds.
 pub const SLOT_PAYLOAD: usize = SLOT_BYTES - 16;
+// The message codec (in `wire`) is sized for exactly this payload.
+const _: () = assert!(SLOT_PAYLOAD == crate::wire::SHM_SLOT_PAYLOAD);
 const LINE: usize = 128;
 
 /// The first bytes of the mapping: what the ring is and who owns it.

@@ -1,6 +1,7 @@
 //! Sans-IO codecs for every byte format ferry puts on a wire or hands to a
 //! peer: endpoint metadata, the 64-byte `RemoteBuf` (the seed's `FifoItem`),
-//! control-path frames and the tcp data path's fixed headers.
+//! control-path frames, the tcp data path's fixed headers and the
+//! same-host rings' messages.
 //!
 //! Nothing here makes a syscall or reads a clock. Every decoder treats its
 //! input as hostile: lengths are capped, reserved fields checked, and trailing
@@ -13,6 +14,7 @@ mod frame;
 mod ipc;
 mod metadata;
 mod remote_buf;
+pub(crate) mod shm_msg;
 mod verbs;
 
 pub use cursor::DecodeError;
@@ -24,6 +26,10 @@ pub use frame::{
 pub use ipc::{IpcBuf, IpcRef, IPC_BUF_LEN};
 pub use metadata::{normalize_bus_id, EndpointMetadata, MAX_BDF_LEN};
 pub use remote_buf::{RemoteBuf, REMOTE_BUF_LEN, REMOTE_FLAG_DEVICE, REMOTE_FLAG_NIC_KEY};
+pub use shm_msg::{
+    Msg as ShmMsg, MsgKind as ShmMsgKind, MAX_INLINE as SHM_MAX_INLINE,
+    SLOT_PAYLOAD as SHM_SLOT_PAYLOAD,
+};
 pub use verbs::{VerbsInfo, LINK_ETHERNET, LINK_INFINIBAND, MAX_DATA_QPS};
 
 #[cfg(test)]

@@ -7,11 +7,14 @@
 //! 48 aux u64 | 56 aux2 u64 | 64 inline[inline_len]            (little-endian)
 //! ```
 //!
-//! Sans-IO and strict, like `wire`: a peer process is not trusted.
+//! Sans-IO and strict like every codec here: a peer process is not trusted.
 
-use super::ring::SLOT_PAYLOAD;
-use crate::wire::{DecodeError, Status};
+use super::cursor::DecodeError;
+use super::data::Status;
 
+/// Bytes of one shared-memory ring slot's payload (the ring's slot is 256
+/// bytes with a 16-byte sequence and length).
+pub const SLOT_PAYLOAD: usize = 240;
 pub const MSG_HEADER: usize = 64;
 pub const MAX_INLINE: usize = SLOT_PAYLOAD - MSG_HEADER;
 const WHAT: &str = "shm ring message";

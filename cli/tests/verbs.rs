@@ -7,8 +7,8 @@ mod common;
 
 use common::{config, Path, Target};
 use ferry::oob::IoPreference;
-use ferry::testkit::{check_pattern, fill_pattern};
 use ferry::Endpoint;
+use ferry_cli::testkit::{check_pattern, fill_pattern};
 
 #[test]
 fn without_a_nic_verbs_says_why_and_tcp_carries_the_bytes() {

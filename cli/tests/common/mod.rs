@@ -8,8 +8,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use ferry::oob::IoPreference;
-use ferry::testkit::{read_served, Served};
 use ferry::{Config, ConnId, Endpoint, Mode, Transport};
+use ferry_cli::testkit::{read_served, Served};
 
 /// Fails the calling test, saying why, where the kernel refuses io_uring:
 /// a suite arm that did not run must not count as passed. (Leave those

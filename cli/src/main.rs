@@ -48,6 +48,11 @@ fn init_logs() {
 }
 
 fn main() -> Result<()> {
+    // Die quietly on a closed pipe (`ferry info | head`), as CLI tools do,
+    // instead of panicking in println!.
+    // SAFETY: resetting a signal's disposition to the default at start-up,
+    // before any thread exists.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     init_logs();
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let Some(cmd) = argv.first() else {
@@ -65,26 +70,7 @@ fn main() -> Result<()> {
         "serve" if wants_help => println!("{}", serve::HELP),
         "serve" => serve::run(Args::parse(rest, &[])?)?,
         "raw-peer" => raw::serve()?,
-        // Test helper: pushes COUNT messages "PRODUCER:i" into a ring.
-        "ring-push" => ring_push(rest)?,
         other => anyhow::bail!("unknown command {other:?}; see `ferry help`"),
-    }
-    Ok(())
-}
-
-fn ring_push(rest: &[String]) -> Result<()> {
-    let [name, producer, count] = rest else {
-        anyhow::bail!("usage: ferry ring-push NAME PRODUCER COUNT")
-    };
-    let ring = ferry::testkit::TestRing::open(name)?;
-    let (p, n): (u32, u32) = (producer.parse()?, count.parse()?);
-    for i in 0..n {
-        let mut m = [0u8; 8];
-        m[..4].copy_from_slice(&p.to_le_bytes());
-        m[4..].copy_from_slice(&i.to_le_bytes());
-        while !ring.push(&m) {
-            std::hint::spin_loop();
-        }
     }
     Ok(())
 }

@@ -9,10 +9,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use ferry::testkit::read_served;
 use ferry::{
     Config, ConnId, Endpoint, MemoryRegion, Mode, OpKind, RemoteBuf, Shard, Transfer, Transport,
 };
+use ferry_cli::testkit::read_served;
 
 use crate::args::{fmt_size, parse_size, Args};
 use crate::raw;
@@ -256,8 +256,8 @@ impl Bench<'_> {
             Remote::Ipc(r) => {
                 let rb = r.slice(off as u64, size as u64).context("remote window")?;
                 match op {
-                    OpKind::Write => ep.write_ipc_async(c, l, off, size, &rb)?,
-                    OpKind::Read => ep.read_ipc_async(c, l, off, size, &rb)?,
+                    OpKind::Write => ep.write_async(c, l, off, size, &rb)?,
+                    OpKind::Read => ep.read_async(c, l, off, size, &rb)?,
                 }
             }
         })

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use ferry::oob::IoPreference;
-use ferry::testkit::{check_pattern, fill_pattern};
 use ferry::{Access, Config, Endpoint, Error, Mode};
+use ferry_cli::testkit::{check_pattern, fill_pattern};
 
 fn pair(cfg_a: Config, cfg_b: Config) -> (Endpoint, Endpoint, ferry::ConnId, ferry::ConnId) {
     let a = Endpoint::builder().config(cfg_a).build().unwrap();

@@ -14,8 +14,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use ferry::testkit::{check_pattern, fill_pattern, fnv64, read_served, Served};
 use ferry::{Config, Endpoint, Error, Peer, Transport};
+use ferry_cli::testkit::{check_pattern, fill_pattern, fnv64, read_served, Served};
 
 const MIB: usize = 1 << 20;
 

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use ferry::testkit::{fill_pattern, fnv64, hex};
 use ferry::{Access, Config, Endpoint};
+use ferry_cli::testkit::{fill_pattern, fnv64, hex};
 
 use crate::args::{parse_size, Args};
 

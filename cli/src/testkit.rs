@@ -1,5 +1,5 @@
 //! Helpers shared by the tests, `ferry serve` and `ferry bench`; not part
-//! of the supported API.
+//! of the library's API.
 //!
 //! A deterministic byte pattern for tests, `ferry serve` and benchmarks.
 //! Each byte depends on its absolute position, so a transfer that lands at
@@ -25,18 +25,23 @@ pub fn check_pattern(buf: &[u8], start: u64, seed: u8) -> Option<usize> {
         .position(|(i, &b)| b != pattern_byte(start + i as u64, seed))
 }
 
-pub use crate::sys::fnv64;
+/// FNV-1a 64 of `buf`, to compare large buffers across processes.
+pub fn fnv64(buf: &[u8]) -> u64 {
+    buf.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
 
 /// What a `ferry serve` process prints before it is ready.
 pub struct Served {
     pub meta: Vec<u8>,
-    pub rbuf: crate::RemoteBuf,
-    pub rbuf_ro: crate::RemoteBuf,
-    pub rbuf_wo: crate::RemoteBuf,
+    pub rbuf: ferry::RemoteBuf,
+    pub rbuf_ro: ferry::RemoteBuf,
+    pub rbuf_wo: ferry::RemoteBuf,
     /// The GPU region's IPC window (`serve --gpu`).
-    pub ipc: Option<crate::IpcBuf>,
+    pub ipc: Option<ferry::IpcBuf>,
     /// The GPU region's key window (`serve --gpu`).
-    pub gpu_rbuf: Option<crate::RemoteBuf>,
+    pub gpu_rbuf: Option<ferry::RemoteBuf>,
 }
 
 pub fn hex(b: &[u8]) -> String {
@@ -59,8 +64,8 @@ pub fn read_served(out: &mut impl std::io::BufRead) -> Result<Served, String> {
     let (mut meta, mut rbuf, mut ro, mut wo) = (None, None, None, None);
     let (mut ipc, mut gpu_rbuf) = (None, None);
     let mut line = String::new();
-    let rb = |v: &str| -> Result<crate::RemoteBuf, String> {
-        crate::RemoteBuf::decode(&unhex(v)?).map_err(|e| e.to_string())
+    let rb = |v: &str| -> Result<ferry::RemoteBuf, String> {
+        ferry::RemoteBuf::decode(&unhex(v)?).map_err(|e| e.to_string())
     };
     loop {
         line.clear();
@@ -75,7 +80,7 @@ pub fn read_served(out: &mut impl std::io::BufRead) -> Result<Served, String> {
             "RBUF_RO" => ro = Some(rb(v)?),
             "RBUF_WO" => wo = Some(rb(v)?),
             "GRBUF" => gpu_rbuf = Some(rb(v)?),
-            "IPCBUF" => ipc = Some(crate::IpcBuf::decode(&unhex(v)?).map_err(|e| e.to_string())?),
+            "IPCBUF" => ipc = Some(ferry::IpcBuf::decode(&unhex(v)?).map_err(|e| e.to_string())?),
             "READY" => break,
             _ => {}
         }
@@ -88,38 +93,4 @@ pub fn read_served(out: &mut impl std::io::BufRead) -> Result<Served, String> {
         ipc,
         gpu_rbuf,
     })
-}
-
-/// A shared-memory ring, for the multi-process stress test.
-pub struct TestRing(crate::shm::object::ShmRing);
-
-impl TestRing {
-    /// Creates (and on drop removes) the ring `name` ("/ferry-...").
-    pub fn create(name: &str, capacity: usize) -> crate::Result<TestRing> {
-        Ok(TestRing(crate::shm::object::ShmRing::create(
-            name, capacity, 1,
-        )?))
-    }
-
-    pub fn open(name: &str) -> crate::Result<TestRing> {
-        Ok(TestRing(crate::shm::object::ShmRing::open(name)?))
-    }
-
-    /// `false` when the ring is full.
-    pub fn push(&self, msg: &[u8]) -> bool {
-        self.0.ring.push(msg).is_ok()
-    }
-
-    pub fn pop(&self) -> Option<Vec<u8>> {
-        let mut buf = [0u8; crate::shm::ring::SLOT_PAYLOAD];
-        self.0.ring.pop(&mut buf).map(|n| buf[..n].to_vec())
-    }
-}
-
-/// Decodes a shared-memory ring message and encodes it again (fuzzing).
-pub fn shm_msg_round_trip(data: &[u8]) -> Option<Vec<u8>> {
-    let (m, inline) = crate::shm::msg::Msg::decode(data).ok()?;
-    let mut out = [0u8; crate::shm::ring::SLOT_PAYLOAD];
-    let n = m.encode(inline, &mut out);
-    Some(out[..n].to_vec())
 }

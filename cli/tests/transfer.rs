@@ -6,9 +6,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use ferry::testkit::{check_pattern, fill_pattern, fnv64};
 use ferry::wire::Status;
 use ferry::{Error, RemoteBuf};
+use ferry_cli::testkit::{check_pattern, fill_pattern, fnv64};
 
 const MIB: usize = 1 << 20;
 
@@ -208,7 +208,11 @@ fn vectored_ops(io: Path) {
             remotes: 3
         })
     ));
-    assert!(matches!(ep.readv(conn, &[], &[]), Err(Error::EmptyVector)));
+    let none: [ferry::RemoteBuf; 0] = [];
+    assert!(matches!(
+        ep.readv(conn, &[], &none),
+        Err(Error::EmptyVector)
+    ));
 }
 
 fn async_ops_complete_out_of_order(io: Path) {

@@ -11,8 +11,8 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{ask, Path, Target};
-use ferry::testkit::{check_pattern, fill_pattern, fnv64};
 use ferry::{Config, ConnId, Endpoint, Error, IpcBuf, MemKind, MemoryRegion, Mode, Transport};
+use ferry_cli::testkit::{check_pattern, fill_pattern, fnv64};
 
 /// The number of GPUs; a test that was asked to run (`--ignored`) on a
 /// machine without one fails here, saying why.
@@ -188,7 +188,7 @@ fn ipc_between_processes_is_byte_exact() {
         let seed = 10 + i as u8;
         gpu_fill(&local, off, len, seed);
         let w = p.remote.slice(off as u64, len as u64).unwrap();
-        p.ep.write_ipc(p.conn, &local, off, len, &w).unwrap();
+        p.ep.write(p.conn, &local, off, len, &w).unwrap();
         assert_eq!(
             ghash(&p.ep, p.conn, off, len),
             pattern_hash(off, len, seed),
@@ -199,7 +199,7 @@ fn ipc_between_processes_is_byte_exact() {
             ask(&p.ep, p.conn, &format!("gfill {off} {len} {seed}")),
             "ok"
         );
-        p.ep.read_ipc(p.conn, &local, off, len, &w).unwrap();
+        p.ep.read(p.conn, &local, off, len, &w).unwrap();
         let got = gpu_bytes(&local, off, len);
         assert_eq!(
             check_pattern(&got, off as u64, seed),
@@ -214,13 +214,13 @@ fn ipc_between_processes_is_byte_exact() {
         .map(|k| p.remote.slice((k * 8192 + 5) as u64, 3000).unwrap())
         .collect();
     gpu_fill(&local, 0, 8 * 8192, 77);
-    p.ep.writev_ipc(p.conn, &v, &rs).unwrap();
+    p.ep.writev(p.conn, &v, &rs).unwrap();
     for k in 0..8 {
         let off = k * 8192 + 5;
         assert_eq!(ghash(&p.ep, p.conn, off, 3000), pattern_hash(off, 3000, 77));
     }
     assert_eq!(ask(&p.ep, p.conn, "gfill 0 65536 78"), "ok");
-    p.ep.readv_ipc(p.conn, &v, &rs).unwrap();
+    p.ep.readv(p.conn, &v, &rs).unwrap();
     for k in 0..8 {
         let off = k * 8192 + 5;
         assert_eq!(
@@ -232,7 +232,7 @@ fn ipc_between_processes_is_byte_exact() {
     let ts: Vec<_> = (0..64)
         .map(|k| {
             let w = p.remote.slice(k * 4096, 4096).unwrap();
-            p.ep.write_ipc_async(p.conn, &local, k as usize * 4096, 4096, &w)
+            p.ep.write_async(p.conn, &local, k as usize * 4096, 4096, &w)
                 .unwrap()
         })
         .collect();
@@ -248,15 +248,13 @@ fn ipc_between_processes_is_byte_exact() {
     let mut b = vec![0u8; 1 << 20];
     fill_pattern(&mut b, 0, 80);
     pinned.write_at(0, &b).unwrap();
-    p.ep.write_ipc(p.conn, &pinned, 0, 1 << 20, &p.remote)
-        .unwrap();
+    p.ep.write(p.conn, &pinned, 0, 1 << 20, &p.remote).unwrap();
     assert_eq!(
         ghash(&p.ep, p.conn, 0, 1 << 20),
         pattern_hash(0, 1 << 20, 80)
     );
     assert_eq!(ask(&p.ep, p.conn, "gfill 0 1048576 81"), "ok");
-    p.ep.read_ipc(p.conn, &pinned, 0, 1 << 20, &p.remote)
-        .unwrap();
+    p.ep.read(p.conn, &pinned, 0, 1 << 20, &p.remote).unwrap();
     pinned.read_at(0, &mut b).unwrap();
     assert_eq!(check_pattern(&b, 0, 81), None);
     let s = p.ep.ipc_stats();
@@ -273,10 +271,10 @@ fn ipc_256_mib_is_byte_exact() {
     let p = pair(n, len);
     let local = p.ep.alloc_gpu(len).unwrap();
     gpu_fill(&local, 0, len, 5);
-    p.ep.write_ipc(p.conn, &local, 0, len, &p.remote).unwrap();
+    p.ep.write(p.conn, &local, 0, len, &p.remote).unwrap();
     assert_eq!(ghash(&p.ep, p.conn, 0, len), pattern_hash(0, len, 5));
     assert_eq!(ask(&p.ep, p.conn, &format!("gfill 0 {len} 6")), "ok");
-    p.ep.read_ipc(p.conn, &local, 0, len, &p.remote).unwrap();
+    p.ep.read(p.conn, &local, 0, len, &p.remote).unwrap();
     assert_eq!(check_pattern(&gpu_bytes(&local, 0, len), 0, 6), None);
 }
 
@@ -287,7 +285,7 @@ fn deregistration_closes_peer_mappings() {
     let p = pair(n, 1 << 20);
     let local = p.ep.alloc_gpu(1 << 20).unwrap();
     for _ in 0..10 {
-        p.ep.write_ipc(p.conn, &local, 0, 4096, &p.remote).unwrap();
+        p.ep.write(p.conn, &local, 0, 4096, &p.remote).unwrap();
     }
     let s = p.ep.ipc_stats();
     assert_eq!((s.opens, s.open_now), (1, 1), "{s:?}");
@@ -316,7 +314,7 @@ fn peer_removal_closes_its_mappings() {
     let n = gpus();
     let p = pair(n, 1 << 20);
     let local = p.ep.alloc_gpu(1 << 20).unwrap();
-    p.ep.read_ipc(p.conn, &local, 0, 4096, &p.remote).unwrap();
+    p.ep.read(p.conn, &local, 0, 4096, &p.remote).unwrap();
     assert_eq!(p.ep.ipc_stats().open_now, 1);
     p.ep.remove_remote(p.conn).unwrap();
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -325,7 +323,7 @@ fn peer_removal_closes_its_mappings() {
         std::thread::sleep(Duration::from_millis(5));
     }
     // The connection is gone: IPC on it fails like any op.
-    match p.ep.write_ipc(p.conn, &local, 0, 4096, &p.remote) {
+    match p.ep.write(p.conn, &local, 0, 4096, &p.remote) {
         Err(Error::UnknownConn { .. }) | Err(Error::ConnFailed { .. }) => {}
         other => panic!("expected a connection error, got {other:?}"),
     }
@@ -346,7 +344,7 @@ fn same_process_needs_no_handle() {
     let win = dst.advertise_ipc(4096, 65536).unwrap();
     let src = a.alloc_gpu(1 << 20).unwrap();
     gpu_fill(&src, 0, 65536, 9);
-    a.write_ipc(conn, &src, 0, 65536, &win).unwrap();
+    a.write(conn, &src, 0, 65536, &win).unwrap();
     assert_eq!(check_pattern(&gpu_bytes(&dst, 4096, 65536), 0, 9), None);
     let s = a.ipc_stats();
     assert_eq!((s.opens, s.same_process), (0, 1), "{s:?}");
@@ -367,25 +365,25 @@ fn ipc_refuses_bad_requests_with_clear_errors() {
     // Longer than the window; outside the local region.
     let w = p.remote.slice(0, 100).unwrap();
     assert!(matches!(
-        p.ep.write_ipc(p.conn, &gpu, 0, 101, &w),
+        p.ep.write(p.conn, &gpu, 0, 101, &w),
         Err(Error::RemoteTooSmall { len: 101, .. })
     ));
     assert!(matches!(
-        p.ep.write_ipc(p.conn, &gpu, (1 << 20) - 10, 11, &p.remote),
+        p.ep.write(p.conn, &gpu, (1 << 20) - 10, 11, &p.remote),
         Err(Error::OutOfRange { .. })
     ));
     // A window from another host.
     let mut foreign = p.remote;
     foreign.host_token ^= 1;
     assert!(matches!(
-        p.ep.write_ipc(p.conn, &gpu, 0, 8, &foreign),
+        p.ep.write(p.conn, &gpu, 0, 8, &foreign),
         Err(Error::Unsupported { .. })
     ));
     // A window of an endpoint this connection does not lead to.
     let mut other = p.remote;
     other.owner_id ^= 1;
     assert!(matches!(
-        p.ep.write_ipc(p.conn, &gpu, 0, 8, &other),
+        p.ep.write(p.conn, &gpu, 0, 8, &other),
         Err(Error::Unsupported { .. })
     ));
     // An unknown connection.
@@ -411,7 +409,7 @@ fn ipc_refuses_bad_requests_with_clear_errors() {
         .unwrap();
     assert_eq!(gpu_bytes(&bg, 0, 8), b"gpu-tcp!");
     // The connection still works, and a good IPC op after the errors too.
-    p.ep.write_ipc(p.conn, &gpu, 0, 8, &p.remote).unwrap();
+    p.ep.write(p.conn, &gpu, 0, 8, &p.remote).unwrap();
 }
 
 #[test]

@@ -8,8 +8,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
-use ferry::testkit::{check_pattern, fill_pattern, fnv64, TestRing};
 use ferry::{Error, Peer};
+use ferry_cli::testkit::{check_pattern, fill_pattern, fnv64};
 
 const MIB: usize = 1 << 20;
 
@@ -129,43 +129,6 @@ fn crashed_peer_fails_transfers_and_its_rings_are_swept() {
 }
 
 #[test]
-fn ring_under_several_producer_processes() {
-    let name = format!("/ferry-stress-{:x}", std::process::id());
-    let ring = TestRing::create(&name, 64).unwrap();
-    let producers = 4u32;
-    let per = 50_000u32;
-    let kids: Vec<_> = (0..producers)
-        .map(|p| {
-            Command::new(common::ferry_bin())
-                .args(["ring-push", &name, &p.to_string(), &per.to_string()])
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let mut next = vec![0u32; producers as usize];
-    let mut got = 0;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while got < producers * per {
-        assert!(Instant::now() < deadline, "only {got} messages arrived");
-        match ring.pop() {
-            Some(m) => {
-                assert_eq!(m.len(), 8);
-                let p = u32::from_le_bytes(m[..4].try_into().unwrap()) as usize;
-                let i = u32::from_le_bytes(m[4..].try_into().unwrap());
-                assert_eq!(i, next[p], "producer {p} out of order");
-                next[p] += 1;
-                got += 1;
-            }
-            None => std::hint::spin_loop(),
-        }
-    }
-    for mut k in kids {
-        assert!(k.wait().unwrap().success());
-    }
-    assert!(ring.pop().is_none());
-}
-
-#[test]
 fn memfd_host_memory_moves_byte_exact() {
     let t = Target::start_on(Path::Shm, 64 * MIB, &[]);
     let ep = path_client(Path::Shm);
@@ -252,7 +215,7 @@ fn refused_same_host_path_falls_back_to_tcp() {
     .stdout(std::process::Stdio::piped());
     let mut child = cmd.spawn().unwrap();
     let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
-    let served = match ferry::testkit::read_served(&mut out) {
+    let served = match ferry_cli::testkit::read_served(&mut out) {
         Ok(s) => s,
         Err(e) => {
             let _ = child.kill();

@@ -1,0 +1,180 @@
+//! The one-sided operations, once: `write`, `read`, `writev`, `readv` and
+//! their `_async` forms, over any [`Window`] a peer advertised — a
+//! [`RemoteBuf`] (a key window: tcp, shm or verbs, whichever the connection
+//! uses) or an [`IpcBuf`] (a CUDA IPC window on this host, copied by this
+//! endpoint's GPU streams; the seed's `write_ipc`/`read_ipc`).
+
+use super::{desc, descs, Endpoint, MemoryRegion};
+use crate::error::{ConnId, OpKind, Result};
+use crate::reactor::{IpcParts, OpParts, Transfer};
+use crate::wire::{IpcBuf, RemoteBuf};
+
+/// A peer's advertised memory that one-sided operations can target.
+/// Sealed: implemented by [`RemoteBuf`] and [`IpcBuf`] only.
+pub trait Window: sealed::Sealed {}
+
+impl Window for RemoteBuf {}
+impl Window for IpcBuf {}
+
+mod sealed {
+    use super::*;
+
+    pub trait Sealed: Sized {
+        /// Checks and submits one operation: one part per (local slice,
+        /// window) pair; `vectored` keeps even one pair a vector.
+        fn submit(
+            ep: &Endpoint,
+            conn: ConnId,
+            kind: OpKind,
+            locals: &[(&MemoryRegion, usize, usize)],
+            remotes: &[Self],
+        ) -> Result<Transfer>;
+    }
+
+    impl Sealed for RemoteBuf {
+        fn submit(
+            ep: &Endpoint,
+            conn: ConnId,
+            kind: OpKind,
+            locals: &[(&MemoryRegion, usize, usize)],
+            remotes: &[Self],
+        ) -> Result<Transfer> {
+            let parts = match (locals, remotes) {
+                ([(mr, off, len)], [r]) => OpParts::One(desc(mr, *off, *len, r)?),
+                _ => descs(locals, remotes)?,
+            };
+            ep.inner.submit(conn, kind, parts)
+        }
+    }
+
+    impl Sealed for IpcBuf {
+        fn submit(
+            ep: &Endpoint,
+            conn: ConnId,
+            kind: OpKind,
+            locals: &[(&MemoryRegion, usize, usize)],
+            remotes: &[Self],
+        ) -> Result<Transfer> {
+            let parts = match (locals, remotes) {
+                ([(mr, off, len)], [r]) => {
+                    IpcParts::One(ep.inner.ipc_desc(conn, mr, *off, *len, r)?)
+                }
+                _ => ep.inner.ipc_descs(conn, locals, remotes)?,
+            };
+            ep.inner.submit_ipc(conn, kind, parts)
+        }
+    }
+}
+
+impl Endpoint {
+    /// Starts a WRITE of `mr[offset..offset + len]` to the start of
+    /// `remote`. With an [`IpcBuf`] it is a CUDA IPC copy (the seed's
+    /// `write_ipc`): `mr` may be GPU or host memory (pinned is fastest).
+    #[doc(alias = "write_ipc_async")]
+    pub fn write_async<W: Window>(
+        &self,
+        conn: ConnId,
+        mr: &MemoryRegion,
+        offset: usize,
+        len: usize,
+        remote: &W,
+    ) -> Result<Transfer> {
+        W::submit(
+            self,
+            conn,
+            OpKind::Write,
+            &[(mr, offset, len)],
+            std::slice::from_ref(remote),
+        )
+    }
+
+    /// Starts a READ of the start of `remote` into `mr[offset..offset + len]`.
+    #[doc(alias = "read_ipc_async")]
+    pub fn read_async<W: Window>(
+        &self,
+        conn: ConnId,
+        mr: &MemoryRegion,
+        offset: usize,
+        len: usize,
+        remote: &W,
+    ) -> Result<Transfer> {
+        W::submit(
+            self,
+            conn,
+            OpKind::Read,
+            &[(mr, offset, len)],
+            std::slice::from_ref(remote),
+        )
+    }
+
+    /// Starts one WRITE per (local slice, window) pair, as one transfer.
+    #[doc(alias = "writev_ipc_async")]
+    pub fn writev_async<W: Window>(
+        &self,
+        conn: ConnId,
+        locals: &[(&MemoryRegion, usize, usize)],
+        remotes: &[W],
+    ) -> Result<Transfer> {
+        W::submit(self, conn, OpKind::Write, locals, remotes)
+    }
+
+    /// Starts one READ per (local slice, window) pair, as one transfer.
+    #[doc(alias = "readv_ipc_async")]
+    pub fn readv_async<W: Window>(
+        &self,
+        conn: ConnId,
+        locals: &[(&MemoryRegion, usize, usize)],
+        remotes: &[W],
+    ) -> Result<Transfer> {
+        W::submit(self, conn, OpKind::Read, locals, remotes)
+    }
+
+    /// WRITE and wait. Needs managed shards, or embedded ones polled by
+    /// another thread.
+    #[doc(alias = "write_ipc")]
+    pub fn write<W: Window>(
+        &self,
+        conn: ConnId,
+        mr: &MemoryRegion,
+        offset: usize,
+        len: usize,
+        remote: &W,
+    ) -> Result<()> {
+        self.write_async(conn, mr, offset, len, remote)?.wait()
+    }
+
+    /// READ and wait (see [`write`](Endpoint::write)).
+    #[doc(alias = "read_ipc")]
+    pub fn read<W: Window>(
+        &self,
+        conn: ConnId,
+        mr: &MemoryRegion,
+        offset: usize,
+        len: usize,
+        remote: &W,
+    ) -> Result<()> {
+        self.read_async(conn, mr, offset, len, remote)?.wait()
+    }
+
+    /// Vectored WRITE and wait.
+    #[doc(alias = "writev_ipc")]
+    pub fn writev<W: Window>(
+        &self,
+        conn: ConnId,
+        locals: &[(&MemoryRegion, usize, usize)],
+        remotes: &[W],
+    ) -> Result<()> {
+        self.writev_async(conn, locals, remotes)?.wait()
+    }
+
+    /// Vectored READ and wait.
+    #[doc(alias = "readv_ipc")]
+    pub fn readv<W: Window>(
+        &self,
+        conn: ConnId,
+        locals: &[(&MemoryRegion, usize, usize)],
+        remotes: &[W],
+    ) -> Result<()> {
+        self.readv_async(conn, locals, remotes)?.wait()
+    }
+}

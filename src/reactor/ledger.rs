@@ -1,0 +1,193 @@
+//! The op ledger: a shard's record of the operations it runs. Each op has a
+//! slot (its index in the endpoint's completion table), a count of pieces
+//! still out (frames, ring messages, copies, RDMA completions), the first
+//! error any piece saw, and the connection it counts against. When the last
+//! piece ends, the ledger publishes the op's one outcome to the table.
+//!
+//! Transports report piece completions into `done` (through their `Sink`);
+//! `publish` applies them once per pass. Pieces that will never be sent (a
+//! dead connection, a refused op) are written off in one call, `fail_rest`,
+//! with one error, instead of one error per piece.
+
+use std::sync::Arc;
+
+use super::completion::CompletionTable;
+use crate::error::{ConnId, Error, Result};
+use crate::sys::IntMap;
+
+#[derive(Default)]
+struct LedgerOp {
+    remaining: u32,
+    error: Option<Error>,
+    /// The connection the op counts against (its in-flight limit).
+    conn: Option<ConnId>,
+}
+
+pub(crate) struct OpLedger {
+    ops: Box<[LedgerOp]>,
+    /// Piece completions reported since the last `publish`.
+    pub done: Vec<(u32, Result<()>)>,
+    /// Operations in flight per connection.
+    conn_ops: IntMap<ConnId, usize>,
+    max_conn_ops: usize,
+    table: Arc<CompletionTable>,
+}
+
+impl OpLedger {
+    pub fn new(table: Arc<CompletionTable>, max_conn_ops: usize) -> Self {
+        Self {
+            ops: (0..table.capacity()).map(|_| LedgerOp::default()).collect(),
+            done: Vec::with_capacity(table.capacity()),
+            conn_ops: Default::default(),
+            max_conn_ops,
+            table,
+        }
+    }
+
+    /// Opens op `slot` with `pieces` pieces, counted against `conn` when
+    /// given. Fails (opening nothing) when `conn` is at its in-flight limit.
+    pub fn open(&mut self, slot: u32, pieces: u32, conn: Option<ConnId>) -> Result<()> {
+        if let Some(c) = conn {
+            let n = self.conn_ops.entry(c).or_insert(0);
+            if *n >= self.max_conn_ops {
+                return Err(Error::LimitReached {
+                    limit: "FERRY_MAX_CONN_INFLIGHT_OPS",
+                    max: self.max_conn_ops,
+                });
+            }
+            *n += 1;
+        }
+        self.ops[slot as usize] = LedgerOp {
+            remaining: pieces,
+            error: None,
+            conn,
+        };
+        Ok(())
+    }
+
+    /// Ends op `slot` at once with `err` (it was never opened, or none of
+    /// its pieces went out).
+    pub fn fail(&mut self, slot: u32, err: Error) {
+        self.ops[slot as usize] = LedgerOp {
+            remaining: 1,
+            error: None,
+            conn: None,
+        };
+        self.done.push((slot, Err(err)));
+    }
+
+    /// Writes off `pieces` pieces of op `slot` that will never be sent,
+    /// with one error; the op ends when its sent pieces have.
+    pub fn fail_rest(&mut self, slot: u32, pieces: u32, err: Error) {
+        if pieces == 0 {
+            return;
+        }
+        let op = &mut self.ops[slot as usize];
+        debug_assert!(op.remaining >= pieces);
+        // All but one written off here; the last goes through `done`, so
+        // the op completes in `publish` like any other.
+        op.remaining -= pieces - 1;
+        self.done.push((slot, Err(err)));
+    }
+
+    /// Forgets the count of a connection that died with nothing in flight.
+    pub fn forget_conn_if_idle(&mut self, conn: ConnId) {
+        if self.conn_ops.get(&conn) == Some(&0) {
+            self.conn_ops.remove(&conn);
+        }
+    }
+
+    /// Applies the completions reported since the last call and publishes
+    /// each op that ended. `live` says whether a connection still exists
+    /// (a dead one's count is dropped with its last op). Returns how many
+    /// completions it applied.
+    pub fn publish(&mut self, live: impl Fn(ConnId) -> bool) -> usize {
+        let n = self.done.len();
+        for (slot, result) in self.done.drain(..) {
+            let op = &mut self.ops[slot as usize];
+            if let Err(e) = result {
+                op.error.get_or_insert(e);
+            }
+            op.remaining -= 1;
+            if op.remaining == 0 {
+                if let Some(c) = op.conn.take() {
+                    if let Some(k) = self.conn_ops.get_mut(&c) {
+                        *k = k.saturating_sub(1);
+                        if *k == 0 && !live(c) {
+                            self.conn_ops.remove(&c);
+                        }
+                    }
+                }
+                self.table
+                    .complete(slot, op.error.take().map_or(Ok(()), Err));
+            }
+        }
+        n
+    }
+
+    #[cfg(test)]
+    fn conn_count(&self, c: ConnId) -> Option<usize> {
+        self.conn_ops.get(&c).copied()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ledger(slots: usize, per_conn: usize) -> (Arc<CompletionTable>, OpLedger) {
+        let t = CompletionTable::new(slots);
+        let l = OpLedger::new(t.clone(), per_conn);
+        (t, l)
+    }
+
+    #[test]
+    fn an_op_ends_once_with_its_first_error() {
+        let (t, mut l) = ledger(4, 8);
+        let mut tr = t.claim().unwrap();
+        let c = ConnId(3);
+        l.open(tr.slot(), 3, Some(c)).unwrap();
+        l.done.push((tr.slot(), Ok(())));
+        l.done.push((tr.slot(), Err(Error::Shutdown)));
+        assert_eq!(l.publish(|_| true), 2);
+        assert!(tr.poll().is_none(), "one piece still out");
+        l.done.push((tr.slot(), Err(Error::EmptyVector)));
+        l.publish(|_| true);
+        assert!(matches!(tr.poll(), Some(Err(Error::Shutdown))));
+        assert_eq!(l.conn_count(c), Some(0));
+    }
+
+    #[test]
+    fn unsent_pieces_are_written_off_with_one_error() {
+        let (t, mut l) = ledger(4, 8);
+        let mut tr = t.claim().unwrap();
+        l.open(tr.slot(), 10, None).unwrap();
+        // 4 pieces went out and will complete; 6 never will.
+        l.fail_rest(tr.slot(), 6, Error::Shutdown);
+        assert_eq!(l.done.len(), 1, "one error, not six");
+        for _ in 0..4 {
+            l.done.push((tr.slot(), Ok(())));
+        }
+        l.publish(|_| true);
+        assert!(matches!(tr.poll(), Some(Err(Error::Shutdown))));
+    }
+
+    #[test]
+    fn the_per_connection_limit_refuses_and_frees() {
+        let (t, mut l) = ledger(4, 1);
+        let c = ConnId(9);
+        let mut a = t.claim().unwrap();
+        let b = t.claim().unwrap();
+        l.open(a.slot(), 1, Some(c)).unwrap();
+        assert!(matches!(
+            l.open(b.slot(), 1, Some(c)),
+            Err(Error::LimitReached { max: 1, .. })
+        ));
+        l.fail(b.slot(), Error::Shutdown);
+        l.done.push((a.slot(), Ok(())));
+        l.publish(|_| false);
+        assert!(matches!(a.poll(), Some(Ok(()))));
+        assert_eq!(l.conn_count(c), None, "a dead connection's count goes");
+        drop(b);
+    }
+}
