@@ -368,7 +368,7 @@ impl GpuWork {
     }
 
     /// Collects finished copies; returns how many finished.
-    pub fn poll(&mut self) -> usize {
+    pub fn poll_events(&mut self) -> usize {
         let mut finished = std::mem::take(&mut self.finished);
         let n: usize = self
             .copiers
@@ -387,7 +387,7 @@ impl GpuWork {
         self.flush();
         let deadline = Instant::now() + max;
         while self.busy() && Instant::now() < deadline {
-            self.poll();
+            self.poll_events();
             std::thread::yield_now();
         }
     }

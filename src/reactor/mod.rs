@@ -13,11 +13,15 @@
 //!   its own loop; the engine starts no thread.
 
 pub(crate) mod completion;
+mod directory;
 mod gpu;
 mod ledger;
+mod local_side;
 mod plan;
 mod queue;
 mod shard;
+mod source;
+mod tcp_side;
 
 pub use completion::Transfer;
 pub(crate) use queue::{

@@ -103,6 +103,9 @@ mod tests {
         let lens = [0usize, 5, 4096, 4097];
         assert_eq!(pieces(Route::Verbs, lens.iter().copied(), 4096), 1);
         assert_eq!(pieces(Route::Local, lens.iter().copied(), 4096), 4);
-        assert_eq!(pieces(Route::Tcp, lens.iter().copied(), 4096), 1 + 1 + 1 + 2);
+        assert_eq!(
+            pieces(Route::Tcp, lens.iter().copied(), 4096),
+            1 + 1 + 1 + 2
+        );
     }
 }

@@ -1,54 +1,46 @@
-//! The shard loop.
+//! The shard: one thread's worth of engine, split by the state it owns.
+//!
+//! * `queue` (rx, stalled): commands submitted by other threads;
+//! * `regions`: the registrations peers' requests are checked against;
+//! * `dir` (`directory.rs`): which connection lives where, and why dead
+//!   ones died;
+//! * the event sources (`source.rs`): `tcp` (sockets, epoll, RDMA CQs),
+//!   `local` (shared-memory rings, accept ring, fd passing) and `gpu`
+//!   (CUDA copies and their events);
+//! * `ledger` (`ledger.rs`): every op in flight and its one outcome;
+//! * the planner (`plan.rs`) cuts ops into pieces.
+//!
+//! `poll` runs one pass: registration updates, commands, each source, the
+//! glue between sources (CUDA copies for same-host requests, tcp frames
+//! staged through bounce buffers), dead connections, and publishing.
+//! `park` asks every source whether the shard may sleep.
 
-use std::collections::HashMap;
-use std::io;
 use std::sync::atomic::{fence, AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use mio::{Events, Interest, Poll, Token, Waker};
-use slab::Slab;
 use tracing::{debug, info, warn};
 
 use super::completion::CompletionTable;
+use super::directory::Directory;
+use super::gpu::GpuWork;
 use super::ledger::OpLedger;
+pub(crate) use super::local_side::LocalSetup;
+use super::local_side::LocalSide;
 use super::plan::{self, Route};
 use super::queue::{Command, OpCmd, RegionCmd, ShardHandle, WakeState};
+use super::source::{apply_region_updates, ConnRef, Cx, Park, ShardSink, Source};
+use super::tcp_side::TcpSide;
 use crate::error::{ConnId, Error, OpKind, Result};
-use crate::region::{Access, KeyRef, RegionSlice, RegionTable, Regions};
-use crate::shm::fdpass::FdListener;
-use crate::shm::local::{LocalConn, PeerMaps};
-use crate::shm::object::ShmRing;
-use crate::shm::ring::SLOT_PAYLOAD;
-use crate::tcp::{Stream, StreamLimits};
-use crate::wire::shm_msg::{Msg, MsgKind};
+use crate::region::{KeyRef, RegionSlice, RegionTable};
 use crate::wire::Status;
-use crate::xfer::Sink;
 
-const WAKER: Token = Token(usize::MAX);
 /// Commands taken from the queue per `poll`, so one busy submitter cannot
 /// starve the sockets.
 const COMMANDS_PER_POLL: usize = 256;
-/// `poll` calls between looks at the fd-passing socket.
-const FD_CHECK_EVERY: u32 = 4096;
-/// A parked shard with same-host work wakes this often: shared-memory rings
-/// cannot wake an epoll wait.
-const LOCAL_PARK: Duration = Duration::from_millis(1);
-const ACCEPT_RING_PARK: Duration = Duration::from_millis(10);
 /// `poll` calls between checks for timed-out requests.
 const TIMEOUT_CHECK_EVERY: u32 = 8192;
-/// Dead connections remembered, so later calls on them get the error that
-/// killed them; past this the memory is cleared.
-const FAILED_MEMORY: usize = 4096;
-/// Up to this many streams, `poll` tries every socket instead of asking
-/// epoll (it still parks on epoll).
-const DIRECT_POLL_MAX_STREAMS: usize = 4;
-const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
-const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
-const KEEPALIVE_PROBES: u32 = 3;
-/// Streams a connection may have (the handshake caps it too).
-const MAX_STREAMS: usize = 64;
 
 #[derive(Debug, Clone)]
 pub(crate) struct ShardConfig {
@@ -63,169 +55,36 @@ pub(crate) struct ShardConfig {
     pub max_conn_inflight_ops: usize,
 }
 
-struct Conn {
-    id: ConnId,
-    streams: Vec<Stream>,
-    next: usize,
-    /// RDMA queue pairs: ops whose windows carry a NIC key go here; the
-    /// streams keep notifications and the rest.
-    verbs: Option<Box<crate::verbs::Link>>,
-}
-
-/// Where a connection id lives in a shard.
-#[derive(Clone, Copy)]
-enum ConnRef {
-    Tcp(usize),
-    Local(usize),
-}
-
-/// What the shard that owns same-host connections also polls.
-pub(crate) struct LocalSetup {
-    /// CONNECT messages from local peers arrive here.
-    pub accept_ring: ShmRing,
-    /// Local peers share their memfd regions through this socket.
-    pub fd_listener: FdListener,
-    /// Forwards CONNECT messages (and their inline proof) to the endpoint's
-    /// accept path.
-    pub connects: SyncSender<(Msg, Vec<u8>)>,
-}
-
 /// One shard: its connections, its view of the registrations, and its loop.
 /// In embedded mode the caller owns it and calls [`Shard::poll`].
 pub struct Shard {
     id: usize,
     cfg: ShardConfig,
     rx: Receiver<Command>,
+    /// A command that found no room (a full stream); retried first.
+    stalled: Option<Command>,
     region_rx: Receiver<RegionCmd>,
-    wake: Arc<WakeState>,
-    epoll: Poll,
-    events: Events,
-    conns: Slab<Conn>,
-    local: Slab<LocalConn>,
-    by_id: crate::sys::IntMap<ConnId, ConnRef>,
-    local_setup: Option<LocalSetup>,
-    peer_maps: PeerMaps,
-    failed: HashMap<ConnId, String>,
     regions: RegionTable,
+    wake: Arc<WakeState>,
+    dir: Directory,
+    tcp: TcpSide,
+    local: LocalSide,
+    /// CUDA copies and opened IPC handles; made when a driver is present
+    /// (or on the first IPC op).
+    gpu: Option<GpuWork>,
     /// Every op this shard runs, its pieces and its one outcome.
     ledger: OpLedger,
-    stalled: Option<Command>,
-    /// Connections found broken during a pass, dropped after it.
-    to_fail: Vec<(ConnRef, String)>,
     inbox: SyncSender<(ConnId, Vec<u8>)>,
     iter: u32,
-    stream_count: usize,
-    /// Tells the endpoint which connections died, so it can forget them.
-    closed: mpsc::Sender<ConnId>,
-    /// CUDA IPC copies and opened handles; made on the first IPC op.
-    gpu: Option<super::gpu::GpuWork>,
     ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
+    /// Connections found broken during a pass, dropped after it.
+    to_fail: Vec<(ConnRef, String)>,
     /// (connection, allocation base) revocations heard on same-host rings.
     ipc_revoked: Vec<(ConnId, u64)>,
     /// Same-host requests for our memory that need a CUDA copy.
     gpu_reqs: Vec<crate::xfer::GpuReq>,
     /// Their answers once copied: (connection, op id, write, status).
     gpu_replies: Vec<(ConnId, u64, bool, Status)>,
-}
-
-/// Region lookups that first catch up on registrations the endpoint has
-/// queued: a peer can only name a key after `register` returned, and the
-/// update was queued before that, so a miss is retried once after draining.
-struct LiveRegions<'a> {
-    table: &'a mut RegionTable,
-    updates: &'a Receiver<RegionCmd>,
-    /// The connection whose requests are being checked.
-    conn: ConnId,
-}
-
-impl Regions for LiveRegions<'_> {
-    fn check(
-        &mut self,
-        key: KeyRef,
-        addr: u64,
-        len: u64,
-        need: Access,
-    ) -> Result<RegionSlice, Status> {
-        let conn = self.conn;
-        match self.table.check(conn, key, addr, len, need) {
-            Err(Status::UnknownKey) => {
-                apply_region_updates(self.table, self.updates);
-                self.table.check(conn, key, addr, len, need)
-            }
-            other => other,
-        }
-        .map(|(r, off)| {
-            RegionSlice::new(r, off, len as usize).expect("the table checked the window")
-        })
-    }
-}
-
-fn apply_region_updates(table: &mut RegionTable, updates: &Receiver<RegionCmd>) -> usize {
-    let mut n = 0;
-    while let Ok(cmd) = updates.try_recv() {
-        n += 1;
-        match cmd {
-            RegionCmd::Add(r) => table.insert(r.rkey, crate::region::Grant::whole(&r)),
-            RegionCmd::Grant { rkey, grant } => table.insert(rkey, grant),
-            RegionCmd::Remove(k) => table.remove(k),
-        }
-    }
-    n
-}
-
-struct ShardSink<'a> {
-    done: &'a mut Vec<(u32, Result<()>)>,
-    inbox: &'a SyncSender<(ConnId, Vec<u8>)>,
-    conn: ConnId,
-    ipc_revoked: &'a mut Vec<(ConnId, u64)>,
-    /// Same-host requests that need a CUDA copy (None on tcp: refused).
-    gpu_reqs: Option<&'a mut Vec<crate::xfer::GpuReq>>,
-    /// GPU staging for tcp frames (None without a GPU path).
-    gpu: Option<&'a mut super::gpu::GpuWork>,
-}
-
-impl Sink for ShardSink<'_> {
-    fn done(&mut self, slot: u32, result: Result<()>) {
-        self.done.push((slot, result));
-    }
-
-    fn notify(&mut self, payload: Vec<u8>) -> Result<(), Vec<u8>> {
-        match self.inbox.try_send((self.conn, payload)) {
-            Ok(()) => Ok(()),
-            Err(mpsc::TrySendError::Full((_, p))) => Err(p),
-            // Nobody will ever read it: the endpoint is gone.
-            Err(mpsc::TrySendError::Disconnected(_)) => Ok(()),
-        }
-    }
-
-    fn ipc_revoked(&mut self, alloc_base: u64) {
-        self.ipc_revoked.push((self.conn, alloc_base));
-    }
-
-    fn bounce(&mut self, len: usize) -> crate::xfer::Bounce {
-        match &mut self.gpu {
-            Some(g) => g.bounce(len),
-            None => crate::xfer::Bounce::Never,
-        }
-    }
-
-    fn gpu_stage(&mut self, stage: crate::xfer::Stage) {
-        match &mut self.gpu {
-            Some(g) => g.stage_tcp(self.conn, stage),
-            // Unreachable: staging starts only after `bounce` gave a buffer.
-            None => warn!(conn = %self.conn, "GPU staging without a GPU path: dropped"),
-        }
-    }
-
-    fn gpu_copy(&mut self, req: crate::xfer::GpuReq) -> bool {
-        match &mut self.gpu_reqs {
-            Some(v) if crate::gpu::cuda().is_ok() => {
-                v.push(req);
-                true
-            }
-            _ => false,
-        }
-    }
 }
 
 impl Shard {
@@ -238,8 +97,7 @@ impl Shard {
         closed: mpsc::Sender<ConnId>,
         ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
     ) -> Result<(Shard, ShardHandle)> {
-        let epoll = Poll::new().map_err(|e| Error::io("epoll_create", e))?;
-        let waker = Waker::new(epoll.registry(), WAKER).map_err(|e| Error::io("eventfd", e))?;
+        let (tcp, waker) = TcpSide::new(id)?;
         let wake = Arc::new(WakeState {
             parked: AtomicBool::new(false),
             waker,
@@ -247,9 +105,6 @@ impl Shard {
         });
         let (tx, rx) = mpsc::sync_channel(cfg.sq_depth);
         let (rtx, region_rx) = mpsc::channel();
-        let max_conn_ops = cfg.max_conn_inflight_ops;
-        let (cfg_gpu_streams, cfg_chunk, cfg_bounce) =
-            (cfg.gpu_streams, cfg.chunk_bytes, cfg.gpu_bounce_bytes);
         let handle = ShardHandle {
             id,
             capacity: cfg.sq_depth,
@@ -257,38 +112,32 @@ impl Shard {
             regions: rtx,
             wake: wake.clone(),
         };
+        // With a driver, ready for GPU memory on tcp (no CUDA call yet).
+        let gpu = crate::gpu::cuda().is_ok().then(|| {
+            GpuWork::new(
+                ipc_counters.clone(),
+                cfg.gpu_streams,
+                cfg.chunk_bytes,
+                cfg.gpu_bounce_bytes,
+            )
+        });
         let shard = Shard {
             id,
+            ledger: OpLedger::new(table, cfg.max_conn_inflight_ops),
             cfg,
             rx,
-            region_rx,
-            wake,
-            epoll,
-            events: Events::with_capacity(64),
-            conns: Slab::new(),
-            local: Slab::new(),
-            by_id: Default::default(),
-            local_setup,
-            peer_maps: PeerMaps::default(),
-            failed: HashMap::new(),
-            regions: RegionTable::default(),
-            ledger: OpLedger::new(table, max_conn_ops),
             stalled: None,
-            to_fail: Vec::new(),
+            region_rx,
+            regions: RegionTable::default(),
+            wake,
+            dir: Directory::new(closed),
+            tcp,
+            local: LocalSide::new(id, local_setup),
+            gpu,
             inbox,
             iter: 0,
-            stream_count: 0,
-            closed,
-            // With a driver, ready for GPU memory on tcp (no CUDA call yet).
-            gpu: crate::gpu::cuda().is_ok().then(|| {
-                super::gpu::GpuWork::new(
-                    ipc_counters.clone(),
-                    cfg_gpu_streams,
-                    cfg_chunk,
-                    cfg_bounce,
-                )
-            }),
             ipc_counters,
+            to_fail: Vec::new(),
             ipc_revoked: Vec::new(),
             gpu_reqs: Vec::new(),
             gpu_replies: Vec::new(),
@@ -302,26 +151,50 @@ impl Shard {
 
     /// Connections this shard drives now.
     pub fn conn_count(&self) -> usize {
-        self.conns.len() + self.local.len()
+        self.tcp.conns.len() + self.local.conns.len()
     }
 
     /// Runs one pass of the loop; returns how much work it found (0: idle).
     pub fn poll(&mut self) -> usize {
-        if !self.conns.is_empty() && !self.direct_poll() {
-            match self.epoll.poll(&mut self.events, Some(Duration::ZERO)) {
-                Ok(()) => self.apply_events(),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => warn!(shard = self.id, "epoll_wait failed: {e}"),
-            }
-        }
         let mut work = apply_region_updates(&mut self.regions, &self.region_rx);
         work += self.drain_commands();
         if let Some(g) = &mut self.gpu {
             g.flush();
             g.drain_into(&mut self.ledger.done, &mut self.gpu_replies);
         }
-        work += self.service_conns();
-        work += self.service_local();
+        work += self.poll_sources();
+        self.iter = self.iter.wrapping_add(1);
+        if self.iter % TIMEOUT_CHECK_EVERY == 0 {
+            self.check_timeouts(Instant::now());
+        }
+        work + self.publish()
+    }
+
+    /// One pass over every event source, and the glue between them.
+    fn poll_sources(&mut self) -> usize {
+        let mut work = 0;
+        {
+            let mut cx = Cx {
+                regions: &mut self.regions,
+                updates: &self.region_rx,
+                done: &mut self.ledger.done,
+                inbox: &self.inbox,
+                ipc_revoked: &mut self.ipc_revoked,
+                gpu_reqs: &mut self.gpu_reqs,
+                gpu_replies: &mut self.gpu_replies,
+                gpu: self.gpu.as_mut(),
+                to_fail: &mut self.to_fail,
+            };
+            let sources: [&mut dyn Source; 2] = [&mut self.tcp, &mut self.local];
+            for s in sources {
+                work += s.poll(&mut cx);
+                // Copies staged by this source's frames start now.
+                if let Some(g) = &mut cx.gpu {
+                    g.flush();
+                }
+            }
+        }
+        work += self.fail_marked();
         if !self.ipc_revoked.is_empty() {
             self.apply_ipc_revocations();
         }
@@ -332,10 +205,18 @@ impl Shard {
             }
         }
         if let Some(g) = &mut self.gpu {
-            if g.busy() {
-                work += g.poll();
-            }
-            g.drain_into(&mut self.ledger.done, &mut self.gpu_replies);
+            let mut cx = Cx {
+                regions: &mut self.regions,
+                updates: &self.region_rx,
+                done: &mut self.ledger.done,
+                inbox: &self.inbox,
+                ipc_revoked: &mut self.ipc_revoked,
+                gpu_reqs: &mut self.gpu_reqs,
+                gpu_replies: &mut self.gpu_replies,
+                gpu: None,
+                to_fail: &mut self.to_fail,
+            };
+            work += g.poll(&mut cx);
         }
         if !self.gpu_replies.is_empty() {
             self.send_gpu_replies();
@@ -347,49 +228,35 @@ impl Shard {
         {
             self.deliver_tcp_staging();
         }
-        self.iter = self.iter.wrapping_add(1);
-        if self.iter % FD_CHECK_EVERY == 0 {
-            work += self.poll_fd_listener();
-        }
-        if self.iter % TIMEOUT_CHECK_EVERY == 0 {
-            self.check_timeouts(Instant::now());
-        }
-        work + self.publish()
+        work
+    }
+
+    /// Whether every source lets the shard sleep, and for how long.
+    fn may_park(&self) -> Park {
+        let gpu = self.gpu.as_ref().map_or(Park::Yes, |g| g.may_park());
+        self.tcp.may_park().and(self.local.may_park()).and(gpu)
     }
 
     /// Sleeps until a socket, a submitter or `max` wakes it, unless work
-    /// arrived in the meantime.
+    /// arrived in the meantime or a source cannot wake it.
     pub fn park(&mut self, max: Duration) {
         self.wake.parked.store(true, Ordering::SeqCst);
         fence(Ordering::SeqCst);
         // One more pass after announcing the park: a submitter that did not
         // see `parked` queued its item before it, so this pass finds it.
-        // Replies on shared-memory rings cannot wake an epoll wait: with
-        // same-host requests outstanding, keep spinning instead.
-        // Nor can GPU events or RDMA completion queues (polled, no channel).
-        let awaiting_local = self.local.iter().any(|(_, c)| c.has_pending())
-            || self.gpu.as_ref().is_some_and(|g| g.busy())
-            || self
-                .conns
-                .iter()
-                .any(|(_, c)| c.verbs.as_ref().is_some_and(|v| v.busy()));
-        if self.poll() == 0 && !awaiting_local {
+        let idle = self.poll() == 0;
+        let park = self.may_park();
+        if idle && park != Park::No {
             let mut wait = max
                 .min(self.cfg.op_timeout / 4)
                 .max(Duration::from_millis(1));
-            if !self.local.is_empty() {
-                wait = wait.min(LOCAL_PARK);
-            } else if self.local_setup.is_some() {
-                wait = wait.min(ACCEPT_RING_PARK);
+            if let Park::Within(d) = park {
+                wait = wait.min(d);
             }
-            match self.epoll.poll(&mut self.events, Some(wait)) {
-                Ok(()) => self.apply_events(),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => warn!(shard = self.id, "epoll_wait failed: {e}"),
-            }
+            self.tcp.wait(wait);
         }
         self.wake.parked.store(false, Ordering::SeqCst);
-        self.poll_fd_listener();
+        self.local.poll_fd_listener();
         self.check_timeouts(Instant::now());
     }
 
@@ -404,32 +271,6 @@ impl Shard {
                 idle_since = Instant::now();
             } else {
                 std::hint::spin_loop();
-            }
-        }
-    }
-
-    /// With few streams, trying each socket directly costs fewer syscalls
-    /// (and less latency) than asking epoll which are ready first.
-    fn direct_poll(&self) -> bool {
-        self.stream_count <= DIRECT_POLL_MAX_STREAMS
-    }
-
-    /// Marks the streams epoll reported ready.
-    fn apply_events(&mut self) {
-        for ev in self.events.iter() {
-            let t = ev.token();
-            if t == WAKER {
-                continue;
-            }
-            let (key, idx) = (t.0 / MAX_STREAMS, t.0 % MAX_STREAMS);
-            let Some(s) = self.conns.get_mut(key).and_then(|c| c.streams.get_mut(idx)) else {
-                continue;
-            };
-            if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
-                s.readable = true;
-            }
-            if ev.is_writable() || ev.is_write_closed() || ev.is_error() {
-                s.writable = true;
             }
         }
     }
@@ -458,16 +299,6 @@ impl Shard {
         n
     }
 
-    fn conn_error(&self, conn: ConnId) -> Error {
-        match self.failed.get(&conn) {
-            Some(reason) => Error::ConnFailed {
-                conn,
-                reason: reason.clone(),
-            },
-            None => Error::UnknownConn { conn },
-        }
-    }
-
     /// Applies one command; hands it back if it cannot proceed yet.
     fn apply(&mut self, cmd: Command) -> Option<Command> {
         match cmd {
@@ -477,7 +308,7 @@ impl Shard {
                 None
             }
             Command::RevokeIpc { alloc_base } => {
-                for (_, lc) in self.local.iter_mut() {
+                for (_, lc) in self.local.conns.iter_mut() {
                     if !lc.push_ipc_revoke(alloc_base) {
                         warn!(shard = self.id, conn = %lc.id, "IPC revocation dropped: ring full");
                     }
@@ -490,46 +321,52 @@ impl Shard {
                 limits,
                 verbs,
             } => {
-                if let Err(e) = self.add_conn(conn, streams, limits, verbs) {
-                    warn!(shard = self.id, %conn, "could not adopt connection: {e}");
-                    self.remember_failed(conn, e.to_string());
+                match self.tcp.add(conn, streams, limits, verbs) {
+                    Ok(idx) => {
+                        self.dir.insert(conn, ConnRef::Tcp(idx));
+                        debug!(shard = self.id, %conn, "connection adopted");
+                    }
+                    Err(e) => {
+                        warn!(shard = self.id, %conn, "could not adopt connection: {e}");
+                        self.remember_failed(conn, e.to_string());
+                    }
                 }
                 None
             }
             Command::AddLocal(lc) => {
                 let conn = lc.id;
-                let idx = self.local.insert(*lc);
-                self.by_id.insert(conn, ConnRef::Local(idx));
+                let idx = self.local.conns.insert(*lc);
+                self.dir.insert(conn, ConnRef::Local(idx));
                 debug!(shard = self.id, %conn, "same-host connection adopted");
                 None
             }
             Command::RemoveConn(conn, ack) => {
-                match self.by_id.get(&conn) {
-                    Some(&ConnRef::Tcp(idx)) => {
+                match self.dir.get(conn) {
+                    Some(ConnRef::Tcp(idx)) => {
                         self.drop_conn(idx, "removed by remove_remote".to_owned())
                     }
-                    Some(&ConnRef::Local(idx)) => {
+                    Some(ConnRef::Local(idx)) => {
                         self.drop_local(idx, "removed by remove_remote".to_owned())
                     }
                     None => {}
                 }
-                self.failed.remove(&conn);
+                self.dir.forget_failed(conn);
                 if let Some(ack) = ack {
                     let _ = ack.try_send(());
                 }
                 None
             }
             Command::Notify { conn, payload } => {
-                match self.by_id.get(&conn) {
-                    Some(&ConnRef::Tcp(idx)) => {
-                        let s = &mut self.conns[idx].streams[0];
+                match self.dir.get(conn) {
+                    Some(ConnRef::Tcp(idx)) => {
+                        let s = &mut self.tcp.conns[idx].streams[0];
                         if !s.can_notify() {
                             return Some(Command::Notify { conn, payload });
                         }
                         s.push_notify(payload);
                     }
-                    Some(&ConnRef::Local(idx)) => {
-                        if !self.local[idx].push_notify(&payload) {
+                    Some(ConnRef::Local(idx)) => {
+                        if !self.local.conns[idx].push_notify(&payload) {
                             return Some(Command::Notify { conn, payload });
                         }
                     }
@@ -544,9 +381,9 @@ impl Shard {
 
     fn apply_op(&mut self, mut op: OpCmd) -> Option<OpCmd> {
         let chunk = self.cfg.chunk_bytes;
-        let target = self.by_id.get(&op.conn).copied();
+        let target = self.dir.get(op.conn);
         if target.is_none() && !op.counted {
-            let err = self.conn_error(op.conn);
+            let err = self.dir.error_of(op.conn);
             self.ledger.fail(op.slot, err);
             return None;
         }
@@ -554,7 +391,7 @@ impl Shard {
         // every window carries the peer NIC's key; it then completes once.
         let via_verbs = match target {
             Some(ConnRef::Tcp(i)) => {
-                self.conns[i].verbs.is_some()
+                self.tcp.conns[i].verbs.is_some()
                     && op.parts.as_slice().iter().all(|d| d.nic_rkey.is_some())
             }
             _ => false,
@@ -580,12 +417,12 @@ impl Shard {
         let idx = match target {
             None => {
                 // Its connection died while the op waited for room.
-                let err = self.conn_error(op.conn);
+                let err = self.dir.error_of(op.conn);
                 self.ledger.fail_rest(op.slot, total - op.at.emitted, err);
                 return None;
             }
             Some(ConnRef::Local(idx)) => {
-                let lc = &mut self.local[idx];
+                let lc = &mut self.local.conns[idx];
                 let descs = op.parts.as_slice();
                 while op.at.desc < descs.len() {
                     let d = &descs[op.at.desc];
@@ -611,7 +448,7 @@ impl Shard {
             Some(ConnRef::Tcp(idx)) if via_verbs => return self.post_verbs(idx, op),
             Some(ConnRef::Tcp(idx)) => idx,
         };
-        let conn = &mut self.conns[idx];
+        let conn = &mut self.tcp.conns[idx];
         let descs = op.parts.as_slice();
         while op.at.desc < descs.len() {
             let d = &descs[op.at.desc];
@@ -692,7 +529,7 @@ impl Shard {
     /// (stalls) while their send queues lack room: an op completes once,
     /// when the last of its completions arrives.
     fn post_verbs(&mut self, idx: usize, op: OpCmd) -> Option<OpCmd> {
-        let link = self.conns[idx]
+        let link = self.tcp.conns[idx]
             .verbs
             .as_mut()
             .expect("checked by the caller");
@@ -732,8 +569,8 @@ impl Shard {
     /// limit like any op, and fails like one on an unknown connection.
     fn apply_ipc(&mut self, cmd: super::queue::IpcCmd) {
         let total = cmd.parts.len() as u32;
-        if !self.by_id.contains_key(&cmd.conn) {
-            let e = self.conn_error(cmd.conn);
+        if !self.dir.contains(cmd.conn) {
+            let e = self.dir.error_of(cmd.conn);
             return self.ledger.fail(cmd.slot, e);
         }
         if let Err(e) = self.ledger.open(cmd.slot, total, Some(cmd.conn)) {
@@ -768,8 +605,8 @@ impl Shard {
     fn deliver_tcp_staging(&mut self) {
         let Some(g) = &mut self.gpu else { return };
         for (conn, stream, gate, ok) in g.releases.drain(..) {
-            if let Some(&ConnRef::Tcp(i)) = self.by_id.get(&conn) {
-                if let Some(s) = self.conns[i].streams.get_mut(stream as usize) {
+            if let Some(ConnRef::Tcp(i)) = self.dir.get(conn) {
+                if let Some(s) = self.tcp.conns[i].streams.get_mut(stream as usize) {
                     s.release(gate, ok);
                 }
             }
@@ -778,8 +615,8 @@ impl Shard {
         let mut i = 0;
         while i < g.sends.len() {
             let (ts, bounce, r) = &g.sends[i];
-            let stream = match self.by_id.get(&ts.conn) {
-                Some(&ConnRef::Tcp(ci)) => self.conns[ci].streams.get_mut(ts.stream),
+            let stream = match self.dir.get(ts.conn) {
+                Some(ConnRef::Tcp(ci)) => self.tcp.conns[ci].streams.get_mut(ts.stream),
                 _ => None,
             };
             match (r, stream, bounce) {
@@ -793,13 +630,7 @@ impl Shard {
                 }
                 (Err(e), _, _) => self.ledger.done.push((ts.slot, Err(e.duplicate()))),
                 _ => {
-                    let e = match self.failed.get(&ts.conn) {
-                        Some(reason) => Error::ConnFailed {
-                            conn: ts.conn,
-                            reason: reason.clone(),
-                        },
-                        None => Error::UnknownConn { conn: ts.conn },
-                    };
+                    let e = self.dir.error_of(ts.conn);
                     self.ledger.done.push((ts.slot, Err(e)));
                 }
             }
@@ -809,8 +640,8 @@ impl Shard {
 
     fn send_gpu_replies(&mut self) {
         for (conn, op_id, write, status) in self.gpu_replies.drain(..) {
-            if let Some(&ConnRef::Local(idx)) = self.by_id.get(&conn) {
-                self.local[idx].finish_gpu(op_id, write, status);
+            if let Some(ConnRef::Local(idx)) = self.dir.get(conn) {
+                self.local.conns[idx].finish_gpu(op_id, write, status);
             }
         }
     }
@@ -818,81 +649,24 @@ impl Shard {
     /// Applies revocations heard on same-host rings to the IPC cache.
     fn apply_ipc_revocations(&mut self) {
         for (conn, base) in self.ipc_revoked.drain(..) {
-            let Some(&ConnRef::Local(idx)) = self.by_id.get(&conn) else {
+            let Some(ConnRef::Local(idx)) = self.dir.get(conn) else {
                 continue;
             };
             if let Some(g) = &mut self.gpu {
-                g.revoke(self.local[idx].peer_id, base);
+                g.revoke(self.local.conns[idx].peer_id, base);
             }
         }
     }
 
-    fn add_conn(
-        &mut self,
-        conn: ConnId,
-        streams: Vec<std::net::TcpStream>,
-        limits: StreamLimits,
-        verbs: Option<Box<crate::verbs::Link>>,
-    ) -> Result<()> {
-        if streams.is_empty() || streams.len() > MAX_STREAMS {
-            return Err(Error::Unsupported {
-                what: "connection",
-                reason: format!("{} streams", streams.len()),
-            });
-        }
-        let entry = self.conns.vacant_entry();
-        let key = entry.key();
-        let mut out = Vec::with_capacity(streams.len());
-        for (i, s) in streams.into_iter().enumerate() {
-            s.set_nonblocking(true)
-                .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
-            // An idle connection whose peer vanished (half-open TCP) is found
-            // by keepalive within ~16 s; busy ones by the op timeout first.
-            let ka = socket2::TcpKeepalive::new()
-                .with_time(KEEPALIVE_IDLE)
-                .with_interval(KEEPALIVE_INTERVAL)
-                .with_retries(KEEPALIVE_PROBES);
-            socket2::SockRef::from(&s)
-                .set_tcp_keepalive(&ka)
-                .map_err(|e| Error::io("setsockopt(SO_KEEPALIVE)", e))?;
-            let mut m = mio::net::TcpStream::from_std(s);
-            self.epoll
-                .registry()
-                .register(
-                    &mut m,
-                    Token(key * MAX_STREAMS + i),
-                    Interest::READABLE | Interest::WRITABLE,
-                )
-                .map_err(|e| Error::io("epoll_ctl", e))?;
-            out.push(Stream::new(m, limits, i as u8));
-        }
-        self.stream_count += out.len();
-        entry.insert(Conn {
-            id: conn,
-            streams: out,
-            next: 0,
-            verbs,
-        });
-        self.by_id.insert(conn, ConnRef::Tcp(key));
-        debug!(shard = self.id, %conn, "connection adopted");
-        Ok(())
-    }
-
     fn remember_failed(&mut self, conn: ConnId, reason: String) {
-        // The endpoint may be gone already; then nobody needs to know.
-        let _ = self.closed.send(conn);
+        self.dir.remember_failed(conn, reason);
         self.ledger.forget_conn_if_idle(conn);
-        if self.failed.len() >= FAILED_MEMORY {
-            self.failed.clear();
-        }
-        self.failed.insert(conn, reason);
     }
 
     fn drop_conn(&mut self, idx: usize, reason: String) {
-        let mut conn = self.conns.remove(idx);
+        let mut conn = self.tcp.remove(idx);
         self.regions.revoke_conn(conn.id);
-        self.stream_count -= conn.streams.len();
-        self.by_id.remove(&conn.id);
+        self.dir.remove(conn.id);
         let err = Error::ConnFailed {
             conn: conn.id,
             reason,
@@ -907,7 +681,6 @@ impl Shard {
         };
         for s in conn.streams.iter_mut() {
             s.fail_pending(&err, &mut sink);
-            let _ = self.epoll.registry().deregister(&mut s.sock);
         }
         if let Some(v) = &mut conn.verbs {
             v.fail_all(&err, sink.done);
@@ -918,9 +691,9 @@ impl Shard {
     }
 
     fn drop_local(&mut self, idx: usize, reason: String) {
-        let mut lc = self.local.remove(idx);
+        let mut lc = self.local.conns.remove(idx);
         self.regions.revoke_conn(lc.id);
-        self.by_id.remove(&lc.id);
+        self.dir.remove(lc.id);
         let err = Error::ConnFailed {
             conn: lc.id,
             reason: reason.clone(),
@@ -938,126 +711,12 @@ impl Shard {
         let id = lc.id;
         drop(lc);
         // Forget the peer's shared memory once no connection to it is left.
-        if !self.local.iter().any(|(_, c)| c.peer_id == peer) {
-            self.peer_maps.retain(|(p, _), _| *p != peer);
+        if self.local.forget_peer_if_unused(peer) {
             if let Some(g) = &mut self.gpu {
                 g.revoke_owner(peer);
             }
         }
         self.remember_failed(id, reason);
-    }
-
-    fn poll_fd_listener(&mut self) -> usize {
-        match &self.local_setup {
-            Some(ls) => ls.fd_listener.poll(&mut self.peer_maps),
-            None => 0,
-        }
-    }
-
-    fn service_local(&mut self) -> usize {
-        let mut work = 0;
-        if let Some(ls) = &self.local_setup {
-            let mut buf = [0u8; SLOT_PAYLOAD];
-            while let Some(n) = ls.accept_ring.ring.pop(&mut buf) {
-                work += 1;
-                match Msg::decode(&buf[..n]) {
-                    Ok((m, inline)) if m.kind == MsgKind::Connect => {
-                        if ls.connects.try_send((m, inline.to_vec())).is_err() {
-                            warn!(
-                                shard = self.id,
-                                "local CONNECT dropped: too many waiting for accept"
-                            );
-                        }
-                    }
-                    Ok((m, _)) => warn!(
-                        shard = self.id,
-                        "unexpected {:?} on the accept ring", m.kind
-                    ),
-                    Err(e) => warn!(shard = self.id, "bad message on the accept ring: {e}"),
-                }
-            }
-        }
-        if self.local.is_empty() {
-            return work;
-        }
-        let mut regions = LiveRegions {
-            table: &mut self.regions,
-            updates: &self.region_rx,
-            conn: ConnId(0),
-        };
-        for (idx, lc) in self.local.iter_mut() {
-            regions.conn = lc.id;
-            let mut sink = ShardSink {
-                done: &mut self.ledger.done,
-                inbox: &self.inbox,
-                conn: lc.id,
-                ipc_revoked: &mut self.ipc_revoked,
-                gpu_reqs: Some(&mut self.gpu_reqs),
-                gpu: None,
-            };
-            match lc.poll(&mut regions, &self.peer_maps, &mut sink) {
-                Ok(w) => work += w,
-                Err(reason) => self.to_fail.push((ConnRef::Local(idx), reason)),
-            }
-        }
-        work + self.fail_marked()
-    }
-
-    fn service_conns(&mut self) -> usize {
-        let mut work = 0;
-        let direct = self.direct_poll();
-        let mut regions = LiveRegions {
-            table: &mut self.regions,
-            updates: &self.region_rx,
-            conn: ConnId(0),
-        };
-        for (idx, conn) in self.conns.iter_mut() {
-            regions.conn = conn.id;
-            if let Some(v) = &mut conn.verbs {
-                match v.poll(&mut self.ledger.done) {
-                    Ok(n) => work += n,
-                    Err(reason) => {
-                        self.to_fail.push((ConnRef::Tcp(idx), reason));
-                        continue;
-                    }
-                }
-            }
-            let mut sink = ShardSink {
-                done: &mut self.ledger.done,
-                inbox: &self.inbox,
-                conn: conn.id,
-                ipc_revoked: &mut self.ipc_revoked,
-                gpu_reqs: None,
-                gpu: self.gpu.as_mut(),
-            };
-            for s in conn.streams.iter_mut() {
-                if direct {
-                    s.readable = true;
-                    s.writable = true;
-                }
-                let step = (|| {
-                    let mut w = s.flush()? as usize;
-                    // One read's worth of frames per poll: replies go out and
-                    // completions are published before the next read.
-                    w += s.on_readable(&mut regions, &mut sink)? as usize;
-                    if s.has_tx() {
-                        w += s.flush()? as usize;
-                    }
-                    Ok::<usize, String>(w)
-                })();
-                match step {
-                    Ok(w) => work += w,
-                    Err(reason) => {
-                        self.to_fail.push((ConnRef::Tcp(idx), reason));
-                        break;
-                    }
-                }
-            }
-        }
-        if let Some(g) = &mut self.gpu {
-            g.flush();
-        }
-        work + self.fail_marked()
     }
 
     fn check_timeouts(&mut self, now: Instant) {
@@ -1069,7 +728,7 @@ impl Shard {
                 limit.as_millis()
             )
         };
-        for (idx, conn) in self.conns.iter() {
+        for (idx, conn) in self.tcp.conns.iter() {
             if conn
                 .streams
                 .iter()
@@ -1079,7 +738,7 @@ impl Shard {
                 self.to_fail.push((ConnRef::Tcp(idx), timeout()));
             }
         }
-        for (idx, lc) in self.local.iter() {
+        for (idx, lc) in self.local.conns.iter() {
             if !lc.peer_alive() {
                 self.to_fail.push((
                     ConnRef::Local(idx),
@@ -1101,10 +760,10 @@ impl Shard {
         for (at, reason) in to_fail.drain(..) {
             let (conn, busy) = match at {
                 ConnRef::Tcp(i) => (
-                    self.conns[i].id,
-                    self.conns[i].streams.iter().any(|s| s.has_pending()),
+                    self.tcp.conns[i].id,
+                    self.tcp.conns[i].streams.iter().any(|s| s.has_pending()),
                 ),
-                ConnRef::Local(i) => (self.local[i].id, self.local[i].has_pending()),
+                ConnRef::Local(i) => (self.local.conns[i].id, self.local.conns[i].has_pending()),
             };
             if busy {
                 warn!(shard = self.id, %conn, "connection failed: {reason}");
@@ -1121,19 +780,19 @@ impl Shard {
     }
 
     fn publish(&mut self) -> usize {
-        let by_id = &self.by_id;
-        self.ledger.publish(|c| by_id.contains_key(&c))
+        let dir = &self.dir;
+        self.ledger.publish(|c| dir.contains(c))
     }
 }
 
 impl Drop for Shard {
     /// Fails whatever is still in flight or queued, so no waiter hangs.
     fn drop(&mut self) {
-        let keys: Vec<usize> = self.conns.iter().map(|(k, _)| k).collect();
+        let keys: Vec<usize> = self.tcp.conns.iter().map(|(k, _)| k).collect();
         for k in keys {
             self.drop_conn(k, "the shard shut down".to_owned());
         }
-        let keys: Vec<usize> = self.local.iter().map(|(k, _)| k).collect();
+        let keys: Vec<usize> = self.local.conns.iter().map(|(k, _)| k).collect();
         for k in keys {
             self.drop_local(k, "the shard shut down".to_owned());
         }

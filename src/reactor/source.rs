@@ -1,0 +1,201 @@
+//! Event sources: what a shard polls. Each source — the tcp sockets (and
+//! their RDMA completion queues), the same-host rings, the CUDA events —
+//! owns its state, does one pass over what is ready when polled, and says
+//! whether the shard may sleep. `Shard::poll` and `Shard::park` are loops
+//! over sources; a new transport adds a source, not a branch.
+//!
+//! What every source reports into lives in `Cx`, borrowed from the shard
+//! for one pass: the region table it checks requests against, the ledger's
+//! completion list, the application's inbox, and the lists of follow-up
+//! work (connections found broken, CUDA copies to start, IPC revocations).
+
+use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::time::Duration;
+
+use tracing::warn;
+
+use super::gpu::GpuWork;
+use super::queue::RegionCmd;
+use crate::error::{ConnId, Result};
+use crate::region::{Access, KeyRef, RegionSlice, RegionTable, Regions};
+use crate::wire::Status;
+use crate::xfer::{Bounce, GpuReq, Sink, Stage};
+
+/// Where a connection id lives in a shard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ConnRef {
+    Tcp(usize),
+    Local(usize),
+}
+
+/// Whether a source lets the shard sleep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Park {
+    /// Nothing to watch that epoll would not wake the shard for.
+    Yes,
+    /// Sleep at most this long: this source cannot wake an epoll wait.
+    Within(Duration),
+    /// Work is outstanding that only polling finds (ring replies, CUDA
+    /// events, RDMA completions): keep spinning.
+    No,
+}
+
+impl Park {
+    /// The stricter of two answers.
+    pub fn and(self, other: Park) -> Park {
+        match (self, other) {
+            (Park::No, _) | (_, Park::No) => Park::No,
+            (Park::Within(a), Park::Within(b)) => Park::Within(a.min(b)),
+            (Park::Within(a), Park::Yes) | (Park::Yes, Park::Within(a)) => Park::Within(a),
+            (Park::Yes, Park::Yes) => Park::Yes,
+        }
+    }
+}
+
+/// What a source reports into during one pass.
+pub(crate) struct Cx<'a> {
+    pub regions: &'a mut RegionTable,
+    pub updates: &'a Receiver<RegionCmd>,
+    /// Piece completions for the ledger.
+    pub done: &'a mut Vec<(u32, Result<()>)>,
+    pub inbox: &'a SyncSender<(ConnId, Vec<u8>)>,
+    /// (connection, allocation base) revocations heard on same-host rings.
+    pub ipc_revoked: &'a mut Vec<(ConnId, u64)>,
+    /// Same-host requests for our memory that need a CUDA copy.
+    pub gpu_reqs: &'a mut Vec<GpuReq>,
+    /// Answers to those, once copied: (connection, op id, write, status).
+    pub gpu_replies: &'a mut Vec<(ConnId, u64, bool, Status)>,
+    /// The GPU work, for tcp bounce buffers (absent while it is the source
+    /// being polled, or without a driver).
+    pub gpu: Option<&'a mut GpuWork>,
+    /// Connections found broken in this pass, dropped after it.
+    pub to_fail: &'a mut Vec<(ConnRef, String)>,
+}
+
+pub(crate) trait Source {
+    /// One pass over what is ready; returns how much work it found.
+    fn poll(&mut self, cx: &mut Cx<'_>) -> usize;
+    /// Whether the shard may sleep now (see `Park`).
+    fn may_park(&self) -> Park;
+}
+
+/// Region lookups that first catch up on registrations the endpoint has
+/// queued: a peer can only name a key after `register` returned, and the
+/// update was queued before that, so a miss is retried once after draining.
+pub(crate) struct LiveRegions<'a> {
+    pub table: &'a mut RegionTable,
+    pub updates: &'a Receiver<RegionCmd>,
+    /// The connection whose requests are being checked.
+    pub conn: ConnId,
+}
+
+impl Regions for LiveRegions<'_> {
+    fn check(
+        &mut self,
+        key: KeyRef,
+        addr: u64,
+        len: u64,
+        need: Access,
+    ) -> std::result::Result<RegionSlice, Status> {
+        let conn = self.conn;
+        match self.table.check(conn, key, addr, len, need) {
+            Err(Status::UnknownKey) => {
+                apply_region_updates(self.table, self.updates);
+                self.table.check(conn, key, addr, len, need)
+            }
+            other => other,
+        }
+        .map(|(r, off)| {
+            RegionSlice::new(r, off, len as usize).expect("the table checked the window")
+        })
+    }
+}
+
+pub(crate) fn apply_region_updates(
+    table: &mut RegionTable,
+    updates: &Receiver<RegionCmd>,
+) -> usize {
+    let mut n = 0;
+    while let Ok(cmd) = updates.try_recv() {
+        n += 1;
+        match cmd {
+            RegionCmd::Add(r) => table.insert(r.rkey, crate::region::Grant::whole(&r)),
+            RegionCmd::Grant { rkey, grant } => table.insert(rkey, grant),
+            RegionCmd::Remove(k) => table.remove(k),
+        }
+    }
+    n
+}
+
+/// Where one connection's transport reports what it finished.
+pub(crate) struct ShardSink<'a> {
+    pub done: &'a mut Vec<(u32, Result<()>)>,
+    pub inbox: &'a SyncSender<(ConnId, Vec<u8>)>,
+    pub conn: ConnId,
+    pub ipc_revoked: &'a mut Vec<(ConnId, u64)>,
+    /// Same-host requests that need a CUDA copy (None on tcp: refused).
+    pub gpu_reqs: Option<&'a mut Vec<GpuReq>>,
+    /// GPU staging for tcp frames (None without a GPU path).
+    pub gpu: Option<&'a mut GpuWork>,
+}
+
+impl Sink for ShardSink<'_> {
+    fn done(&mut self, slot: u32, result: Result<()>) {
+        self.done.push((slot, result));
+    }
+
+    fn notify(&mut self, payload: Vec<u8>) -> std::result::Result<(), Vec<u8>> {
+        match self.inbox.try_send((self.conn, payload)) {
+            Ok(()) => Ok(()),
+            Err(mpsc::TrySendError::Full((_, p))) => Err(p),
+            // Nobody will ever read it: the endpoint is gone.
+            Err(mpsc::TrySendError::Disconnected(_)) => Ok(()),
+        }
+    }
+
+    fn ipc_revoked(&mut self, alloc_base: u64) {
+        self.ipc_revoked.push((self.conn, alloc_base));
+    }
+
+    fn bounce(&mut self, len: usize) -> Bounce {
+        match &mut self.gpu {
+            Some(g) => g.bounce(len),
+            None => Bounce::Never,
+        }
+    }
+
+    fn gpu_stage(&mut self, stage: Stage) {
+        match &mut self.gpu {
+            Some(g) => g.stage_tcp(self.conn, stage),
+            // Unreachable: staging starts only after `bounce` gave a buffer.
+            None => warn!(conn = %self.conn, "GPU staging without a GPU path: dropped"),
+        }
+    }
+
+    fn gpu_copy(&mut self, req: GpuReq) -> bool {
+        match &mut self.gpu_reqs {
+            Some(v) if crate::gpu::cuda().is_ok() => {
+                v.push(req);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+impl Source for GpuWork {
+    fn poll(&mut self, cx: &mut Cx<'_>) -> usize {
+        let n = if self.busy() { self.poll_events() } else { 0 };
+        self.drain_into(cx.done, cx.gpu_replies);
+        n
+    }
+
+    fn may_park(&self) -> Park {
+        // CUDA events cannot wake an epoll wait.
+        if self.busy() {
+            Park::No
+        } else {
+            Park::Yes
+        }
+    }
+}

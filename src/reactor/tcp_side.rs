@@ -1,0 +1,233 @@
+//! A shard's tcp connections as an event source: their streams (sockets
+//! driven by the sans-IO stream engine), the epoll instance that says which
+//! are ready (and that a parked shard sleeps in), and each connection's
+//! RDMA queue pairs when it has them.
+
+use std::io;
+use std::time::Duration;
+
+use mio::{Events, Interest, Poll, Token, Waker};
+use slab::Slab;
+use tracing::warn;
+
+use super::source::{ConnRef, Cx, LiveRegions, Park, Source};
+use crate::error::{ConnId, Error, Result};
+use crate::tcp::{Stream, StreamLimits};
+
+pub(crate) const WAKER: Token = Token(usize::MAX);
+/// Up to this many streams, `poll` tries every socket instead of asking
+/// epoll (it still parks on epoll).
+const DIRECT_POLL_MAX_STREAMS: usize = 4;
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
+const KEEPALIVE_PROBES: u32 = 3;
+/// Streams a connection may have (the handshake caps it too).
+const MAX_STREAMS: usize = 64;
+
+pub(crate) struct Conn {
+    pub id: ConnId,
+    pub streams: Vec<Stream>,
+    /// The stream the next frame goes to (round-robin).
+    pub next: usize,
+    /// RDMA queue pairs: ops whose windows carry a NIC key go here; the
+    /// streams keep notifications and the rest.
+    pub verbs: Option<Box<crate::verbs::Link>>,
+}
+
+pub(crate) struct TcpSide {
+    epoll: Poll,
+    events: Events,
+    pub conns: Slab<Conn>,
+    stream_count: usize,
+    shard: usize,
+}
+
+impl TcpSide {
+    /// The source and the waker submitters ring to end the shard's sleep.
+    pub fn new(shard: usize) -> Result<(TcpSide, Waker)> {
+        let epoll = Poll::new().map_err(|e| Error::io("epoll_create", e))?;
+        let waker = Waker::new(epoll.registry(), WAKER).map_err(|e| Error::io("eventfd", e))?;
+        let side = TcpSide {
+            epoll,
+            events: Events::with_capacity(64),
+            conns: Slab::new(),
+            stream_count: 0,
+            shard,
+        };
+        Ok((side, waker))
+    }
+
+    /// With few streams, trying each socket directly costs fewer syscalls
+    /// (and less latency) than asking epoll which are ready first.
+    fn direct_poll(&self) -> bool {
+        self.stream_count <= DIRECT_POLL_MAX_STREAMS
+    }
+
+    /// Waits up to `timeout` for a socket or the waker (a parked shard).
+    pub fn wait(&mut self, timeout: Duration) {
+        match self.epoll.poll(&mut self.events, Some(timeout)) {
+            Ok(()) => self.apply_events(),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => warn!(shard = self.shard, "epoll_wait failed: {e}"),
+        }
+    }
+
+    /// Marks the streams epoll reported ready.
+    fn apply_events(&mut self) {
+        for ev in self.events.iter() {
+            let t = ev.token();
+            if t == WAKER {
+                continue;
+            }
+            let (key, idx) = (t.0 / MAX_STREAMS, t.0 % MAX_STREAMS);
+            let Some(s) = self.conns.get_mut(key).and_then(|c| c.streams.get_mut(idx)) else {
+                continue;
+            };
+            if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
+                s.readable = true;
+            }
+            if ev.is_writable() || ev.is_write_closed() || ev.is_error() {
+                s.writable = true;
+            }
+        }
+    }
+
+    /// Adopts a connection's sockets; returns its index.
+    pub fn add(
+        &mut self,
+        conn: ConnId,
+        streams: Vec<std::net::TcpStream>,
+        limits: StreamLimits,
+        verbs: Option<Box<crate::verbs::Link>>,
+    ) -> Result<usize> {
+        if streams.is_empty() || streams.len() > MAX_STREAMS {
+            return Err(Error::Unsupported {
+                what: "connection",
+                reason: format!("{} streams", streams.len()),
+            });
+        }
+        let entry = self.conns.vacant_entry();
+        let key = entry.key();
+        let mut out = Vec::with_capacity(streams.len());
+        for (i, s) in streams.into_iter().enumerate() {
+            s.set_nonblocking(true)
+                .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
+            // An idle connection whose peer vanished (half-open TCP) is found
+            // by keepalive within ~16 s; busy ones by the op timeout first.
+            let ka = socket2::TcpKeepalive::new()
+                .with_time(KEEPALIVE_IDLE)
+                .with_interval(KEEPALIVE_INTERVAL)
+                .with_retries(KEEPALIVE_PROBES);
+            socket2::SockRef::from(&s)
+                .set_tcp_keepalive(&ka)
+                .map_err(|e| Error::io("setsockopt(SO_KEEPALIVE)", e))?;
+            let mut m = mio::net::TcpStream::from_std(s);
+            self.epoll
+                .registry()
+                .register(
+                    &mut m,
+                    Token(key * MAX_STREAMS + i),
+                    Interest::READABLE | Interest::WRITABLE,
+                )
+                .map_err(|e| Error::io("epoll_ctl", e))?;
+            out.push(Stream::new(m, limits, i as u8));
+        }
+        self.stream_count += out.len();
+        entry.insert(Conn {
+            id: conn,
+            streams: out,
+            next: 0,
+            verbs,
+        });
+        Ok(key)
+    }
+
+    /// Takes connection `idx` out (its sockets leave epoll; they close
+    /// when the returned value drops).
+    pub fn remove(&mut self, idx: usize) -> Conn {
+        let mut conn = self.conns.remove(idx);
+        self.stream_count -= conn.streams.len();
+        for s in conn.streams.iter_mut() {
+            let _ = self.epoll.registry().deregister(&mut s.sock);
+        }
+        conn
+    }
+}
+
+impl Source for TcpSide {
+    fn poll(&mut self, cx: &mut Cx<'_>) -> usize {
+        if self.conns.is_empty() {
+            return 0;
+        }
+        let direct = self.direct_poll();
+        if !direct {
+            match self.epoll.poll(&mut self.events, Some(Duration::ZERO)) {
+                Ok(()) => self.apply_events(),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => warn!(shard = self.shard, "epoll_wait failed: {e}"),
+            }
+        }
+        let mut work = 0;
+        for (idx, conn) in self.conns.iter_mut() {
+            if let Some(v) = &mut conn.verbs {
+                match v.poll(cx.done) {
+                    Ok(n) => work += n,
+                    Err(reason) => {
+                        cx.to_fail.push((ConnRef::Tcp(idx), reason));
+                        continue;
+                    }
+                }
+            }
+            let mut regions = LiveRegions {
+                table: cx.regions,
+                updates: cx.updates,
+                conn: conn.id,
+            };
+            let mut sink = super::source::ShardSink {
+                done: cx.done,
+                inbox: cx.inbox,
+                conn: conn.id,
+                ipc_revoked: cx.ipc_revoked,
+                gpu_reqs: None,
+                gpu: cx.gpu.as_deref_mut(),
+            };
+            for s in conn.streams.iter_mut() {
+                if direct {
+                    s.readable = true;
+                    s.writable = true;
+                }
+                let step = (|| {
+                    let mut w = s.flush()? as usize;
+                    // One read's worth of frames per poll: replies go out and
+                    // completions are published before the next read.
+                    w += s.on_readable(&mut regions, &mut sink)? as usize;
+                    if s.has_tx() {
+                        w += s.flush()? as usize;
+                    }
+                    Ok::<usize, String>(w)
+                })();
+                match step {
+                    Ok(w) => work += w,
+                    Err(reason) => {
+                        cx.to_fail.push((ConnRef::Tcp(idx), reason));
+                        break;
+                    }
+                }
+            }
+        }
+        work
+    }
+
+    fn may_park(&self) -> Park {
+        // Sockets wake epoll; RDMA completion queues do not (polled).
+        if self
+            .conns
+            .iter()
+            .any(|(_, c)| c.verbs.as_ref().is_some_and(|v| v.busy()))
+        {
+            Park::No
+        } else {
+            Park::Yes
+        }
+    }
+}
