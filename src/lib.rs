@@ -12,10 +12,12 @@
 //! An [`Endpoint`] owns a control listener and N [`Shard`]s. A shard is one
 //! thread's worth of engine: it owns a set of connections and, in one
 //! run-to-completion loop ([`Shard::poll`]), applies registration updates,
-//! takes operations from its bounded submission queue, writes frames, reads
-//! and serves the peer's frames, and publishes completions to a fixed table
-//! that [`Transfer`] handles poll or wait on. Nothing on that path takes a
-//! lock or allocates per operation. In *managed* mode the endpoint runs each
+//! takes operations from its bounded submission queue, polls each of its
+//! event sources — tcp sockets (and RDMA completion queues), shared-memory
+//! rings, CUDA events — and publishes completions to a fixed table that
+//! [`Transfer`] handles poll or wait on. Each source also says whether the
+//! shard may sleep. Nothing on that path takes a lock or allocates per
+//! operation. In *managed* mode the endpoint runs each
 //! shard on its own thread, which spins briefly when idle and then parks in
 //! `epoll_wait`; in *embedded* mode ([`Mode::Embedded`]) the caller takes the
 //! shards and polls them from its own loop, and ferry starts no thread.
@@ -32,6 +34,14 @@
 //!   memfd memory (`alloc_host`, shared by fd passing), or
 //!   `process_vm_readv/writev` for other memory. `add_remote` picks it by
 //!   itself when the peer is on this host (`FERRY_TRANSPORT`).
+//! * **cuda-ipc**: GPU memory of a same-host peer, through its CUDA IPC
+//!   handle ([`IpcBuf`]); GPU memory also moves over tcp and shm.
+//! * **verbs** (feature `rdma`): RC queue pairs beside a tcp connection
+//!   when both ends have an RDMA NIC.
+//!
+//! One operation family — [`Endpoint::write`], [`Endpoint::read`], their
+//! vectored and `_async` forms — serves every [`Window`] a peer advertises:
+//! a [`RemoteBuf`] or an [`IpcBuf`].
 //!
 //! ## Example
 //!

@@ -30,7 +30,8 @@ Flags:
   --transport auto|tcp|shm|ipc
                          data path (default auto, which picks shm: the
                          target is a process on this host). ipc: CUDA IPC
-                         write_ipc/read_ipc into the target's GPU memory
+                         write/read with an IpcBuf (the seed's write_ipc)
+                         into the target's GPU memory
                          (needs a GPU; the one-op latency uses 4 KiB)
   --gpu IDX              ipc: the initiator's GPU (default 0)
   --peer-gpu IDX         ipc: the target's GPU (default 1 if there are two

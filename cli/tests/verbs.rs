@@ -12,32 +12,34 @@ use ferry_cli::testkit::{check_pattern, fill_pattern};
 
 #[test]
 fn without_a_nic_verbs_says_why_and_tcp_carries_the_bytes() {
-    let ep = Endpoint::builder()
-        .config(config(IoPreference::Auto))
-        .build()
-        .unwrap();
-    let why = match ep.verbs_status() {
-        Ok(nics) => {
-            println!(
-                "skipped: this machine has RDMA devices ({nics:?}); the fallback is not exercised"
-            );
-            return;
-        }
-        Err(why) => why.to_owned(),
-    };
+    // Where this machine has RDMA devices, name one that does not exist:
+    // verbs is off all the same, and the fallback still runs here.
+    let has_nics = ferry::verbs::status(None, None).is_ok();
+    let mut cfg = config(IoPreference::Auto);
+    if has_nics {
+        cfg.rdma_dev = Some("ferry-test-no-such-nic".into());
+    }
+    let ep = Endpoint::builder().config(cfg).build().unwrap();
+    let why = ep
+        .verbs_status()
+        .expect_err("verbs must be off for this test")
+        .to_owned();
     println!("verbs off: {why}");
-    if cfg!(feature = "rdma") {
+    if has_nics {
+        assert!(why.contains("ferry-test-no-such-nic"), "{why}");
+    } else if cfg!(feature = "rdma") {
         assert!(
             why.contains("libibverbs")
                 || why.contains("RDMA device")
                 || why.contains("RDMA support"),
             "an rdma build names what is missing: {why}"
         );
+        // The same reason, computed directly.
+        assert_eq!(ferry::verbs::status(None, None).unwrap_err(), why);
     } else {
         assert!(why.contains("`rdma` feature"), "{why}");
+        assert_eq!(ferry::verbs::status(None, None).unwrap_err(), why);
     }
-    // The same reason, computed directly.
-    assert_eq!(ferry::verbs::status(None, None).unwrap_err(), why);
 
     let target = Target::start_on(Path::TcpEpoll, 8 << 20, &[("FERRY_TRANSPORT", "tcp")]);
     let conn = ep.add_remote(&target.served.meta).unwrap();

@@ -578,7 +578,7 @@ impl Endpoint {
     }
 
     /// The RDMA NICs verbs would use here (best first), or why verbs is off.
-    /// Connections use tcp either way in this version.
+    /// Without verbs, connections use tcp.
     pub fn verbs_status(&self) -> std::result::Result<&[String], &str> {
         self.inner.verbs.as_deref().map_err(String::as_str)
     }
@@ -954,7 +954,7 @@ impl Inner {
                 |f| ctl.borrow_mut().send_all(s, &f.encode(), deadline),
                 || handshake::read_frame(&mut ctl.borrow_mut(), s, deadline),
             )?;
-            Ok(link.map(Box::new))
+            Ok(link.map(|l| Box::new(l) as Box<crate::verbs::Link>))
         }
         #[cfg(not(feature = "rdma"))]
         {

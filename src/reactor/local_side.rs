@@ -11,6 +11,7 @@ use slab::Slab;
 use tracing::warn;
 
 use super::source::{ConnRef, Cx, LiveRegions, Park, ShardSink, Source};
+use crate::shm::cma::Cma;
 use crate::shm::fdpass::FdListener;
 use crate::shm::local::{LocalConn, PeerMaps};
 use crate::shm::object::ShmRing;
@@ -120,7 +121,7 @@ impl Source for LocalSide {
                 gpu_reqs: Some(cx.gpu_reqs),
                 gpu: None,
             };
-            match lc.poll(&mut regions, &self.peer_maps, &mut sink) {
+            match lc.poll(&mut regions, &self.peer_maps, &mut Cma, &mut sink) {
                 Ok(w) => work += w,
                 Err(reason) => cx.to_fail.push((ConnRef::Local(idx), reason)),
             }

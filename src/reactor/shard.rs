@@ -739,7 +739,7 @@ impl Shard {
             }
         }
         for (idx, lc) in self.local.conns.iter() {
-            if !lc.peer_alive() {
+            if !crate::sys::pid_alive(lc.peer_pid) {
                 self.to_fail.push((
                     ConnRef::Local(idx),
                     format!("peer process {} is gone", lc.peer_pid),

@@ -20,7 +20,7 @@ use super::object::ShmRing;
 use super::ring::SLOT_PAYLOAD;
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::region::{Access, KeyRef, RegionSlice, Regions};
-use crate::sys::{pid_alive, Mapping};
+use crate::sys::Mapping;
 use crate::wire::shm_msg::{Msg, MsgKind, MAX_INLINE};
 use crate::wire::IpcRef;
 use crate::wire::{Status, MAX_NOTIFY_BYTES};
@@ -71,42 +71,6 @@ pub(crate) struct LocalConn {
 // `_keep` handle stored beside them.
 unsafe impl Send for LocalConn {}
 
-/// Copies `len` bytes between our memory and the peer process's, with
-/// process_vm_readv (`read_from_peer`) or process_vm_writev.
-fn cma(pid: u32, local: *mut u8, remote: u64, len: usize, read_from_peer: bool) -> io::Result<()> {
-    let mut done = 0;
-    while done < len {
-        // SAFETY: done < len, inside the caller's checked local range.
-        let base = unsafe { local.add(done) };
-        let l = libc::iovec {
-            iov_base: base as *mut _,
-            iov_len: len - done,
-        };
-        let r = libc::iovec {
-            iov_base: (remote + done as u64) as *mut _,
-            iov_len: len - done,
-        };
-        // SAFETY: `l` lies in memory the caller checked and keeps alive; the
-        // remote iovec is only dereferenced by the kernel, in the peer's
-        // address space, with its own permission checks.
-        let n = unsafe {
-            if read_from_peer {
-                libc::process_vm_readv(pid as i32, &l, 1, &r, 1, 0)
-            } else {
-                libc::process_vm_writev(pid as i32, &l, 1, &r, 1, 0)
-            }
-        };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        if n == 0 {
-            return Err(io::Error::other("process_vm copied nothing"));
-        }
-        done += n as usize;
-    }
-    Ok(())
-}
-
 /// Copies `len` bytes. glibc's `rep movsb` copy runs ~15x slower here when
 /// the destination sits 1..63 bytes past the source modulo 4 KiB (loads
 /// alias the stores just made: "4K aliasing"), which malloc'd buffers hit
@@ -138,20 +102,13 @@ pub(crate) unsafe fn copy_bytes(dst: *mut u8, src: *const u8, len: usize) {
     unsafe { std::ptr::copy_nonoverlapping(src.add(off), dst.add(off), len - off) };
 }
 
-/// A word whose address a peer reads at connect time to learn whether
-/// process_vm_readv works between the two processes.
-pub(crate) static CMA_CANARY: u64 = 0x6665_7272_795f_636d;
-
-/// Whether this process can read `pid`'s memory at `addr` (the peer's canary).
-pub(crate) fn probe_cma(pid: u32, addr: u64) -> std::result::Result<(), String> {
-    let mut v = 0u64;
-    match cma(pid, &mut v as *mut u64 as *mut u8, addr, 8, true) {
-        Ok(()) if v == CMA_CANARY => Ok(()),
-        Ok(()) => Err(format!(
-            "read {v:#x} at the peer's canary, expected {CMA_CANARY:#x}"
-        )),
-        Err(e) => Err(format!("process_vm_readv of pid {pid}: {e}")),
-    }
+/// How the protocol reaches a peer process's memory that is not mapped
+/// here. The driver's is `Cma` (`process_vm_readv/writev`, a syscall); a
+/// test can stand in for it, so the protocol runs without one.
+pub(crate) trait PeerMemory {
+    /// Copies between `ours` and the peer's `[addr, addr + ours.len())`:
+    /// from the peer into `ours` when `from_peer`, else the other way.
+    fn copy(&mut self, pid: u32, ours: &RegionSlice, addr: u64, from_peer: bool) -> io::Result<()>;
 }
 
 impl LocalConn {
@@ -193,10 +150,6 @@ impl LocalConn {
 
     pub fn oldest_pending(&self) -> Option<Instant> {
         self.pending.iter().map(|(_, p)| p.sent_at).min()
-    }
-
-    pub fn peer_alive(&self) -> bool {
-        pid_alive(self.peer_pid)
     }
 
     fn send(&mut self, m: &Msg, inline: &[u8]) -> bool {
@@ -350,6 +303,7 @@ impl LocalConn {
         &mut self,
         regions: &mut impl Regions,
         maps: &PeerMaps,
+        peer_mem: &mut impl PeerMemory,
         sink: &mut impl Sink,
     ) -> Result<usize, String> {
         let mut work = 0;
@@ -378,7 +332,7 @@ impl LocalConn {
             };
             work += 1;
             let (m, inline) = Msg::decode(&buf[..n]).map_err(|e| e.to_string())?;
-            self.on_msg(m, inline, regions, maps, sink)?;
+            self.on_msg(m, inline, regions, maps, peer_mem, sink)?;
         }
         Ok(work)
     }
@@ -417,6 +371,7 @@ impl LocalConn {
         inline: &[u8],
         regions: &mut impl Regions,
         maps: &PeerMaps,
+        peer_mem: &mut impl PeerMemory,
         sink: &mut impl Sink,
     ) -> Result<(), String> {
         match m.kind {
@@ -489,7 +444,6 @@ impl LocalConn {
                     Ok(w) => {
                         let len = w.len();
                         let ours = w.ptr();
-                        held = Some(w);
                         let copied = if write && inline.len() == len {
                             // SAFETY: both ranges are `len` long and distinct.
                             unsafe { std::ptr::copy_nonoverlapping(inline.as_ptr(), ours, len) };
@@ -512,8 +466,9 @@ impl LocalConn {
                             };
                             true
                         } else {
-                            cma(self.peer_pid, ours, m.src_addr, len, write).is_ok()
+                            peer_mem.copy(self.peer_pid, &w, m.src_addr, write).is_ok()
                         };
+                        held = Some(w);
                         if copied {
                             Status::Ok
                         } else {
@@ -610,5 +565,198 @@ mod tests {
                 assert!(dst[skew + len..].iter().all(|&b| b == 0));
             }
         }
+    }
+
+    use crate::region::{Grant, Region, RegionTable};
+    use crate::xfer::testing::{bytes_of, owned_region, write_into, RecSink, View};
+
+    const KEY: KeyRef = KeyRef {
+        rkey: 0x77,
+        tag: 0x1234_5678,
+    };
+
+    /// The peer is this process, so its addresses are ours: copies the way
+    /// process_vm_* would, without the syscall; or refuses, as a kernel
+    /// with ptrace restrictions does.
+    struct SameProcess {
+        refuse: bool,
+        calls: usize,
+    }
+
+    impl PeerMemory for SameProcess {
+        fn copy(
+            &mut self,
+            _pid: u32,
+            ours: &RegionSlice,
+            addr: u64,
+            from_peer: bool,
+        ) -> io::Result<()> {
+            self.calls += 1;
+            if self.refuse {
+                return Err(io::Error::from_raw_os_error(libc::EPERM));
+            }
+            // SAFETY: `addr` is a live region of this test (the "peer"),
+            // `ours` a checked slice; the two do not overlap.
+            unsafe {
+                if from_peer {
+                    std::ptr::copy_nonoverlapping(addr as *const u8, ours.ptr(), ours.len())
+                } else {
+                    std::ptr::copy_nonoverlapping(ours.ptr(), addr as *mut u8, ours.len())
+                }
+            }
+            Ok(())
+        }
+    }
+
+    struct Side {
+        conn: LocalConn,
+        mem: Arc<Region>,
+        table: RegionTable,
+        done: Vec<(u32, Result<()>)>,
+        inbox: VecDeque<Vec<u8>>,
+    }
+
+    impl Side {
+        fn poll(&mut self, mem: &mut SameProcess) -> Result<usize, String> {
+            let mut regions = View {
+                table: &self.table,
+                conn: self.conn.id,
+            };
+            let mut sink = RecSink {
+                done: &mut self.done,
+                inbox: &mut self.inbox,
+                cap: 8,
+            };
+            self.conn
+                .poll(&mut regions, &PeerMaps::default(), mem, &mut sink)
+        }
+    }
+
+    /// Two connection engines over real rings, in one process.
+    fn pair(tag: &str) -> (Side, Side) {
+        let base = format!("/ferry-test-{:x}-{tag}", std::process::id());
+        let ab = ShmRing::create(&format!("{base}-ab"), 64, 1).unwrap();
+        let ba = ShmRing::create(&format!("{base}-ba"), 64, 1).unwrap();
+        let to_b = ShmRing::open(&format!("{base}-ab")).unwrap();
+        let to_a = ShmRing::open(&format!("{base}-ba")).unwrap();
+        let pid = std::process::id();
+        let side = |id, peer, rx, tx| {
+            let mem = owned_region(1 << 20, KEY.rkey, KEY.tag);
+            let mut table = RegionTable::default();
+            table.insert(KEY.rkey, Grant::whole(&mem));
+            Side {
+                conn: LocalConn::new(ConnId(id), peer, pid, 7, rx, tx, 16, 16),
+                mem,
+                table,
+                done: Vec::new(),
+                inbox: VecDeque::new(),
+            }
+        };
+        (side(1, 2, ba, to_b), side(2, 1, ab, to_a))
+    }
+
+    /// `a` starts an op of `len` bytes at offset `off` of both regions;
+    /// both sides poll until it ends.
+    fn op(
+        a: &mut Side,
+        b: &mut Side,
+        mem: &mut SameProcess,
+        kind: OpKind,
+        off: usize,
+        len: usize,
+    ) -> Result<()> {
+        let local = RegionSlice::new(&a.mem, off, len).unwrap();
+        let addr = b.mem.addr() + off as u64;
+        assert!(a
+            .conn
+            .push_request(kind, 5, KEY, addr, &local, false, Instant::now()));
+        b.poll(mem).unwrap();
+        a.poll(mem).unwrap();
+        assert_eq!(a.done.len(), 1, "the op ended once");
+        a.done.pop().unwrap().1
+    }
+
+    #[test]
+    fn inline_and_copied_transfers_are_byte_exact() {
+        let (mut a, mut b) = pair("exact");
+        let mut mem = SameProcess {
+            refuse: false,
+            calls: 0,
+        };
+        let data: Vec<u8> = (0..70_000u32).map(|i| (i * 13 + i / 256) as u8).collect();
+        for (kind, off, len) in [
+            (OpKind::Write, 3, 100),
+            (OpKind::Read, 200, MAX_INLINE),
+            (OpKind::Write, 4096, 65_536),
+            (OpKind::Read, 90_000, 70_000),
+        ] {
+            let (src, dst) = match kind {
+                OpKind::Write => (a.mem.clone(), b.mem.clone()),
+                OpKind::Read => (b.mem.clone(), a.mem.clone()),
+            };
+            write_into(&src, off, &data[..len]);
+            op(&mut a, &mut b, &mut mem, kind, off, len).unwrap();
+            assert_eq!(bytes_of(&dst, off, len), &data[..len], "{kind} {len}");
+        }
+        // Only the two large ones needed the peer's memory.
+        assert_eq!(mem.calls, 2);
+    }
+
+    #[test]
+    fn unreachable_peer_memory_fails_the_op_not_the_connection() {
+        let (mut a, mut b) = pair("refuse");
+        let mut mem = SameProcess {
+            refuse: true,
+            calls: 0,
+        };
+        let e = op(&mut a, &mut b, &mut mem, OpKind::Write, 0, 10_000).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Remote {
+                    status: Status::PeerMemory,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        mem.refuse = false;
+        op(&mut a, &mut b, &mut mem, OpKind::Write, 0, 10_000).unwrap();
+    }
+
+    #[test]
+    fn a_reply_to_nothing_breaks_the_connection() {
+        let (mut a, mut b) = pair("stray");
+        let mut mem = SameProcess {
+            refuse: false,
+            calls: 0,
+        };
+        let mut m = Msg::new(MsgKind::WriteAck);
+        m.conn = 7;
+        m.op_id = 999;
+        assert!(b.conn.send(&m, &[]));
+        let e = a.poll(&mut mem).unwrap_err();
+        assert!(e.contains("not outstanding"), "{e}");
+    }
+
+    #[test]
+    fn a_notification_past_the_cap_breaks_the_connection() {
+        let (mut a, mut b) = pair("notify");
+        let mut mem = SameProcess {
+            refuse: false,
+            calls: 0,
+        };
+        assert!(b.conn.push_notify(&[1u8; 3000]));
+        a.poll(&mut mem).unwrap();
+        assert_eq!(a.inbox.pop_front().unwrap(), vec![1u8; 3000]);
+        // Fragments that add up past MAX_NOTIFY_BYTES.
+        let mut m = Msg::new(MsgKind::Notify);
+        m.conn = 7;
+        m.status = 1;
+        for _ in 0..=(MAX_NOTIFY_BYTES / MAX_INLINE) {
+            assert!(b.conn.send(&m, &[0u8; MAX_INLINE]));
+        }
+        let e = a.poll(&mut mem).unwrap_err();
+        assert!(e.contains("longer than"), "{e}");
     }
 }

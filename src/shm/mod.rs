@@ -7,6 +7,7 @@
 //! direction. The receiver creates (and on drop removes) each ring; a ring
 //! left by a process that died is detected by its owner pid and re-created.
 
+pub(crate) mod cma;
 pub(crate) mod fdpass;
 pub(crate) mod local;
 pub(crate) mod object;

@@ -9,7 +9,7 @@
 //! `enqueue` and `dequeue` sit on separate cache lines, away from the
 //! header, so producers and the consumer do not false-share.
 //!
-//! `Ring` works over any suitably aligned memory; `ShmRing` (in `shm.rs`)
+//! `Ring` works over any suitably aligned memory; `ShmRing` (in `object.rs`)
 //! puts one in a POSIX shared-memory object. The unit tests run the same
 //! code on heap memory, under Miri too.
 

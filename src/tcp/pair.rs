@@ -21,10 +21,10 @@ use std::time::{Duration, Instant};
 
 use super::proto::{Step, StreamLimits, StreamProto, NOTIFY_QUEUE};
 use crate::error::{ConnId, Error, OpKind, Result};
-use crate::region::{Access, Backing, Grant, KeyRef, Region, RegionSlice, RegionTable, Regions};
+use crate::region::{Grant, KeyRef, Region, RegionSlice, RegionTable};
 use crate::wire::testrng::Rng;
-use crate::wire::{DataHeader, Status, DATA_HEADER_LEN};
-use crate::xfer::Sink;
+use crate::wire::{DataHeader, DATA_HEADER_LEN};
+use crate::xfer::testing::{self, bytes_of, RecSink, View};
 
 const HDR: usize = DATA_HEADER_LEN;
 const RKEY: u32 = 0x5151;
@@ -162,57 +162,8 @@ struct Side {
     next_remote: usize,
 }
 
-struct HSink<'a> {
-    done: &'a mut Vec<(u32, Result<()>)>,
-    inbox: &'a mut VecDeque<Vec<u8>>,
-    cap: usize,
-}
-
-impl Sink for HSink<'_> {
-    fn done(&mut self, slot: u32, result: Result<()>) {
-        self.done.push((slot, result));
-    }
-    fn notify(&mut self, payload: Vec<u8>) -> std::result::Result<(), Vec<u8>> {
-        if self.inbox.len() >= self.cap {
-            return Err(payload);
-        }
-        self.inbox.push_back(payload);
-        Ok(())
-    }
-}
-
-struct View<'a> {
-    table: &'a RegionTable,
-    conn: ConnId,
-}
-
-impl Regions for View<'_> {
-    fn check(
-        &mut self,
-        key: KeyRef,
-        addr: u64,
-        len: u64,
-        need: Access,
-    ) -> std::result::Result<RegionSlice, Status> {
-        let (r, off) = self.table.check(self.conn, key, addr, len, need)?;
-        Ok(RegionSlice::new(r, off, len as usize).expect("checked window"))
-    }
-}
-
 fn owned_region(len: usize) -> Arc<Region> {
-    let mut b = vec![0u8; len].into_boxed_slice();
-    Arc::new(Region {
-        ptr: b.as_mut_ptr(),
-        len,
-        rkey: RKEY,
-        tag: TAG,
-        access: Access::all(),
-        mem: crate::gpu::MemKind::Host,
-        ipc_exported: Default::default(),
-        ipc_handle: Default::default(),
-        nic_attach: Default::default(),
-        _backing: Backing::Owned(b),
-    })
+    testing::owned_region(len, RKEY, TAG)
 }
 
 fn pattern(i: usize, seed: u8) -> u8 {
@@ -221,13 +172,6 @@ fn pattern(i: usize, seed: u8) -> u8 {
         .wrapping_mul(0x9E37_79B9_7F4A_7C15)
         >> 56) as u8
         ^ seed
-}
-
-fn bytes_of(r: &Region, off: usize, len: usize) -> &[u8] {
-    assert!(off + len <= r.len);
-    // SAFETY: in bounds of a live owned region; the harness is single
-    // threaded and no engine writes while this slice is read.
-    unsafe { std::slice::from_raw_parts(r.ptr.add(off), len) }
 }
 
 fn fill(r: &Region, off: usize, len: usize, seed: u8) {
@@ -515,7 +459,7 @@ impl Pair {
                 table: &side.table,
                 conn: side.conn,
             };
-            let mut sink = HSink {
+            let mut sink = RecSink {
                 done: &mut side.done,
                 inbox: &mut side.inbox,
                 cap: self.faults.inbox_cap.max(1),
@@ -553,7 +497,7 @@ impl Pair {
             conn: side.conn,
             reason: reason.clone(),
         };
-        let mut sink = HSink {
+        let mut sink = RecSink {
             done: &mut side.done,
             inbox: &mut side.inbox,
             cap: usize::MAX,

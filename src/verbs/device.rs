@@ -313,19 +313,19 @@ pub(crate) struct Link {
 // it); libibverbs handles are usable from any thread.
 unsafe impl Send for Link {}
 
-impl Link {
+impl super::QpLink for Link {
     /// Can `n_pieces` more WRs go out without overrunning a send queue?
-    pub fn has_room(&self, n_pieces: usize) -> bool {
+    fn has_room(&self, n_pieces: usize) -> bool {
         let per_qp = n_pieces.div_ceil(self.wr_out.len()) as u32 + 1;
         self.wr_out.iter().all(|&o| o + per_qp <= self.cfg.qp_depth)
     }
 
-    pub fn busy(&self) -> bool {
+    fn busy(&self) -> bool {
         !self.owed.is_empty()
     }
 
     /// WRs an op piece of `len` bytes becomes.
-    pub fn pieces(&self, len: u64) -> usize {
+    fn pieces(&self, len: u64) -> usize {
         if len == 0 {
             1
         } else {
@@ -335,14 +335,14 @@ impl Link {
 
     /// The local registration's key, registering `r` with the NIC on first
     /// use (the registration cache: one MR per registration, dropped with it).
-    pub fn lkey(&self, r: &crate::region::Region) -> Result<u32> {
+    fn lkey(&self, r: &crate::region::Region) -> Result<u32> {
         super::mr_of(&self.nic, r).map(|mr| mr.lkey())
     }
 
     /// Adds one part of an op (`len` bytes between `laddr` under `lkey`
     /// and the peer's `raddr` under `rkey`) to the op being built; `post`
     /// sends them all.
-    pub fn add(&mut self, lkey: u32, laddr: u64, rkey: u32, raddr: u64, len: u64) {
+    fn add(&mut self, lkey: u32, laddr: u64, rkey: u32, raddr: u64, len: u64) {
         let n_qps = self.wr_out.len();
         let item = self.items.len() as u32;
         let first = self.next_qp;
@@ -359,7 +359,7 @@ impl Link {
     }
 
     /// Forgets the parts gathered so far (the op failed before posting).
-    pub fn discard(&mut self) {
+    fn discard(&mut self) {
         self.qps.pieces.clear();
         self.items.clear();
     }
@@ -368,7 +368,7 @@ impl Link {
     /// go as linked lists of at most `max_wr_per_post` (one doorbell each),
     /// so a vectored op rings each QP's doorbell once, not once per part.
     /// Returns the completions it will produce.
-    pub fn post(&mut self, write: bool, slot: u32) -> Result<u32> {
+    fn post(&mut self, write: bool, slot: u32) -> Result<u32> {
         plan::batch(
             &self.qps.pieces,
             self.cfg.max_wr_per_post,
@@ -423,7 +423,7 @@ impl Link {
 
     /// Records a failure of op `slot` found while posting; the op completes
     /// with it (now, if nothing of it is in flight).
-    pub fn fail_slot(&mut self, slot: u32, err: Error, done: &mut Vec<(u32, Result<()>)>) {
+    fn fail_slot(&mut self, slot: u32, err: Error, done: &mut Vec<(u32, Result<()>)>) {
         match self.owed.get_mut(&slot) {
             Some((n, e)) if *n > 0 => {
                 e.get_or_insert(err);
@@ -438,10 +438,7 @@ impl Link {
     /// Reports completions to `done`. `Err` (with the reason) when a
     /// completion says the connection is broken: the QPs are in the error
     /// state and every later WR would be flushed.
-    pub fn poll(
-        &mut self,
-        done: &mut Vec<(u32, Result<()>)>,
-    ) -> std::result::Result<usize, String> {
+    fn poll(&mut self, done: &mut Vec<(u32, Result<()>)>) -> std::result::Result<usize, String> {
         let mut broken = None;
         let (wr_out, owed) = (&mut self.wr_out, &mut self.owed);
         let n = self.qps.poll(|id, outcome, name| {
@@ -483,7 +480,7 @@ impl Link {
     }
 
     /// The link is going away: every completion still owed fails with `err`.
-    pub fn fail_all(&mut self, err: &Error, done: &mut Vec<(u32, Result<()>)>) {
+    fn fail_all(&mut self, err: &Error, done: &mut Vec<(u32, Result<()>)>) {
         for (slot, (_, first)) in self.owed.drain() {
             done.push((slot, Err(first.unwrap_or_else(|| err.duplicate()))));
         }

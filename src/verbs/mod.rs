@@ -17,9 +17,6 @@ pub mod plan;
 #[cfg(feature = "rdma")]
 pub mod device;
 
-#[cfg(feature = "rdma")]
-pub(crate) use device::Link;
-
 /// The endpoint's opened NIC (none in a build without `rdma`).
 #[cfg(feature = "rdma")]
 pub(crate) type NicHandle = std::sync::Arc<device::Nic>;
@@ -32,55 +29,46 @@ pub(crate) type NicHandle = std::convert::Infallible;
 #[cfg(feature = "rdma")]
 pub(crate) type Mr = std::sync::Arc<sideway::ibverbs::memory_region::MemoryRegion>;
 
-/// A connection's verbs link; cannot exist in a build without `rdma`.
-#[cfg(not(feature = "rdma"))]
-pub(crate) enum Link {}
-
-#[cfg(not(feature = "rdma"))]
-impl Link {
-    pub fn has_room(&self, _n: usize) -> bool {
-        match *self {}
-    }
-    pub fn busy(&self) -> bool {
-        match *self {}
-    }
-    pub fn pieces(&self, _len: u64) -> usize {
-        match *self {}
-    }
-    pub fn fail_slot(
+/// A connection's RDMA queue pairs as the shard drives them: the one seam
+/// between builds with and without verbs. Only the `rdma` build implements
+/// it (`device::Link`); elsewhere no value of it can exist, and the shard's
+/// `Option<Link>` is always `None`.
+pub(crate) trait QpLink: Send {
+    /// Can `n_pieces` more work requests go out without overrunning a
+    /// send queue?
+    fn has_room(&self, n_pieces: usize) -> bool;
+    /// Completions are outstanding (the shard must keep polling).
+    fn busy(&self) -> bool;
+    /// Work requests an op part of `len` bytes becomes.
+    fn pieces(&self, len: u64) -> usize;
+    /// The local registration's key, registering it with the NIC on first
+    /// use.
+    fn lkey(&self, r: &crate::region::Region) -> crate::error::Result<u32>;
+    /// Adds one part of the op being built.
+    fn add(&mut self, lkey: u32, laddr: u64, rkey: u32, raddr: u64, len: u64);
+    /// Drops the parts gathered so far (posting none).
+    fn discard(&mut self);
+    /// Posts the gathered parts as op `slot`; all or nothing.
+    fn post(&mut self, write: bool, slot: u32) -> crate::error::Result<u32>;
+    /// Ends op `slot` with `err` (once).
+    fn fail_slot(
         &mut self,
-        _slot: u32,
-        _err: crate::error::Error,
-        _done: &mut Vec<(u32, crate::error::Result<()>)>,
-    ) {
-        match *self {}
-    }
-    pub fn lkey(&self, _r: &crate::region::Region) -> crate::error::Result<u32> {
-        match *self {}
-    }
-    pub fn add(&mut self, _lkey: u32, _laddr: u64, _rkey: u32, _raddr: u64, _len: u64) {
-        match *self {}
-    }
-    pub fn post(&mut self, _write: bool, _slot: u32) -> crate::error::Result<u32> {
-        match *self {}
-    }
-    pub fn discard(&mut self) {
-        match *self {}
-    }
-    pub fn poll(
+        slot: u32,
+        err: crate::error::Error,
+        done: &mut Vec<(u32, crate::error::Result<()>)>,
+    );
+    /// Reaps completions; `Err` means the queue pairs are dead.
+    fn poll(&mut self, done: &mut Vec<(u32, crate::error::Result<()>)>) -> Result<usize, String>;
+    /// Fails every op in flight.
+    fn fail_all(
         &mut self,
-        _done: &mut Vec<(u32, crate::error::Result<()>)>,
-    ) -> Result<usize, String> {
-        match *self {}
-    }
-    pub fn fail_all(
-        &mut self,
-        _err: &crate::error::Error,
-        _done: &mut Vec<(u32, crate::error::Result<()>)>,
-    ) {
-        match *self {}
-    }
+        err: &crate::error::Error,
+        done: &mut Vec<(u32, crate::error::Result<()>)>,
+    );
 }
+
+/// What a connection holds for its queue pairs.
+pub(crate) type Link = dyn QpLink;
 
 /// Opens the first usable NIC, or says why verbs is off.
 pub(crate) fn open_nic(

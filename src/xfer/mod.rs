@@ -9,6 +9,9 @@
 //! on GPU memory ([`GpuReq`]) or a tcp frame staged through a pinned bounce
 //! buffer ([`Stage`]). The shard answers those when the copy ends.
 
+#[cfg(test)]
+pub(crate) mod testing;
+
 use std::sync::Arc;
 use std::time::Instant;
 
