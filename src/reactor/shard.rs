@@ -87,6 +87,24 @@ pub struct Shard {
     gpu_replies: Vec<(ConnId, u64, bool, Status)>,
 }
 
+/// The context sources report into, borrowed from the shard's other
+/// fields for one pass (`gpu`: the GPU work, unless it is the source).
+macro_rules! cx {
+    ($s:ident, $gpu:expr) => {
+        Cx {
+            regions: &mut $s.regions,
+            updates: &$s.region_rx,
+            done: &mut $s.ledger.done,
+            inbox: &$s.inbox,
+            ipc_revoked: &mut $s.ipc_revoked,
+            gpu_reqs: &mut $s.gpu_reqs,
+            gpu_replies: &mut $s.gpu_replies,
+            gpu: $gpu,
+            to_fail: &mut $s.to_fail,
+        }
+    };
+}
+
 impl Shard {
     pub(crate) fn new(
         id: usize,
@@ -174,17 +192,7 @@ impl Shard {
     fn poll_sources(&mut self) -> usize {
         let mut work = 0;
         {
-            let mut cx = Cx {
-                regions: &mut self.regions,
-                updates: &self.region_rx,
-                done: &mut self.ledger.done,
-                inbox: &self.inbox,
-                ipc_revoked: &mut self.ipc_revoked,
-                gpu_reqs: &mut self.gpu_reqs,
-                gpu_replies: &mut self.gpu_replies,
-                gpu: self.gpu.as_mut(),
-                to_fail: &mut self.to_fail,
-            };
+            let mut cx = cx!(self, self.gpu.as_mut());
             let sources: [&mut dyn Source; 2] = [&mut self.tcp, &mut self.local];
             for s in sources {
                 work += s.poll(&mut cx);
@@ -205,17 +213,7 @@ impl Shard {
             }
         }
         if let Some(g) = &mut self.gpu {
-            let mut cx = Cx {
-                regions: &mut self.regions,
-                updates: &self.region_rx,
-                done: &mut self.ledger.done,
-                inbox: &self.inbox,
-                ipc_revoked: &mut self.ipc_revoked,
-                gpu_reqs: &mut self.gpu_reqs,
-                gpu_replies: &mut self.gpu_replies,
-                gpu: None,
-                to_fail: &mut self.to_fail,
-            };
+            let mut cx = cx!(self, None);
             work += g.poll(&mut cx);
         }
         if !self.gpu_replies.is_empty() {
