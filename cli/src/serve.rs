@@ -140,30 +140,38 @@ fn answer(
     let w: Vec<&str> = text.split_whitespace().collect();
     let num = |i: usize| -> Result<usize> { Ok(w.get(i).context("missing argument")?.parse()?) };
     let g = || gpu.context("no GPU region (serve --gpu)");
+    // A peer names the range: check it against the region before
+    // allocating anything of its size.
+    let buf_for = |mr: &ferry::MemoryRegion, off: usize, len: usize| -> Result<Vec<u8>> {
+        match off.checked_add(len) {
+            Some(end) if end <= mr.len() => Ok(vec![0u8; len]),
+            _ => bail!("range {off}+{len} outside the {}-byte region", mr.len()),
+        }
+    };
 
     match w.first().copied() {
         Some("ghash") => {
             let (off, len) = (num(1)?, num(2)?);
-            let mut b = vec![0u8; len];
+            let mut b = buf_for(g()?, off, len)?;
             g()?.read_at(off, &mut b)?;
             Ok(format!("hash {:016x}", fnv64(&b)))
         }
         Some("gfill") => {
             let (off, len, seed) = (num(1)?, num(2)?, num(3)?);
-            let mut b = vec![0u8; len];
+            let mut b = buf_for(g()?, off, len)?;
             fill_pattern(&mut b, off as u64, seed as u8);
             g()?.write_at(off, &b)?;
             Ok("ok".into())
         }
         Some("hash") => {
             let (off, len) = (num(1)?, num(2)?);
-            let mut b = vec![0u8; len];
+            let mut b = buf_for(main, off, len)?;
             main.read_at(off, &mut b)?;
             Ok(format!("hash {:016x}", fnv64(&b)))
         }
         Some("fill") => {
             let (off, len, seed) = (num(1)?, num(2)?, num(3)?);
-            let mut b = vec![0u8; len];
+            let mut b = buf_for(main, off, len)?;
             fill_pattern(&mut b, off as u64, seed as u8);
             main.write_at(off, &b)?;
             Ok("ok".into())

@@ -384,3 +384,124 @@ fn build_refuses_zero_limits_naming_the_field() {
         );
     }
 }
+
+/// A key from `mr.advertise(off, len)` reaches that window and nothing
+/// else of the registration (it used to reach all of it), on tcp and shm.
+#[test]
+fn advertised_windows_are_enforced() {
+    use ferry::wire::Status;
+    for path in [Path::TcpEpoll, Path::Shm] {
+        let target = Endpoint::builder()
+            .config(path_config(path))
+            .build()
+            .unwrap();
+        target.start_passive_accept().unwrap();
+        let ep = path_client(path);
+        let conn = ep.add_remote(&target.metadata_bytes()).unwrap();
+        let mem = target.alloc_host(1 << 20).unwrap();
+        let local = ep.alloc_host(1 << 20).unwrap();
+        let win = mem.advertise(512 << 10, 4096).unwrap();
+        assert_ne!(win.rkey, mem.rkey(), "a part gets a key of its own");
+        assert_eq!(mem.advertise(512 << 10, 4096).unwrap().rkey, win.rkey);
+        ep.read(conn, &local, 0, 4096, &win).unwrap();
+        ep.write(conn, &local, 0, 4096, &win).unwrap();
+        let refused = |e: Error| {
+            matches!(
+                e,
+                Error::Remote {
+                    status: Status::OutOfBounds,
+                    ..
+                }
+            )
+        };
+        // Past the window's end, and before its start (the registration's
+        // offset 0), with the window's key: refused.
+        let mut wide = win;
+        wide.size = 1 << 20;
+        let e = ep.read(conn, &local, 0, 1 << 20, &wide).unwrap_err();
+        assert!(refused(e), "{path:?}");
+        let mut at0 = win;
+        at0.addr = mem.addr();
+        let e = ep.read(conn, &local, 0, 4096, &at0).unwrap_err();
+        assert!(refused(e), "{path:?}");
+        // The whole registration: its own key, everything reachable, and
+        // the connection survived the refusals.
+        let whole = mem.advertise(0, 1 << 20).unwrap();
+        assert_eq!(whole.rkey, mem.rkey());
+        ep.read(conn, &local, 0, 1 << 20, &whole).unwrap();
+    }
+}
+
+/// Limits are ours, not the peer's: a peer that declares 2^20 requests in
+/// flight per stream gets min(ours, its) — here 8 — and is dropped when it
+/// sends a 9th without reading the answers; nothing was sized by its word.
+#[test]
+fn a_peer_declaring_huge_limits_gets_ours() {
+    use ferry::wire::{ControlFrame, DataHeader, DataKind, Hello, CONTROL_HEADER_LEN};
+    use std::io::Read;
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut header = [0u8; CONTROL_HEADER_LEN];
+        s.read_exact(&mut header).unwrap();
+        let mut frame = vec![0u8; CONTROL_HEADER_LEN + ControlFrame::body_len(&header).unwrap()];
+        frame[..CONTROL_HEADER_LEN].copy_from_slice(&header);
+        s.read_exact(&mut frame[CONTROL_HEADER_LEN..]).unwrap();
+        let ControlFrame::Hello(h) = ControlFrame::decode(&frame).unwrap() else {
+            panic!("no hello")
+        };
+        let ack = Hello {
+            endpoint_id: 7,
+            max_inflight: 1 << 20,
+            ..h
+        };
+        s.write_all(&ControlFrame::HelloAck(ack).encode()).unwrap();
+        // Nine READs of 8 bytes under a key that does not exist, and never
+        // a read of the answers.
+        for op in 0..9u64 {
+            let h = DataHeader::request(DataKind::ReadReq, 1, 0, op, 0x1000, 8);
+            if s.write_all(&h.encode()).is_err() {
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_secs(2));
+    });
+    let ep = Endpoint::builder()
+        .config({
+            let mut conf = config(IoPreference::Auto);
+            conf.stream_inflight = 8;
+            conf
+        })
+        .build()
+        .unwrap();
+    let conn = ep.connect(addr).unwrap();
+    let local = ep.alloc(64).unwrap();
+    let rb = ferry::RemoteBuf {
+        addr: 0x1000,
+        size: 64,
+        rkey: 1,
+        ..Default::default()
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let e = loop {
+        // The connection dies as soon as the shard reads the 9th request.
+        match ep.write_async(conn, &local, 0, 8, &rb) {
+            Err(e) => break e,
+            Ok(mut t) => {
+                if let Err(e) = t.wait_timeout(Duration::from_millis(200)) {
+                    if !matches!(e, Error::Timeout { .. }) {
+                        break e;
+                    }
+                }
+            }
+        }
+        assert!(Instant::now() < deadline, "the connection was not dropped");
+    };
+    assert!(
+        matches!(&e, Error::ConnFailed { reason, .. } if reason.contains("agreed 8 requests")),
+        "{e}"
+    );
+    drop(ep);
+    server.join().unwrap();
+}

@@ -228,3 +228,26 @@ fn limits_are_enforced_and_named() {
         results[2]
     );
 }
+
+/// `ferry serve` takes its text commands from peers: a length it cannot
+/// serve is an error reply, never an allocation of that size (it used to
+/// abort on "hash 0 99999999999999").
+#[test]
+fn serve_refuses_ranges_outside_its_region() {
+    let t = Target::start_on(Path::TcpEpoll, 4096, &[]);
+    let ep = client(IoPreference::Epoll);
+    let conn = ep.add_remote(&t.served.meta).unwrap();
+    for req in [
+        "hash 0 99999999999999",
+        "fill 0 99999999999999 1",
+        "hash 18446744073709551615 2",
+        "hash 4000 97",
+    ] {
+        let a = ask(&ep, conn, req);
+        assert!(a.starts_with("error range"), "{req}: {a}");
+    }
+    assert!(
+        ask(&ep, conn, "hash 0 4096").starts_with("hash "),
+        "still serving"
+    );
+}

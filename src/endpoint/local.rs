@@ -197,8 +197,8 @@ impl Inner {
             ack.conn,
             rx,
             tx,
-            self.cfg.stream_inflight,
-            (ack.src_key as usize).clamp(1, 1 << 20),
+            self.agreed_inflight(ack.src_key as usize),
+            self.agreed_inflight(ack.src_key as usize),
         );
         // We serve the peer's requests by copying its memory: check we can.
         if let Err(why) = probe_cma(peer_pid, ack.src_addr) {
@@ -286,8 +286,8 @@ impl Inner {
             m.conn,
             rx,
             tx,
-            self.cfg.stream_inflight,
-            (m.src_key as usize).clamp(1, 1 << 20),
+            self.agreed_inflight(m.src_key as usize),
+            self.agreed_inflight(m.src_key as usize),
         );
         // Adopt before answering, so the peer's first request finds us.
         self.adopt_local(lc, peer_id, peer_pid, deadline)?;

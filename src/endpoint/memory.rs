@@ -23,7 +23,15 @@ pub struct MemoryRegion {
     pub(crate) inner: Arc<Region>,
     pub(crate) ep: Weak<Inner>,
     pub(crate) live: bool,
+    /// Keys minted for parts of the registration by `advertise`: (offset,
+    /// len) -> (rkey, tag). Re-advertising a window reuses its key, and
+    /// there are at most `MAX_WINDOWS` of them.
+    pub(crate) windows: std::sync::Mutex<Vec<(usize, usize, u32, u64)>>,
 }
+
+/// Distinct partial windows one registration may advertise with
+/// `MemoryRegion::advertise` (each is a key in every shard's table).
+pub const MAX_WINDOWS: usize = 1024;
 
 fn forget(ep: &Arc<Inner>, region: &Region) {
     ep.forget_region(region.rkey);
@@ -158,11 +166,45 @@ impl MemoryRegion {
         );
     }
 
-    /// Describes `[offset, offset + len)` with the registration's own key,
-    /// which any connected peer may use until deregistration. For a key
-    /// scoped to one connection (revoked with it), use
+    /// Describes `[offset, offset + len)` with a key that any connected
+    /// peer may use until deregistration, and that reaches exactly that
+    /// window: the registration's own key for the whole of it, a key of the
+    /// window's own for a part (minted once per distinct window, at most
+    /// [`MAX_WINDOWS`](crate::endpoint::MAX_WINDOWS)). For a key scoped to
+    /// one connection (revoked with it), use
     /// [`Endpoint::advertise`](crate::Endpoint::advertise).
+    ///
+    /// An RDMA NIC key in the window (verbs) is the registration's: the NIC
+    /// enforces the registration's bounds, not the window's.
     pub fn advertise(&self, offset: usize, len: usize) -> Result<RemoteBuf> {
+        let mut rb = self.window(offset, len)?;
+        if offset == 0 && len == self.inner.len {
+            return Ok(rb);
+        }
+        let mut windows = self.windows.lock().expect("lock");
+        let (rkey, tag) = match windows.iter().find(|w| (w.0, w.1) == (offset, len)) {
+            Some(w) => (w.2, w.3),
+            None => {
+                if windows.len() >= MAX_WINDOWS {
+                    return Err(Error::LimitReached {
+                        limit: "windows per registration (MemoryRegion::advertise)",
+                        max: MAX_WINDOWS,
+                    });
+                }
+                let ep = self.ep.upgrade().ok_or(Error::Shutdown)?;
+                let (rkey, tag) = ep.grant_window(&self.inner, rb.addr, len as u64, None)?;
+                windows.push((offset, len, rkey, tag));
+                (rkey, tag)
+            }
+        };
+        rb.rkey = rkey;
+        rb.reserved[..8].copy_from_slice(&tag.to_le_bytes());
+        Ok(rb)
+    }
+
+    /// The `RemoteBuf` of `[offset, offset + len)` under the registration's
+    /// own key (no key is minted).
+    pub(crate) fn window(&self, offset: usize, len: usize) -> Result<RemoteBuf> {
         self.check_range(offset, len)?;
         let size = u32::try_from(len).map_err(|_| Error::Unsupported {
             what: "advertising more than 4 GiB - 1 in one RemoteBuf",

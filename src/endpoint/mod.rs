@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
 pub use config::{Config, Mode, Secret, Transport};
-pub use memory::MemoryRegion;
+pub use memory::{MemoryRegion, MAX_WINDOWS};
 pub use ops::Window;
 
 use crate::error::{ConnId, Error, OpKind, Result};
@@ -629,22 +629,13 @@ impl Endpoint {
         offset: usize,
         len: usize,
     ) -> Result<RemoteBuf> {
-        let mut rb = mr.advertise(offset, len)?;
+        let mut rb = mr.window(offset, len)?;
         if !self.inner.conns.lock().expect("lock").contains_key(&conn) {
             return Err(Error::UnknownConn { conn });
         }
-        let rkey = self.inner.next_rkey.fetch_add(1, Ordering::Relaxed);
-        let tag = random_u64();
-        let grant = crate::region::Grant {
-            region: mr.inner.clone(),
-            tag,
-            base: rb.addr,
-            len: len as u64,
-            conn: Some(conn),
-        };
-        self.inner
-            .shard_of(conn)
-            .region(RegionCmd::Grant { rkey, grant })?;
+        let (rkey, tag) = self
+            .inner
+            .grant_window(&mr.inner, rb.addr, len as u64, Some(conn))?;
         rb.rkey = rkey;
         rb.reserved[..8].copy_from_slice(&tag.to_le_bytes());
         Ok(rb)
@@ -753,6 +744,14 @@ pub(super) fn descs(
 }
 
 impl Inner {
+    /// Requests in flight per stream, both ways: the smaller of ours and
+    /// the peer's declaration (both sides compute the same). Queues are
+    /// sized by it, so a peer declaring 2^20 reserves nothing beyond our
+    /// own `FERRY_STREAM_INFLIGHT`.
+    pub(crate) fn agreed_inflight(&self, peer_declared: usize) -> usize {
+        self.cfg.stream_inflight.min(peer_declared).max(1)
+    }
+
     pub(crate) fn auth_key(&self) -> Option<&[u8]> {
         self.cfg.auth_key.as_ref().map(|k| k.bytes())
     }
@@ -865,7 +864,44 @@ impl Inner {
             inner: r,
             ep: Arc::downgrade(self),
             live: true,
+            windows: Default::default(),
         })
+    }
+
+    /// Mints a key for `[base, base + len)` of `region`: for one connection
+    /// (on its shard) or for any (on every shard). It dies with the
+    /// registration, and a scoped one with its connection.
+    pub(crate) fn grant_window(
+        &self,
+        region: &Arc<Region>,
+        base: u64,
+        len: u64,
+        conn: Option<ConnId>,
+    ) -> Result<(u32, u64)> {
+        let rkey = self.next_rkey.fetch_add(1, Ordering::Relaxed);
+        let tag = random_u64();
+        let grant = |conn| crate::region::Grant {
+            region: region.clone(),
+            tag,
+            base,
+            len,
+            conn,
+        };
+        match conn {
+            Some(c) => self.shard_of(c).region(RegionCmd::Grant {
+                rkey,
+                grant: grant(Some(c)),
+            })?,
+            None => {
+                for s in &self.shards {
+                    s.region(RegionCmd::Grant {
+                        rkey,
+                        grant: grant(None),
+                    })?;
+                }
+            }
+        }
+        Ok((rkey, tag))
     }
 
     pub(crate) fn forget_region(&self, rkey: u32) {
@@ -970,9 +1006,10 @@ impl Inner {
         peer: SocketAddr,
     ) -> Result<ConnId> {
         let conn = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
+        let agreed = self.agreed_inflight(peer_hello.max_inflight as usize);
         let limits = StreamLimits {
-            own_max: self.cfg.stream_inflight,
-            peer_max: peer_hello.max_inflight as usize,
+            own_max: agreed,
+            peer_max: agreed,
         };
         let deadline = Instant::now() + self.cfg.connect_timeout();
         let verbs = self.verbs_link(&streams[0], &peer_hello, deadline)?;

@@ -115,7 +115,7 @@ impl Shard {
         closed: mpsc::Sender<ConnId>,
         ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
     ) -> Result<(Shard, ShardHandle)> {
-        let (tcp, waker) = TcpSide::new(id)?;
+        let (tcp, waker) = TcpSide::new(id, cfg.op_timeout)?;
         let wake = Arc::new(WakeState {
             parked: AtomicBool::new(false),
             waker,
@@ -734,6 +734,15 @@ impl Shard {
                 .any(late)
             {
                 self.to_fail.push((ConnRef::Tcp(idx), timeout()));
+            } else if conn.streams.iter().any(|s| s.inbound_stalled(now, limit)) {
+                // Half a frame, then silence: it holds our memory.
+                self.to_fail.push((
+                    ConnRef::Tcp(idx),
+                    format!(
+                        "an inbound frame stalled for more than {} ms (op timeout)",
+                        limit.as_millis()
+                    ),
+                ));
             }
         }
         for (idx, lc) in self.local.conns.iter() {

@@ -40,11 +40,14 @@ pub(crate) struct TcpSide {
     pub conns: Slab<Conn>,
     stream_count: usize,
     shard: usize,
+    /// Sent data unacknowledged this long kills a socket (TCP_USER_TIMEOUT):
+    /// the op timeout, so a half-open peer is not kept for minutes.
+    user_timeout: Duration,
 }
 
 impl TcpSide {
     /// The source and the waker submitters ring to end the shard's sleep.
-    pub fn new(shard: usize) -> Result<(TcpSide, Waker)> {
+    pub fn new(shard: usize, user_timeout: Duration) -> Result<(TcpSide, Waker)> {
         let epoll = Poll::new().map_err(|e| Error::io("epoll_create", e))?;
         let waker = Waker::new(epoll.registry(), WAKER).map_err(|e| Error::io("eventfd", e))?;
         let side = TcpSide {
@@ -53,6 +56,7 @@ impl TcpSide {
             conns: Slab::new(),
             stream_count: 0,
             shard,
+            user_timeout,
         };
         Ok((side, waker))
     }
@@ -118,9 +122,11 @@ impl TcpSide {
                 .with_time(KEEPALIVE_IDLE)
                 .with_interval(KEEPALIVE_INTERVAL)
                 .with_retries(KEEPALIVE_PROBES);
-            socket2::SockRef::from(&s)
-                .set_tcp_keepalive(&ka)
+            let sock = socket2::SockRef::from(&s);
+            sock.set_tcp_keepalive(&ka)
                 .map_err(|e| Error::io("setsockopt(SO_KEEPALIVE)", e))?;
+            sock.set_tcp_user_timeout(Some(self.user_timeout))
+                .map_err(|e| Error::io("setsockopt(TCP_USER_TIMEOUT)", e))?;
             let mut m = mio::net::TcpStream::from_std(s);
             self.epoll
                 .registry()
@@ -229,5 +235,35 @@ impl Source for TcpSide {
         } else {
             Park::Yes
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Data sockets carry keepalive and a user timeout equal to the op
+    /// timeout (a peer that stops acknowledging is dropped in seconds, not
+    /// after the kernel's ~15 minutes of retransmissions).
+    #[test]
+    fn data_sockets_get_keepalive_and_a_user_timeout() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (_b, _) = l.accept().unwrap();
+        let (mut side, _waker) = TcpSide::new(0, Duration::from_millis(7_000)).unwrap();
+        let limits = StreamLimits {
+            own_max: 4,
+            peer_max: 4,
+        };
+        let idx = side.add(ConnId(1), vec![a], limits, None).unwrap();
+        let sock = socket2::SockRef::from(&side.conns[idx].streams[0].sock);
+        assert_eq!(
+            sock.tcp_user_timeout().unwrap(),
+            Some(Duration::from_millis(7_000))
+        );
+        assert!(sock.keepalive().unwrap());
+        let conn = side.remove(idx);
+        assert_eq!(conn.id, ConnId(1));
+        assert_eq!(side.stream_count, 0);
     }
 }

@@ -378,7 +378,7 @@ impl LocalConn {
             MsgKind::WriteReq | MsgKind::ReadReq => {
                 if self.peer_owed >= self.peer_max {
                     return Err(format!(
-                        "peer sent more than its declared {} requests in flight",
+                        "peer sent more than the agreed {} requests in flight",
                         self.peer_max
                     ));
                 }

@@ -57,6 +57,9 @@ pub(crate) struct Faults {
     pub cut: Option<(usize, usize, usize)>,
     /// The connection resets at this virtual time (µs).
     pub reset_at_us: Option<u64>,
+    /// (direction, stream, bytes): the sender goes quiet after that many
+    /// bytes, the connection staying open (a stopped process).
+    pub stall: Option<(usize, usize, usize)>,
     /// (direction, nth header on stream 0, how).
     pub corrupt: Option<(usize, usize, Corrupt)>,
     /// Notifications the receiving application holds before it must drain
@@ -73,6 +76,9 @@ struct Pipe {
     /// Bytes accepted so far, and the count after which the pipe dies.
     accepted: usize,
     cut_after: Option<usize>,
+    /// Bytes handed to the reader, and the count it never gets past.
+    delivered: usize,
+    stall_after: Option<usize>,
     closed: bool,
     relay: Relay,
 }
@@ -245,6 +251,10 @@ impl Pair {
                     Some((d, st, n)) if d == dir && st == s => Some(n),
                     _ => None,
                 };
+                let stall_after = match faults.stall {
+                    Some((d, st, n)) if d == dir && st == s => Some(n),
+                    _ => None,
+                };
                 let corrupt = match faults.corrupt {
                     Some((d, nth, how)) if d == dir && s == 0 => Some((nth, how)),
                     _ => None,
@@ -259,6 +269,8 @@ impl Pair {
                     },
                     accepted: 0,
                     cut_after,
+                    delivered: 0,
+                    stall_after,
                     closed: false,
                     relay: Relay {
                         hdr: Vec::new(),
@@ -436,25 +448,30 @@ impl Pair {
                 return;
             }
         }
+        let now = self.now();
         let n = self.sides[s].streams.len();
         let start = self.rng.below(n as u64) as usize;
         for k in 0..n {
             let i = (start + k) % n;
             let pipe = &mut self.pipes[1 - s][i];
-            let mut avail = pipe
+            let mut cap = pipe.stall_after.map_or(usize::MAX, |l| l - pipe.delivered);
+            if self.faults.fragment {
+                cap = cap.min(1 + self.rng.below(131) as usize);
+            }
+            let now_us = self.now_us;
+            let avail = pipe
                 .bytes
                 .iter()
-                .take_while(|(t, _)| *t <= self.now_us)
+                .take(cap)
+                .take_while(|(t, _)| *t <= now_us)
                 .count();
-            if self.faults.fragment {
-                avail = avail.min(1 + self.rng.below(131) as usize);
-            }
             let chunk: Vec<u8> = pipe.bytes.iter().take(avail).map(|&(_, b)| b).collect();
             let eof = pipe.closed && pipe.bytes.len() == avail;
             let side = &mut self.sides[s];
             let st = &mut side.streams[i];
-            let taken = st.receive_bytes(&chunk);
+            let taken = st.receive_bytes(&chunk, now);
             self.pipes[1 - s][i].bytes.drain(..taken);
+            self.pipes[1 - s][i].delivered += taken;
             let mut regions = View {
                 table: &side.table,
                 conn: side.conn,
@@ -550,13 +567,15 @@ impl Pair {
     fn check_timeouts(&mut self, s: usize) {
         let now = self.now();
         let limit = Duration::from_micros(self.op_timeout_us);
-        let late = self.sides[s]
-            .streams
+        let streams = &self.sides[s].streams;
+        let late = streams
             .iter()
             .filter_map(|st| st.oldest_pending())
             .any(|t| now.duration_since(t) > limit);
         if late {
             self.kill(s, "no response within the op timeout".into());
+        } else if streams.iter().any(|st| st.inbound_stalled(now, limit)) {
+            self.kill(s, "an inbound frame stalled past the op timeout".into());
         }
     }
 
@@ -843,6 +862,28 @@ mod tests {
             let r = p.run();
             assert_eq!(r.failed, 0, "seed {seed}: {:?}", r.errors);
             assert!(r.notes_delivered >= NOTIFY_QUEUE * 2);
+        }
+    }
+
+    #[test]
+    fn a_frame_that_stops_midway_fails_the_connection_at_the_timeout() {
+        for seed in SEEDS {
+            // Side 0's first frame on stream 0: its header and 10 bytes,
+            // then silence (the rest of a payload, or of the next header).
+            let f = Faults {
+                stall: Some((0, 0, HDR + 10)),
+                ..Faults::default()
+            };
+            let r = run(seed, 2, f);
+            assert!(r.failed > 0, "seed {seed}");
+            assert!(r.end_us >= 200_000, "seed {seed}: ended at {} µs", r.end_us);
+            // The receiver, whose memory the half frame held, gave up on
+            // it (or the sender's own op timeout fired first).
+            let why = format!("{:?}", r.died);
+            assert!(
+                why.contains("inbound frame stalled") || why.contains("op timeout"),
+                "seed {seed}: {why}"
+            );
         }
     }
 }

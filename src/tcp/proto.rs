@@ -148,6 +148,8 @@ pub(crate) struct StreamProto {
     /// This stream's index in its connection (names it in `Stage`).
     idx: u8,
     next_gate: u64,
+    /// When bytes last arrived (`on_received`'s clock).
+    last_rx: Option<Instant>,
 }
 
 // SAFETY: the only raw pointers a StreamProto makes are derived on demand
@@ -175,6 +177,7 @@ impl StreamProto {
             rx: Rx::Header,
             idx,
             next_gate: 1,
+            last_rx: None,
         }
     }
 
@@ -402,8 +405,29 @@ impl StreamProto {
         n_iov + 1
     }
 
-    /// `n` bytes landed where the last `rx_iovecs` said, in order.
-    pub fn on_received(&mut self, n: usize) {
+    /// Whether a frame has begun arriving and stopped: bytes of it are
+    /// here (or being received into its destination) and none came for
+    /// longer than `limit`. A peer that sends half a frame and goes quiet
+    /// holds our memory; the connection fails instead.
+    pub fn inbound_stalled(&self, now: Instant, limit: std::time::Duration) -> bool {
+        // Waiting on the peer, not on ourselves: a partial header, or a
+        // payload or notification not yet whole. (A header put back for
+        // want of a bounce buffer, or a notification held for a full inbox,
+        // waits on this side.)
+        let mid_frame = match &self.rx {
+            Rx::Header => (1..HDR).contains(&(self.re - self.rs)),
+            Rx::NotifyBlocked(_) => false,
+            Rx::Payload { .. } | Rx::Discard { .. } | Rx::Notify { .. } => true,
+        };
+        mid_frame
+            && self
+                .last_rx
+                .is_some_and(|t| now.saturating_duration_since(t) > limit)
+    }
+
+    /// `n` bytes landed where the last `rx_iovecs` said, in order, at `now`.
+    pub fn on_received(&mut self, n: usize, now: Instant) {
+        self.last_rx = Some(now);
         let mut n = n;
         if let Rx::Payload { into, done, .. } = &mut self.rx {
             let got = n.min(into.len() - *done);
@@ -417,7 +441,7 @@ impl StreamProto {
     /// Copies `bytes` as if received (tests and harnesses that have bytes
     /// rather than a socket); returns how many it took.
     #[cfg(test)]
-    pub fn receive_bytes(&mut self, bytes: &[u8]) -> usize {
+    pub fn receive_bytes(&mut self, bytes: &[u8], now: Instant) -> usize {
         let mut iov = [EMPTY_IOV; 2];
         let n_iov = self.rx_iovecs(&mut iov);
         let mut taken = 0;
@@ -430,7 +454,7 @@ impl StreamProto {
             };
             taken += n;
         }
-        self.on_received(taken);
+        self.on_received(taken, now);
         taken
     }
 
@@ -527,7 +551,7 @@ impl StreamProto {
     fn take_request(&mut self) -> Result<(), String> {
         if self.peer_owed >= self.limits.peer_max {
             return Err(format!(
-                "peer sent more than its declared {} requests in flight",
+                "peer sent more than the agreed {} requests in flight",
                 self.limits.peer_max
             ));
         }

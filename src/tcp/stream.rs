@@ -125,7 +125,8 @@ impl Stream {
                 return Err("peer closed the connection".to_owned());
             }
             progress = true;
-            self.proto.on_received(n as usize);
+            self.proto
+                .on_received(n as usize, std::time::Instant::now());
         }
     }
 }

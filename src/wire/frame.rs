@@ -15,7 +15,9 @@
 use super::cursor::{DecodeError, Reader};
 
 pub const CONTROL_MAGIC: u32 = u32::from_le_bytes(*b"FRY1");
-pub const PROTOCOL_VERSION: u16 = 1;
+/// 2: each side keeps at most min(its own, the peer's) requests in flight
+/// per stream (1 let the peer's declaration size our queues).
+pub const PROTOCOL_VERSION: u16 = 2;
 pub const CONTROL_HEADER_LEN: usize = 12;
 /// No control frame body is longer; a peer claiming more is refused before
 /// any of it is read.
@@ -322,11 +324,11 @@ mod tests {
             ControlFrame::body_len(&h),
             Err(DecodeError::UnsupportedVersion {
                 got: 9,
-                supported: 1,
+                supported: PROTOCOL_VERSION,
                 ..
             })
         ));
-        h[4] = 1;
+        h[4] = PROTOCOL_VERSION as u8;
         h[8..12].copy_from_slice(&100_000u32.to_le_bytes());
         assert!(matches!(
             ControlFrame::body_len(&h),
