@@ -293,26 +293,8 @@ fn metadata_names_the_listener() {
 /// fail after the op timeout instead of hanging, and the error sticks.
 #[test]
 fn silent_peer_fails_requests_after_the_op_timeout() {
-    use ferry::wire::{ControlFrame, Hello, CONTROL_HEADER_LEN};
     use std::io::Read;
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    let server = std::thread::spawn(move || {
-        let (mut s, _) = l.accept().unwrap();
-        let mut header = [0u8; CONTROL_HEADER_LEN];
-        s.read_exact(&mut header).unwrap();
-        let mut frame = vec![0u8; CONTROL_HEADER_LEN + ControlFrame::body_len(&header).unwrap()];
-        frame[..CONTROL_HEADER_LEN].copy_from_slice(&header);
-        s.read_exact(&mut frame[CONTROL_HEADER_LEN..]).unwrap();
-        let ControlFrame::Hello(h) = ControlFrame::decode(&frame).unwrap() else {
-            panic!("no hello")
-        };
-        let ack = Hello {
-            endpoint_id: 7,
-            max_inflight: 16,
-            ..h
-        };
-        s.write_all(&ControlFrame::HelloAck(ack).encode()).unwrap();
+    let (addr, server) = raw_peer(16, |mut s| {
         // Read and ignore whatever comes, answering nothing.
         let mut sink = [0u8; 4096];
         while let Ok(n) = s.read(&mut sink) {
@@ -437,26 +419,8 @@ fn advertised_windows_are_enforced() {
 /// sends a 9th without reading the answers; nothing was sized by its word.
 #[test]
 fn a_peer_declaring_huge_limits_gets_ours() {
-    use ferry::wire::{ControlFrame, DataHeader, DataKind, Hello, CONTROL_HEADER_LEN};
-    use std::io::Read;
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = l.local_addr().unwrap();
-    let server = std::thread::spawn(move || {
-        let (mut s, _) = l.accept().unwrap();
-        let mut header = [0u8; CONTROL_HEADER_LEN];
-        s.read_exact(&mut header).unwrap();
-        let mut frame = vec![0u8; CONTROL_HEADER_LEN + ControlFrame::body_len(&header).unwrap()];
-        frame[..CONTROL_HEADER_LEN].copy_from_slice(&header);
-        s.read_exact(&mut frame[CONTROL_HEADER_LEN..]).unwrap();
-        let ControlFrame::Hello(h) = ControlFrame::decode(&frame).unwrap() else {
-            panic!("no hello")
-        };
-        let ack = Hello {
-            endpoint_id: 7,
-            max_inflight: 1 << 20,
-            ..h
-        };
-        s.write_all(&ControlFrame::HelloAck(ack).encode()).unwrap();
+    use ferry::wire::{DataHeader, DataKind};
+    let (addr, server) = raw_peer(1 << 20, |mut s| {
         // Nine READs of 8 bytes under a key that does not exist, and never
         // a read of the answers.
         for op in 0..9u64 {
@@ -504,4 +468,80 @@ fn a_peer_declaring_huge_limits_gets_ours() {
     );
     drop(ep);
     server.join().unwrap();
+}
+
+/// No head-of-line blocking across connections: a peer that never reads
+/// fills its connection with notifications; ops on another connection of
+/// the same shard go on at normal speed, and the stuck connection fails
+/// with a named reason at the op timeout instead of holding the shard.
+#[test]
+fn a_peer_that_stops_reading_stalls_only_itself() {
+    let (addr, silent) = raw_peer(16, |s| {
+        std::thread::sleep(Duration::from_secs(6));
+        drop(s);
+    });
+    let ep = std::sync::Arc::new(
+        Endpoint::builder()
+            .config({
+                let mut conf = config(IoPreference::Auto);
+                conf.op_timeout_ms = 1500;
+                // Room in the shared queue for the flood below: this test
+                // is about the shard's draining. (One connection can still
+                // fill the queue itself; per-connection admission at the
+                // endpoint is not built yet.)
+                conf.sq_depth = 8192;
+                conf
+            })
+            .build()
+            .unwrap(),
+    );
+    let stuck = ep.connect(addr).unwrap();
+    let target = client(IoPreference::Auto);
+    target.start_passive_accept().unwrap();
+    let good = ep.add_remote(&target.metadata_bytes()).unwrap();
+    let dst = target.alloc(4096).unwrap();
+    let win = dst.advertise(0, 4096).unwrap();
+    let local = ep.alloc(4096).unwrap();
+    // Fill the silent peer's connection (kernel buffers, the stream's
+    // queue, then parked commands: 24 MiB, more than loopback buffers hold)
+    // from another thread.
+    let e2 = ep.clone();
+    let flood = std::thread::spawn(move || {
+        for _ in 0..6000 {
+            e2.send_notification(stuck, &[7u8; 4096])?;
+        }
+        Ok::<(), Error>(())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let start = Instant::now();
+    for _ in 0..200 {
+        let t0 = Instant::now();
+        ep.write(good, &local, 0, 4096, &win).unwrap();
+        assert!(
+            t0.elapsed() < Duration::from_millis(500),
+            "an op took {:?}",
+            t0.elapsed()
+        );
+    }
+    assert!(start.elapsed() < Duration::from_secs(3));
+    flood.join().unwrap().unwrap();
+    // Nothing drains the stuck connection: at the op timeout it fails,
+    // and says why.
+    std::thread::sleep(Duration::from_millis(2500));
+    let rb = ferry::RemoteBuf {
+        addr: 0x1000,
+        size: 64,
+        rkey: 1,
+        ..Default::default()
+    };
+    let e = ep
+        .write_async(stuck, &local, 0, 8, &rb)
+        .and_then(|mut t| t.wait_timeout(Duration::from_secs(1)))
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::ConnFailed { reason, .. } if reason.contains("not reading")),
+        "{e}"
+    );
+    ep.write(good, &local, 0, 4096, &win).unwrap();
+    silent.join().unwrap();
 }

@@ -104,6 +104,19 @@ pub(crate) enum Command {
     },
 }
 
+impl Command {
+    /// The connection a command may wait on for room (an op or a
+    /// notification on a full stream or ring); `None` for those that never
+    /// wait.
+    pub fn waits_on(&self) -> Option<ConnId> {
+        match self {
+            Command::Op(op) => Some(op.conn),
+            Command::Notify { conn, .. } => Some(*conn),
+            _ => None,
+        }
+    }
+}
+
 /// Registration changes, on their own queue so that a shard can always
 /// apply them, even while its operation queue is stalled.
 pub(crate) enum RegionCmd {

@@ -1,6 +1,8 @@
 //! The shard: one thread's worth of engine, split by the state it owns.
 //!
-//! * `queue` (rx, stalled): commands submitted by other threads;
+//! * `queue` (rx, parked): commands submitted by other threads, and those
+//!   waiting for room on their own connection (one connection's full
+//!   stream never holds up another's commands);
 //! * `regions`: the registrations peers' requests are checked against;
 //! * `dir` (`directory.rs`): which connection lives where, and why dead
 //!   ones died;
@@ -61,8 +63,13 @@ pub struct Shard {
     id: usize,
     cfg: ShardConfig,
     rx: Receiver<Command>,
-    /// A command that found no room (a full stream); retried first.
-    stalled: Option<Command>,
+    /// Commands that found no room on their connection (a full stream or
+    /// ring), in order per connection, with when the oldest began to wait;
+    /// retried first on every pass. Later commands for such a connection
+    /// wait behind them; other connections' do not.
+    parked: crate::sys::IntMap<ConnId, (Instant, std::collections::VecDeque<Command>)>,
+    /// Commands parked, all connections together (at most `sq_depth`).
+    parked_count: usize,
     region_rx: Receiver<RegionCmd>,
     regions: RegionTable,
     wake: Arc<WakeState>,
@@ -144,7 +151,8 @@ impl Shard {
             ledger: OpLedger::new(table, cfg.max_conn_inflight_ops),
             cfg,
             rx,
-            stalled: None,
+            parked: Default::default(),
+            parked_count: 0,
             region_rx,
             regions: RegionTable::default(),
             wake,
@@ -274,26 +282,68 @@ impl Shard {
     }
 
     fn drain_commands(&mut self) -> usize {
-        let mut n = 0;
-        if let Some(cmd) = self.stalled.take() {
-            if let Some(back) = self.apply(cmd) {
-                self.stalled = Some(back);
-                return 0;
-            }
-            n += 1;
-        }
-        while n < COMMANDS_PER_POLL {
+        let mut n = self.retry_parked();
+        // Parked commands came out of the bounded queue; holding at most
+        // its depth of them keeps the bound, and past it the queue stays
+        // full: back-pressure reaches the submitters.
+        while n < COMMANDS_PER_POLL && self.parked_count < self.cfg.sq_depth {
             match self.rx.try_recv() {
                 Ok(cmd) => {
                     n += 1;
-                    if let Some(back) = self.apply(cmd) {
-                        self.stalled = Some(back);
-                        break;
+                    match cmd.waits_on() {
+                        Some(c) if self.parked.contains_key(&c) => self.park_command(c, cmd),
+                        _ => {
+                            if let Some(back) = self.apply(cmd) {
+                                let c = back.waits_on().expect("only waiting commands come back");
+                                self.park_command(c, back);
+                            }
+                        }
                     }
                 }
                 Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => break,
             }
         }
+        n
+    }
+
+    fn park_command(&mut self, conn: ConnId, cmd: Command) {
+        self.parked_count += 1;
+        self.parked
+            .entry(conn)
+            .or_insert_with(|| (Instant::now(), Default::default()))
+            .1
+            .push_back(cmd);
+    }
+
+    /// Applies parked commands, each connection's in order, until one
+    /// finds no room again. Returns how many went through.
+    fn retry_parked(&mut self) -> usize {
+        if self.parked.is_empty() {
+            return 0;
+        }
+        let mut parked = std::mem::take(&mut self.parked);
+        let mut n = 0;
+        for (since, q) in parked.values_mut() {
+            let mut moved = false;
+            while let Some(cmd) = q.pop_front() {
+                match self.apply(cmd) {
+                    None => {
+                        n += 1;
+                        moved = true;
+                        self.parked_count -= 1;
+                    }
+                    Some(back) => {
+                        q.push_front(back);
+                        break;
+                    }
+                }
+            }
+            if moved {
+                *since = Instant::now();
+            }
+        }
+        parked.retain(|_, (_, q)| !q.is_empty());
+        self.parked = parked;
         n
     }
 
@@ -726,6 +776,22 @@ impl Shard {
                 limit.as_millis()
             )
         };
+        // A connection whose commands found no room for a whole op timeout
+        // (a peer that stopped reading) is failed; what it parked then
+        // fails with the reason on the next pass.
+        for (conn, (since, _)) in self.parked.iter() {
+            if late(*since) {
+                if let Some(at) = self.dir.get(*conn) {
+                    self.to_fail.push((
+                        at,
+                        format!(
+                            "commands found no room for {} ms (op timeout): the peer is not reading",
+                            limit.as_millis()
+                        ),
+                    ));
+                }
+            }
+        }
         for (idx, conn) in self.tcp.conns.iter() {
             if conn
                 .streams
@@ -803,7 +869,10 @@ impl Drop for Shard {
         for k in keys {
             self.drop_local(k, "the shard shut down".to_owned());
         }
-        let mut queued: Vec<Command> = self.stalled.take().into_iter().collect();
+        let mut queued: Vec<Command> = std::mem::take(&mut self.parked)
+            .into_values()
+            .flat_map(|(_, q)| q)
+            .collect();
         while let Ok(c) = self.rx.try_recv() {
             queued.push(c);
         }

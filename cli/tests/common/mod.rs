@@ -215,3 +215,35 @@ pub fn rss_kib(pid: u32) -> usize {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or(0)
 }
+
+/// A raw peer: listens on 127.0.0.1, accepts one stream, answers its Hello
+/// with a HelloAck declaring `max_inflight`, then hands the socket to
+/// `then` (on its own thread). Returns the address and the thread.
+pub fn raw_peer(
+    max_inflight: u32,
+    then: impl FnOnce(std::net::TcpStream) + Send + 'static,
+) -> (std::net::SocketAddr, std::thread::JoinHandle<()>) {
+    use ferry::wire::{ControlFrame, Hello, CONTROL_HEADER_LEN};
+    use std::io::{Read, Write};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let t = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut header = [0u8; CONTROL_HEADER_LEN];
+        s.read_exact(&mut header).unwrap();
+        let mut frame = vec![0u8; CONTROL_HEADER_LEN + ControlFrame::body_len(&header).unwrap()];
+        frame[..CONTROL_HEADER_LEN].copy_from_slice(&header);
+        s.read_exact(&mut frame[CONTROL_HEADER_LEN..]).unwrap();
+        let ControlFrame::Hello(h) = ControlFrame::decode(&frame).unwrap() else {
+            panic!("no hello")
+        };
+        let ack = Hello {
+            endpoint_id: 7,
+            max_inflight,
+            ..h
+        };
+        s.write_all(&ControlFrame::HelloAck(ack).encode()).unwrap();
+        then(s)
+    });
+    (addr, t)
+}
