@@ -12,7 +12,7 @@ use tracing::warn;
 
 use super::source::{ConnRef, Cx, LiveRegions, Park, ShardSink, Source};
 use crate::shm::cma::Cma;
-use crate::shm::fdpass::FdListener;
+use crate::shm::fdpass::{FdListener, Sender};
 use crate::shm::local::{LocalConn, PeerMaps};
 use crate::shm::object::ShmRing;
 use crate::shm::ring::SLOT_PAYLOAD;
@@ -57,8 +57,16 @@ impl LocalSide {
 
     /// Takes in the fds local peers sent (memfd regions to map).
     pub fn poll_fd_listener(&mut self) -> usize {
-        match &self.setup {
-            Some(ls) => ls.fd_listener.poll(&mut self.peer_maps),
+        let conns = &self.conns;
+        // Only a peer with an established connection from that very
+        // process may share memory with us.
+        let known = |s: Sender| {
+            conns
+                .iter()
+                .any(|(_, c)| c.peer_id == s.id && c.peer_pid == s.pid)
+        };
+        match &mut self.setup {
+            Some(ls) => ls.fd_listener.poll(&mut self.peer_maps, known),
             None => 0,
         }
     }
@@ -104,7 +112,8 @@ impl Source for LocalSide {
     fn poll(&mut self, cx: &mut Cx<'_>) -> usize {
         let mut work = self.poll_accept_ring();
         self.polls = self.polls.wrapping_add(1);
-        if self.polls % FD_CHECK_EVERY == 0 {
+        let senders_waiting = self.setup.as_ref().is_some_and(|ls| ls.fd_listener.busy());
+        if senders_waiting || self.polls % FD_CHECK_EVERY == 0 {
             work += self.poll_fd_listener();
         }
         for (idx, lc) in self.conns.iter_mut() {

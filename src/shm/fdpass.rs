@@ -7,7 +7,7 @@
 //! (SCM_RIGHTS). The receiver answers one byte once it has mapped them.
 
 use std::io;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::local::{PeerMap, PeerMaps};
 use crate::sys::Mapping;
@@ -72,9 +72,50 @@ fn set_timeout(fd: i32, t: Duration) {
     }
 }
 
+/// Regions one local peer may have mapped here at once.
+pub const MAX_PEER_MAPS: usize = 1024;
+/// Bytes of one local peer's memory mapped here at most (address space,
+/// not RSS: a sparse memfd costs address space all the same).
+pub const MAX_PEER_MAPPED_BYTES: u64 = 1 << 40;
+/// Senders accepted whose message has not arrived (or names a connection
+/// not adopted yet); past this the oldest is dropped.
+const MAX_PENDING: usize = 16;
+/// How long a pending sender may wait.
+const PENDING_DEADLINE: Duration = Duration::from_secs(5);
+
+/// Who sent a message: the endpoint id it claims and the process the
+/// kernel vouches for (SO_PEERCRED).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Sender {
+    pub id: u64,
+    pub pid: u32,
+}
+
+/// An accepted sender not served yet.
+struct Pending {
+    sock: Fd,
+    pid: u32,
+    deadline: Instant,
+    /// The message, once read (it may name a connection the shard has not
+    /// adopted yet).
+    msg: Option<Received>,
+}
+
+/// A message read off the socket: its claimed sender, entries and fds.
+struct Received {
+    sender: u64,
+    entries: Vec<(u32, u64, u64)>,
+    fds: Vec<Fd>,
+}
+
 /// The receiving end, polled by the shard that owns local connections.
+/// Only processes of our own user may connect (SO_PEERCRED), and only
+/// regions of a peer with an established connection from that very
+/// process are mapped; nothing here blocks.
 pub(crate) struct FdListener {
     fd: Fd,
+    pending: Vec<Pending>,
+    uid: u32,
 }
 
 impl FdListener {
@@ -92,13 +133,83 @@ impl FdListener {
         cvt(unsafe { libc::bind(fd.0, &a as *const _ as *const libc::sockaddr, len) })?;
         // SAFETY: listening on our socket.
         cvt(unsafe { libc::listen(fd.0, 64) })?;
-        Ok(FdListener { fd })
+        Ok(FdListener {
+            fd,
+            pending: Vec::new(),
+            // SAFETY: geteuid has no preconditions.
+            uid: unsafe { libc::geteuid() },
+        })
     }
 
-    /// Takes every pending sender, maps what each shares into `maps`.
-    /// Returns how many regions were mapped.
-    pub fn poll(&self, maps: &mut PeerMaps) -> usize {
+    /// Takes new senders and serves pending ones: maps what a known peer
+    /// shares into `maps`. `known(sender)`: a connection to endpoint
+    /// `sender.id` from process `sender.pid` exists. Returns how many
+    /// regions were mapped.
+    pub fn poll(&mut self, maps: &mut PeerMaps, known: impl Fn(Sender) -> bool) -> usize {
+        self.accept_new();
+        let now = Instant::now();
         let mut n = 0;
+        let mut i = 0;
+        while i < self.pending.len() {
+            let p = &mut self.pending[i];
+            if p.msg.is_none() {
+                match read_message(p.sock.0) {
+                    Ok(Some(m)) => p.msg = Some(m),
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::warn!("fd passing from pid {}: {e}", p.pid);
+                        self.pending.swap_remove(i);
+                        continue;
+                    }
+                }
+            }
+            let ready = p.msg.as_ref().map(|m| Sender {
+                id: m.sender,
+                pid: p.pid,
+            });
+            match ready {
+                Some(sender) if known(sender) => {
+                    let p = self.pending.swap_remove(i);
+                    let m = p.msg.expect("read");
+                    match map_all(sender, m, maps) {
+                        Ok(k) => {
+                            n += k;
+                            // SAFETY: one byte from a local buffer.
+                            unsafe {
+                                libc::send(
+                                    p.sock.0,
+                                    [1u8].as_ptr() as *const _,
+                                    1,
+                                    libc::MSG_NOSIGNAL,
+                                )
+                            };
+                        }
+                        Err(e) => {
+                            tracing::warn!("fd passing from pid {}: refused: {e}", sender.pid)
+                        }
+                    }
+                    continue;
+                }
+                _ if now >= p.deadline => {
+                    tracing::warn!(
+                        "fd passing from pid {}: no message from a connected peer in time",
+                        p.pid
+                    );
+                    self.pending.swap_remove(i);
+                    continue;
+                }
+                _ => i += 1,
+            }
+        }
+        n
+    }
+
+    /// Whether senders wait to be served (the shard then polls often).
+    pub fn busy(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    fn accept_new(&mut self) {
         loop {
             // SAFETY: accept on our listening socket; no address wanted.
             let c = unsafe {
@@ -106,26 +217,52 @@ impl FdListener {
                     self.fd.0,
                     std::ptr::null_mut(),
                     std::ptr::null_mut(),
-                    libc::SOCK_CLOEXEC,
+                    libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
                 )
             };
             if c < 0 {
-                return n;
+                return;
             }
             let c = Fd(c);
-            // The sender writes right after connecting; a short timeout
-            // bounds what a stuck local process can cost the shard.
-            set_timeout(c.0, Duration::from_millis(100));
-            match receive(c.0, maps) {
-                Ok(k) => {
-                    n += k;
-                    // SAFETY: one byte from a local buffer.
-                    unsafe { libc::send(c.0, [1u8].as_ptr() as *const _, 1, libc::MSG_NOSIGNAL) };
-                }
-                Err(e) => tracing::warn!("fd passing: {e}"),
+            let Some((pid, uid)) = peer_cred(c.0) else {
+                continue;
+            };
+            if uid != self.uid {
+                tracing::warn!(
+                    "fd passing: refused pid {pid} of uid {uid} (ours is {})",
+                    self.uid
+                );
+                continue;
             }
+            if self.pending.len() >= MAX_PENDING {
+                self.pending.remove(0);
+            }
+            self.pending.push(Pending {
+                sock: c,
+                pid,
+                deadline: Instant::now() + PENDING_DEADLINE,
+                msg: None,
+            });
         }
     }
+}
+
+/// The connecting process's pid and uid, as the kernel saw them.
+fn peer_cred(fd: i32) -> Option<(u32, u32)> {
+    // SAFETY: ucred is plain data.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: getsockopt into a ucred of the right size.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            &mut cred as *mut _ as *mut libc::c_void,
+            &mut len,
+        )
+    };
+    (r == 0 && cred.pid > 0).then_some((cred.pid as u32, cred.uid))
 }
 
 /// A message header for one data iovec and a control buffer.
@@ -139,7 +276,8 @@ fn msghdr(iov: &mut libc::iovec, ctl: &mut [u8]) -> libc::msghdr {
     mh
 }
 
-fn receive(fd: i32, maps: &mut PeerMaps) -> io::Result<usize> {
+/// Reads one message (without blocking: `None` until it is there).
+fn read_message(fd: i32) -> io::Result<Option<Received>> {
     let mut data = [0u8; HEAD + MAX_PER_MSG * ENTRY];
     // SAFETY: CMSG_SPACE is a pure size computation.
     let space =
@@ -151,9 +289,13 @@ fn receive(fd: i32, maps: &mut PeerMaps) -> io::Result<usize> {
     };
     let mut mh = msghdr(&mut iov, &mut ctl);
     // SAFETY: every pointer in mh refers to live local buffers.
-    let got = unsafe { libc::recvmsg(fd, &mut mh, libc::MSG_CMSG_CLOEXEC) };
+    let got = unsafe { libc::recvmsg(fd, &mut mh, libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT) };
     if got < 0 {
-        return Err(io::Error::last_os_error());
+        let e = io::Error::last_os_error();
+        return match e.kind() {
+            io::ErrorKind::WouldBlock => Ok(None),
+            _ => Err(e),
+        };
     }
     let mut fds = Vec::new();
     // SAFETY: walking the control buffer the kernel filled, with its macros.
@@ -183,11 +325,57 @@ fn receive(fd: i32, maps: &mut PeerMaps) -> io::Result<usize> {
             fds.len()
         )));
     }
-    for (i, fd) in fds.iter().enumerate() {
-        let e = &data[HEAD + i * ENTRY..HEAD + (i + 1) * ENTRY];
-        let key = u32::from_le_bytes(e[..4].try_into().expect("4"));
-        let len = u64::from_le_bytes(e[8..16].try_into().expect("8"));
-        let base = u64::from_le_bytes(e[16..24].try_into().expect("8"));
+    let entries = (0..count)
+        .map(|i| {
+            let e = &data[HEAD + i * ENTRY..HEAD + (i + 1) * ENTRY];
+            (
+                u32::from_le_bytes(e[..4].try_into().expect("4")),
+                u64::from_le_bytes(e[8..16].try_into().expect("8")),
+                u64::from_le_bytes(e[16..24].try_into().expect("8")),
+            )
+        })
+        .collect();
+    Ok(Some(Received {
+        sender,
+        entries,
+        fds,
+    }))
+}
+
+/// Maps every region of a message from a known peer, or none: a region
+/// already mapped is never replaced, and the peer's count and bytes stay
+/// within `MAX_PEER_MAPS` / `MAX_PEER_MAPPED_BYTES`.
+fn map_all(sender: Sender, m: Received, maps: &mut PeerMaps) -> io::Result<usize> {
+    let (mut count, mut bytes) = (0usize, 0u64);
+    for ((peer, _), pm) in maps.iter() {
+        if *peer == sender.id {
+            count += 1;
+            bytes += pm.map.len as u64;
+        }
+    }
+    let mut seen = Vec::with_capacity(m.entries.len());
+    for &(key, len, _) in &m.entries {
+        if maps.contains_key(&(sender.id, key)) || seen.contains(&key) {
+            return Err(io::Error::other(format!(
+                "region {key:#x} is mapped already (a mapping is never replaced)"
+            )));
+        }
+        seen.push(key);
+        count += 1;
+        bytes = bytes.saturating_add(len);
+    }
+    if count > MAX_PEER_MAPS {
+        return Err(io::Error::other(format!(
+            "peer would have {count} regions mapped, more than MAX_PEER_MAPS ({MAX_PEER_MAPS})"
+        )));
+    }
+    if bytes > MAX_PEER_MAPPED_BYTES {
+        return Err(io::Error::other(format!(
+            "peer would have {bytes} bytes mapped, more than MAX_PEER_MAPPED_BYTES ({MAX_PEER_MAPPED_BYTES})"
+        )));
+    }
+    let mut mapped = Vec::with_capacity(m.entries.len());
+    for (&(key, len, base), fd) in m.entries.iter().zip(&m.fds) {
         // Map no more than the object really holds.
         // SAFETY: fstat of a descriptor we received into a zeroed struct.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -197,16 +385,19 @@ fn receive(fd: i32, maps: &mut PeerMaps) -> io::Result<usize> {
                 "shared region {key:#x}: object smaller than {len} bytes"
             )));
         }
-        let map = Mapping::map_fd(fd.0, len as usize)?;
+        mapped.push((key, base, Mapping::map_fd(fd.0, len as usize)?));
+    }
+    let n = mapped.len();
+    for (key, base, map) in mapped {
         maps.insert(
-            (sender, key),
+            (sender.id, key),
             PeerMap {
                 map: std::sync::Arc::new(map),
                 base,
             },
         );
     }
-    Ok(count)
+    Ok(n)
 }
 
 /// Shares `regions` with the local endpoint `peer`, waiting for its ack.
@@ -263,4 +454,180 @@ pub(crate) fn share(me: u64, peer: u64, regions: &[Shared], timeout: Duration) -
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sys::MemfdBuf;
+
+    fn listener() -> (u64, FdListener) {
+        let id = crate::sys::random_u64();
+        (id, FdListener::bind(id).unwrap())
+    }
+
+    /// Shares `regions` from a thread while this one polls the listener
+    /// with `known` until the sharer returns.
+    fn share_and_poll(
+        l: &mut FdListener,
+        to: u64,
+        from: u64,
+        regions: Vec<(u32, usize)>,
+        known: impl Fn(Sender) -> bool,
+        maps: &mut PeerMaps,
+    ) -> io::Result<()> {
+        let bufs: Vec<MemfdBuf> = regions
+            .iter()
+            .map(|&(_, len)| MemfdBuf::new(len).unwrap())
+            .collect();
+        let shared: Vec<Shared> = regions
+            .iter()
+            .zip(&bufs)
+            .map(|(&(key, len), b)| Shared {
+                key,
+                len: len as u64,
+                base: 0x1000 * key as u64,
+                fd: b.fd,
+            })
+            .collect();
+        std::thread::scope(|s| {
+            let t = s.spawn(|| share(from, to, &shared, Duration::from_millis(400)));
+            while !t.is_finished() {
+                l.poll(maps, &known);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            t.join().unwrap()
+        })
+    }
+
+    fn me(id: u64) -> Sender {
+        Sender {
+            id,
+            pid: std::process::id(),
+        }
+    }
+
+    #[test]
+    fn a_connected_peer_maps_an_unknown_one_does_not() {
+        let (id, mut l) = listener();
+        let mut maps = PeerMaps::default();
+        let r = share_and_poll(&mut l, id, 77, vec![(1, 4096)], |s| s == me(77), &mut maps);
+        r.unwrap();
+        assert!(maps.contains_key(&(77, 1)));
+        // An endpoint id no connection has (or this id from another pid):
+        // no ack, nothing mapped.
+        let r = share_and_poll(&mut l, id, 78, vec![(1, 4096)], |s| s == me(77), &mut maps);
+        assert!(r.is_err());
+        assert!(!maps.contains_key(&(78, 1)));
+        let r = share_and_poll(
+            &mut l,
+            id,
+            77,
+            vec![(2, 4096)],
+            |s| s.id == 77 && s.pid != std::process::id(),
+            &mut maps,
+        );
+        assert!(r.is_err(), "the kernel's pid, not the message, decides");
+        assert!(!maps.contains_key(&(77, 2)));
+    }
+
+    #[test]
+    fn a_mapping_is_never_replaced() {
+        let (id, mut l) = listener();
+        let mut maps = PeerMaps::default();
+        share_and_poll(&mut l, id, 5, vec![(9, 4096)], |s| s == me(5), &mut maps).unwrap();
+        let first = maps[&(5, 9)].map.ptr;
+        let r = share_and_poll(&mut l, id, 5, vec![(9, 8192)], |s| s == me(5), &mut maps);
+        assert!(r.is_err());
+        assert_eq!(maps[&(5, 9)].map.ptr, first, "the first mapping stands");
+        assert_eq!(maps[&(5, 9)].map.len, 4096);
+    }
+
+    #[test]
+    fn a_peer_maps_within_its_limits() {
+        let mut maps = PeerMaps::default();
+        let fd = || {
+            let b = MemfdBuf::new(4096).unwrap();
+            // SAFETY: dup of a descriptor we hold.
+            Fd(unsafe { libc::dup(b.fd) })
+        };
+        // A huge (sparse) region is refused by its size before any mmap.
+        let huge = Received {
+            sender: 3,
+            entries: vec![(1, MAX_PEER_MAPPED_BYTES + 1, 0)],
+            fds: vec![fd()],
+        };
+        let e = map_all(me(3), huge, &mut maps).unwrap_err();
+        assert!(e.to_string().contains("MAX_PEER_MAPPED_BYTES"), "{e}");
+        // Too many regions, counting those mapped already.
+        let many = Received {
+            sender: 3,
+            entries: (0..MAX_PER_MSG as u32).map(|k| (k, 4096, 0)).collect(),
+            fds: (0..MAX_PER_MSG).map(|_| fd()).collect(),
+        };
+        for (i, k) in (0..MAX_PEER_MAPS as u32).enumerate() {
+            maps.insert(
+                (3, 10_000 + k),
+                PeerMap {
+                    map: std::sync::Arc::new(Mapping::map_fd(fd().0, 0).unwrap()),
+                    base: i as u64,
+                },
+            );
+        }
+        let e = map_all(me(3), many, &mut maps).unwrap_err();
+        assert!(e.to_string().contains("MAX_PEER_MAPS"), "{e}");
+        assert!(maps.len() == MAX_PEER_MAPS, "nothing half-mapped");
+    }
+
+    /// A process of another user cannot even be heard (needs root to be
+    /// another user).
+    #[test]
+    #[ignore = "needs root to run a sender as another uid (cargo test -p ferry --lib -- --ignored fdpass)"]
+    fn another_users_process_is_refused() {
+        // SAFETY: geteuid has no preconditions.
+        assert_eq!(unsafe { libc::geteuid() }, 0, "needs root");
+        let (id, mut l) = listener();
+        let b = MemfdBuf::new(4096).unwrap();
+        // SAFETY: the child only drops privileges, shares and exits; all
+        // it uses was set up before the fork.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            // SAFETY: plain syscalls in the child.
+            unsafe {
+                if libc::setgid(65534) != 0 || libc::setuid(65534) != 0 {
+                    libc::_exit(2);
+                }
+            }
+            let shared = [Shared {
+                key: 1,
+                len: 4096,
+                base: 0,
+                fd: b.fd,
+            }];
+            let r = share(99, id, &shared, Duration::from_millis(500));
+            // SAFETY: leaves the child at once.
+            unsafe { libc::_exit(if r.is_ok() { 0 } else { 1 }) };
+        }
+        let mut maps = PeerMaps::default();
+        let deadline = Instant::now() + Duration::from_secs(3);
+        let mut status = 0;
+        loop {
+            // Even a listener that knew the id would not hear it.
+            l.poll(&mut maps, |_| true);
+            // SAFETY: polls our child without blocking.
+            if unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the child did not finish");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert!(libc::WIFEXITED(status));
+        assert_eq!(
+            libc::WEXITSTATUS(status),
+            1,
+            "the other user's share failed"
+        );
+        assert!(maps.is_empty());
+    }
 }
