@@ -507,24 +507,26 @@ fn a_peer_that_stops_reading_stalls_only_itself() {
     // from another thread.
     let e2 = ep.clone();
     let flood = std::thread::spawn(move || {
+        // Stops early only if the stuck connection has already failed.
         for _ in 0..6000 {
-            e2.send_notification(stuck, &[7u8; 4096])?;
+            if e2.send_notification(stuck, &[7u8; 4096]).is_err() {
+                break;
+            }
         }
-        Ok::<(), Error>(())
     });
     std::thread::sleep(Duration::from_millis(300));
-    let start = Instant::now();
+    // Loose bounds for a loaded 2-core CI machine; a shard blocked behind
+    // the silent peer would hold these ops until that peer closes (6 s).
     for _ in 0..200 {
         let t0 = Instant::now();
         ep.write(good, &local, 0, 4096, &win).unwrap();
         assert!(
-            t0.elapsed() < Duration::from_millis(500),
+            t0.elapsed() < Duration::from_secs(2),
             "an op took {:?}",
             t0.elapsed()
         );
     }
-    assert!(start.elapsed() < Duration::from_secs(3));
-    flood.join().unwrap().unwrap();
+    flood.join().unwrap();
     // Nothing drains the stuck connection: at the op timeout it fails,
     // and says why.
     std::thread::sleep(Duration::from_millis(2500));
