@@ -547,3 +547,63 @@ fn a_peer_that_stops_reading_stalls_only_itself() {
     ep.write(good, &local, 0, 4096, &win).unwrap();
     silent.join().unwrap();
 }
+
+/// One remote address cannot take every slot: past
+/// `FERRY_MAX_CONNS_PER_PEER` its connections are refused, naming it.
+#[test]
+fn one_peer_cannot_take_every_slot() {
+    let target = Endpoint::builder()
+        .config({
+            let mut conf = config(IoPreference::Auto);
+            conf.max_conns_per_peer = 2;
+            conf
+        })
+        .build()
+        .unwrap();
+    target.start_passive_accept().unwrap();
+    let clients: Vec<Endpoint> = (0..3).map(|_| client(IoPreference::Auto)).collect();
+    let meta = target.metadata_bytes();
+    assert!(clients[0].add_remote(&meta).is_ok());
+    assert!(clients[1].add_remote(&meta).is_ok());
+    let Err(e) = clients[2].add_remote(&meta) else {
+        panic!("a third connection from 127.0.0.1 was accepted");
+    };
+    assert!(e.to_string().contains("FERRY_MAX_CONNS_PER_PEER"), "{e}");
+}
+
+/// `FERRY_IDLE_TIMEOUT_MS`: a connection with nothing in flight and no
+/// traffic for that long is closed, with that reason (tcp and shm).
+#[test]
+fn idle_connections_time_out_when_asked() {
+    for path in [Path::TcpEpoll, Path::Shm] {
+        let target = Endpoint::builder()
+            .config(path_config(path))
+            .build()
+            .unwrap();
+        target.start_passive_accept().unwrap();
+        let ep = Endpoint::builder()
+            .config({
+                let mut conf = path_config(path);
+                conf.idle_timeout_ms = 300;
+                conf
+            })
+            .build()
+            .unwrap();
+        let conn = ep.add_remote(&target.metadata_bytes()).unwrap();
+        let dst = target.alloc_host(4096).unwrap();
+        let win = dst.advertise(0, 4096).unwrap();
+        let local = ep.alloc_host(4096).unwrap();
+        // Busy connections stay.
+        let until = Instant::now() + Duration::from_millis(700);
+        while Instant::now() < until {
+            ep.write(conn, &local, 0, 4096, &win).unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::thread::sleep(Duration::from_millis(1200));
+        let e = ep.write(conn, &local, 0, 4096, &win).unwrap_err();
+        assert!(
+            matches!(&e, Error::ConnFailed { reason, .. } if reason.contains("FERRY_IDLE_TIMEOUT_MS")),
+            "{path:?}: {e}"
+        );
+    }
+}

@@ -102,6 +102,13 @@ pub struct Config {
     pub inbox_depth: usize,
     /// Open connections at most, incoming and outgoing (`FERRY_MAX_CONNS`, default 4096).
     pub max_conns: usize,
+    /// Connections one remote address may hold at most, so no single peer
+    /// takes every slot (`FERRY_MAX_CONNS_PER_PEER`, default 1024; at most
+    /// `max_conns`).
+    pub max_conns_per_peer: usize,
+    /// A connection with nothing in flight and no traffic for this long is
+    /// closed (`FERRY_IDLE_TIMEOUT_MS`; default 0: never).
+    pub idle_timeout_ms: u64,
     /// Live registrations at most (`FERRY_MAX_REGISTRATIONS`, default 65536).
     pub max_registrations: usize,
     /// Operations in flight on one connection at most
@@ -161,6 +168,8 @@ impl Default for Config {
             pin_cores: false,
             inbox_depth: 1024,
             max_conns: 4096,
+            max_conns_per_peer: 1024,
+            idle_timeout_ms: 0,
             max_registrations: 65536,
             max_conn_inflight_ops: 4096,
             auth_key: None,
@@ -270,6 +279,18 @@ impl Config {
         )?;
         within("max_conns (FERRY_MAX_CONNS)", self.max_conns, 1, 1 << 20)?;
         within(
+            "max_conns_per_peer (FERRY_MAX_CONNS_PER_PEER)",
+            self.max_conns_per_peer,
+            1,
+            1 << 20,
+        )?;
+        within(
+            "idle_timeout_ms (FERRY_IDLE_TIMEOUT_MS)",
+            self.idle_timeout_ms,
+            0,
+            86_400_000,
+        )?;
+        within(
             "max_registrations (FERRY_MAX_REGISTRATIONS)",
             self.max_registrations,
             1,
@@ -369,6 +390,8 @@ impl Config {
             "FERRY_SPIN_US" => spin_us,
             "FERRY_INBOX_DEPTH" => inbox_depth,
             "FERRY_MAX_CONNS" => max_conns,
+            "FERRY_MAX_CONNS_PER_PEER" => max_conns_per_peer,
+            "FERRY_IDLE_TIMEOUT_MS" => idle_timeout_ms,
             "FERRY_MAX_REGISTRATIONS" => max_registrations,
             "FERRY_MAX_CONN_INFLIGHT_OPS" => max_conn_inflight_ops,
             "FERRY_GPU_STREAMS" => gpu_streams,

@@ -139,11 +139,32 @@ pub(crate) struct Inner {
     local_peers: Mutex<std::collections::HashSet<u64>>,
     /// Connections the shards saw die; forgotten on the next control call.
     closed: Mutex<Receiver<ConnId>>,
+    /// Handshakes under way per remote address (they count against its
+    /// quota before their connection is adopted).
+    handshaking: Mutex<HashMap<IpAddr, usize>>,
     /// Live registrations (for FERRY_MAX_REGISTRATIONS).
     pub(crate) registrations: Arc<AtomicUsize>,
     /// The endpoint's GPU ordinal, once given or picked (lazy mode).
     gpu: std::sync::OnceLock<i32>,
     ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
+}
+
+/// A handshake's place in its address's quota, given back on drop.
+struct PeerSlot<'a> {
+    inner: &'a Inner,
+    ip: IpAddr,
+}
+
+impl Drop for PeerSlot<'_> {
+    fn drop(&mut self) {
+        let mut pending = self.inner.handshaking.lock().expect("lock");
+        if let Some(n) = pending.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                pending.remove(&self.ip);
+            }
+        }
+    }
 }
 
 /// A transfer engine endpoint: one control listener, N shards, and the
@@ -194,6 +215,8 @@ impl Endpoint {
         let scfg = ShardConfig {
             spin: Duration::from_micros(cfg.spin_us),
             op_timeout: cfg.op_timeout(),
+            idle_timeout: (cfg.idle_timeout_ms > 0)
+                .then(|| Duration::from_millis(cfg.idle_timeout_ms)),
             chunk_bytes: cfg.chunk_bytes,
             sq_depth: cfg.sq_depth,
             max_conn_inflight_ops: cfg.max_conn_inflight_ops,
@@ -276,6 +299,7 @@ impl Endpoint {
             nic,
             local_connects: Mutex::new(connects_rx),
             closed: Mutex::new(closed_rx),
+            handshaking: Mutex::new(HashMap::new()),
             registrations: Arc::new(AtomicUsize::new(0)),
             memfd_regions: Mutex::new(HashMap::new()),
             local_peers: Mutex::new(std::collections::HashSet::new()),
@@ -785,6 +809,30 @@ impl Inner {
         Ok(())
     }
 
+    /// One remote address may hold at most `max_conns_per_peer` of our
+    /// connections, handshakes under way included (it cannot take every
+    /// slot). The slot is held until the returned guard drops, by which
+    /// time an accepted connection is in `conns`.
+    fn reserve_peer_slot(&self, ip: IpAddr) -> Result<PeerSlot<'_>> {
+        // The effective quota never exceeds the whole limit.
+        let max = self.cfg.max_conns_per_peer.min(self.cfg.max_conns);
+        let conns = self.conns.lock().expect("lock");
+        let held = conns
+            .values()
+            .filter(|c| matches!(c.peer, Peer::Net(a) if a.ip() == ip))
+            .count();
+        let mut pending = self.handshaking.lock().expect("lock");
+        let n = pending.entry(ip).or_insert(0);
+        if held + *n >= max {
+            return Err(Error::LimitReached {
+                limit: "FERRY_MAX_CONNS_PER_PEER",
+                max,
+            });
+        }
+        *n += 1;
+        Ok(PeerSlot { inner: self, ip })
+    }
+
     fn shard_of(&self, conn: ConnId) -> &ShardHandle {
         &self.shards[(conn.0 % self.shards.len() as u64) as usize]
     }
@@ -1065,10 +1113,16 @@ impl Inner {
         let mut ctl = Ctl::new(self.backend)?;
         let deadline = Instant::now() + self.cfg.connect_timeout();
         let ours = self.stream_hello();
-        if let Err(e) = self.check_conn_limit() {
-            handshake::refuse(&mut ctl, &s, &e.to_string(), deadline);
-            return Err(e);
-        }
+        let quota = self
+            .check_conn_limit()
+            .and_then(|()| self.reserve_peer_slot(peer.ip()));
+        let _slot = match quota {
+            Ok(slot) => slot,
+            Err(e) => {
+                handshake::refuse(&mut ctl, &s, &e.to_string(), deadline);
+                return Err(e);
+            }
+        };
         let hello = handshake::serve(&mut ctl, &s, peer, ours, deadline, self.auth_key())?;
         if self.goes_local(&ours, &hello) {
             // Both sides see the same hellos and decide alike: the peer now

@@ -131,7 +131,11 @@ impl Source for LocalSide {
                 gpu: None,
             };
             match lc.poll(&mut regions, &self.peer_maps, &mut Cma, &mut sink) {
-                Ok(w) => work += w,
+                Ok(0) => {}
+                Ok(w) => {
+                    work += w;
+                    lc.last_active = std::time::Instant::now();
+                }
                 Err(reason) => cx.to_fail.push((ConnRef::Local(idx), reason)),
             }
         }

@@ -52,6 +52,8 @@ pub(crate) struct ShardConfig {
     pub gpu_bounce_bytes: usize,
     pub spin: Duration,
     pub op_timeout: Duration,
+    /// Connections idle this long are closed (None: never).
+    pub idle_timeout: Option<Duration>,
     pub chunk_bytes: usize,
     pub sq_depth: usize,
     pub max_conn_inflight_ops: usize,
@@ -821,7 +823,38 @@ impl Shard {
                 self.to_fail.push((ConnRef::Local(idx), timeout()));
             }
         }
+        if let Some(idle) = self.cfg.idle_timeout {
+            self.mark_idle(now, idle);
+        }
         self.fail_marked();
+    }
+
+    /// Marks connections with nothing in flight and no traffic for `idle`
+    /// (`FERRY_IDLE_TIMEOUT_MS`), unless already marked.
+    fn mark_idle(&mut self, now: Instant, idle: Duration) {
+        let quiet = |t: Instant| now.saturating_duration_since(t) > idle;
+        let why = || {
+            format!(
+                "idle for more than {} ms (FERRY_IDLE_TIMEOUT_MS)",
+                idle.as_millis()
+            )
+        };
+        for (idx, conn) in self.tcp.conns.iter() {
+            let busy = conn.streams.iter().any(|s| s.has_pending() || s.has_tx())
+                || conn.verbs.as_ref().is_some_and(|v| v.busy())
+                || self.parked.contains_key(&conn.id);
+            let at = ConnRef::Tcp(idx);
+            if !busy && quiet(conn.last_active) && !self.to_fail.iter().any(|(a, _)| *a == at) {
+                self.to_fail.push((at, why()));
+            }
+        }
+        for (idx, lc) in self.local.conns.iter() {
+            let at = ConnRef::Local(idx);
+            let busy = lc.has_pending() || self.parked.contains_key(&lc.id);
+            if !busy && quiet(lc.last_active) && !self.to_fail.iter().any(|(a, _)| *a == at) {
+                self.to_fail.push((at, why()));
+            }
+        }
     }
 
     /// Drops the connections marked in `to_fail`, failing their requests;
@@ -829,6 +862,10 @@ impl Shard {
     /// Returns how many were dropped.
     fn fail_marked(&mut self) -> usize {
         let mut to_fail = std::mem::take(&mut self.to_fail);
+        // A connection may be marked twice in a pass (say, late and
+        // stalled): drop it once, with the first reason.
+        to_fail.sort_by_key(|(at, _)| *at);
+        to_fail.dedup_by_key(|(at, _)| *at);
         let n = to_fail.len();
         for (at, reason) in to_fail.drain(..) {
             let (conn, busy) = match at {

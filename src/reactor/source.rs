@@ -22,7 +22,7 @@ use crate::wire::Status;
 use crate::xfer::{Bounce, GpuReq, Sink, Stage};
 
 /// Where a connection id lives in a shard.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) enum ConnRef {
     Tcp(usize),
     Local(usize),

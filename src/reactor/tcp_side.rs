@@ -32,6 +32,8 @@ pub(crate) struct Conn {
     /// RDMA queue pairs: ops whose windows carry a NIC key go here; the
     /// streams keep notifications and the rest.
     pub verbs: Option<Box<crate::verbs::Link>>,
+    /// When the connection last moved a byte (for the idle timeout).
+    pub last_active: std::time::Instant,
 }
 
 pub(crate) struct TcpSide {
@@ -144,6 +146,7 @@ impl TcpSide {
             streams: out,
             next: 0,
             verbs,
+            last_active: std::time::Instant::now(),
         });
         Ok(key)
     }
@@ -197,6 +200,7 @@ impl Source for TcpSide {
                 gpu_reqs: None,
                 gpu: cx.gpu.as_deref_mut(),
             };
+            let before = work;
             for s in conn.streams.iter_mut() {
                 if direct {
                     s.readable = true;
@@ -219,6 +223,9 @@ impl Source for TcpSide {
                         break;
                     }
                 }
+            }
+            if work > before {
+                conn.last_active = std::time::Instant::now();
             }
         }
         work

@@ -65,6 +65,9 @@ pub(crate) struct LocalConn {
     /// A whole notification the application's inbox had no room for; the
     /// ring is not read until it is delivered (back-pressure, not loss).
     notify_blocked: Option<Vec<u8>>,
+    /// When the connection last moved a message (kept by the driver, for
+    /// the idle timeout).
+    pub last_active: Instant,
 }
 
 // SAFETY: the raw pointers in `pending` point into regions kept alive by the
@@ -137,6 +140,7 @@ impl LocalConn {
             peer_owed: 0,
             notify: Vec::new(),
             notify_blocked: None,
+            last_active: Instant::now(),
         }
     }
 
