@@ -216,3 +216,15 @@ pub(crate) fn pid_alive(pid: u32) -> bool {
 pub(crate) fn this_pid() -> u32 {
     std::process::id()
 }
+
+/// The time, read from the OS at most once: a loop pass that needs "now"
+/// in several places (each read of a socket, the idle clock) pays for one
+/// clock read, and a pass that needs none pays nothing.
+#[derive(Default)]
+pub(crate) struct LazyClock(Option<std::time::Instant>);
+
+impl LazyClock {
+    pub fn now(&mut self) -> std::time::Instant {
+        *self.0.get_or_insert_with(std::time::Instant::now)
+    }
+}

@@ -116,6 +116,7 @@ impl Source for LocalSide {
         if senders_waiting || self.polls % FD_CHECK_EVERY == 0 {
             work += self.poll_fd_listener();
         }
+        let mut clock = crate::sys::LazyClock::default();
         for (idx, lc) in self.conns.iter_mut() {
             let mut regions = LiveRegions {
                 table: cx.regions,
@@ -134,7 +135,7 @@ impl Source for LocalSide {
                 Ok(0) => {}
                 Ok(w) => {
                     work += w;
-                    lc.last_active = std::time::Instant::now();
+                    lc.last_active = clock.now();
                 }
                 Err(reason) => cx.to_fail.push((ConnRef::Local(idx), reason)),
             }

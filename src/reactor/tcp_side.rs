@@ -177,6 +177,7 @@ impl Source for TcpSide {
             }
         }
         let mut work = 0;
+        let mut clock = crate::sys::LazyClock::default();
         for (idx, conn) in self.conns.iter_mut() {
             if let Some(v) = &mut conn.verbs {
                 match v.poll(cx.done) {
@@ -210,7 +211,7 @@ impl Source for TcpSide {
                     let mut w = s.flush()? as usize;
                     // One read's worth of frames per poll: replies go out and
                     // completions are published before the next read.
-                    w += s.on_readable(&mut regions, &mut sink)? as usize;
+                    w += s.on_readable(&mut regions, &mut sink, &mut clock)? as usize;
                     if s.has_tx() {
                         w += s.flush()? as usize;
                     }
@@ -225,7 +226,7 @@ impl Source for TcpSide {
                 }
             }
             if work > before {
-                conn.last_active = std::time::Instant::now();
+                conn.last_active = clock.now();
             }
         }
         work

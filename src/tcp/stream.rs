@@ -7,6 +7,7 @@ use std::os::fd::AsRawFd;
 
 use super::proto::{Step, StreamLimits, StreamProto, MAX_IOV};
 use crate::region::Regions;
+use crate::sys::LazyClock;
 use crate::xfer::Sink;
 
 pub(crate) struct Stream {
@@ -80,6 +81,7 @@ impl Stream {
         &mut self,
         regions: &mut impl Regions,
         sink: &mut impl Sink,
+        clock: &mut LazyClock,
     ) -> Result<bool, String> {
         let fd = self.sock.as_raw_fd();
         let mut progress = false;
@@ -126,7 +128,7 @@ impl Stream {
             }
             progress = true;
             self.proto
-                .on_received(n as usize, std::time::Instant::now());
+                .on_received(n as usize, clock.now());
         }
     }
 }
