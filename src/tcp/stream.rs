@@ -127,8 +127,7 @@ impl Stream {
                 return Err("peer closed the connection".to_owned());
             }
             progress = true;
-            self.proto
-                .on_received(n as usize, clock.now());
+            self.proto.on_received(n as usize, clock.now());
         }
     }
 }
