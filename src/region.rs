@@ -295,6 +295,19 @@ impl RegionTable {
         }
         Ok((&g.region, (addr - g.region.addr()) as usize))
     }
+
+    /// As `check`, handing back the window the request may touch.
+    pub fn check_window(
+        &self,
+        conn: ConnId,
+        key: KeyRef,
+        addr: u64,
+        len: u64,
+        need: Access,
+    ) -> Result<RegionSlice, Status> {
+        let (r, off) = self.check(conn, key, addr, len, need)?;
+        Ok(RegionSlice::new(r, off, len as usize).expect("check proved the window"))
+    }
 }
 
 #[cfg(test)]

@@ -313,12 +313,7 @@ fn silent_peer_fails_requests_after_the_op_timeout() {
         .unwrap();
     let conn = ep.connect(addr).unwrap();
     let local = ep.alloc(64).unwrap();
-    let rb = ferry::RemoteBuf {
-        addr: 0x1000,
-        size: 64,
-        rkey: 1,
-        ..Default::default()
-    };
+    let rb = unanswered_window();
     let start = Instant::now();
     let e = ep.write(conn, &local, 0, 64, &rb).unwrap_err();
     let took = start.elapsed();
@@ -441,12 +436,7 @@ fn a_peer_declaring_huge_limits_gets_ours() {
         .unwrap();
     let conn = ep.connect(addr).unwrap();
     let local = ep.alloc(64).unwrap();
-    let rb = ferry::RemoteBuf {
-        addr: 0x1000,
-        size: 64,
-        rkey: 1,
-        ..Default::default()
-    };
+    let rb = unanswered_window();
     let deadline = Instant::now() + Duration::from_secs(5);
     let e = loop {
         // The connection dies as soon as the shard reads the 9th request.
@@ -530,12 +520,7 @@ fn a_peer_that_stops_reading_stalls_only_itself() {
     // Nothing drains the stuck connection: at the op timeout it fails,
     // and says why.
     std::thread::sleep(Duration::from_millis(2500));
-    let rb = ferry::RemoteBuf {
-        addr: 0x1000,
-        size: 64,
-        rkey: 1,
-        ..Default::default()
-    };
+    let rb = unanswered_window();
     let e = ep
         .write_async(stuck, &local, 0, 8, &rb)
         .and_then(|mut t| t.wait_timeout(Duration::from_secs(1)))
@@ -605,5 +590,15 @@ fn idle_connections_time_out_when_asked() {
             matches!(&e, Error::ConnFailed { reason, .. } if reason.contains("FERRY_IDLE_TIMEOUT_MS")),
             "{path:?}: {e}"
         );
+    }
+}
+
+/// A window of a key the raw peers in these tests never answer for.
+fn unanswered_window() -> ferry::RemoteBuf {
+    ferry::RemoteBuf {
+        addr: 0x1000,
+        size: 64,
+        rkey: 1,
+        ..Default::default()
     }
 }

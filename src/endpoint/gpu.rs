@@ -132,7 +132,7 @@ impl Inner {
         len: usize,
         remote: &IpcBuf,
     ) -> Result<IpcDesc> {
-        mr.check_range(offset, len)?;
+        let local = mr.slice(offset, len)?;
         if len as u64 > remote.len {
             return Err(Error::RemoteTooSmall {
                 len,
@@ -161,32 +161,9 @@ impl Inner {
             }
         }
         Ok(IpcDesc {
-            local: mr.slice(offset, len)?,
+            local,
             remote: *remote,
         })
-    }
-
-    pub(super) fn ipc_descs(
-        &self,
-        conn: ConnId,
-        locals: &[(&MemoryRegion, usize, usize)],
-        remotes: &[IpcBuf],
-    ) -> Result<IpcParts> {
-        if locals.len() != remotes.len() {
-            return Err(Error::VectorMismatch {
-                locals: locals.len(),
-                remotes: remotes.len(),
-            });
-        }
-        if locals.is_empty() {
-            return Err(Error::EmptyVector);
-        }
-        let v = locals
-            .iter()
-            .zip(remotes)
-            .map(|((m, o, l), r)| self.ipc_desc(conn, m, *o, *l, r))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(IpcParts::Many(v))
     }
 
     pub(super) fn submit_ipc(

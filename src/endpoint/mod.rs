@@ -724,7 +724,7 @@ pub(super) fn desc(
     len: usize,
     remote: &RemoteBuf,
 ) -> Result<OpDesc> {
-    mr.check_range(offset, len)?;
+    let local = mr.slice(offset, len)?;
     if mr.inner.mem.is_device() {
         // A same-host target reaches GPU memory through its IPC handle;
         // export it now so that a failure is this call's error.
@@ -737,34 +737,13 @@ pub(super) fn desc(
         });
     }
     Ok(OpDesc {
-        local: mr.slice(offset, len)?,
+        local,
         remote_addr: remote.addr,
         rkey: remote.rkey,
         tag: remote.key_tag(),
         remote_device: remote.is_device(),
         nic_rkey: remote.nic_rkey(),
     })
-}
-
-pub(super) fn descs(
-    locals: &[(&MemoryRegion, usize, usize)],
-    remotes: &[RemoteBuf],
-) -> Result<OpParts> {
-    if locals.len() != remotes.len() {
-        return Err(Error::VectorMismatch {
-            locals: locals.len(),
-            remotes: remotes.len(),
-        });
-    }
-    if locals.is_empty() {
-        return Err(Error::EmptyVector);
-    }
-    let v = locals
-        .iter()
-        .zip(remotes)
-        .map(|((m, o, l), r)| desc(m, *o, *l, r))
-        .collect::<Result<Vec<_>>>()?;
-    Ok(OpParts::Many(v))
 }
 
 impl Inner {

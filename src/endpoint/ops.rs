@@ -4,8 +4,8 @@
 //! uses) or an [`IpcBuf`] (a CUDA IPC window on this host, copied by this
 //! endpoint's GPU streams; the seed's `write_ipc`/`read_ipc`).
 
-use super::{desc, descs, Endpoint, MemoryRegion};
-use crate::error::{ConnId, OpKind, Result};
+use super::{desc, Endpoint, MemoryRegion};
+use crate::error::{ConnId, Error, OpKind, Result};
 use crate::reactor::{IpcParts, OpParts, Transfer};
 use crate::wire::{IpcBuf, RemoteBuf};
 
@@ -16,12 +16,26 @@ pub trait Window: sealed::Sealed {}
 impl Window for RemoteBuf {}
 impl Window for IpcBuf {}
 
+/// A vectored op pairs each local slice with one window, and has some.
+fn check_pairs<W>(locals: &[(&MemoryRegion, usize, usize)], remotes: &[W]) -> Result<()> {
+    if locals.len() != remotes.len() {
+        return Err(Error::VectorMismatch {
+            locals: locals.len(),
+            remotes: remotes.len(),
+        });
+    }
+    if locals.is_empty() {
+        return Err(Error::EmptyVector);
+    }
+    Ok(())
+}
+
 mod sealed {
     use super::*;
 
     pub trait Sealed: Sized {
         /// Checks and submits one operation: one part per (local slice,
-        /// window) pair; `vectored` keeps even one pair a vector.
+        /// window) pair.
         fn submit(
             ep: &Endpoint,
             conn: ConnId,
@@ -41,7 +55,14 @@ mod sealed {
         ) -> Result<Transfer> {
             let parts = match (locals, remotes) {
                 ([(mr, off, len)], [r]) => OpParts::One(desc(mr, *off, *len, r)?),
-                _ => descs(locals, remotes)?,
+                _ => {
+                    check_pairs(locals, remotes)?;
+                    let v = locals.iter().zip(remotes);
+                    OpParts::Many(
+                        v.map(|((m, o, l), r)| desc(m, *o, *l, r))
+                            .collect::<Result<_>>()?,
+                    )
+                }
             };
             ep.inner.submit(conn, kind, parts)
         }
@@ -59,7 +80,12 @@ mod sealed {
                 ([(mr, off, len)], [r]) => {
                     IpcParts::One(ep.inner.ipc_desc(conn, mr, *off, *len, r)?)
                 }
-                _ => ep.inner.ipc_descs(conn, locals, remotes)?,
+                _ => {
+                    check_pairs(locals, remotes)?;
+                    let v = locals.iter().zip(remotes);
+                    let d = v.map(|((m, o, l), r)| ep.inner.ipc_desc(conn, m, *o, *l, r));
+                    IpcParts::Many(d.collect::<Result<_>>()?)
+                }
             };
             ep.inner.submit_ipc(conn, kind, parts)
         }

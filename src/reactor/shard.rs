@@ -830,7 +830,8 @@ impl Shard {
     }
 
     /// Marks connections with nothing in flight and no traffic for `idle`
-    /// (`FERRY_IDLE_TIMEOUT_MS`), unless already marked.
+    /// (`FERRY_IDLE_TIMEOUT_MS`); one marked already keeps its first reason
+    /// (`fail_marked` drops each once).
     fn mark_idle(&mut self, now: Instant, idle: Duration) {
         let quiet = |t: Instant| now.saturating_duration_since(t) > idle;
         let why = || {
@@ -844,14 +845,14 @@ impl Shard {
                 || conn.verbs.as_ref().is_some_and(|v| v.busy())
                 || self.parked.contains_key(&conn.id);
             let at = ConnRef::Tcp(idx);
-            if !busy && quiet(conn.last_active) && !self.to_fail.iter().any(|(a, _)| *a == at) {
+            if !busy && quiet(conn.last_active) {
                 self.to_fail.push((at, why()));
             }
         }
         for (idx, lc) in self.local.conns.iter() {
             let at = ConnRef::Local(idx);
             let busy = lc.has_pending() || self.parked.contains_key(&lc.id);
-            if !busy && quiet(lc.last_active) && !self.to_fail.iter().any(|(a, _)| *a == at) {
+            if !busy && quiet(lc.last_active) {
                 self.to_fail.push((at, why()));
             }
         }
@@ -861,6 +862,9 @@ impl Shard {
     /// a warning if requests were lost, a note if the connection was idle.
     /// Returns how many were dropped.
     fn fail_marked(&mut self) -> usize {
+        if self.to_fail.is_empty() {
+            return 0;
+        }
         let mut to_fail = std::mem::take(&mut self.to_fail);
         // A connection may be marked twice in a pass (say, late and
         // stalled): drop it once, with the first reason.

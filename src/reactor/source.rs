@@ -98,16 +98,13 @@ impl Regions for LiveRegions<'_> {
         need: Access,
     ) -> std::result::Result<RegionSlice, Status> {
         let conn = self.conn;
-        match self.table.check(conn, key, addr, len, need) {
+        match self.table.check_window(conn, key, addr, len, need) {
             Err(Status::UnknownKey) => {
                 apply_region_updates(self.table, self.updates);
-                self.table.check(conn, key, addr, len, need)
+                self.table.check_window(conn, key, addr, len, need)
             }
             other => other,
         }
-        .map(|(r, off)| {
-            RegionSlice::new(r, off, len as usize).expect("the table checked the window")
-        })
     }
 }
 

@@ -57,8 +57,7 @@ impl Regions for View<'_> {
         len: u64,
         need: Access,
     ) -> std::result::Result<RegionSlice, Status> {
-        let (r, off) = self.table.check(self.conn, key, addr, len, need)?;
-        Ok(RegionSlice::new(r, off, len as usize).expect("checked window"))
+        self.table.check_window(self.conn, key, addr, len, need)
     }
 }
 
