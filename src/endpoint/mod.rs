@@ -23,7 +23,8 @@ pub use memory::{MemoryRegion, MAX_WINDOWS};
 pub use ops::Window;
 
 use crate::error::{ConnId, Error, OpKind, Result};
-use crate::oob::handshake::{self, Assembler};
+use crate::oob::gate::{Done, Gate, GateHooks, GateLimits};
+use crate::oob::handshake;
 use crate::oob::{self, Ctl, IoBackend};
 use crate::reactor::completion::CompletionTable;
 use crate::reactor::{
@@ -34,10 +35,17 @@ use crate::sys::{pin_to_core, primary_ipv4, random_u64};
 use crate::tcp::StreamLimits;
 use crate::wire::{EndpointMetadata, Hello, RemoteBuf, CAP_AUTH, CAP_SHM, MAX_NOTIFY_BYTES};
 
-/// Half-assembled multi-stream connections an acceptor holds at most.
-const MAX_PARTIAL_CONNS: usize = 64;
-/// Incoming handshakes in progress at once; more are dropped.
-const MAX_HANDSHAKES: usize = 64;
+/// Sockets in handshake at once (the gate evicts the oldest beyond it).
+const MAX_PENDING_HANDSHAKES: usize = 1024;
+/// Sockets in handshake from one address at once.
+const MAX_HANDSHAKES_PER_ADDR: usize = 512;
+/// Sockets the gate accepts per pass (see `oob/gate.rs` for why).
+const ACCEPT_BATCH: usize = 32;
+/// A new socket must send its first bytes within this (or the connect
+/// timeout, if shorter).
+const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(1);
+/// RDMA setups (after the handshake) running on threads of their own.
+const MAX_VERBS_SETUPS: usize = 64;
 /// Accepted connections waiting for `accept()` to report them.
 const MAX_ACCEPTED_QUEUE: usize = 4096;
 
@@ -122,11 +130,13 @@ pub(crate) struct Inner {
     conns: Mutex<HashMap<ConnId, ConnInfo>>,
     remotes: Mutex<HashMap<SocketAddr, ConnId>>,
     inbox: Mutex<Receiver<(ConnId, Vec<u8>)>>,
-    acceptor: Mutex<Assembler<std::net::TcpStream>>,
+    /// Incoming handshakes, driven by whoever accepts.
+    gate: Mutex<Gate<PeerSlot>>,
     accepted: Mutex<VecDeque<(ConnId, Peer)>>,
     accepted_cv: Condvar,
     passive: Mutex<Option<(Arc<AtomicBool>, JoinHandle<()>)>>,
-    handshakes: AtomicUsize,
+    /// RDMA setups of accepted connections under way.
+    verbs_setups: AtomicUsize,
     /// Why the same-host path is off, if it is.
     shm_note: Option<String>,
     /// The NICs verbs would use, or why verbs is off (connections use tcp).
@@ -141,7 +151,7 @@ pub(crate) struct Inner {
     closed: Mutex<Receiver<ConnId>>,
     /// Handshakes under way per remote address (they count against its
     /// quota before their connection is adopted).
-    handshaking: Mutex<HashMap<IpAddr, usize>>,
+    handshaking: Arc<Mutex<HashMap<IpAddr, usize>>>,
     /// Live registrations (for FERRY_MAX_REGISTRATIONS).
     pub(crate) registrations: Arc<AtomicUsize>,
     /// The endpoint's GPU ordinal, once given or picked (lazy mode).
@@ -150,14 +160,14 @@ pub(crate) struct Inner {
 }
 
 /// A handshake's place in its address's quota, given back on drop.
-struct PeerSlot<'a> {
-    inner: &'a Inner,
+pub(crate) struct PeerSlot {
+    counts: Arc<Mutex<HashMap<IpAddr, usize>>>,
     ip: IpAddr,
 }
 
-impl Drop for PeerSlot<'_> {
+impl Drop for PeerSlot {
     fn drop(&mut self) {
-        let mut pending = self.inner.handshaking.lock().expect("lock");
+        let mut pending = self.counts.lock().expect("lock");
         if let Some(n) = pending.get_mut(&self.ip) {
             *n -= 1;
             if *n == 0 {
@@ -187,9 +197,16 @@ impl Endpoint {
         }
         let listener = TcpListener::bind((cfg.listen_addr, cfg.listen_port))
             .map_err(|e| Error::io("bind control listener", e))?;
-        listener
-            .set_nonblocking(backend == IoBackend::Epoll)
-            .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
+        let gate = Gate::new(
+            &listener,
+            GateLimits {
+                max_pending: MAX_PENDING_HANDSHAKES,
+                max_per_addr: MAX_HANDSHAKES_PER_ADDR,
+                accept_batch: ACCEPT_BATCH,
+                first_bytes: FIRST_BYTES_TIMEOUT.min(cfg.connect_timeout()),
+                whole: cfg.connect_timeout(),
+            },
+        )?;
         let local = listener
             .local_addr()
             .map_err(|e| Error::io("getsockname", e))?;
@@ -299,7 +316,7 @@ impl Endpoint {
             nic,
             local_connects: Mutex::new(connects_rx),
             closed: Mutex::new(closed_rx),
-            handshaking: Mutex::new(HashMap::new()),
+            handshaking: Arc::new(Mutex::new(HashMap::new())),
             registrations: Arc::new(AtomicUsize::new(0)),
             memfd_regions: Mutex::new(HashMap::new()),
             local_peers: Mutex::new(std::collections::HashSet::new()),
@@ -314,11 +331,11 @@ impl Endpoint {
             conns: Mutex::new(HashMap::new()),
             remotes: Mutex::new(HashMap::new()),
             inbox: Mutex::new(inbox_rx),
-            acceptor: Mutex::new(Assembler::new(MAX_PARTIAL_CONNS, cfg.connect_timeout())),
+            gate: Mutex::new(gate),
             accepted: Mutex::new(VecDeque::new()),
             accepted_cv: Condvar::new(),
             passive: Mutex::new(None),
-            handshakes: AtomicUsize::new(0),
+            verbs_setups: AtomicUsize::new(0),
             cfg,
         });
         let mut threads = Vec::new();
@@ -529,16 +546,9 @@ impl Endpoint {
         let t = std::thread::Builder::new()
             .name("ferry-accept".to_owned())
             .spawn(move || {
-                let mut ctl = match Ctl::new(inner.backend) {
-                    Ok(c) => c,
-                    Err(e) => {
-                        warn!("passive accept cannot start: {e}");
-                        return;
-                    }
-                };
                 while !stop2.load(Ordering::Relaxed) {
                     inner.accept_local_step();
-                    if let Err(e) = inner.accept_step(&mut ctl, Duration::from_millis(10)) {
+                    if let Err(e) = inner.accept_step(Duration::from_millis(10)) {
                         warn!("passive accept: {e}");
                         std::thread::sleep(Duration::from_millis(10));
                     }
@@ -792,7 +802,7 @@ impl Inner {
     /// connections, handshakes under way included (it cannot take every
     /// slot). The slot is held until the returned guard drops, by which
     /// time an accepted connection is in `conns`.
-    fn reserve_peer_slot(&self, ip: IpAddr) -> Result<PeerSlot<'_>> {
+    fn reserve_peer_slot(&self, ip: IpAddr) -> Result<PeerSlot> {
         // The effective quota never exceeds the whole limit.
         let max = self.cfg.max_conns_per_peer.min(self.cfg.max_conns);
         let conns = self.conns.lock().expect("lock");
@@ -809,7 +819,10 @@ impl Inner {
             });
         }
         *n += 1;
-        Ok(PeerSlot { inner: self, ip })
+        Ok(PeerSlot {
+            counts: self.handshaking.clone(),
+            ip,
+        })
     }
 
     fn shard_of(&self, conn: ConnId) -> &ShardHandle {
@@ -1060,69 +1073,72 @@ impl Inner {
         Ok(conn)
     }
 
-    /// Accepts sockets for up to `timeout`; each one's handshake runs on a
-    /// short-lived thread of its own, so a silent or slow client cannot hold
-    /// up the ones behind it. Finished connections land in `accepted`.
-    fn accept_step(self: &Arc<Self>, ctl: &mut Ctl, timeout: Duration) -> Result<()> {
-        let Some((s, peer)) = ctl.accept(&self.listener, timeout)? else {
-            return Ok(());
+    /// Runs the handshake gate for up to `timeout`: accepts sockets and
+    /// advances every handshake on one epoll loop (no thread per socket,
+    /// so silent or slow clients cannot hold up the others). Finished
+    /// connections land in `accepted`.
+    fn accept_step(self: &Arc<Self>, timeout: Duration) -> Result<()> {
+        let done = match self.gate.try_lock() {
+            Ok(mut gate) => gate.step(&self.listener, &AcceptHooks(self), timeout)?,
+            Err(_) => {
+                // Another thread drives the gate; its results reach `accepted`.
+                std::thread::sleep(timeout.min(Duration::from_millis(1)));
+                return Ok(());
+            }
         };
-        if self.handshakes.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
-            self.handshakes.fetch_sub(1, Ordering::AcqRel);
-            warn!(%peer, "{MAX_HANDSHAKES} handshakes already in progress; connection dropped");
-            return Ok(());
-        }
-        let inner = self.clone();
-        let spawned = std::thread::Builder::new()
-            .name("ferry-handshake".to_owned())
-            .spawn(move || {
-                if let Err(e) = inner.handshake_accepted(s, peer) {
-                    warn!(%peer, "incoming connection failed: {e}");
-                }
-                inner.handshakes.fetch_sub(1, Ordering::AcqRel);
-            });
-        if let Err(e) = spawned {
-            self.handshakes.fetch_sub(1, Ordering::AcqRel);
-            return Err(Error::io("spawn handshake thread", e));
+        for d in done {
+            self.finish_accepted(d);
         }
         Ok(())
     }
 
-    fn handshake_accepted(&self, s: std::net::TcpStream, peer: SocketAddr) -> Result<()> {
-        let mut ctl = Ctl::new(self.backend)?;
-        let deadline = Instant::now() + self.cfg.connect_timeout();
-        let ours = self.stream_hello();
-        let quota = self
-            .check_conn_limit()
-            .and_then(|()| self.reserve_peer_slot(peer.ip()));
-        let _slot = match quota {
-            Ok(slot) => slot,
-            Err(e) => {
-                handshake::refuse(&mut ctl, &s, &e.to_string(), deadline);
-                return Err(e);
-            }
-        };
-        let hello = handshake::serve(&mut ctl, &s, peer, ours, deadline, self.auth_key())?;
-        if self.goes_local(&ours, &hello) {
+    /// Adopts a connection whose handshake finished. An RDMA setup (one
+    /// more exchange with the peer) runs on a thread of its own, bounded,
+    /// so a peer that stalls it holds up nobody else.
+    fn finish_accepted(self: &Arc<Self>, d: Done<PeerSlot>) {
+        let peer = d.peer;
+        if self.goes_local(&d.ours, &d.theirs) {
             // Both sides see the same hellos and decide alike: the peer now
             // comes through our accept ring instead.
             info!(%peer, "peer is on this host: expecting a same-host connection");
-            return Ok(());
+            return;
         }
-        let group = self
-            .acceptor
-            .lock()
-            .expect("lock")
-            .offer(hello, peer, s, Instant::now());
-        match group {
-            Ok(Some(g)) => {
-                let conn = self.adopt(g.streams, g.hello, g.peer)?;
-                self.push_accepted(conn, Peer::Net(g.peer));
-                Ok(())
+        for s in &d.streams {
+            // The control backend's calls (the verbs exchange) expect their mode.
+            let _ = s.set_nonblocking(self.backend == IoBackend::Epoll);
+        }
+        fn adopt(inner: &Arc<Inner>, d: Done<PeerSlot>) {
+            let peer = d.peer;
+            match inner.adopt(d.streams, d.theirs, peer) {
+                Ok(conn) => inner.push_accepted(conn, Peer::Net(peer)),
+                Err(e) => warn!(%peer, "incoming connection failed: {e}"),
             }
-            Ok(None) => Ok(()),
-            Err(why) => Err(Error::Handshake { peer, reason: why }),
+            drop(d.slot);
         }
+        if !self.wants_verbs(&d.theirs) {
+            return adopt(self, d);
+        }
+        if self.verbs_setups.fetch_add(1, Ordering::AcqRel) >= MAX_VERBS_SETUPS {
+            self.verbs_setups.fetch_sub(1, Ordering::AcqRel);
+            warn!(%peer, "{MAX_VERBS_SETUPS} RDMA setups already under way; connection dropped");
+            return;
+        }
+        let inner = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("ferry-verbs-setup".to_owned())
+            .spawn(move || {
+                adopt(&inner, d);
+                inner.verbs_setups.fetch_sub(1, Ordering::AcqRel);
+            });
+        if let Err(e) = spawned {
+            self.verbs_setups.fetch_sub(1, Ordering::AcqRel);
+            warn!(%peer, "spawn RDMA setup thread: {e}");
+        }
+    }
+
+    /// Whether accepting `theirs` leads to an RDMA exchange.
+    fn wants_verbs(&self, theirs: &Hello) -> bool {
+        cfg!(feature = "rdma") && self.nic.is_some() && theirs.caps & crate::wire::CAP_VERBS != 0
     }
 
     fn push_accepted(&self, conn: ConnId, peer: Peer) {
@@ -1145,7 +1161,6 @@ impl Inner {
 
     fn accept_one(self: &Arc<Self>, timeout: Duration) -> Result<(ConnId, Peer)> {
         let deadline = Instant::now() + timeout;
-        let mut ctl = Ctl::new(self.backend)?;
         loop {
             if let Some(got) = self.accepted.lock().expect("lock").pop_front() {
                 return Ok(got);
@@ -1158,7 +1173,7 @@ impl Inner {
             // Short steps, so a connection whose handshake finished on its
             // own thread, or a same-host CONNECT, is answered promptly.
             self.accept_local_step();
-            self.accept_step(&mut ctl, left.min(Duration::from_millis(5)))?;
+            self.accept_step(left.min(Duration::from_millis(5)))?;
         }
     }
 
@@ -1189,5 +1204,25 @@ impl Drop for Endpoint {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+    }
+}
+
+/// The endpoint's side of the handshake gate.
+struct AcceptHooks<'a>(&'a Inner);
+
+impl GateHooks for AcceptHooks<'_> {
+    type Slot = PeerSlot;
+
+    fn ours(&self) -> Hello {
+        self.0.stream_hello()
+    }
+
+    fn key(&self) -> Option<&[u8]> {
+        self.0.auth_key()
+    }
+
+    fn admit(&self, _theirs: &Hello, peer: SocketAddr) -> Result<PeerSlot> {
+        self.0.check_conn_limit()?;
+        self.0.reserve_peer_slot(peer.ip())
     }
 }

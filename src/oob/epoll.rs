@@ -2,7 +2,7 @@
 //! are non-blocking; each call waits for readiness with the time left.
 
 use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
@@ -70,27 +70,6 @@ impl EpollCtl {
             return Err(Error::Connect { addr, source: e });
         }
         Ok(sock.into())
-    }
-
-    pub fn accept(
-        &mut self,
-        l: &TcpListener,
-        timeout: Duration,
-    ) -> Result<Option<(TcpStream, SocketAddr)>> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            match l.accept() {
-                Ok(got) => return Ok(Some(got)),
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(Error::io("accept", e)),
-            }
-            let Some(left) = remaining(deadline) else {
-                return Ok(None);
-            };
-            self.wait(l.as_raw_fd(), Interest::READABLE, left)
-                .map_err(|e| Error::io("epoll_wait", e))?;
-        }
     }
 
     pub fn send_all(&mut self, s: &TcpStream, mut buf: &[u8], deadline: Instant) -> Result<()> {

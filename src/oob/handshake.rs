@@ -1,19 +1,19 @@
-//! The stream handshake: the connecting side sends `Hello` on each of a
-//! connection's N sockets, the accepting side answers `HelloAck` (or an
-//! `Error` frame saying why not) and groups the sockets by the connection's
-//! nonce until all N have arrived.
+//! The stream handshake: the connecting side opens a connection's N
+//! sockets and sends `Hello` on each; the accepting side (`gate.rs`) waits
+//! until all N have arrived and then answers each with `HelloAck` (or an
+//! `Error` frame saying why not). With a shared secret both sides then
+//! prove it on every stream.
 //!
-//! The grouping and the checks are sans-IO (`Assembler`, `check_*`); the
-//! blocking exchange over a socket is a thin layer on `Ctl`.
+//! The client's blocking exchange is a thin layer on `Ctl`; the server's
+//! runs on the gate's event loop, reading frames with `FrameReader`.
 
-use std::collections::HashMap;
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use super::Ctl;
 use crate::auth::{ct_eq, proof};
 use crate::error::{Error, Result};
-use crate::wire::{ControlFrame, Hello, CAP_AUTH, CONTROL_HEADER_LEN};
+use crate::wire::{ControlFrame, DecodeError, Hello, CAP_AUTH, CONTROL_HEADER_LEN};
 
 /// Error codes carried in `ControlFrame::Error` during the handshake.
 pub const REJECT_PROTOCOL: u16 = 1;
@@ -55,7 +55,8 @@ pub(crate) fn check_ack(ours: &Hello, answer: ControlFrame, peer: SocketAddr) ->
     }
 }
 
-/// Opens the `count` sockets of one connection and handshakes each.
+/// Opens the `count` sockets of one connection, sends every `Hello`, then
+/// reads each ack (the peer acknowledges none before all have arrived).
 /// Returns the sockets (in stream order) and the peer's ack of stream 0.
 /// With a shared secret, each stream also runs the mutual HMAC exchange.
 pub(crate) fn connect(
@@ -67,7 +68,6 @@ pub(crate) fn connect(
 ) -> Result<(Vec<TcpStream>, Hello)> {
     let deadline = Instant::now() + timeout;
     let mut streams = Vec::with_capacity(hello.stream_count as usize);
-    let mut first = None;
     let map_timeout = |e: Error| match e {
         Error::Timeout { .. } => Error::ConnectTimeout {
             addr,
@@ -75,8 +75,13 @@ pub(crate) fn connect(
         },
         e => e,
     };
+    let mut hellos = Vec::with_capacity(hello.stream_count as usize);
     for idx in 0..hello.stream_count {
         hello.stream_idx = idx;
+        if idx > 0 {
+            // Each stream proves the secret with its own challenge.
+            hello.auth_nonce = crate::sys::random_u64();
+        }
         let left = super::remaining(deadline).ok_or(Error::ConnectTimeout {
             addr,
             timeout_ms: super::ms(timeout),
@@ -84,13 +89,17 @@ pub(crate) fn connect(
         let s = ctl.connect(addr, left)?;
         ctl.send_all(&s, &ControlFrame::Hello(hello).encode(), deadline)
             .map_err(map_timeout)?;
-        let answer = read_frame(ctl, &s, deadline).map_err(map_timeout)?;
-        let ack = check_ack(&hello, answer, addr)?;
+        streams.push(s);
+        hellos.push(hello);
+    }
+    let mut first = None;
+    for (s, ours) in streams.iter().zip(&hellos) {
+        let answer = read_frame(ctl, s, deadline).map_err(map_timeout)?;
+        let ack = check_ack(ours, answer, addr)?;
         if let Some(key) = key {
-            prove_to_server(ctl, &s, addr, key, &hello, &ack, deadline).map_err(map_timeout)?;
+            prove_to_server(ctl, s, addr, key, ours, &ack, deadline).map_err(map_timeout)?;
         }
         first.get_or_insert(ack);
-        streams.push(s);
     }
     Ok((
         streams,
@@ -157,188 +166,45 @@ fn prove_to_server(
     }
 }
 
-/// Serves the handshake on one accepted socket: reads its `Hello`, answers,
-/// runs the HMAC exchange when a secret is configured, and returns the
-/// `Hello`. Anything wrong is answered with an `Error` frame.
-pub(crate) fn serve(
-    ctl: &mut Ctl,
-    s: &TcpStream,
-    peer: SocketAddr,
-    mut ours: Hello,
-    deadline: Instant,
-    key: Option<&[u8]>,
-) -> Result<Hello> {
-    let theirs = match read_frame(ctl, s, deadline) {
-        Ok(ControlFrame::Hello(h)) => h,
-        Ok(other) => {
-            let reason = format!("expected Hello, got {other:?}");
-            refuse(ctl, s, &reason, deadline);
-            return Err(Error::Handshake { peer, reason });
-        }
-        Err(Error::Decode(e)) => {
-            refuse(ctl, s, &e.to_string(), deadline);
-            return Err(Error::Handshake {
-                peer,
-                reason: e.to_string(),
-            });
-        }
-        Err(e) => return Err(e),
-    };
-    let mut deny = |reason: &str| {
-        refuse(ctl, s, reason, deadline);
-        Err(Error::Handshake {
-            peer,
-            reason: reason.to_owned(),
-        })
-    };
-    match (key.is_some(), theirs.caps & CAP_AUTH != 0) {
-        (true, false) => {
-            return deny("authentication required: this endpoint has FERRY_AUTH_KEY set")
-        }
-        (false, true) => {
-            return deny("the peer requires authentication and this endpoint has no FERRY_AUTH_KEY")
-        }
-        _ => {}
-    }
-    ours.conn_nonce = theirs.conn_nonce;
-    ours.stream_idx = theirs.stream_idx;
-    ours.stream_count = theirs.stream_count;
-    ctl.send_all(s, &ControlFrame::HelloAck(ours).encode(), deadline)?;
-    if let Some(key) = key {
-        let mine = proof(
-            key,
-            "server",
-            theirs.auth_nonce,
-            ours.auth_nonce,
-            ours.endpoint_id,
-            theirs.endpoint_id,
-        );
-        ctl.send_all(s, &ControlFrame::Auth(mine).encode(), deadline)?;
-        let expected = proof(
-            key,
-            "client",
-            ours.auth_nonce,
-            theirs.auth_nonce,
-            theirs.endpoint_id,
-            ours.endpoint_id,
-        );
-        match read_frame(ctl, s, deadline)? {
-            ControlFrame::Auth(mac) if ct_eq(&mac, &expected) => {}
-            _ => {
-                let reason = "authentication failed: wrong or missing proof of FERRY_AUTH_KEY";
-                refuse(ctl, s, reason, deadline);
-                return Err(Error::Handshake {
-                    peer,
-                    reason: reason.to_owned(),
-                });
-            }
-        }
-        ctl.send_all(s, &ControlFrame::AuthOk.encode(), deadline)?;
-    }
-    Ok(theirs)
+/// Reads one control frame from a non-blocking socket, a piece at a time,
+/// never past the frame's end (what follows belongs to the data stream).
+pub(crate) struct FrameReader {
+    /// Sized to what the current frame needs: the header, then header and body.
+    buf: Vec<u8>,
+    have: usize,
 }
 
-/// Answers a handshake with an `Error` frame saying why it is refused.
-pub(crate) fn refuse(ctl: &mut Ctl, s: &TcpStream, reason: &str, deadline: Instant) {
-    let frame = ControlFrame::Error {
-        code: REJECT_PROTOCOL,
-        message: reason.to_owned(),
-    };
-    // Best effort: the peer may already be gone.
-    let _ = ctl.send_all(s, &frame.encode(), deadline);
-}
-
-/// A connection whose sockets have all arrived.
-#[derive(Debug)]
-pub(crate) struct Group<S> {
-    pub hello: Hello,
-    pub peer: SocketAddr,
-    pub streams: Vec<S>,
-}
-
-struct Partial<S> {
-    hello: Hello,
-    peer: SocketAddr,
-    streams: Vec<Option<S>>,
-    arrived: usize,
-    started: Instant,
-}
-
-/// Groups accepted sockets into connections by (peer endpoint, nonce).
-/// Bounded: at most `max_partial` connections may be half-assembled, and a
-/// partial connection older than `ttl` is dropped.
-pub(crate) struct Assembler<S> {
-    partial: HashMap<(u64, u64), Partial<S>>,
-    max_partial: usize,
-    ttl: Duration,
-}
-
-impl<S> Assembler<S> {
-    pub fn new(max_partial: usize, ttl: Duration) -> Self {
+impl FrameReader {
+    pub fn new() -> Self {
         Self {
-            partial: HashMap::new(),
-            max_partial,
-            ttl,
+            buf: vec![0; CONTROL_HEADER_LEN],
+            have: 0,
         }
     }
 
-    /// Adds one handshaken socket; returns the connection once complete.
-    pub fn offer(
-        &mut self,
-        hello: Hello,
-        peer: SocketAddr,
-        stream: S,
-        now: Instant,
-    ) -> Result<Option<Group<S>>, String> {
-        self.partial
-            .retain(|_, p| now.duration_since(p.started) < self.ttl);
-        if hello.stream_count == 1 {
-            return Ok(Some(Group {
-                hello,
-                peer,
-                streams: vec![stream],
-            }));
-        }
-        let key = (hello.endpoint_id, hello.conn_nonce);
-        if !self.partial.contains_key(&key) && self.partial.len() >= self.max_partial {
-            return Err(format!(
-                "{} connections are already half-open; refusing more",
-                self.max_partial
-            ));
-        }
-        let p = self.partial.entry(key).or_insert_with(|| Partial {
-            hello,
-            peer,
-            streams: (0..hello.stream_count).map(|_| None).collect(),
-            arrived: 0,
-            started: now,
-        });
-        if p.hello.stream_count != hello.stream_count {
-            return Err(format!(
-                "stream {} says {} streams, earlier ones said {}",
-                hello.stream_idx, hello.stream_count, p.hello.stream_count
-            ));
-        }
-        let slot = &mut p.streams[hello.stream_idx as usize];
-        if slot.is_some() {
-            return Err(format!("stream {} arrived twice", hello.stream_idx));
-        }
-        *slot = Some(stream);
-        p.arrived += 1;
-        if p.arrived < p.streams.len() {
+    /// Where the next bytes go: exactly what the frame still lacks.
+    pub fn want(&mut self) -> &mut [u8] {
+        &mut self.buf[self.have..]
+    }
+
+    /// Takes `n` bytes written into `want()`; returns the frame once whole.
+    pub fn filled(&mut self, n: usize) -> std::result::Result<Option<ControlFrame>, DecodeError> {
+        self.have += n;
+        if self.have < self.buf.len() {
             return Ok(None);
         }
-        let p = self.partial.remove(&key).expect("present");
-        let streams = p
-            .streams
-            .into_iter()
-            .map(|s| s.expect("all arrived"))
-            .collect();
-        Ok(Some(Group {
-            hello: p.hello,
-            peer: p.peer,
-            streams,
-        }))
+        if self.buf.len() == CONTROL_HEADER_LEN {
+            let header: &[u8; CONTROL_HEADER_LEN] = self.buf[..].try_into().expect("header length");
+            let body = ControlFrame::body_len(header)?;
+            if body > 0 {
+                self.buf.resize(CONTROL_HEADER_LEN + body, 0);
+                return Ok(None);
+            }
+        }
+        let frame = ControlFrame::decode(&self.buf)?;
+        self.buf.truncate(CONTROL_HEADER_LEN);
+        self.have = 0;
+        Ok(Some(frame))
     }
 }
 
@@ -360,40 +226,41 @@ mod tests {
     }
 
     #[test]
-    fn groups_streams_in_any_order() {
-        let peer: SocketAddr = "127.0.0.1:1".parse().unwrap();
-        let now = Instant::now();
-        let mut a = Assembler::new(4, Duration::from_secs(5));
-        assert!(a.offer(hello(9, 2, 3), peer, "c", now).unwrap().is_none());
-        assert!(a.offer(hello(9, 0, 3), peer, "a", now).unwrap().is_none());
-        assert!(a.offer(hello(8, 0, 1), peer, "x", now).unwrap().is_some());
-        let g = a.offer(hello(9, 1, 3), peer, "b", now).unwrap().unwrap();
-        assert_eq!(g.streams, vec!["a", "b", "c"]);
+    fn frame_reader_takes_any_split_and_stops_at_the_frame_end() {
+        let mut bytes = ControlFrame::Hello(hello(9, 1, 3)).encode();
+        bytes.extend_from_slice(&ControlFrame::AuthOk.encode());
+        bytes.extend_from_slice(b"data after the frames");
+        for step in [1, 5, 12, 13, 100] {
+            let mut r = FrameReader::new();
+            let mut at = 0;
+            let mut got = Vec::new();
+            while got.len() < 2 {
+                let want = r.want();
+                let n = want.len().min(step);
+                want[..n].copy_from_slice(&bytes[at..at + n]);
+                at += n;
+                if let Some(f) = r.filled(n).unwrap() {
+                    got.push(f);
+                }
+            }
+            assert_eq!(
+                got,
+                vec![ControlFrame::Hello(hello(9, 1, 3)), ControlFrame::AuthOk]
+            );
+            assert_eq!(&bytes[at..], b"data after the frames", "step {step}");
+        }
     }
 
     #[test]
-    fn duplicates_mismatches_limits_and_expiry() {
-        let peer: SocketAddr = "127.0.0.1:1".parse().unwrap();
-        let now = Instant::now();
-        let mut a = Assembler::new(1, Duration::from_secs(5));
-        a.offer(hello(1, 0, 2), peer, 0, now).unwrap();
-        assert!(a
-            .offer(hello(1, 0, 2), peer, 0, now)
-            .unwrap_err()
-            .contains("twice"));
-        assert!(a
-            .offer(hello(1, 1, 3), peer, 0, now)
-            .unwrap_err()
-            .contains("3 streams"));
-        assert!(a
-            .offer(hello(2, 0, 2), peer, 0, now)
-            .unwrap_err()
-            .contains("half-open"));
-        let later = now + Duration::from_secs(6);
-        assert!(
-            a.offer(hello(2, 0, 2), peer, 0, later).unwrap().is_none(),
-            "expired partial freed its place"
-        );
+    fn frame_reader_refuses_a_bad_header_before_reading_a_body() {
+        let mut r = FrameReader::new();
+        let mut h = ControlFrame::Hello(hello(1, 0, 1)).encode();
+        h[8..12].copy_from_slice(&1_000_000u32.to_le_bytes());
+        r.want().copy_from_slice(&h[..CONTROL_HEADER_LEN]);
+        assert!(matches!(
+            r.filled(CONTROL_HEADER_LEN),
+            Err(DecodeError::TooLong { .. })
+        ));
     }
 
     #[test]

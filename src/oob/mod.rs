@@ -11,10 +11,11 @@
 //! deadline) and allocates freely.
 
 mod epoll;
+pub(crate) mod gate;
 pub(crate) mod handshake;
 mod uring;
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
@@ -92,12 +93,6 @@ impl Ctl {
         })
     }
 
-    /// Sockets this backend drives must be in blocking mode (io_uring) or
-    /// non-blocking mode (epoll).
-    pub fn wants_nonblocking(&self) -> bool {
-        matches!(self, Ctl::Epoll(_))
-    }
-
     pub fn connect(&mut self, addr: SocketAddr, timeout: Duration) -> Result<TcpStream> {
         let s = match self {
             Ctl::Uring(c) => c.connect(addr, timeout),
@@ -106,25 +101,6 @@ impl Ctl {
         s.set_nodelay(true)
             .map_err(|e| Error::io("setsockopt(TCP_NODELAY)", e))?;
         Ok(s)
-    }
-
-    /// Accepts one socket, or `Ok(None)` when the timeout passes first.
-    pub fn accept(
-        &mut self,
-        l: &TcpListener,
-        timeout: Duration,
-    ) -> Result<Option<(TcpStream, SocketAddr)>> {
-        let got = match self {
-            Ctl::Uring(c) => c.accept(l.as_raw_fd(), timeout),
-            Ctl::Epoll(c) => c.accept(l, timeout),
-        }?;
-        if let Some((s, _)) = &got {
-            s.set_nodelay(true)
-                .map_err(|e| Error::io("setsockopt(TCP_NODELAY)", e))?;
-            s.set_nonblocking(self.wants_nonblocking())
-                .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
-        }
-        Ok(got)
     }
 
     pub fn send_all(&mut self, s: &TcpStream, buf: &[u8], deadline: Instant) -> Result<()> {

@@ -3,7 +3,7 @@
 
 use std::io;
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::{FromRawFd, RawFd};
+use std::os::fd::RawFd;
 use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types, IoUring};
@@ -80,37 +80,6 @@ impl UringCtl {
                 timeout_ms: ms(timeout),
             }),
             Err(e) => Err(Error::Connect { addr, source: e }),
-        }
-    }
-
-    pub fn accept(
-        &mut self,
-        listener: RawFd,
-        timeout: Duration,
-    ) -> Result<Option<(TcpStream, SocketAddr)>> {
-        // SAFETY: sockaddr_storage is plain bytes; all-zero is a valid value.
-        let mut storage: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
-        let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-        let sqe = opcode::Accept::new(
-            types::Fd(listener),
-            &mut storage as *mut _ as *mut _,
-            &mut len,
-        )
-        .flags(libc::SOCK_CLOEXEC)
-        .build();
-        match self.run(sqe, timeout) {
-            Ok(fd) => {
-                // SAFETY: a successful accept returned a new socket fd we now own.
-                let stream = unsafe { TcpStream::from_raw_fd(fd) };
-                // SAFETY: the kernel filled `storage` with `len` bytes of address.
-                let sa = unsafe { SockAddr::new(storage, len) };
-                let peer = sa.as_socket().ok_or_else(|| {
-                    Error::io("accept", io::Error::other("peer is not an IP socket"))
-                })?;
-                Ok(Some((stream, peer)))
-            }
-            Err(e) if e.kind() == io::ErrorKind::TimedOut => Ok(None),
-            Err(e) => Err(Error::io("accept (io_uring)", e)),
         }
     }
 

@@ -1,0 +1,877 @@
+//! The accepting side's handshakes, all on one epoll loop: no thread per
+//! socket, so silent or slow sockets cost a slot and a few hundred bytes,
+//! never a thread, and cannot starve the honest ones.
+//!
+//! Each accepted socket is non-blocking and owned by a small state machine
+//! (`Hs`): read the `Hello`, wait for the connection's other streams, send
+//! `HelloAck` (and our proof when a secret is set), read the peer's proof,
+//! send `AuthOk`. A connection of N streams is acknowledged only when all N
+//! have arrived, so a client never holds acks for a connection we dropped.
+//!
+//! Bounds, all ours: at most `max_pending` sockets in handshake, at most
+//! `max_per_addr` from one address; a new socket over either bound evicts
+//! one (of its address, else overall) together with its connection's other
+//! streams: the oldest of those that have sent nothing, else the oldest. A socket must send its first bytes within `first_bytes`
+//! and finish within `whole`. At most `accept_batch` sockets are accepted
+//! per pass, and each pass also serves every ready socket, so a pending
+//! handshake lives through at least `max_pending / accept_batch` passes of
+//! newcomers before it can be evicted: a legitimate client (a few round
+//! trips) finishes first even while an attacker reconnects as fast as it is
+//! dropped.
+//!
+//! The gate multiplexes readiness with epoll on either control backend:
+//! io_uring's gain on the control path is one-shot operations with linked
+//! timeouts (connects), not readiness of many sockets.
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant};
+
+use mio::unix::SourceFd;
+use mio::{Events, Interest, Poll, Token};
+use slab::Slab;
+use tracing::debug;
+
+use super::handshake::FrameReader;
+use crate::auth::{ct_eq, proof};
+use crate::error::{Error, Result};
+use crate::wire::{ControlFrame, Hello, CAP_AUTH};
+
+use super::handshake::REJECT_PROTOCOL;
+
+const LISTENER: Token = Token(usize::MAX);
+
+/// The gate's bounds.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GateLimits {
+    pub max_pending: usize,
+    pub max_per_addr: usize,
+    pub accept_batch: usize,
+    /// A socket that sends nothing for this long is dropped.
+    pub first_bytes: Duration,
+    /// A handshake not finished in this time is dropped.
+    pub whole: Duration,
+}
+
+/// What the endpoint decides for the gate.
+pub(crate) trait GateHooks {
+    /// Held from admission until the connection is adopted (a quota place).
+    type Slot;
+    /// Our `Hello` for one new stream (fresh auth nonce).
+    fn ours(&self) -> Hello;
+    fn key(&self) -> Option<&[u8]>;
+    /// Called once per connection when all its streams have arrived, before
+    /// any is acknowledged: `Err` refuses the connection with its text.
+    fn admit(&self, theirs: &Hello, peer: SocketAddr) -> Result<Self::Slot>;
+}
+
+/// A connection whose every stream finished its handshake.
+pub(crate) struct Done<S> {
+    /// The peer's `Hello` on stream 0 (its endpoint id, caps, limits).
+    pub theirs: Hello,
+    /// Our `Hello` on stream 0.
+    pub ours: Hello,
+    pub peer: SocketAddr,
+    /// In stream order, non-blocking.
+    pub streams: Vec<TcpStream>,
+    pub slot: S,
+}
+
+/// Counters, for logs and tests.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GateStats {
+    pub accepted: u64,
+    pub evicted: u64,
+    pub expired: u64,
+    pub refused: u64,
+    pub done: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Reading the peer's `Hello`.
+    Hello,
+    /// `Hello` read; waiting for the connection's other streams.
+    Waiting,
+    /// Ack (and our proof) queued; with a secret, reading the peer's proof.
+    Proving,
+    /// Everything sent once the output drains.
+    Finished,
+}
+
+struct Hs {
+    sock: TcpStream,
+    peer: SocketAddr,
+    since: Instant,
+    phase: Phase,
+    rx: FrameReader,
+    tx: Vec<u8>,
+    tx_at: usize,
+    /// Whether any byte has arrived (the first-bytes deadline).
+    heard: bool,
+    theirs: Option<Hello>,
+    ours: Option<Hello>,
+    group: Option<GroupKey>,
+}
+
+type GroupKey = (u64, u64);
+
+struct Group<S> {
+    /// Slab keys by stream index; `None` until that stream's Hello arrives.
+    members: Vec<Option<usize>>,
+    arrived: usize,
+    slot: Option<S>,
+}
+
+pub(crate) struct Gate<S> {
+    poll: Poll,
+    events: Events,
+    listener_fd: i32,
+    limits: GateLimits,
+    socks: Slab<Hs>,
+    per_addr: HashMap<IpAddr, usize>,
+    groups: HashMap<GroupKey, Group<S>>,
+    stats: GateStats,
+    /// Sockets whose state changed outside an event and need a turn.
+    kick: Vec<usize>,
+    /// The last pass stopped at `accept_batch`: more may wait in the
+    /// backlog (epoll is edge-triggered, so no new event says so).
+    backlog: bool,
+}
+
+enum Next {
+    Keep,
+    Drop(&'static str),
+}
+
+impl<S> Gate<S> {
+    /// Serves `listener` (set non-blocking here).
+    pub fn new(listener: &TcpListener, limits: GateLimits) -> Result<Self> {
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
+        let poll = Poll::new().map_err(|e| Error::io("epoll_create", e))?;
+        let fd = listener.as_raw_fd();
+        poll.registry()
+            .register(&mut SourceFd(&fd), LISTENER, Interest::READABLE)
+            .map_err(|e| Error::io("epoll_ctl(listener)", e))?;
+        Ok(Self {
+            poll,
+            events: Events::with_capacity(256),
+            listener_fd: fd,
+            limits,
+            socks: Slab::new(),
+            per_addr: HashMap::new(),
+            groups: HashMap::new(),
+            stats: GateStats::default(),
+            kick: Vec::new(),
+            backlog: false,
+        })
+    }
+
+    #[cfg(test)]
+    pub fn stats(&self) -> GateStats {
+        self.stats
+    }
+
+    #[cfg(test)]
+    pub fn pending(&self) -> usize {
+        self.socks.len()
+    }
+
+    /// Runs for up to `timeout` (returning early once a connection is
+    /// done) and returns the connections whose handshakes finished.
+    pub fn step<H: GateHooks<Slot = S>>(
+        &mut self,
+        listener: &TcpListener,
+        hooks: &H,
+        timeout: Duration,
+    ) -> Result<Vec<Done<S>>> {
+        let deadline = Instant::now() + timeout;
+        let mut done = Vec::new();
+        loop {
+            let now = Instant::now();
+            self.expire(now);
+            let wait = if self.backlog || !self.kick.is_empty() {
+                Duration::ZERO
+            } else {
+                self.next_deadline()
+                    .map_or(deadline, |d| d.min(deadline))
+                    .saturating_duration_since(now)
+            };
+            match self.poll.poll(&mut self.events, Some(wait)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(Error::io("epoll_wait", e)),
+            }
+            let mut accept = std::mem::take(&mut self.backlog);
+            let mut ready = std::mem::take(&mut self.kick);
+            for ev in self.events.iter() {
+                if ev.token() == LISTENER {
+                    accept = true;
+                } else {
+                    ready.push(ev.token().0);
+                }
+            }
+            // Serve sockets already here before taking newcomers.
+            for key in ready {
+                self.turn(key, hooks, &mut done);
+            }
+            while let Some(key) = self.kick.pop() {
+                self.turn(key, hooks, &mut done);
+            }
+            if accept {
+                self.accept_some(listener);
+            }
+            if !done.is_empty() || Instant::now() >= deadline {
+                return Ok(done);
+            }
+        }
+    }
+
+    fn next_deadline(&self) -> Option<Instant> {
+        self.socks
+            .iter()
+            .map(|(_, h)| {
+                if h.heard {
+                    h.since + self.limits.whole
+                } else {
+                    h.since + self.limits.first_bytes.min(self.limits.whole)
+                }
+            })
+            .min()
+    }
+
+    fn expire(&mut self, now: Instant) {
+        let late: Vec<usize> = self
+            .socks
+            .iter()
+            .filter(|(_, h)| {
+                let age = now.saturating_duration_since(h.since);
+                age >= self.limits.whole || (!h.heard && age >= self.limits.first_bytes)
+            })
+            .map(|(k, _)| k)
+            .collect();
+        for k in late {
+            if self.socks.contains(k) {
+                self.stats.expired += 1;
+                self.drop_with_group(k, "handshake deadline passed");
+            }
+        }
+    }
+
+    fn accept_some(&mut self, listener: &TcpListener) {
+        self.backlog = true;
+        for _ in 0..self.limits.accept_batch {
+            let (s, peer) = match listener.accept() {
+                Ok(got) => got,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.backlog = false;
+                    return;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE)) => {
+                    // Out of descriptors: give the oldest one back, try later.
+                    debug!("accept: {e}; evicting the oldest handshake");
+                    if let Some(k) = self.oldest(None) {
+                        self.stats.evicted += 1;
+                        self.drop_with_group(k, "out of file descriptors");
+                    }
+                    return;
+                }
+                Err(e) => {
+                    debug!("accept: {e}");
+                    return;
+                }
+            };
+            self.stats.accepted += 1;
+            let ip = peer.ip();
+            let from_addr = self.per_addr.get(&ip).copied().unwrap_or(0);
+            let victim = if from_addr >= self.limits.max_per_addr {
+                self.oldest(Some(ip))
+            } else if self.socks.len() >= self.limits.max_pending {
+                self.oldest(None)
+            } else {
+                None
+            };
+            if let Some(k) = victim {
+                self.stats.evicted += 1;
+                self.drop_with_group(k, "evicted by a newer handshake");
+            }
+            if s.set_nonblocking(true).is_err() || s.set_nodelay(true).is_err() {
+                continue;
+            }
+            let entry = self.socks.vacant_entry();
+            let key = entry.key();
+            let fd = s.as_raw_fd();
+            if self
+                .poll
+                .registry()
+                .register(
+                    &mut SourceFd(&fd),
+                    Token(key),
+                    Interest::READABLE | Interest::WRITABLE,
+                )
+                .is_err()
+            {
+                continue;
+            }
+            entry.insert(Hs {
+                sock: s,
+                peer,
+                since: Instant::now(),
+                phase: Phase::Hello,
+                rx: FrameReader::new(),
+                tx: Vec::new(),
+                tx_at: 0,
+                heard: false,
+                theirs: None,
+                ours: None,
+                group: None,
+            });
+            *self.per_addr.entry(ip).or_insert(0) += 1;
+            self.kick.push(key);
+        }
+    }
+
+    /// The socket to evict (from `ip` only, if given): the oldest of those
+    /// that have sent nothing yet, else the oldest.
+    fn oldest(&self, ip: Option<IpAddr>) -> Option<usize> {
+        self.socks
+            .iter()
+            .filter(|(_, h)| ip.map_or(true, |ip| h.peer.ip() == ip))
+            .min_by_key(|(_, h)| (h.heard, h.since))
+            .map(|(k, _)| k)
+    }
+
+    /// Gives socket `key` a turn: write what is queued, read what is due.
+    fn turn<H: GateHooks<Slot = S>>(&mut self, key: usize, hooks: &H, done: &mut Vec<Done<S>>) {
+        if !self.socks.contains(key) {
+            return;
+        }
+        match self.io(key, hooks) {
+            Next::Keep => {}
+            Next::Drop(why) => {
+                self.drop_with_group(key, why);
+                return;
+            }
+        }
+        let h = &self.socks[key];
+        if h.phase == Phase::Finished && h.tx_at == h.tx.len() {
+            if let Some(d) = self.take_if_done(key) {
+                self.stats.done += 1;
+                done.push(d);
+            }
+        }
+    }
+
+    fn io<H: GateHooks<Slot = S>>(&mut self, key: usize, hooks: &H) -> Next {
+        loop {
+            let h = &mut self.socks[key];
+            while h.tx_at < h.tx.len() {
+                match (&h.sock).write(&h.tx[h.tx_at..]) {
+                    Ok(n) => h.tx_at += n,
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Next::Keep,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(_) => return Next::Drop("send failed"),
+                }
+            }
+            if !matches!(h.phase, Phase::Hello | Phase::Proving) {
+                return Next::Keep;
+            }
+            let frame = match (&h.sock).read(h.rx.want()) {
+                Ok(0) => return Next::Drop("closed by the peer"),
+                Ok(n) => {
+                    h.heard = true;
+                    match h.rx.filled(n) {
+                        Ok(None) => continue,
+                        Ok(Some(f)) => Ok(f),
+                        Err(e) => Err(e.to_string()),
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Next::Keep,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => return Next::Drop("receive failed"),
+            };
+            if let Err(why) = frame.and_then(|f| self.on_frame(key, f, hooks)) {
+                self.refuse(key, &why);
+                return Next::Drop("refused");
+            }
+        }
+    }
+
+    fn on_frame<H: GateHooks<Slot = S>>(
+        &mut self,
+        key: usize,
+        frame: ControlFrame,
+        hooks: &H,
+    ) -> std::result::Result<(), String> {
+        let phase = self.socks[key].phase;
+        match (phase, frame) {
+            (Phase::Hello, ControlFrame::Hello(theirs)) => {
+                match (hooks.key().is_some(), theirs.caps & CAP_AUTH != 0) {
+                    (true, false) => {
+                        return Err(
+                            "authentication required: this endpoint has FERRY_AUTH_KEY set".into(),
+                        )
+                    }
+                    (false, true) => return Err(
+                        "the peer requires authentication and this endpoint has no FERRY_AUTH_KEY"
+                            .into(),
+                    ),
+                    _ => {}
+                }
+                self.join_group(key, theirs, hooks)
+            }
+            (Phase::Proving, ControlFrame::Auth(mac)) => {
+                let key_bytes = hooks.key().expect("proving only with a key");
+                let h = &mut self.socks[key];
+                let (ours, theirs) = (h.ours.expect("acked"), h.theirs.expect("hello read"));
+                let expected = proof(
+                    key_bytes,
+                    "client",
+                    ours.auth_nonce,
+                    theirs.auth_nonce,
+                    theirs.endpoint_id,
+                    ours.endpoint_id,
+                );
+                if !ct_eq(&mac, &expected) {
+                    return Err(
+                        "authentication failed: wrong or missing proof of FERRY_AUTH_KEY".into(),
+                    );
+                }
+                h.tx.extend_from_slice(&ControlFrame::AuthOk.encode());
+                h.phase = Phase::Finished;
+                Ok(())
+            }
+            (Phase::Hello, other) => Err(format!("expected Hello, got {other:?}")),
+            (_, _) => Err("authentication failed: wrong or missing proof of FERRY_AUTH_KEY".into()),
+        }
+    }
+
+    /// Files a stream under its connection; acknowledges the whole
+    /// connection once every stream is here.
+    fn join_group<H: GateHooks<Slot = S>>(
+        &mut self,
+        key: usize,
+        theirs: Hello,
+        hooks: &H,
+    ) -> std::result::Result<(), String> {
+        let gk = (theirs.endpoint_id, theirs.conn_nonce);
+        let h = &mut self.socks[key];
+        h.theirs = Some(theirs);
+        h.phase = Phase::Waiting;
+        let peer = h.peer;
+        let g = self.groups.entry(gk).or_insert_with(|| Group {
+            members: vec![None; theirs.stream_count as usize],
+            arrived: 0,
+            slot: None,
+        });
+        if g.members.len() != theirs.stream_count as usize {
+            return Err(format!(
+                "stream {} says {} streams, earlier ones said {}",
+                theirs.stream_idx,
+                theirs.stream_count,
+                g.members.len()
+            ));
+        }
+        let at = &mut g.members[theirs.stream_idx as usize];
+        if at.is_some() {
+            return Err(format!("stream {} arrived twice", theirs.stream_idx));
+        }
+        // Members of one connection must come from one address.
+        let first_peer = g
+            .members
+            .iter()
+            .flatten()
+            .next()
+            .map(|&k| self.socks[k].peer.ip());
+        if first_peer.is_some_and(|ip| ip != peer.ip()) {
+            return Err("streams of one connection come from different addresses".into());
+        }
+        let g = self.groups.get_mut(&gk).expect("present");
+        g.members[theirs.stream_idx as usize] = Some(key);
+        g.arrived += 1;
+        self.socks[key].group = Some(gk);
+        if g.arrived < g.members.len() {
+            return Ok(());
+        }
+        let members: Vec<usize> = g.members.iter().map(|m| m.expect("all arrived")).collect();
+        let slot = match hooks.admit(&theirs, peer) {
+            Ok(slot) => slot,
+            Err(e) => {
+                // Every stream hears why (the caller answers this one).
+                let why = e.to_string();
+                for &m in members.iter().filter(|&&m| m != key) {
+                    self.refuse(m, &why);
+                }
+                return Err(why);
+            }
+        };
+        self.groups.get_mut(&gk).expect("present").slot = Some(slot);
+        for m in members {
+            let h = &mut self.socks[m];
+            let t = h.theirs.expect("hello read");
+            let mut ours = hooks.ours();
+            ours.conn_nonce = t.conn_nonce;
+            ours.stream_idx = t.stream_idx;
+            ours.stream_count = t.stream_count;
+            h.tx.extend_from_slice(&ControlFrame::HelloAck(ours).encode());
+            h.ours = Some(ours);
+            match hooks.key() {
+                Some(k) => {
+                    let mine = proof(
+                        k,
+                        "server",
+                        t.auth_nonce,
+                        ours.auth_nonce,
+                        ours.endpoint_id,
+                        t.endpoint_id,
+                    );
+                    h.tx.extend_from_slice(&ControlFrame::Auth(mine).encode());
+                    h.phase = Phase::Proving;
+                }
+                None => h.phase = Phase::Finished,
+            }
+            if m != key {
+                self.kick.push(m);
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes and returns the connection of `key` if every stream of it
+    /// has finished.
+    fn take_if_done(&mut self, key: usize) -> Option<Done<S>> {
+        let gk = self.socks[key].group?;
+        let g = self.groups.get(&gk)?;
+        let all = g.members.iter().all(|m| {
+            m.is_some_and(|k| {
+                let h = &self.socks[k];
+                h.phase == Phase::Finished && h.tx_at == h.tx.len()
+            })
+        });
+        if !all {
+            return None;
+        }
+        let g = self.groups.remove(&gk).expect("present");
+        let mut streams = Vec::with_capacity(g.members.len());
+        let (mut theirs, mut ours, mut peer) = (None, None, None);
+        for k in g.members.into_iter().flatten() {
+            let h = self.remove(k);
+            theirs.get_or_insert(h.theirs.expect("read"));
+            ours.get_or_insert(h.ours.expect("sent"));
+            peer.get_or_insert(h.peer);
+            streams.push(h.sock);
+        }
+        Some(Done {
+            theirs: theirs.expect("one stream"),
+            ours: ours.expect("one stream"),
+            peer: peer.expect("one stream"),
+            streams,
+            slot: g.slot.expect("admitted"),
+        })
+    }
+
+    /// Best effort: tells the peer why, without waiting.
+    fn refuse(&mut self, key: usize, why: &str) {
+        self.stats.refused += 1;
+        let h = &self.socks[key];
+        debug!(peer = %h.peer, "handshake refused: {why}");
+        let frame = ControlFrame::Error {
+            code: REJECT_PROTOCOL,
+            message: why.to_owned(),
+        };
+        let _ = (&h.sock).write(&frame.encode());
+    }
+
+    fn remove(&mut self, key: usize) -> Hs {
+        let h = self.socks.remove(key);
+        let fd = h.sock.as_raw_fd();
+        let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
+        let ip = h.peer.ip();
+        if let Some(n) = self.per_addr.get_mut(&ip) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_addr.remove(&ip);
+            }
+        }
+        h
+    }
+
+    /// Drops socket `key` and the other streams of its connection.
+    fn drop_with_group(&mut self, key: usize, why: &'static str) {
+        let h = self.remove(key);
+        debug!(peer = %h.peer, "handshake dropped: {why}");
+        if let Some(g) = h.group.and_then(|gk| self.groups.remove(&gk)) {
+            for k in g.members.into_iter().flatten() {
+                if k != key && self.socks.contains(k) {
+                    self.remove(k);
+                }
+            }
+        }
+    }
+}
+
+impl<S> Drop for Gate<S> {
+    fn drop(&mut self) {
+        let fd = self.listener_fd;
+        let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::oob::{handshake, Ctl, IoBackend};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    struct Hooks {
+        key: Option<Vec<u8>>,
+        refuse: bool,
+    }
+
+    impl GateHooks for Hooks {
+        type Slot = ();
+        fn ours(&self) -> Hello {
+            hello(2, 0, 1, self.key.is_some())
+        }
+        fn key(&self) -> Option<&[u8]> {
+            self.key.as_deref()
+        }
+        fn admit(&self, _: &Hello, _: SocketAddr) -> Result<()> {
+            if self.refuse {
+                return Err(Error::LimitReached {
+                    limit: "TEST",
+                    max: 0,
+                });
+            }
+            Ok(())
+        }
+    }
+
+    fn hello(id: u64, idx: u16, count: u16, auth: bool) -> Hello {
+        Hello {
+            endpoint_id: id,
+            caps: if auth { CAP_AUTH } else { 0 },
+            conn_nonce: crate::sys::random_u64(),
+            stream_idx: idx,
+            stream_count: count,
+            max_inflight: 8,
+            host_token: 0,
+            auth_nonce: crate::sys::random_u64(),
+        }
+    }
+
+    fn limits(max: usize, first_ms: u64, whole_ms: u64) -> GateLimits {
+        GateLimits {
+            max_pending: max,
+            max_per_addr: max,
+            accept_batch: 4,
+            first_bytes: Duration::from_millis(first_ms),
+            whole: Duration::from_millis(whole_ms),
+        }
+    }
+
+    fn listener() -> (TcpListener, SocketAddr) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = l.local_addr().unwrap();
+        (l, a)
+    }
+
+    /// Runs `client` on a thread while driving the gate; returns what the
+    /// client got and every connection the gate finished.
+    fn drive<T: Send + 'static>(
+        gate: &mut Gate<()>,
+        l: &TcpListener,
+        hooks: &Hooks,
+        client: impl FnOnce() -> T + Send + 'static,
+    ) -> (T, Vec<Done<()>>) {
+        let t = std::thread::spawn(client);
+        let mut done = Vec::new();
+        while !t.is_finished() {
+            done.extend(gate.step(l, hooks, Duration::from_millis(5)).unwrap());
+        }
+        done.extend(gate.step(l, hooks, Duration::from_millis(20)).unwrap());
+        (t.join().unwrap(), done)
+    }
+
+    fn connect(addr: SocketAddr, h: Hello, key: Option<Vec<u8>>) -> Result<Hello> {
+        let mut ctl = Ctl::new(IoBackend::Epoll)?;
+        handshake::connect(&mut ctl, addr, h, Duration::from_secs(3), key.as_deref())
+            .map(|(_, ack)| ack)
+    }
+
+    #[test]
+    fn a_multi_stream_connection_is_acked_only_when_whole() {
+        let (l, addr) = listener();
+        let mut gate = Gate::new(&l, limits(64, 1000, 3000)).unwrap();
+        let hooks = Hooks {
+            key: None,
+            refuse: false,
+        };
+        let h = hello(1, 0, 2, false);
+        let mut s0 = TcpStream::connect(addr).unwrap();
+        s0.write_all(&ControlFrame::Hello(h).encode()).unwrap();
+        assert!(gate
+            .step(&l, &hooks, Duration::from_millis(50))
+            .unwrap()
+            .is_empty());
+        s0.set_nonblocking(true).unwrap();
+        let mut b = [0u8; 1];
+        assert_eq!(
+            s0.read(&mut b).unwrap_err().kind(),
+            io::ErrorKind::WouldBlock,
+            "stream 0 must not be acknowledged before stream 1 arrives"
+        );
+        let mut s1 = TcpStream::connect(addr).unwrap();
+        s1.write_all(&ControlFrame::Hello(Hello { stream_idx: 1, ..h }).encode())
+            .unwrap();
+        let mut done = Vec::new();
+        for _ in 0..100 {
+            done.extend(gate.step(&l, &hooks, Duration::from_millis(5)).unwrap());
+            if !done.is_empty() {
+                break;
+            }
+        }
+        assert_eq!(done.len(), 1);
+        assert_eq!(done[0].streams.len(), 2);
+        assert_eq!(done[0].theirs.conn_nonce, h.conn_nonce);
+        assert_eq!(
+            done[0].streams[1].peer_addr().unwrap(),
+            s1.local_addr().unwrap(),
+            "streams in index order"
+        );
+        assert_eq!(gate.pending(), 0);
+    }
+
+    #[test]
+    fn clients_with_and_without_the_secret() {
+        let (l, addr) = listener();
+        let mut gate = Gate::new(&l, limits(64, 1000, 3000)).unwrap();
+        let key = b"k".to_vec();
+        let hooks = Hooks {
+            key: Some(key.clone()),
+            refuse: false,
+        };
+        let (got, done) = drive(&mut gate, &l, &hooks, move || {
+            connect(addr, hello(1, 0, 3, true), Some(key))
+        });
+        assert_eq!(got.unwrap().endpoint_id, 2);
+        assert_eq!(done.len(), 1);
+        assert_eq!(done[0].streams.len(), 3);
+        let (got, done) = drive(&mut gate, &l, &hooks, move || {
+            connect(addr, hello(1, 0, 1, true), Some(b"wrong".to_vec()))
+        });
+        assert!(got.unwrap_err().to_string().contains("proof is wrong"));
+        assert!(done.is_empty());
+        let (got, _) = drive(&mut gate, &l, &hooks, move || {
+            connect(addr, hello(1, 0, 1, false), None)
+        });
+        assert!(got
+            .unwrap_err()
+            .to_string()
+            .contains("authentication required"));
+        assert_eq!(gate.pending(), 0);
+    }
+
+    #[test]
+    fn a_refused_connection_hears_why() {
+        let (l, addr) = listener();
+        let mut gate = Gate::new(&l, limits(64, 1000, 3000)).unwrap();
+        let hooks = Hooks {
+            key: None,
+            refuse: true,
+        };
+        let (got, done) = drive(&mut gate, &l, &hooks, move || {
+            connect(addr, hello(1, 0, 2, false), None)
+        });
+        let e = got.unwrap_err().to_string();
+        assert!(e.contains("refused by peer") && e.contains("TEST"), "{e}");
+        assert!(done.is_empty());
+        assert_eq!(gate.pending(), 0);
+    }
+
+    #[test]
+    fn silent_and_half_authenticated_sockets_expire() {
+        let (l, addr) = listener();
+        let mut gate = Gate::new(&l, limits(64, 100, 300)).unwrap();
+        let hooks = Hooks {
+            key: Some(b"k".to_vec()),
+            refuse: false,
+        };
+        let silent: Vec<TcpStream> = (0..10).map(|_| TcpStream::connect(addr).unwrap()).collect();
+        let half: Vec<TcpStream> = (0..5)
+            .map(|_| {
+                let mut s = TcpStream::connect(addr).unwrap();
+                s.write_all(&ControlFrame::Hello(hello(1, 0, 1, true)).encode())
+                    .unwrap();
+                s
+            })
+            .collect();
+        gate.step(&l, &hooks, Duration::from_millis(50)).unwrap();
+        assert_eq!(gate.pending(), 15);
+        gate.step(&l, &hooks, Duration::from_millis(100)).unwrap();
+        assert_eq!(gate.pending(), 5, "silent ones dropped after 100 ms");
+        gate.step(&l, &hooks, Duration::from_millis(250)).unwrap();
+        assert_eq!(gate.pending(), 0, "half-authenticated ones after 300 ms");
+        assert_eq!(gate.stats().expired, 15);
+        drop((silent, half));
+    }
+
+    /// An attacker keeps every slot busy and reconnects the moment a
+    /// socket of his is dropped; honest clients still get through, because
+    /// the gate evicts the oldest and serves sockets already here first.
+    #[test]
+    fn a_reconnecting_flood_does_not_lock_out_honest_clients() {
+        let (l, addr) = listener();
+        let mut gate = Gate::new(&l, limits(32, 2000, 3000)).unwrap();
+        let hooks = Hooks {
+            key: None,
+            refuse: false,
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let attacker = std::thread::spawn(move || {
+            let open = || {
+                let s = TcpStream::connect(addr).unwrap();
+                s.set_nonblocking(true).unwrap();
+                s
+            };
+            let mut socks: Vec<TcpStream> = (0..48).map(|_| open()).collect();
+            let mut reopened = 0u64;
+            while !stop2.load(Ordering::Relaxed) {
+                for s in socks.iter_mut() {
+                    let mut b = [0u8; 64];
+                    let gone = match s.read(&mut b) {
+                        Ok(_) => true,
+                        Err(e) => e.kind() != io::ErrorKind::WouldBlock,
+                    };
+                    if gone {
+                        *s = open();
+                        reopened += 1;
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            reopened
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        let (results, done) = drive(&mut gate, &l, &hooks, move || {
+            (0..20)
+                .map(|_| connect(addr, hello(1, 0, 2, false), None).map_err(|e| e.to_string()))
+                .collect::<Vec<_>>()
+        });
+        stop.store(true, Ordering::Relaxed);
+        let reopened = attacker.join().unwrap();
+        let failed: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+        assert!(failed.is_empty(), "{failed:?}");
+        assert_eq!(done.len(), 20);
+        assert!(reopened > 0, "the flood never hit the bound");
+        assert!(gate.stats().evicted > 0);
+        assert!(gate.pending() <= 32);
+    }
+}
