@@ -105,6 +105,10 @@ pub enum Error {
     EmptyVector,
     #[error("submission queue of shard {shard} is full ({capacity} entries)")]
     QueueFull { shard: usize, capacity: usize },
+    /// One connection may hold at most `FERRY_SQ_DEPTH` commands waiting
+    /// for room; more are refused at once (its peer is not keeping up).
+    #[error("{conn} already has {waiting} commands waiting for room (FERRY_SQ_DEPTH): its peer is not keeping up")]
+    Backlogged { conn: ConnId, waiting: usize },
     #[error("all {max} in-flight operation slots are taken (FERRY_MAX_INFLIGHT_OPS)")]
     TooManyInflight { max: usize },
     #[error("timed out after {timeout_ms} ms waiting for {what}")]
@@ -170,6 +174,10 @@ impl Error {
             },
             Error::Shutdown => Error::Shutdown,
             Error::UnknownConn { conn } => Error::UnknownConn { conn: *conn },
+            Error::Backlogged { conn, waiting } => Error::Backlogged {
+                conn: *conn,
+                waiting: *waiting,
+            },
             Error::LimitReached { limit, max } => Error::LimitReached { limit, max: *max },
             other => Error::ConnFailed {
                 conn: ConnId(u64::MAX),

@@ -475,11 +475,6 @@ fn a_peer_that_stops_reading_stalls_only_itself() {
             .config({
                 let mut conf = config(IoPreference::Auto);
                 conf.op_timeout_ms = 1500;
-                // Room in the shared queue for the flood below: this test
-                // is about the shard's draining. (One connection can still
-                // fill the queue itself; per-connection admission at the
-                // endpoint is not built yet.)
-                conf.sq_depth = 8192;
                 conf
             })
             .build()
@@ -529,6 +524,61 @@ fn a_peer_that_stops_reading_stalls_only_itself() {
         matches!(&e, Error::ConnFailed { reason, .. } if reason.contains("not reading")),
         "{e}"
     );
+    ep.write(good, &local, 0, 4096, &win).unwrap();
+    silent.join().unwrap();
+}
+
+/// One connection parks at most `sq_depth` commands; more ops on it fail
+/// at once with `Backlogged` (naming it), while other connections of the
+/// same shard go on.
+#[test]
+fn one_connection_cannot_fill_the_shard() {
+    let (addr, silent) = raw_peer(16, |s| {
+        std::thread::sleep(Duration::from_secs(4));
+        drop(s);
+    });
+    let ep = Endpoint::builder()
+        .config({
+            let mut conf = config(IoPreference::Auto);
+            conf.sq_depth = 64;
+            conf.op_timeout_ms = 2000;
+            conf
+        })
+        .build()
+        .unwrap();
+    let stuck = ep.connect(addr).unwrap();
+    let target = client(IoPreference::Auto);
+    target.start_passive_accept().unwrap();
+    let good = ep.add_remote(&target.metadata_bytes()).unwrap();
+    let dst = target.alloc(4096).unwrap();
+    let win = dst.advertise(0, 4096).unwrap();
+    let local = ep.alloc(4096).unwrap();
+    let rb = unanswered_window();
+    // 16 in flight (the peer's limit), 64 parked, the rest refused.
+    let mut transfers = Vec::new();
+    let mut refused = 0;
+    for _ in 0..400 {
+        match ep.write_async(stuck, &local, 0, 8, &rb) {
+            Ok(t) => transfers.push(t),
+            Err(Error::QueueFull { .. }) => std::thread::sleep(Duration::from_millis(1)),
+            Err(e) => panic!("{e}"),
+        }
+        ep.write(good, &local, 0, 64, &win).unwrap();
+    }
+    let t0 = Instant::now();
+    for mut t in transfers {
+        match t.wait_timeout(Duration::from_secs(10)) {
+            Err(Error::Backlogged { conn, waiting }) => {
+                assert_eq!((conn, waiting), (stuck, 64));
+                refused += 1;
+            }
+            // The parked and in-flight ones fail at the op timeout.
+            Err(Error::ConnFailed { .. }) | Err(Error::Timeout { .. }) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(refused >= 400 - 16 - 64 - 64, "only {refused} refused");
+    assert!(t0.elapsed() < Duration::from_secs(8));
     ep.write(good, &local, 0, 4096, &win).unwrap();
     silent.join().unwrap();
 }

@@ -78,7 +78,8 @@ pub struct Config {
     pub max_inflight_ops: usize,
     /// Request frames outstanding per stream (`FERRY_STREAM_INFLIGHT`, default 1024).
     pub stream_inflight: usize,
-    /// Depth of each shard's submission queue (`FERRY_SQ_DEPTH`, default 4096).
+    /// Depth of each shard's submission queue (`FERRY_SQ_DEPTH`, default 4096);
+    /// also the most commands one connection may have waiting for room.
     pub sq_depth: usize,
     /// TCP streams per connection (`FERRY_STREAMS`, default 1).
     pub streams_per_conn: u16,

@@ -41,6 +41,9 @@ use crate::wire::Status;
 /// Commands taken from the queue per `poll`, so one busy submitter cannot
 /// starve the sockets.
 const COMMANDS_PER_POLL: usize = 256;
+/// All connections of a shard together park at most this many times
+/// `sq_depth` commands (one connection at most `sq_depth`).
+const PARKED_PER_DEPTH: usize = 8;
 /// `poll` calls between checks for timed-out requests.
 const TIMEOUT_CHECK_EVERY: u32 = 8192;
 
@@ -70,7 +73,8 @@ pub struct Shard {
     /// retried first on every pass. Later commands for such a connection
     /// wait behind them; other connections' do not.
     parked: crate::sys::IntMap<ConnId, (Instant, std::collections::VecDeque<Command>)>,
-    /// Commands parked, all connections together (at most `sq_depth`).
+    /// Commands parked, all connections together (at most
+    /// `PARKED_PER_DEPTH * sq_depth`; one connection at most `sq_depth`).
     parked_count: usize,
     region_rx: Receiver<RegionCmd>,
     regions: RegionTable,
@@ -285,14 +289,19 @@ impl Shard {
 
     fn drain_commands(&mut self) -> usize {
         let mut n = self.retry_parked();
-        // Parked commands came out of the bounded queue; holding at most
-        // its depth of them keeps the bound, and past it the queue stays
-        // full: back-pressure reaches the submitters.
-        while n < COMMANDS_PER_POLL && self.parked_count < self.cfg.sq_depth {
+        // Parked commands came out of the bounded queue. One connection
+        // parks at most the queue's depth (more are refused at once, so a
+        // connection whose peer stops reading cannot fill the shard); all
+        // together at most PARKED_PER_DEPTH times it, past which the queue
+        // stays full: back-pressure reaches the submitters.
+        while n < COMMANDS_PER_POLL && self.parked_count < PARKED_PER_DEPTH * self.cfg.sq_depth {
             match self.rx.try_recv() {
                 Ok(cmd) => {
                     n += 1;
                     match cmd.waits_on() {
+                        Some(c) if self.parked_len(c) >= self.cfg.sq_depth => {
+                            self.refuse_backlogged(c, cmd)
+                        }
                         Some(c) if self.parked.contains_key(&c) => self.park_command(c, cmd),
                         _ => {
                             if let Some(back) = self.apply(cmd) {
@@ -306,6 +315,32 @@ impl Shard {
             }
         }
         n
+    }
+
+    fn parked_len(&self, conn: ConnId) -> usize {
+        self.parked.get(&conn).map_or(0, |(_, q)| q.len())
+    }
+
+    /// A command for a connection that already has its share parked: an
+    /// op fails at once; a notification (which has no outcome to report)
+    /// fails the connection, so nothing is dropped silently.
+    fn refuse_backlogged(&mut self, conn: ConnId, cmd: Command) {
+        let waiting = self.parked_len(conn);
+        match cmd {
+            Command::Op(op) => self
+                .ledger
+                .fail(op.slot, Error::Backlogged { conn, waiting }),
+            _ => {
+                if let Some(at) = self.dir.get(conn) {
+                    self.to_fail.push((
+                        at,
+                        format!(
+                            "{waiting} commands waiting for room and a notification more: the peer is not reading"
+                        ),
+                    ));
+                }
+            }
+        }
     }
 
     fn park_command(&mut self, conn: ConnId, cmd: Command) {
