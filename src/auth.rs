@@ -6,7 +6,7 @@
 //! RFC 4231).
 
 use hmac::{Hmac, Mac as _};
-use sha2::{Digest, Sha256};
+use sha2::Sha256;
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -18,10 +18,6 @@ pub const TAG_LEN: usize = 16;
 
 /// A frame tag.
 pub type Tag = [u8; TAG_LEN];
-
-pub fn sha256(data: &[u8]) -> [u8; 32] {
-    Sha256::digest(data).into()
-}
 
 /// HMAC-SHA256 of the concatenation of `parts` (RFC 2104).
 pub fn hmac(key: &[u8], parts: &[&[u8]]) -> Mac {
@@ -149,6 +145,11 @@ pub fn proof(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sha2::Digest;
+
+    fn sha256(data: &[u8]) -> [u8; 32] {
+        Sha256::digest(data).into()
+    }
 
     fn hex(b: &[u8]) -> String {
         b.iter().map(|x| format!("{x:02x}")).collect()

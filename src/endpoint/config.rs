@@ -27,6 +27,21 @@ pub enum Transport {
     Shm,
 }
 
+/// What the frame MACs of an authenticated connection cover
+/// (`FERRY_INTEGRITY`; only with `FERRY_AUTH_KEY`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Integrity {
+    /// Every frame header (key, address, length, op id, sequence): a relay
+    /// cannot inject, replay, reorder or redirect requests. Payload bytes
+    /// are not covered.
+    Headers,
+    /// Headers and payloads: altered data fails its op (a READ) or is
+    /// never acknowledged (a WRITE; the bytes may already be in the
+    /// target's window) and the connection dies. Costs a MAC pass over
+    /// every payload on both sides. Used when either side asks for it.
+    Full,
+}
+
 /// A shared secret; its bytes never appear in `Debug` output or logs.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Secret(Vec<u8>);
@@ -119,6 +134,10 @@ pub struct Config {
     /// an HMAC-SHA256 challenge-response both ways; a peer without it, or
     /// with another, is refused. `None`: no authentication.
     pub auth_key: Option<Secret>,
+    /// What the frame MACs cover on authenticated connections
+    /// (`FERRY_INTEGRITY=headers|full`, default headers). Secrecy is not
+    /// offered: use a private network or a tunnel for that.
+    pub integrity: Integrity,
     /// The endpoint's GPU (`FERRY_GPU`, an index into the visible devices).
     /// `None`: lazy — the first registered GPU pointer picks it, else GPU 0
     /// when GPU work needs one.
@@ -174,6 +193,7 @@ impl Default for Config {
             max_registrations: 65536,
             max_conn_inflight_ops: 4096,
             auth_key: None,
+            integrity: Integrity::Headers,
             gpu: None,
             gpu_streams: 4,
             gpu_bounce_bytes: 256 << 20,
@@ -431,6 +451,13 @@ impl Config {
         }
         if let Some(v) = get("FERRY_RDMA_DEV") {
             c.rdma_dev = Some(v);
+        }
+        if let Some(v) = get("FERRY_INTEGRITY") {
+            c.integrity = match v.trim() {
+                "headers" => Integrity::Headers,
+                "full" => Integrity::Full,
+                _ => return Err(bad("FERRY_INTEGRITY", &v, "expected headers or full")),
+            };
         }
         if let Some(v) = get("FERRY_AUTH_KEY") {
             c.auth_key = Some(Secret::new(v.into_bytes())?);

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
-pub use config::{Config, Mode, Secret, Transport};
+pub use config::{Config, Integrity, Mode, Secret, Transport};
 pub use memory::{MemoryRegion, MAX_WINDOWS};
 pub use ops::Window;
 
@@ -33,7 +33,9 @@ use crate::reactor::{
 use crate::region::{Access, Backing, Region};
 use crate::sys::{pin_to_core, primary_ipv4, random_u64};
 use crate::tcp::StreamLimits;
-use crate::wire::{EndpointMetadata, Hello, RemoteBuf, CAP_AUTH, CAP_SHM, MAX_NOTIFY_BYTES};
+use crate::wire::{
+    EndpointMetadata, Hello, RemoteBuf, CAP_AUTH, CAP_INTEGRITY_FULL, CAP_SHM, MAX_NOTIFY_BYTES,
+};
 
 /// Sockets in handshake at once (the gate evicts the oldest beyond it).
 const MAX_PENDING_HANDSHAKES: usize = 1024;
@@ -962,6 +964,11 @@ impl Inner {
                     CAP_AUTH
                 } else {
                     0
+                }
+                | if self.cfg.integrity == Integrity::Full {
+                    CAP_INTEGRITY_FULL
+                } else {
+                    0
                 },
             auth_nonce: random_u64(),
             host_token: self.host_token,
@@ -977,7 +984,8 @@ impl Inner {
         let mut ctl = Ctl::new(self.backend)?;
         let timeout = self.cfg.connect_timeout();
         let ours = self.stream_hello();
-        let (streams, ack) = handshake::connect(&mut ctl, addr, ours, timeout, self.auth_key())?;
+        let (streams, hellos) = handshake::connect(&mut ctl, addr, ours, timeout, self.auth_key())?;
+        let ack = hellos[0].1;
         if self.goes_local(&ours, &ack) {
             drop(streams);
             match self.connect_local(ack.endpoint_id) {
@@ -985,13 +993,16 @@ impl Inner {
                 Err(e) if self.cfg.transport == Transport::Shm => return Err(e),
                 Err(e) => {
                     warn!(%addr, "same-host connection failed, using tcp: {e}");
+                    // The same offer without shared memory (authentication
+                    // and the rest unchanged, so both sides decide alike).
+                    let ours = self.stream_hello();
                     let plain = Hello {
-                        caps: 0,
-                        ..self.stream_hello()
+                        caps: ours.caps & !CAP_SHM,
+                        ..ours
                     };
-                    let (streams, ack) =
+                    let (streams, hellos) =
                         handshake::connect(&mut ctl, addr, plain, timeout, self.auth_key())?;
-                    return self.adopt(streams, ack, addr);
+                    return self.adopt(streams, &hellos, true, addr);
                 }
             }
         }
@@ -1001,7 +1012,7 @@ impl Inner {
                 reason: format!("{addr} is not a same-host endpoint with shared memory"),
             });
         }
-        self.adopt(streams, ack, addr)
+        self.adopt(streams, &hellos, true, addr)
     }
 
     /// When both sides offer verbs, sets up the connection's RDMA queue
@@ -1039,12 +1050,52 @@ impl Inner {
         }
     }
 
+    /// Each stream's frame MACs when the connection is authenticated:
+    /// keys from the secret and that stream's two handshake nonces.
+    fn stream_macs(&self, hellos: &[(Hello, Hello)], client: bool) -> Vec<crate::tcp::Integrity> {
+        use crate::auth::{Direction, FrameKey};
+        let Some(key) = self.auth_key() else {
+            return Vec::new();
+        };
+        let full = hellos
+            .iter()
+            .any(|(o, t)| (o.caps | t.caps) & CAP_INTEGRITY_FULL != 0);
+        hellos
+            .iter()
+            .map(|(ours, theirs)| {
+                let (c, s) = if client {
+                    (ours, theirs)
+                } else {
+                    (theirs, ours)
+                };
+                let k = |dir| {
+                    FrameKey::derive(
+                        key,
+                        dir,
+                        c.auth_nonce,
+                        s.auth_nonce,
+                        c.endpoint_id,
+                        s.endpoint_id,
+                    )
+                };
+                let (c2s, s2c) = (k(Direction::ClientToServer), k(Direction::ServerToClient));
+                let (tx, rx) = if client { (c2s, s2c) } else { (s2c, c2s) };
+                crate::tcp::Integrity { tx, rx, full }
+            })
+            .collect()
+    }
+
+    /// Takes a handshaken connection to its shard. `hellos`: each stream's
+    /// (ours, theirs); `client`: we connected.
     fn adopt(
         &self,
         streams: Vec<std::net::TcpStream>,
-        peer_hello: Hello,
+        hellos: &[(Hello, Hello)],
+        client: bool,
         peer: SocketAddr,
     ) -> Result<ConnId> {
+        let peer_hello = hellos[0].1;
+        let macs = self.stream_macs(hellos, client);
         let conn = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
         let agreed = self.agreed_inflight(peer_hello.max_inflight as usize);
         let limits = StreamLimits {
@@ -1066,6 +1117,7 @@ impl Inner {
                 streams,
                 limits,
                 verbs,
+                macs,
             },
             deadline,
         )?;
@@ -1109,7 +1161,7 @@ impl Inner {
         }
         fn adopt(inner: &Arc<Inner>, d: Done<PeerSlot>) {
             let peer = d.peer;
-            match inner.adopt(d.streams, d.theirs, peer) {
+            match inner.adopt(d.streams, &d.hellos, false, peer) {
                 Ok(conn) => inner.push_accepted(conn, Peer::Net(peer)),
                 Err(e) => warn!(%peer, "incoming connection failed: {e}"),
             }

@@ -76,6 +76,8 @@ pub(crate) struct Done<S> {
     pub peer: SocketAddr,
     /// In stream order, non-blocking.
     pub streams: Vec<TcpStream>,
+    /// Each stream's (our hello, the peer's), in stream order.
+    pub hellos: Vec<(Hello, Hello)>,
     pub slot: S,
 }
 
@@ -558,19 +560,20 @@ impl<S> Gate<S> {
         }
         let g = self.groups.remove(&gk).expect("present");
         let mut streams = Vec::with_capacity(g.members.len());
-        let (mut theirs, mut ours, mut peer) = (None, None, None);
+        let mut hellos = Vec::with_capacity(g.members.len());
+        let mut peer = None;
         for k in g.members.into_iter().flatten() {
             let h = self.remove(k);
-            theirs.get_or_insert(h.theirs.expect("read"));
-            ours.get_or_insert(h.ours.expect("sent"));
+            hellos.push((h.ours.expect("sent"), h.theirs.expect("read")));
             peer.get_or_insert(h.peer);
             streams.push(h.sock);
         }
         Some(Done {
-            theirs: theirs.expect("one stream"),
-            ours: ours.expect("one stream"),
+            theirs: hellos[0].1,
+            ours: hellos[0].0,
             peer: peer.expect("one stream"),
             streams,
+            hellos,
             slot: g.slot.expect("admitted"),
         })
     }
@@ -702,7 +705,7 @@ mod tests {
     fn connect(addr: SocketAddr, h: Hello, key: Option<Vec<u8>>) -> Result<Hello> {
         let mut ctl = Ctl::new(IoBackend::Epoll)?;
         handshake::connect(&mut ctl, addr, h, Duration::from_secs(3), key.as_deref())
-            .map(|(_, ack)| ack)
+            .map(|(_, pairs)| pairs[0].1)
     }
 
     #[test]

@@ -55,17 +55,21 @@ pub(crate) fn check_ack(ours: &Hello, answer: ControlFrame, peer: SocketAddr) ->
     }
 }
 
+/// A connected side's sockets, and each stream's (our hello, the ack).
+pub(crate) type Handshaken = (Vec<TcpStream>, Vec<(Hello, Hello)>);
+
 /// Opens the `count` sockets of one connection, sends every `Hello`, then
 /// reads each ack (the peer acknowledges none before all have arrived).
-/// Returns the sockets (in stream order) and the peer's ack of stream 0.
-/// With a shared secret, each stream also runs the mutual HMAC exchange.
+/// Returns the sockets (in stream order) and each stream's (our hello,
+/// the peer's ack). With a shared secret, each stream also runs the mutual
+/// HMAC exchange.
 pub(crate) fn connect(
     ctl: &mut Ctl,
     addr: SocketAddr,
     mut hello: Hello,
     timeout: Duration,
     key: Option<&[u8]>,
-) -> Result<(Vec<TcpStream>, Hello)> {
+) -> Result<Handshaken> {
     let deadline = Instant::now() + timeout;
     let mut streams = Vec::with_capacity(hello.stream_count as usize);
     let map_timeout = |e: Error| match e {
@@ -92,19 +96,16 @@ pub(crate) fn connect(
         streams.push(s);
         hellos.push(hello);
     }
-    let mut first = None;
+    let mut pairs = Vec::with_capacity(streams.len());
     for (s, ours) in streams.iter().zip(&hellos) {
         let answer = read_frame(ctl, s, deadline).map_err(map_timeout)?;
         let ack = check_ack(ours, answer, addr)?;
         if let Some(key) = key {
             prove_to_server(ctl, s, addr, key, ours, &ack, deadline).map_err(map_timeout)?;
         }
-        first.get_or_insert(ack);
+        pairs.push((*ours, ack));
     }
-    Ok((
-        streams,
-        first.expect("stream_count >= 1 is checked by the codec"),
-    ))
+    Ok((streams, pairs))
 }
 
 /// The client's half of the exchange: check the server's proof, send ours,

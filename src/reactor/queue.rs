@@ -94,6 +94,8 @@ pub(crate) enum Command {
         limits: StreamLimits,
         /// RDMA queue pairs, when both sides set them up.
         verbs: Option<Box<crate::verbs::Link>>,
+        /// Each stream's frame MACs (authenticated connections); empty: none.
+        macs: Vec<crate::tcp::Integrity>,
     },
     AddLocal(Box<crate::shm::local::LocalConn>),
     /// Drops a connection; the sender (if any) hears once it is gone.

@@ -405,8 +405,9 @@ impl Shard {
                 streams,
                 limits,
                 verbs,
+                macs,
             } => {
-                match self.tcp.add(conn, streams, limits, verbs) {
+                match self.tcp.add(conn, streams, limits, verbs, macs) {
                     Ok(idx) => {
                         self.dir.insert(conn, ConnRef::Tcp(idx));
                         debug!(shard = self.id, %conn, "connection adopted");

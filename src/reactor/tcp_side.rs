@@ -105,7 +105,15 @@ impl TcpSide {
         streams: Vec<std::net::TcpStream>,
         limits: StreamLimits,
         verbs: Option<Box<crate::verbs::Link>>,
+        macs: Vec<crate::tcp::Integrity>,
     ) -> Result<usize> {
+        if !macs.is_empty() && macs.len() != streams.len() {
+            return Err(Error::Unsupported {
+                what: "connection",
+                reason: format!("{} streams but {} MAC keys", streams.len(), macs.len()),
+            });
+        }
+        let mut macs = macs.into_iter();
         if streams.is_empty() || streams.len() > MAX_STREAMS {
             return Err(Error::Unsupported {
                 what: "connection",
@@ -138,7 +146,7 @@ impl TcpSide {
                     Interest::READABLE | Interest::WRITABLE,
                 )
                 .map_err(|e| Error::io("epoll_ctl", e))?;
-            out.push(Stream::new(m, limits, i as u8));
+            out.push(Stream::new(m, limits, i as u8, macs.next()));
         }
         self.stream_count += out.len();
         entry.insert(Conn {
@@ -263,7 +271,9 @@ mod tests {
             own_max: 4,
             peer_max: 4,
         };
-        let idx = side.add(ConnId(1), vec![a], limits, None).unwrap();
+        let idx = side
+            .add(ConnId(1), vec![a], limits, None, Vec::new())
+            .unwrap();
         let sock = socket2::SockRef::from(&side.conns[idx].streams[0].sock);
         assert_eq!(
             sock.tcp_user_timeout().unwrap(),

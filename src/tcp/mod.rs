@@ -32,5 +32,5 @@ mod pair;
 pub(crate) mod proto;
 mod stream;
 
-pub(crate) use proto::StreamLimits;
+pub(crate) use proto::{Integrity, StreamLimits};
 pub(crate) use stream::Stream;

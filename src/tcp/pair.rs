@@ -19,11 +19,12 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::proto::{Step, StreamLimits, StreamProto, NOTIFY_QUEUE};
+use super::proto::{Integrity, Step, StreamLimits, StreamProto, NOTIFY_QUEUE};
+use crate::auth::{Direction, FrameKey, TAG_LEN};
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::region::{Grant, KeyRef, Region, RegionSlice, RegionTable};
 use crate::wire::testrng::Rng;
-use crate::wire::{DataHeader, DATA_HEADER_LEN};
+use crate::wire::{DataHeader, DataKind, DATA_HEADER_LEN};
 use crate::xfer::testing::{self, bytes_of, RecSink, View};
 
 const HDR: usize = DATA_HEADER_LEN;
@@ -41,6 +42,10 @@ pub(crate) enum Corrupt {
     OpId,
     /// A flipped key tag: the target refuses the request (UnknownKey).
     Tag,
+    /// A flipped payload byte (the first after the nth header).
+    Payload,
+    /// A forged READ request slipped in before the nth header.
+    Inject,
 }
 
 /// The faults of one run.
@@ -65,6 +70,8 @@ pub(crate) struct Faults {
     /// Notifications the receiving application holds before it must drain
     /// (a full inbox pushes back through the stream).
     pub inbox_cap: usize,
+    /// Frame MACs on every stream: `Some(full)`.
+    pub integrity: Option<bool>,
 }
 
 /// One direction of one stream: the kernel's send and receive buffers.
@@ -90,6 +97,10 @@ struct Relay {
     payload_left: u64,
     headers_seen: usize,
     corrupt: Option<(usize, Corrupt)>,
+    /// Frame MACs on the link: `Some(full)` (the relay only skips them).
+    integrity: Option<bool>,
+    /// A payload byte is to be flipped (`Corrupt::Payload`).
+    flip_next_payload: bool,
 }
 
 impl Relay {
@@ -97,16 +108,27 @@ impl Relay {
     fn pass(&mut self, out: &mut Vec<u8>, b: u8) {
         if self.payload_left > 0 {
             self.payload_left -= 1;
-            out.push(b);
+            out.push(if std::mem::take(&mut self.flip_next_payload) {
+                b ^ 0x10
+            } else {
+                b
+            });
             return;
         }
         self.hdr.push(b);
-        if self.hdr.len() < HDR {
+        let tag = if self.integrity.is_some() { TAG_LEN } else { 0 };
+        if self.hdr.len() < HDR + tag {
             return;
         }
         let mut h = std::mem::take(&mut self.hdr);
-        if let Ok(d) = DataHeader::decode(&h) {
-            self.payload_left = d.payload_len();
+        if let Ok(d) = DataHeader::decode(&h[..HDR]) {
+            let len = d.payload_len();
+            let trailer = if self.integrity == Some(true) && len > 0 {
+                TAG_LEN as u64
+            } else {
+                0
+            };
+            self.payload_left = len + trailer;
         }
         if let Some((nth, how)) = self.corrupt {
             if nth == self.headers_seen {
@@ -115,6 +137,12 @@ impl Relay {
                     Corrupt::Reserved => h[2] = 1,
                     Corrupt::OpId => h[8] ^= 0x40,
                     Corrupt::Tag => h[32] ^= 0x01,
+                    Corrupt::Payload => self.flip_next_payload = true,
+                    Corrupt::Inject => {
+                        let forged = DataHeader::request(DataKind::ReadReq, RKEY, TAG, 0xbad, 0, 8);
+                        out.extend_from_slice(&forged.encode());
+                        out.extend(std::iter::repeat_n(0u8, tag));
+                    }
                 }
             }
         }
@@ -221,14 +249,29 @@ impl Pair {
             own_max: 8,
             peer_max: 8,
         };
+        // Both sides' keys as a handshake would derive them (side 0 is the
+        // client), one pair per stream.
+        let macs = |client: bool| -> Vec<Option<Integrity>> {
+            (0..n_streams as u64)
+                .map(|i| {
+                    let full = faults.integrity?;
+                    let k = |dir| FrameKey::derive(b"pair secret", dir, 10 + i, 20 + i, 1, 2);
+                    let (c2s, s2c) = (k(Direction::ClientToServer), k(Direction::ServerToClient));
+                    let (tx, rx) = if client { (c2s, s2c) } else { (s2c, c2s) };
+                    Some(Integrity { tx, rx, full })
+                })
+                .collect()
+        };
         let side = |id: u64| {
             let mem = owned_region(MEM);
             let mut table = RegionTable::default();
             table.insert(RKEY, Grant::whole(&mem));
             Side {
                 conn: ConnId(id),
-                streams: (0..n_streams)
-                    .map(|i| StreamProto::new(limits, i as u8))
+                streams: macs(id == 1)
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, mac)| StreamProto::new(limits, i as u8, mac))
                     .collect(),
                 table,
                 mem,
@@ -277,6 +320,8 @@ impl Pair {
                         payload_left: 0,
                         headers_seen: 0,
                         corrupt,
+                        integrity: faults.integrity,
+                        flip_next_payload: false,
                     },
                 });
             }
@@ -839,6 +884,63 @@ mod tests {
                             r.errors
                         );
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn integrity_on_a_clean_link_moves_every_byte() {
+        for seed in SEEDS {
+            for full in [false, true] {
+                let f = Faults {
+                    integrity: Some(full),
+                    fragment: seed % 2 == 0,
+                    delay_us: 300,
+                    ..Faults::default()
+                };
+                let mut p = Pair::new(seed, 3, f);
+                for i in 0..20 {
+                    p.notify(i % 2, vec![i as u8; 1 + i * 7]);
+                }
+                workload(&mut p, seed, 40);
+                let r = p.run();
+                assert_eq!(r.failed, 0, "seed {seed} full {full}: {:?}", r.errors);
+                assert_eq!(r.ok, 40);
+                assert!(r.notes_delivered >= 20);
+                assert!(r.died.iter().all(|d| d.is_none()));
+            }
+        }
+    }
+
+    /// With frame MACs, whatever a relay changes, adds or replays kills the
+    /// connection at the frame it touched, before anything acts on it;
+    /// every op still ends once, byte-exact if Ok.
+    #[test]
+    fn integrity_catches_every_change_on_the_path() {
+        for seed in SEEDS {
+            for (how, full) in [
+                (Corrupt::Kind, false),
+                (Corrupt::Reserved, false),
+                (Corrupt::OpId, false),
+                (Corrupt::Tag, false),
+                (Corrupt::Inject, false),
+                (Corrupt::Inject, true),
+                (Corrupt::Payload, true),
+            ] {
+                for dir in 0..2 {
+                    let f = Faults {
+                        corrupt: Some((dir, (seed % 5) as usize, how)),
+                        integrity: Some(full),
+                        ..Faults::default()
+                    };
+                    let r = run(seed, 2, f);
+                    let why = format!("{:?}", r.died);
+                    assert!(
+                        why.contains("failed authentication"),
+                        "seed {seed} {how:?} full {full} dir {dir}: {why}"
+                    );
+                    assert!(r.failed > 0, "seed {seed} {how:?} dir {dir}");
                 }
             }
         }

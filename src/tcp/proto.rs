@@ -21,10 +21,19 @@
 //! Every memory range it hands out lies in a `RegionSlice` it holds, so the
 //! pointers in `tx_iovecs` / `rx_iovecs` stay valid until the next call
 //! that takes `&mut self`.
+//!
+//! On an authenticated connection (`Integrity`) every frame header is
+//! followed by a 16-byte tag over its sequence number and the header, so a
+//! relay can neither inject, replay, reorder nor alter a frame's header
+//! (its key, address, length, op id): the frame fails verification before
+//! anything acts on it and the connection dies. In `full` mode a frame with
+//! a payload also ends with a tag over the payload, checked before the op
+//! completes (a READ's data) or is acknowledged (a WRITE's).
 
 use std::collections::VecDeque;
 use std::time::Instant;
 
+use crate::auth::{ct_eq, FrameKey, Tag, TAG_LEN};
 use crate::error::{Error, OpKind};
 use crate::region::{Access, KeyRef, RegionSlice, Regions};
 use crate::wire::{DataHeader, DataKind, Status, DATA_HEADER_LEN};
@@ -37,6 +46,21 @@ pub(crate) const RBUF_BYTES: usize = 256 * 1024;
 pub(crate) const MAX_IOV: usize = 64;
 /// Notifications queued for sending per stream.
 pub(crate) const NOTIFY_QUEUE: usize = 64;
+
+/// Frame MACs of one stream of an authenticated connection.
+#[derive(Clone, Debug)]
+pub(crate) struct Integrity {
+    /// Tags the frames we send.
+    pub tx: FrameKey,
+    /// Checks the frames we receive.
+    pub rx: FrameKey,
+    /// Payloads too, not only headers.
+    pub full: bool,
+}
+
+/// Domain labels, so a header tag and a payload tag of one frame differ.
+const TAG_HEADER: &[u8] = b"H";
+const TAG_PAYLOAD: &[u8] = b"P";
 
 /// Per-stream bounds, fixed at connection time.
 #[derive(Debug, Clone, Copy)]
@@ -65,8 +89,13 @@ impl TxPayload {
 }
 
 struct TxFrame {
-    hdr: [u8; HDR],
+    /// The header, then its tag when the stream has integrity.
+    hdr: [u8; HDR + TAG_LEN],
     payload: TxPayload,
+    /// The payload's tag (`full` integrity, frames with a payload).
+    trailer: Tag,
+    /// This frame's number among the frames we send on the stream.
+    seq: u64,
     class: FrameClass,
     /// Non-zero: not to be sent until `release(gate)` (its payload is being
     /// staged from GPU memory, or its ack waits for a copy into it).
@@ -112,12 +141,26 @@ enum Rx {
     Discard {
         left: usize,
         then: After,
+        /// The tag of the bytes passing by (`full` integrity).
+        run: Option<crate::auth::TagRun>,
     },
     Notify {
         buf: Vec<u8>,
         want: usize,
     },
     NotifyBlocked(Vec<u8>),
+    /// A payload is in; its tag (`full` integrity) must match `expected`
+    /// before `then` happens.
+    Trailer {
+        expected: Tag,
+        then: Then,
+    },
+}
+
+/// What follows a checked payload.
+enum Then {
+    Finish(After),
+    Deliver(Vec<u8>),
 }
 
 /// What `step` did.
@@ -150,6 +193,10 @@ pub(crate) struct StreamProto {
     next_gate: u64,
     /// When bytes last arrived (`on_received`'s clock).
     last_rx: Option<Instant>,
+    mac: Option<Integrity>,
+    /// Numbers of the next frame we send and the next we receive.
+    tx_seq: u64,
+    rx_seq: u64,
 }
 
 // SAFETY: the only raw pointers a StreamProto makes are derived on demand
@@ -163,7 +210,7 @@ const EMPTY_IOV: libc::iovec = libc::iovec {
 };
 
 impl StreamProto {
-    pub fn new(limits: StreamLimits, idx: u8) -> Self {
+    pub fn new(limits: StreamLimits, idx: u8, mac: Option<Integrity>) -> Self {
         Self {
             limits,
             tx: VecDeque::with_capacity(limits.own_max + limits.peer_max + NOTIFY_QUEUE),
@@ -178,6 +225,58 @@ impl StreamProto {
             idx,
             next_gate: 1,
             last_rx: None,
+            mac,
+            tx_seq: 0,
+            rx_seq: 0,
+        }
+    }
+
+    /// Bytes of a header on the wire (with its tag, if any).
+    fn hdr_len(&self) -> usize {
+        HDR + if self.mac.is_some() { TAG_LEN } else { 0 }
+    }
+
+    /// Bytes of a payload tag after a payload of `len` bytes.
+    fn trailer_len(&self, len: usize) -> usize {
+        match &self.mac {
+            Some(m) if m.full && len > 0 => TAG_LEN,
+            _ => 0,
+        }
+    }
+
+    /// Queues a frame; numbers it, and tags it unless it is gated (then
+    /// `release` does, once its payload is final).
+    fn push_frame(&mut self, hdr: [u8; HDR], payload: TxPayload, class: FrameClass, gate: u64) {
+        let mut full = [0u8; HDR + TAG_LEN];
+        full[..HDR].copy_from_slice(&hdr);
+        let mut f = TxFrame {
+            hdr: full,
+            payload,
+            trailer: [0; TAG_LEN],
+            seq: self.tx_seq,
+            class,
+            gate,
+        };
+        self.tx_seq += 1;
+        if gate == 0 {
+            self.seal(&mut f);
+        }
+        self.tx.push_back(f);
+    }
+
+    /// Writes the frame's tags (no-op without integrity).
+    fn seal(&self, f: &mut TxFrame) {
+        let Some(m) = &self.mac else {
+            return;
+        };
+        let tag = m.tx.tag(f.seq, &[TAG_HEADER, &f.hdr[..HDR]]);
+        f.hdr[HDR..].copy_from_slice(&tag);
+        let (p, len) = f.payload.ptr_len();
+        if m.full && len > 0 {
+            // SAFETY: the payload is host memory (GPU payloads are staged
+            // into host bounce buffers first) that the frame keeps alive.
+            let bytes = unsafe { std::slice::from_raw_parts(p, len) };
+            f.trailer = m.tx.tag(f.seq, &[TAG_PAYLOAD, bytes]);
         }
     }
 
@@ -231,12 +330,7 @@ impl StreamProto {
             OpKind::Read => (DataKind::ReadReq, TxPayload::None),
         };
         let hdr = DataHeader::request(dk, key.rkey, key.tag, op_id, addr, len as u64).encode();
-        self.tx.push_back(TxFrame {
-            hdr,
-            payload,
-            class: FrameClass::Request,
-            gate: 0,
-        });
+        self.push_frame(hdr, payload, FrameClass::Request, 0);
         let op = PendingOp {
             slot,
             kind,
@@ -253,12 +347,7 @@ impl StreamProto {
         debug_assert!(self.can_notify());
         let hdr = DataHeader::request(DataKind::Notify, 0, 0, 0, 0, payload.len() as u64).encode();
         self.notify_queued += 1;
-        self.tx.push_back(TxFrame {
-            hdr,
-            payload: TxPayload::Bytes(payload),
-            class: FrameClass::Notify,
-            gate: 0,
-        });
+        self.push_frame(hdr, TxPayload::Bytes(payload), FrameClass::Notify, 0);
     }
 
     /// The READ just queued lands in a bounce buffer and goes on into GPU
@@ -272,12 +361,7 @@ impl StreamProto {
     fn push_response(&mut self, hdr: DataHeader, payload: TxPayload, gate: u64) {
         // Room is guaranteed: responses never exceed the peer's declared
         // in-flight limit, which `take_request` enforces.
-        self.tx.push_back(TxFrame {
-            hdr: hdr.encode(),
-            payload,
-            class: FrameClass::Response,
-            gate,
-        });
+        self.push_frame(hdr.encode(), payload, FrameClass::Response, gate);
     }
 
     fn new_gate(&mut self) -> u64 {
@@ -290,16 +374,21 @@ impl StreamProto {
     /// copy failed, the response says so instead (and carries no payload).
     /// Frames behind it wait: responses stay in request order.
     pub fn release(&mut self, gate: u64, ok: bool) {
-        let Some(f) = self.tx.iter_mut().find(|f| f.gate == gate) else {
+        let Some(at) = self.tx.iter().position(|f| f.gate == gate) else {
             return;
         };
+        let mut f = self.tx.remove(at).expect("found");
         f.gate = 0;
         if !ok {
-            if let Ok(h) = DataHeader::decode(&f.hdr) {
-                f.hdr = DataHeader::response(h.kind, Status::DeviceMemory, h.op_id, 0).encode();
+            if let Ok(h) = DataHeader::decode(&f.hdr[..HDR]) {
+                f.hdr[..HDR].copy_from_slice(
+                    &DataHeader::response(h.kind, Status::DeviceMemory, h.op_id, 0).encode(),
+                );
                 f.payload = TxPayload::None;
             }
         }
+        self.seal(&mut f);
+        self.tx.insert(at, f);
     }
 
     /// Fails every outstanding request of this stream.
@@ -313,32 +402,32 @@ impl StreamProto {
     /// gated frame); returns how many entries it used. The pointers stay
     /// valid until the next call that takes `&mut self`.
     pub fn tx_iovecs(&self, iov: &mut [libc::iovec]) -> usize {
+        let hdr_len = self.hdr_len();
         let mut n_iov = 0;
         let mut skip = self.head_sent;
         for f in self.tx.iter() {
-            if n_iov + 2 > iov.len() || f.gate != 0 {
+            if n_iov + 3 > iov.len() || f.gate != 0 {
                 break;
             }
-            if skip < HDR {
+            let (p, len) = f.payload.ptr_len();
+            let trailer = &f.trailer[..self.trailer_len(len)];
+            for (base, seg_len) in [
+                (f.hdr.as_ptr(), hdr_len),
+                (p, len),
+                (trailer.as_ptr(), trailer.len()),
+            ] {
+                if skip >= seg_len {
+                    skip -= seg_len;
+                    continue;
+                }
                 iov[n_iov] = libc::iovec {
-                    iov_base: f.hdr[skip..].as_ptr() as *mut _,
-                    iov_len: HDR - skip,
+                    // In bounds: skip < seg_len.
+                    iov_base: base.wrapping_add(skip) as *mut _,
+                    iov_len: seg_len - skip,
                 };
                 n_iov += 1;
                 skip = 0;
-            } else {
-                skip -= HDR;
             }
-            let (p, len) = f.payload.ptr_len();
-            if len > skip {
-                iov[n_iov] = libc::iovec {
-                    // In bounds: skip < len.
-                    iov_base: p.wrapping_add(skip) as *mut _,
-                    iov_len: len - skip,
-                };
-                n_iov += 1;
-            }
-            skip = 0;
         }
         n_iov
     }
@@ -348,7 +437,8 @@ impl StreamProto {
     pub fn on_sent(&mut self, mut n: usize) {
         while n > 0 {
             let f = self.tx.front().expect("bytes sent belong to queued frames");
-            let left = HDR + f.payload.ptr_len().1 - self.head_sent;
+            let len = f.payload.ptr_len().1;
+            let left = self.hdr_len() + len + self.trailer_len(len) - self.head_sent;
             if n < left {
                 self.head_sent += n;
                 break;
@@ -415,9 +505,11 @@ impl StreamProto {
         // want of a bounce buffer, or a notification held for a full inbox,
         // waits on this side.)
         let mid_frame = match &self.rx {
-            Rx::Header => (1..HDR).contains(&(self.re - self.rs)),
+            Rx::Header => (1..self.hdr_len()).contains(&(self.re - self.rs)),
             Rx::NotifyBlocked(_) => false,
-            Rx::Payload { .. } | Rx::Discard { .. } | Rx::Notify { .. } => true,
+            Rx::Payload { .. } | Rx::Discard { .. } | Rx::Notify { .. } | Rx::Trailer { .. } => {
+                true
+            }
         };
         mid_frame
             && self
@@ -467,12 +559,23 @@ impl StreamProto {
     ) -> Result<Step, String> {
         match &mut self.rx {
             Rx::Header => {
-                if self.re - self.rs < HDR {
+                let hdr_len = self.hdr_len();
+                if self.re - self.rs < hdr_len {
                     return Ok(Step::NeedBytes);
                 }
-                let h = DataHeader::decode(&self.rbuf[self.rs..self.rs + HDR])
-                    .map_err(|e| e.to_string())?;
-                self.rs += HDR;
+                let raw = &self.rbuf[self.rs..self.rs + hdr_len];
+                if let Some(m) = &self.mac {
+                    let want = m.rx.tag(self.rx_seq, &[TAG_HEADER, &raw[..HDR]]);
+                    if !ct_eq(&want, &raw[HDR..]) {
+                        return Err(format!(
+                            "frame {} failed authentication (injected, replayed or altered on the path)",
+                            self.rx_seq
+                        ));
+                    }
+                }
+                let h = DataHeader::decode(&raw[..HDR]).map_err(|e| e.to_string())?;
+                self.rs += hdr_len;
+                self.rx_seq += 1;
                 if !self.on_header(h, regions, sink)? {
                     return Ok(Step::Blocked);
                 }
@@ -496,24 +599,70 @@ impl StreamProto {
                 if *done < into.len() {
                     return Ok(Step::NeedBytes);
                 }
-                let Rx::Payload { then, .. } = std::mem::replace(&mut self.rx, Rx::Header) else {
+                let Rx::Payload { then, into, .. } = std::mem::replace(&mut self.rx, Rx::Header)
+                else {
                     unreachable!()
                 };
+                if let Some(m) = self.mac.as_ref().filter(|m| m.full && into.len() > 0) {
+                    // SAFETY: `into` is host memory (a window or a bounce
+                    // buffer) we hold, and its bytes have all arrived.
+                    let bytes = unsafe { std::slice::from_raw_parts(into.ptr(), into.len()) };
+                    let expected = m.rx.tag(self.rx_seq - 1, &[TAG_PAYLOAD, bytes]);
+                    self.rx = Rx::Trailer {
+                        expected,
+                        then: Then::Finish(then),
+                    };
+                    return Ok(Step::Progress);
+                }
                 self.finish(then, sink);
                 Ok(Step::Progress)
             }
-            Rx::Discard { left, .. } => {
+            Rx::Discard { left, run, .. } => {
                 let n = (self.re - self.rs).min(*left);
+                if let Some(r) = run {
+                    r.update(&self.rbuf[self.rs..self.rs + n]);
+                }
                 self.rs += n;
                 *left -= n;
                 if *left > 0 {
                     return Ok(Step::NeedBytes);
                 }
-                let Rx::Discard { then, .. } = std::mem::replace(&mut self.rx, Rx::Header) else {
+                let Rx::Discard { then, run, .. } = std::mem::replace(&mut self.rx, Rx::Header)
+                else {
                     unreachable!()
                 };
-                self.finish(then, sink);
+                match run {
+                    Some(r) => {
+                        self.rx = Rx::Trailer {
+                            expected: r.finish(),
+                            then: Then::Finish(then),
+                        }
+                    }
+                    None => self.finish(then, sink),
+                }
                 Ok(Step::Progress)
+            }
+            Rx::Trailer { expected, .. } => {
+                if self.re - self.rs < TAG_LEN {
+                    return Ok(Step::NeedBytes);
+                }
+                if !ct_eq(&expected[..], &self.rbuf[self.rs..self.rs + TAG_LEN]) {
+                    return Err(format!(
+                        "the payload of frame {} failed authentication (altered on the path)",
+                        self.rx_seq - 1
+                    ));
+                }
+                self.rs += TAG_LEN;
+                let Rx::Trailer { then, .. } = std::mem::replace(&mut self.rx, Rx::Header) else {
+                    unreachable!()
+                };
+                match then {
+                    Then::Finish(after) => {
+                        self.finish(after, sink);
+                        Ok(Step::Progress)
+                    }
+                    Then::Deliver(buf) => self.deliver(buf, sink),
+                }
             }
             Rx::Notify { buf, want } => {
                 let n = (self.re - self.rs).min(*want - buf.len());
@@ -525,6 +674,13 @@ impl StreamProto {
                 let Rx::Notify { buf, .. } = std::mem::replace(&mut self.rx, Rx::Header) else {
                     unreachable!()
                 };
+                if let Some(m) = self.mac.as_ref().filter(|m| m.full && !buf.is_empty()) {
+                    self.rx = Rx::Trailer {
+                        expected: m.rx.tag(self.rx_seq - 1, &[TAG_PAYLOAD, &buf]),
+                        then: Then::Deliver(buf),
+                    };
+                    return Ok(Step::Progress);
+                }
                 self.deliver(buf, sink)
             }
             Rx::NotifyBlocked(_) => {
@@ -597,6 +753,7 @@ impl StreamProto {
                         Bounce::Never => Rx::Discard {
                             left: len,
                             then: then_ok(Status::DeviceMemory),
+                            run: self.payload_run(len),
                         },
                     },
                     Ok(w) => Rx::Payload {
@@ -607,6 +764,7 @@ impl StreamProto {
                     Err(status) => Rx::Discard {
                         left: len,
                         then: then_ok(status),
+                        run: self.payload_run(len),
                     },
                 };
             }
@@ -694,9 +852,19 @@ impl StreamProto {
 
     /// Puts back the request header just taken (no bounce buffer free).
     fn unread_request(&mut self) -> bool {
-        self.rs -= HDR;
+        self.rs -= self.hdr_len();
+        self.rx_seq -= 1;
         self.peer_owed -= 1;
         false
+    }
+
+    /// The running tag of a payload that is received but thrown away
+    /// (`full` integrity: its tag is still checked).
+    fn payload_run(&self, len: usize) -> Option<crate::auth::TagRun> {
+        let m = self.mac.as_ref().filter(|m| m.full && len > 0)?;
+        let mut r = m.rx.start(self.rx_seq - 1);
+        r.update(TAG_PAYLOAD);
+        Some(r)
     }
 
     fn finish(&mut self, then: After, sink: &mut impl Sink) {

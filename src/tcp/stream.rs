@@ -33,12 +33,17 @@ impl std::ops::DerefMut for Stream {
 }
 
 impl Stream {
-    pub fn new(sock: mio::net::TcpStream, limits: StreamLimits, idx: u8) -> Self {
+    pub fn new(
+        sock: mio::net::TcpStream,
+        limits: StreamLimits,
+        idx: u8,
+        mac: Option<super::proto::Integrity>,
+    ) -> Self {
         Self {
             sock,
             readable: true,
             writable: true,
-            proto: StreamProto::new(limits, idx),
+            proto: StreamProto::new(limits, idx, mac),
         }
     }
 

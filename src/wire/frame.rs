@@ -62,6 +62,9 @@ pub const CAP_SHM: u32 = 1;
 pub const CAP_AUTH: u32 = 2;
 /// The sender has a usable RDMA NIC and offers verbs queue pairs.
 pub const CAP_VERBS: u32 = 4;
+/// The sender asks for MACs over payloads too (`FERRY_INTEGRITY=full`);
+/// with `CAP_AUTH` on both sides, either side asking is enough.
+pub const CAP_INTEGRITY_FULL: u32 = 8;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ControlFrame {

@@ -20,8 +20,8 @@ mod verbs;
 pub use cursor::DecodeError;
 pub use data::{DataHeader, DataKind, Status, DATA_HEADER_LEN, MAX_NOTIFY_BYTES};
 pub use frame::{
-    ControlFrame, Hello, CAP_AUTH, CAP_SHM, CAP_VERBS, CONTROL_HEADER_LEN, CONTROL_MAGIC,
-    MAX_CONTROL_BODY, MAX_STREAMS, PROTOCOL_VERSION,
+    ControlFrame, Hello, CAP_AUTH, CAP_INTEGRITY_FULL, CAP_SHM, CAP_VERBS, CONTROL_HEADER_LEN,
+    CONTROL_MAGIC, MAX_CONTROL_BODY, MAX_STREAMS, PROTOCOL_VERSION,
 };
 pub use ipc::{IpcBuf, IpcRef, IPC_BUF_LEN};
 pub use metadata::{normalize_bus_id, EndpointMetadata, MAX_BDF_LEN};
