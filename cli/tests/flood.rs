@@ -170,3 +170,80 @@ fn a_flood_of_silent_and_half_open_sockets_locks_nobody_out() {
         "silent sockets were never dropped at the first-bytes deadline ({reopened})"
     );
 }
+
+/// Reads one control frame from a blocking socket.
+fn read_frame(s: &mut TcpStream) -> ControlFrame {
+    let mut header = [0u8; ferry::wire::CONTROL_HEADER_LEN];
+    s.read_exact(&mut header).unwrap();
+    let mut frame = vec![0u8; header.len() + ControlFrame::body_len(&header).unwrap()];
+    frame[..header.len()].copy_from_slice(&header);
+    s.read_exact(&mut frame[header.len()..]).unwrap();
+    ControlFrame::decode(&frame).unwrap()
+}
+
+/// Limits are ours: 40 peers each declaring 2^20 requests in flight send
+/// READs of 64 KiB as fast as they may and never read an answer. The
+/// target keeps to its own limit per stream, answers from the registered
+/// memory itself (no copies), and its resident memory grows by what its own
+/// limits allow, not by what the peers declared.
+#[test]
+fn peers_declaring_huge_limits_cost_only_our_limits() {
+    use ferry::wire::{DataHeader, DataKind};
+    let t = Target::start_on(Path::TcpEpoll, 1 << 20, &[("FERRY_STREAM_INFLIGHT", "64")]);
+    let addr = EndpointMetadata::decode(&t.served.meta)
+        .unwrap()
+        .socket_addr();
+    let rb = t.served.rbuf;
+    let pid = t.child.id();
+    std::thread::sleep(Duration::from_millis(200));
+    let before = rss_kib(pid);
+    let mut socks = Vec::new();
+    for _ in 0..40 {
+        let mut s = TcpStream::connect(addr).unwrap();
+        let hello = Hello {
+            endpoint_id: rand(),
+            caps: 0,
+            conn_nonce: rand(),
+            stream_idx: 0,
+            stream_count: 1,
+            max_inflight: 1 << 20,
+            host_token: 0,
+            auth_nonce: rand(),
+        };
+        s.write_all(&ControlFrame::Hello(hello).encode()).unwrap();
+        let ControlFrame::HelloAck(_) = read_frame(&mut s) else {
+            panic!("not acknowledged")
+        };
+        // Our limit is 64: exactly that many, so the peers stay connected.
+        s.set_nonblocking(true).unwrap();
+        for op in 0..64u64 {
+            let off = (op % 16) * 65536;
+            let h = DataHeader::request(
+                DataKind::ReadReq,
+                rb.rkey,
+                rb.key_tag(),
+                op,
+                rb.addr + off,
+                65536,
+            );
+            let _ = s.write_all(&h.encode());
+        }
+        socks.push(s);
+    }
+    std::thread::sleep(Duration::from_millis(1000));
+    let after = rss_kib(pid);
+    let grew_mib = after.saturating_sub(before) as f64 / 1024.0;
+    println!(
+        "target RSS {before} KiB -> {after} KiB (+{grew_mib:.1} MiB) for 40 peers declaring \
+         2^20 in flight, 64 READs of 64 KiB each unread"
+    );
+    // 40 streams x (256 KiB receive buffer + queues of 64 + 64 frames):
+    // ~11 MiB. The peers' word would have been ~96 MiB per stream.
+    assert!(grew_mib < 48.0, "target grew by {grew_mib:.1} MiB");
+    // And it still serves others.
+    let c = path_client(Path::TcpEpoll);
+    let conn = c.add_remote(&t.served.meta).unwrap();
+    let local = c.alloc(4096).unwrap();
+    c.read(conn, &local, 0, 4096, &rb).unwrap();
+    drop(socks);
+}
