@@ -580,6 +580,14 @@ mod tests {
         let e = map_all(me(3), many, &mut maps).unwrap_err();
         assert!(e.to_string().contains("MAX_PEER_MAPS"), "{e}");
         assert!(maps.len() == MAX_PEER_MAPS, "nothing half-mapped");
+        // The limits are per peer: another peer still maps.
+        let fine = Received {
+            sender: 4,
+            entries: vec![(1, 4096, 0)],
+            fds: vec![fd()],
+        };
+        assert_eq!(map_all(me(4), fine, &mut maps).unwrap(), 1);
+        assert!(maps.contains_key(&(4, 1)));
     }
 
     /// A process of another user cannot even be heard (needs root to be
