@@ -61,6 +61,11 @@ Flags:
   --rounds N             measure each point N times, alternating with the
                          baseline, and report medians (default 3 with
                          --baseline, else 1)
+  --idle-conns N         hold N connections to the target in all: N-1
+                         extra ones stay open and idle while the first is
+                         measured (default 1). Raises FERRY_MAX_CONNS and
+                         FERRY_MAX_CONNS_PER_PEER for both processes to fit,
+                         and prints the resident memory they cost each side
   --json                 one JSON object per line instead of a table
 Environment: FERRY_* variables apply to both processes (see the README).";
 
@@ -79,6 +84,7 @@ struct Opts {
     baseline: bool,
     json: bool,
     rounds: usize,
+    idle_conns: usize,
 }
 
 struct Row {
@@ -151,7 +157,12 @@ fn parse(mut a: Args) -> Result<Opts> {
     if rounds == 0 || rounds > 100 {
         bail!("--rounds {rounds}: must be 1..=100");
     }
+    let idle_conns: usize = a.parsed("idle-conns", 1)?;
+    if idle_conns == 0 || idle_conns > 100_000 {
+        bail!("--idle-conns {idle_conns}: must be 1..=100000");
+    }
     let o = Opts {
+        idle_conns,
         transport,
         ipc,
         device_gpu,
@@ -169,6 +180,65 @@ fn parse(mut a: Args) -> Result<Opts> {
     };
     a.finish()?;
     Ok(o)
+}
+
+/// Resident memory of process `pid`, in KiB (0 if unknown).
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// What holding the idle connections cost.
+struct IdleCost {
+    n: usize,
+    open_s: f64,
+    here_kib_each: f64,
+    there_kib_each: f64,
+}
+
+/// Opens `n` more connections to the target and leaves them idle; returns
+/// what they cost (time, and resident memory on each side).
+fn open_idle(
+    ep: &Endpoint,
+    shard: &mut Shard,
+    meta: &[u8],
+    n: usize,
+    target_pid: u32,
+) -> Result<Option<IdleCost>> {
+    if n == 0 {
+        return Ok(None);
+    }
+    let addr = ferry::EndpointMetadata::decode(meta)?.socket_addr();
+    let (here0, there0) = (rss_kib(std::process::id()), rss_kib(target_pid));
+    let t0 = Instant::now();
+    let mut idle = Vec::with_capacity(n);
+    for i in 0..n {
+        idle.push(
+            ep.connect(addr)
+                .with_context(|| format!("idle connection {} of {n}", i + 1))?,
+        );
+        // The embedded shard takes each connection in as it comes.
+        shard.poll();
+    }
+    let t_open = t0.elapsed();
+    // Let the target settle (its accept loop, first polls).
+    let settle = Instant::now();
+    while settle.elapsed() < Duration::from_millis(300) {
+        shard.poll();
+    }
+    let (here1, there1) = (rss_kib(std::process::id()), rss_kib(target_pid));
+    let per = |a: u64, b: u64| b.saturating_sub(a) as f64 / n as f64;
+    drop(idle);
+    Ok(Some(IdleCost {
+        n,
+        open_s: t_open.as_secs_f64(),
+        here_kib_each: per(here0, here1),
+        there_kib_each: per(there0, there1),
+    }))
 }
 
 /// A child process that is killed if we return early.
@@ -444,6 +514,19 @@ pub fn run(a: Args) -> Result<()> {
         "auto"
     };
     std::env::set_var("FERRY_TRANSPORT", target_transport);
+    if o.idle_conns > 1 {
+        // Room for them on both sides (the target counts them per peer).
+        let room = (o.idle_conns + 64).to_string();
+        for var in ["FERRY_MAX_CONNS", "FERRY_MAX_CONNS_PER_PEER"] {
+            let now: usize = std::env::var(var)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            if now < o.idle_conns + 64 {
+                std::env::set_var(var, &room);
+            }
+        }
+    }
     let peer_gpu = match (o.ipc || o.device_gpu, o.peer_gpu) {
         (false, _) => None,
         (true, Some(g)) => Some(g),
@@ -458,6 +541,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     let serve_args: Vec<&str> = serve_args.iter().map(String::as_str).collect();
     let mut child = spawn_self(&serve_args)?;
+    let target_pid = child.id();
     let mut out = BufReader::new(child.stdout.take().context("child stdout")?);
     let _target = Peer(child);
     let served = read_served(&mut out).map_err(anyhow::Error::msg)?;
@@ -474,6 +558,8 @@ pub fn run(a: Args) -> Result<()> {
     let shard = ep.take_shards().pop().context("embedded shard")?;
     let conn = ep.add_remote(&served.meta)?;
     let shm = matches!(ep.peer(conn), Some(ferry::Peer::Local { .. }));
+    let mut shard = shard;
+    let idle = open_idle(&ep, &mut shard, &served.meta, o.idle_conns - 1, target_pid)?;
     let transport = match (o.ipc, shm, o.device_gpu) {
         (true, _, _) => "ipc",
         (false, true, false) => "shm",
@@ -558,6 +644,20 @@ pub fn run(a: Args) -> Result<()> {
             "{:<6} {:>9} {:>6} {:>9} {:>11} {:>10} {:>10}{base}",
             "op", "block", "batch", "GB/s", "ops/s", "p50 us", "p99 us"
         );
+    }
+    if let Some(c) = idle {
+        if o.json {
+            println!(
+                "{{\"idle_conns\":{},\"open_s\":{:.3},\"rss_kib_each\":{:.1},\"target_rss_kib_each\":{:.1}}}",
+                c.n, c.open_s, c.here_kib_each, c.there_kib_each
+            );
+        } else {
+            println!(
+                "idle connections: {} opened in {:.2} s; resident memory {:.1} KiB each here, \
+                 {:.1} KiB each at the target",
+                c.n, c.open_s, c.here_kib_each, c.there_kib_each
+            );
+        }
     }
     let total = o.sizes.len() * o.ops.len();
     let mut i = 0;

@@ -265,6 +265,7 @@ impl Endpoint {
                         accept_ring,
                         fd_listener,
                         connects: connects_tx,
+                        wake_accept: gate.waker(),
                     });
                     None
                 }

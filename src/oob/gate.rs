@@ -42,6 +42,7 @@ use crate::wire::{ControlFrame, Hello, CAP_AUTH};
 use super::handshake::REJECT_PROTOCOL;
 
 const LISTENER: Token = Token(usize::MAX);
+const WAKE: Token = Token(usize::MAX - 1);
 
 /// The gate's bounds.
 #[derive(Debug, Clone, Copy)]
@@ -129,6 +130,9 @@ struct Group<S> {
 
 pub(crate) struct Gate<S> {
     poll: Poll,
+    /// Ends a `step` early: something else for the accepting thread to do
+    /// (a same-host CONNECT arrived).
+    waker: std::sync::Arc<mio::Waker>,
     events: Events,
     listener_fd: i32,
     limits: GateLimits,
@@ -159,8 +163,12 @@ impl<S> Gate<S> {
         poll.registry()
             .register(&mut SourceFd(&fd), LISTENER, Interest::READABLE)
             .map_err(|e| Error::io("epoll_ctl(listener)", e))?;
+        let waker = std::sync::Arc::new(
+            mio::Waker::new(poll.registry(), WAKE).map_err(|e| Error::io("eventfd", e))?,
+        );
         Ok(Self {
             poll,
+            waker,
             events: Events::with_capacity(256),
             listener_fd: fd,
             limits,
@@ -171,6 +179,11 @@ impl<S> Gate<S> {
             kick: Vec::new(),
             backlog: false,
         })
+    }
+
+    /// Wakes the thread in `step` (it returns early).
+    pub fn waker(&self) -> std::sync::Arc<mio::Waker> {
+        self.waker.clone()
     }
 
     #[cfg(test)]
@@ -209,12 +222,13 @@ impl<S> Gate<S> {
                 Err(e) => return Err(Error::io("epoll_wait", e)),
             }
             let mut accept = std::mem::take(&mut self.backlog);
+            let mut woken = false;
             let mut ready = std::mem::take(&mut self.kick);
             for ev in self.events.iter() {
-                if ev.token() == LISTENER {
-                    accept = true;
-                } else {
-                    ready.push(ev.token().0);
+                match ev.token() {
+                    LISTENER => accept = true,
+                    WAKE => woken = true,
+                    t => ready.push(t.0),
                 }
             }
             // Serve sockets already here before taking newcomers.
@@ -227,7 +241,7 @@ impl<S> Gate<S> {
             if accept {
                 self.accept_some(listener);
             }
-            if !done.is_empty() || Instant::now() >= deadline {
+            if woken || !done.is_empty() || Instant::now() >= deadline {
                 return Ok(done);
             }
         }

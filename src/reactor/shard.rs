@@ -44,8 +44,14 @@ const COMMANDS_PER_POLL: usize = 256;
 /// All connections of a shard together park at most this many times
 /// `sq_depth` commands (one connection at most `sq_depth`).
 const PARKED_PER_DEPTH: usize = 8;
-/// `poll` calls between checks for timed-out requests.
-const TIMEOUT_CHECK_EVERY: u32 = 8192;
+/// `poll` calls between looks at the clock for the timeout checks.
+const TIMEOUT_CLOCK_EVERY: u32 = 64;
+/// Timeout checks run at most this often, each over a slice of the
+/// connections ...
+const TIMEOUT_CHECK_PERIOD: Duration = Duration::from_millis(1);
+/// ... sized so that every connection is looked at within this time: no
+/// pass touches every connection, and a check costs ~1 % of them.
+const TIMEOUT_SWEEP: Duration = Duration::from_millis(100);
 
 #[derive(Debug, Clone)]
 pub(crate) struct ShardConfig {
@@ -89,6 +95,11 @@ pub struct Shard {
     ledger: OpLedger,
     inbox: SyncSender<(ConnId, Vec<u8>)>,
     iter: u32,
+    /// When the timeout checks last ran, and where their turn stands (slab
+    /// indices of the tcp and the same-host connections).
+    checked_at: Instant,
+    tcp_cursor: usize,
+    local_cursor: usize,
     ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
     /// Connections found broken during a pass, dropped after it.
     to_fail: Vec<(ConnRef, String)>,
@@ -168,6 +179,9 @@ impl Shard {
             gpu,
             inbox,
             iter: 0,
+            checked_at: Instant::now(),
+            tcp_cursor: 0,
+            local_cursor: 0,
             ipc_counters,
             to_fail: Vec::new(),
             ipc_revoked: Vec::new(),
@@ -196,7 +210,7 @@ impl Shard {
         }
         work += self.poll_sources();
         self.iter = self.iter.wrapping_add(1);
-        if self.iter % TIMEOUT_CHECK_EVERY == 0 {
+        if self.iter % TIMEOUT_CLOCK_EVERY == 0 {
             self.check_timeouts(Instant::now());
         }
         work + self.publish()
@@ -421,7 +435,7 @@ impl Shard {
             }
             Command::AddLocal(lc) => {
                 let conn = lc.id;
-                let idx = self.local.conns.insert(*lc);
+                let idx = self.local.add(*lc);
                 self.dir.insert(conn, ConnRef::Local(idx));
                 debug!(shard = self.id, %conn, "same-host connection adopted");
                 None
@@ -445,6 +459,7 @@ impl Shard {
             Command::Notify { conn, payload } => {
                 match self.dir.get(conn) {
                     Some(ConnRef::Tcp(idx)) => {
+                        self.tcp.mark(idx);
                         let s = &mut self.tcp.conns[idx].streams[0];
                         if !s.can_notify() {
                             return Some(Command::Notify { conn, payload });
@@ -452,6 +467,7 @@ impl Shard {
                         s.push_notify(payload);
                     }
                     Some(ConnRef::Local(idx)) => {
+                        self.local.heat(idx);
                         if !self.local.conns[idx].push_notify(&payload) {
                             return Some(Command::Notify { conn, payload });
                         }
@@ -508,6 +524,7 @@ impl Shard {
                 return None;
             }
             Some(ConnRef::Local(idx)) => {
+                self.local.heat(idx);
                 let lc = &mut self.local.conns[idx];
                 let descs = op.parts.as_slice();
                 while op.at.desc < descs.len() {
@@ -534,6 +551,8 @@ impl Shard {
             Some(ConnRef::Tcp(idx)) if via_verbs => return self.post_verbs(idx, op),
             Some(ConnRef::Tcp(idx)) => idx,
         };
+        // Frames queued now go out on the next visit.
+        self.tcp.mark(idx);
         let conn = &mut self.tcp.conns[idx];
         let descs = op.parts.as_slice();
         while op.at.desc < descs.len() {
@@ -615,6 +634,8 @@ impl Shard {
     /// (stalls) while their send queues lack room: an op completes once,
     /// when the last of its completions arrives.
     fn post_verbs(&mut self, idx: usize, op: OpCmd) -> Option<OpCmd> {
+        // Its completion queue is polled on the connection's visits.
+        self.tcp.mark(idx);
         let link = self.tcp.conns[idx]
             .verbs
             .as_mut()
@@ -692,6 +713,7 @@ impl Shard {
         let Some(g) = &mut self.gpu else { return };
         for (conn, stream, gate, ok) in g.releases.drain(..) {
             if let Some(ConnRef::Tcp(i)) = self.dir.get(conn) {
+                self.tcp.mark(i);
                 if let Some(s) = self.tcp.conns[i].streams.get_mut(stream as usize) {
                     s.release(gate, ok);
                 }
@@ -702,7 +724,10 @@ impl Shard {
         while i < g.sends.len() {
             let (ts, bounce, r) = &g.sends[i];
             let stream = match self.dir.get(ts.conn) {
-                Some(ConnRef::Tcp(ci)) => self.tcp.conns[ci].streams.get_mut(ts.stream),
+                Some(ConnRef::Tcp(ci)) => {
+                    self.tcp.mark(ci);
+                    self.tcp.conns[ci].streams.get_mut(ts.stream)
+                }
                 _ => None,
             };
             match (r, stream, bounce) {
@@ -727,6 +752,7 @@ impl Shard {
     fn send_gpu_replies(&mut self) {
         for (conn, op_id, write, status) in self.gpu_replies.drain(..) {
             if let Some(ConnRef::Local(idx)) = self.dir.get(conn) {
+                self.local.heat(idx);
                 self.local.conns[idx].finish_gpu(op_id, write, status);
             }
         }
@@ -805,7 +831,28 @@ impl Shard {
         self.remember_failed(id, reason);
     }
 
+    /// Runs the timeout checks over the next slice of connections, if
+    /// `TIMEOUT_CHECK_PERIOD` has passed: the slice is the share of all
+    /// connections that the time since the last check is of
+    /// `TIMEOUT_SWEEP` (all of them after a long sleep).
     fn check_timeouts(&mut self, now: Instant) {
+        let since = now.saturating_duration_since(self.checked_at);
+        if since < TIMEOUT_CHECK_PERIOD {
+            return;
+        }
+        self.checked_at = now;
+        let share = since.min(TIMEOUT_SWEEP).as_secs_f64() / TIMEOUT_SWEEP.as_secs_f64();
+        let tcp = slice(&mut self.tcp_cursor, self.tcp.conns.capacity(), share);
+        let local = slice(&mut self.local_cursor, self.local.conns.capacity(), share);
+        self.check_timeouts_of(now, tcp, local);
+    }
+
+    fn check_timeouts_of(
+        &mut self,
+        now: Instant,
+        tcp: std::ops::Range<usize>,
+        local: std::ops::Range<usize>,
+    ) {
         let limit = self.cfg.op_timeout;
         let late = |t: Instant| now.duration_since(t) > limit;
         let timeout = || {
@@ -830,7 +877,12 @@ impl Shard {
                 }
             }
         }
-        for (idx, conn) in self.tcp.conns.iter() {
+        let tcp_slots = self.tcp.conns.capacity().max(1);
+        for at in tcp.clone() {
+            let idx = at % tcp_slots;
+            let Some(conn) = self.tcp.conns.get(idx) else {
+                continue;
+            };
             if conn
                 .streams
                 .iter()
@@ -849,7 +901,12 @@ impl Shard {
                 ));
             }
         }
-        for (idx, lc) in self.local.conns.iter() {
+        let local_slots = self.local.conns.capacity().max(1);
+        for at in local.clone() {
+            let idx = at % local_slots;
+            let Some(lc) = self.local.conns.get(idx) else {
+                continue;
+            };
             if !crate::sys::pid_alive(lc.peer_pid) {
                 self.to_fail.push((
                     ConnRef::Local(idx),
@@ -860,7 +917,7 @@ impl Shard {
             }
         }
         if let Some(idle) = self.cfg.idle_timeout {
-            self.mark_idle(now, idle);
+            self.mark_idle(now, idle, tcp, local);
         }
         self.fail_marked();
     }
@@ -868,7 +925,13 @@ impl Shard {
     /// Marks connections with nothing in flight and no traffic for `idle`
     /// (`FERRY_IDLE_TIMEOUT_MS`); one marked already keeps its first reason
     /// (`fail_marked` drops each once).
-    fn mark_idle(&mut self, now: Instant, idle: Duration) {
+    fn mark_idle(
+        &mut self,
+        now: Instant,
+        idle: Duration,
+        tcp: std::ops::Range<usize>,
+        local: std::ops::Range<usize>,
+    ) {
         let quiet = |t: Instant| now.saturating_duration_since(t) > idle;
         let why = || {
             format!(
@@ -876,7 +939,12 @@ impl Shard {
                 idle.as_millis()
             )
         };
-        for (idx, conn) in self.tcp.conns.iter() {
+        let tcp_slots = self.tcp.conns.capacity().max(1);
+        for at in tcp {
+            let idx = at % tcp_slots;
+            let Some(conn) = self.tcp.conns.get(idx) else {
+                continue;
+            };
             let busy = conn.streams.iter().any(|s| s.has_pending() || s.has_tx())
                 || conn.verbs.as_ref().is_some_and(|v| v.busy())
                 || self.parked.contains_key(&conn.id);
@@ -885,7 +953,12 @@ impl Shard {
                 self.to_fail.push((at, why()));
             }
         }
-        for (idx, lc) in self.local.conns.iter() {
+        let local_slots = self.local.conns.capacity().max(1);
+        for at in local {
+            let idx = at % local_slots;
+            let Some(lc) = self.local.conns.get(idx) else {
+                continue;
+            };
             let at = ConnRef::Local(idx);
             let busy = lc.has_pending() || self.parked.contains_key(&lc.id);
             if !busy && quiet(lc.last_active) {
@@ -973,5 +1046,39 @@ impl Drop for Shard {
         }
         self.publish();
         self.regions.clear();
+    }
+}
+
+/// The next `share` (0..=1) of `slots` slab slots from `cursor` on, as a
+/// range to take modulo `slots`; advances the cursor. At least one slot.
+fn slice(cursor: &mut usize, slots: usize, share: f64) -> std::ops::Range<usize> {
+    if slots == 0 {
+        return 0..0;
+    }
+    let n = ((slots as f64 * share).ceil() as usize).clamp(1, slots);
+    let start = *cursor % slots;
+    *cursor = start + n;
+    start..start + n
+}
+
+#[cfg(test)]
+mod slice_tests {
+    use super::slice;
+
+    #[test]
+    fn slices_take_turns_and_cover_every_slot() {
+        let mut cursor = 0;
+        let mut seen = vec![0; 1000];
+        // 1 % at a time: 100 checks cover all 1000 slots once.
+        for _ in 0..100 {
+            for at in slice(&mut cursor, 1000, 0.01) {
+                seen[at % 1000] += 1;
+            }
+        }
+        assert!(seen.iter().all(|&n| n == 1), "{seen:?}");
+        // A long sleep covers everything at once; at least one slot always.
+        assert_eq!(slice(&mut cursor, 1000, 1.0).len(), 1000);
+        assert_eq!(slice(&mut cursor, 1000, 0.0).len(), 1);
+        assert_eq!(slice(&mut cursor, 0, 0.5), 0..0);
     }
 }

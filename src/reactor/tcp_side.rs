@@ -2,6 +2,12 @@
 //! driven by the sans-IO stream engine), the epoll instance that says which
 //! are ready (and that a parked shard sleeps in), and each connection's
 //! RDMA queue pairs when it has them.
+//!
+//! A pass visits only the connections on the ready list: those epoll
+//! reported, those the shard queued frames on (`mark`), and those that
+//! left work for the next pass (bytes still readable, frames still
+//! sendable, a stream blocked on the shard, RDMA completions owed). An idle
+//! connection costs a pass nothing.
 
 use std::io;
 use std::time::Duration;
@@ -34,6 +40,15 @@ pub(crate) struct Conn {
     pub verbs: Option<Box<crate::verbs::Link>>,
     /// When the connection last moved a byte (for the idle timeout).
     pub last_active: std::time::Instant,
+    /// On the ready list.
+    queued: bool,
+}
+
+impl Conn {
+    /// Whether the next pass must visit it even if epoll says nothing.
+    fn wants_turn(&self) -> bool {
+        self.streams.iter().any(|s| s.wants_turn()) || self.verbs.as_ref().is_some_and(|v| v.busy())
+    }
 }
 
 pub(crate) struct TcpSide {
@@ -41,6 +56,15 @@ pub(crate) struct TcpSide {
     events: Events,
     pub conns: Slab<Conn>,
     stream_count: usize,
+    /// Connections the next pass visits (each at most once: `Conn::queued`).
+    ready: Vec<usize>,
+    /// The list being visited (kept for its allocation).
+    visiting: Vec<usize>,
+    /// Connections with RDMA queue pairs (their completion queues are
+    /// polled, not signalled).
+    verbs_conns: usize,
+    /// Connections the last pass visited (what a pass costs).
+    pub visited: usize,
     shard: usize,
     /// Sent data unacknowledged this long kills a socket (TCP_USER_TIMEOUT):
     /// the op timeout, so a half-open peer is not kept for minutes.
@@ -57,6 +81,10 @@ impl TcpSide {
             events: Events::with_capacity(64),
             conns: Slab::new(),
             stream_count: 0,
+            ready: Vec::new(),
+            visiting: Vec::new(),
+            verbs_conns: 0,
+            visited: 0,
             shard,
             user_timeout,
         };
@@ -78,7 +106,18 @@ impl TcpSide {
         }
     }
 
-    /// Marks the streams epoll reported ready.
+    /// Puts connection `idx` on the next pass's ready list (the shard
+    /// calls it after queueing frames or posting work on it).
+    pub fn mark(&mut self, idx: usize) {
+        if let Some(c) = self.conns.get_mut(idx) {
+            if !c.queued {
+                c.queued = true;
+                self.ready.push(idx);
+            }
+        }
+    }
+
+    /// Marks the streams epoll reported ready, and their connections.
     fn apply_events(&mut self) {
         for ev in self.events.iter() {
             let t = ev.token();
@@ -86,7 +125,10 @@ impl TcpSide {
                 continue;
             }
             let (key, idx) = (t.0 / MAX_STREAMS, t.0 % MAX_STREAMS);
-            let Some(s) = self.conns.get_mut(key).and_then(|c| c.streams.get_mut(idx)) else {
+            let Some(c) = self.conns.get_mut(key) else {
+                continue;
+            };
+            let Some(s) = c.streams.get_mut(idx) else {
                 continue;
             };
             if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
@@ -94,6 +136,10 @@ impl TcpSide {
             }
             if ev.is_writable() || ev.is_write_closed() || ev.is_error() {
                 s.writable = true;
+            }
+            if !c.queued {
+                c.queued = true;
+                self.ready.push(key);
             }
         }
     }
@@ -149,13 +195,17 @@ impl TcpSide {
             out.push(Stream::new(m, limits, i as u8, macs.next()));
         }
         self.stream_count += out.len();
+        self.verbs_conns += verbs.is_some() as usize;
         entry.insert(Conn {
             id: conn,
             streams: out,
             next: 0,
             verbs,
             last_active: std::time::Instant::now(),
+            queued: false,
         });
+        // A first turn: bytes may have arrived before the socket was ours.
+        self.mark(key);
         Ok(key)
     }
 
@@ -164,6 +214,7 @@ impl TcpSide {
     pub fn remove(&mut self, idx: usize) -> Conn {
         let mut conn = self.conns.remove(idx);
         self.stream_count -= conn.streams.len();
+        self.verbs_conns -= conn.verbs.is_some() as usize;
         for s in conn.streams.iter_mut() {
             let _ = self.epoll.registry().deregister(&mut s.sock);
         }
@@ -184,9 +235,23 @@ impl Source for TcpSide {
                 Err(e) => warn!(shard = self.shard, "epoll_wait failed: {e}"),
             }
         }
+        if direct {
+            // Few streams: every socket is tried (no epoll call).
+            let keys: Vec<usize> = self.conns.iter().map(|(k, _)| k).collect();
+            for k in keys {
+                self.mark(k);
+            }
+        }
         let mut work = 0;
         let mut clock = crate::sys::LazyClock::default();
-        for (idx, conn) in self.conns.iter_mut() {
+        let mut visiting = std::mem::take(&mut self.visiting);
+        std::mem::swap(&mut visiting, &mut self.ready);
+        self.visited = visiting.len();
+        for idx in visiting.drain(..) {
+            let Some(conn) = self.conns.get_mut(idx) else {
+                continue;
+            };
+            conn.queued = false;
             if let Some(v) = &mut conn.verbs {
                 match v.poll(cx.done) {
                     Ok(n) => work += n,
@@ -236,17 +301,29 @@ impl Source for TcpSide {
             if work > before {
                 conn.last_active = clock.now();
             }
+            if conn.wants_turn() {
+                conn.queued = true;
+                self.ready.push(idx);
+            }
         }
+        self.visiting = visiting;
         work
     }
 
     fn may_park(&self) -> Park {
-        // Sockets wake epoll; RDMA completion queues do not (polled).
-        if self
-            .conns
-            .iter()
-            .any(|(_, c)| c.verbs.as_ref().is_some_and(|v| v.busy()))
-        {
+        // Sockets wake epoll; RDMA completion queues do not (polled), and
+        // work left for the next pass must not wait for an event.
+        let io_left = self.ready.iter().any(|&i| {
+            self.conns
+                .get(i)
+                .is_some_and(|c| c.streams.iter().any(|s| s.has_io()))
+        });
+        let verbs_owed = self.verbs_conns > 0
+            && self
+                .conns
+                .iter()
+                .any(|(_, c)| c.verbs.as_ref().is_some_and(|v| v.busy()));
+        if io_left || verbs_owed {
             Park::No
         } else {
             Park::Yes
@@ -283,5 +360,72 @@ mod tests {
         let conn = side.remove(idx);
         assert_eq!(conn.id, ConnId(1));
         assert_eq!(side.stream_count, 0);
+    }
+
+    /// A pass visits what epoll reported (and what left work behind), not
+    /// every connection: 40 idle connections cost a pass nothing, and a
+    /// frame on one of them costs a visit to that one.
+    #[test]
+    fn a_pass_visits_only_ready_connections() {
+        use crate::region::RegionTable;
+        use crate::wire::{DataHeader, DataKind};
+        use std::io::Write;
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let (mut side, _waker) = TcpSide::new(0, Duration::from_secs(7)).unwrap();
+        let limits = StreamLimits {
+            own_max: 4,
+            peer_max: 4,
+        };
+        let mut peers = Vec::new();
+        for i in 0..40 {
+            let a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+            let (b, _) = l.accept().unwrap();
+            side.add(ConnId(i), vec![a], limits, None, Vec::new())
+                .unwrap();
+            peers.push(b);
+        }
+        let mut regions = RegionTable::default();
+        let (_utx, updates) = std::sync::mpsc::channel();
+        let (inbox, notes) = std::sync::mpsc::sync_channel(16);
+        let (mut done, mut revoked, mut reqs, mut replies, mut to_fail) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut cx = Cx {
+            regions: &mut regions,
+            updates: &updates,
+            done: &mut done,
+            inbox: &inbox,
+            ipc_revoked: &mut revoked,
+            gpu_reqs: &mut reqs,
+            gpu_replies: &mut replies,
+            gpu: None,
+            to_fail: &mut to_fail,
+        };
+        // Each new connection gets a first turn; then nothing is ready.
+        side.poll(&mut cx);
+        assert_eq!(side.visited, 40);
+        for _ in 0..3 {
+            side.poll(&mut cx);
+        }
+        assert_eq!(side.visited, 0, "idle connections were visited");
+        assert_eq!(side.may_park(), Park::Yes);
+        // A notification on connection 17: one visit delivers it.
+        let mut frame = DataHeader::request(DataKind::Notify, 0, 0, 0, 0, 3)
+            .encode()
+            .to_vec();
+        frame.extend_from_slice(b"abc");
+        peers[17].write_all(&frame).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let mut visits = 0;
+        let got = loop {
+            side.poll(&mut cx);
+            visits += side.visited;
+            if let Ok(n) = notes.try_recv() {
+                break n;
+            }
+            assert!(std::time::Instant::now() < deadline, "never delivered");
+        };
+        assert_eq!(got, (ConnId(17), b"abc".to_vec()));
+        assert!(visits <= 2, "{visits} visits for one ready connection");
+        assert!(cx.to_fail.is_empty());
     }
 }

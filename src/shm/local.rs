@@ -68,6 +68,10 @@ pub(crate) struct LocalConn {
     /// When the connection last moved a message (kept by the driver, for
     /// the idle timeout).
     pub last_active: Instant,
+    /// Kept by the driver: polled every pass (hot), or in turn with the
+    /// other quiet ones; and for how many passes it has found nothing.
+    pub hot: bool,
+    pub quiet_passes: u32,
 }
 
 // SAFETY: the raw pointers in `pending` point into regions kept alive by the
@@ -141,7 +145,18 @@ impl LocalConn {
             notify: Vec::new(),
             notify_blocked: None,
             last_active: Instant::now(),
+            hot: false,
+            quiet_passes: 0,
         }
+    }
+
+    /// Whether it has anything under way: requests of ours or the peer's,
+    /// messages waiting for ring room, a notification held back.
+    pub fn busy(&self) -> bool {
+        !self.pending.is_empty()
+            || !self.outbox.is_empty()
+            || self.notify_blocked.is_some()
+            || self.peer_owed > 0
     }
 
     pub fn can_request(&self) -> bool {

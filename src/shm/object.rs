@@ -124,7 +124,8 @@ impl ShmRing {
             }
             let map = Mapping::map_fd(fd, len).map_err(|e| Error::io("mmap(shm)", e))?;
             drop(guard);
-            // SAFETY: a fresh page-aligned mapping of `len` bytes nobody else
+            // SAFETY: a fresh (zero-filled: O_EXCL, then ftruncate)
+            // page-aligned mapping of `len` bytes nobody else
             // uses until the magic is published by init.
             let ring = unsafe { Ring::init(map.ptr, capacity, this_pid(), pid_ns(), generation) };
             return Ok(ShmRing {

@@ -22,6 +22,9 @@ pub const SLOT_PAYLOAD: usize = SLOT_BYTES - 16;
 // The message codec (in `wire`) is sized for exactly this payload.
 const _: () = assert!(SLOT_PAYLOAD == crate::wire::SHM_SLOT_PAYLOAD);
 const LINE: usize = 128;
+/// 2: slot sequence numbers are stored less the slot index (zero memory is
+/// an empty ring); 1 stored them as they are.
+const RING_VERSION: u32 = 2;
 
 /// The first bytes of the mapping: what the ring is and who owns it.
 #[repr(C, align(128))]
@@ -79,11 +82,15 @@ unsafe impl Send for Ring {}
 unsafe impl Sync for Ring {}
 
 impl Ring {
-    /// Lays out a fresh ring in `base`.
+    /// Lays out a fresh ring in `base`. Only the header is written: the
+    /// slots' zero bytes already mean "empty" (see `load_seq`), so a ring's
+    /// pages become resident only as messages reach them and an idle
+    /// connection's rings cost a page each.
     ///
     /// # Safety
     /// `base` must be 128-byte aligned, valid for `ring_bytes(capacity)`
-    /// bytes, and not in use by anyone else yet. `capacity` is a power of two.
+    /// bytes, zeroed (fresh shared memory is), and not in use by anyone else
+    /// yet. `capacity` is a power of two.
     pub unsafe fn init(
         base: *mut u8,
         capacity: usize,
@@ -97,7 +104,7 @@ impl Ring {
             capacity: capacity as u64,
         };
         let h = r.header();
-        h.version.store(1, Ordering::Relaxed);
+        h.version.store(RING_VERSION, Ordering::Relaxed);
         h.slot_bytes.store(SLOT_BYTES as u32, Ordering::Relaxed);
         h.capacity.store(capacity as u32, Ordering::Relaxed);
         h.owner_pid.store(owner_pid, Ordering::Relaxed);
@@ -105,9 +112,6 @@ impl Ring {
         h.pid_ns.store(pid_ns, Ordering::Relaxed);
         r.enqueue().store(0, Ordering::Relaxed);
         r.dequeue().store(0, Ordering::Relaxed);
-        for i in 0..capacity {
-            r.seq(i as u64).store(i as u64, Ordering::Relaxed);
-        }
         // Magic last: a ring is valid only once fully laid out.
         h.magic.store(RING_MAGIC, Ordering::Release);
         r
@@ -132,7 +136,7 @@ impl Ring {
             h.slot_bytes.load(Ordering::Relaxed),
             h.capacity.load(Ordering::Relaxed),
         );
-        if v != 1
+        if v != RING_VERSION
             || sb as usize != SLOT_BYTES
             || !cap.is_power_of_two()
             || ring_bytes(cap as usize) > len
@@ -175,6 +179,20 @@ impl Ring {
         unsafe { &*std::ptr::addr_of!((*self.slot_ptr(pos)).seq) }
     }
 
+    /// The slot's sequence number in the classic scheme (slot i starts at
+    /// i). It is stored less the slot's index, so that all-zero memory is a
+    /// ring whose every slot is empty for the first lap.
+    fn load_seq(&self, pos: u64, order: Ordering) -> u64 {
+        self.seq(pos)
+            .load(order)
+            .wrapping_add(pos & (self.capacity - 1))
+    }
+
+    fn store_seq(&self, pos: u64, seq: u64, order: Ordering) {
+        self.seq(pos)
+            .store(seq.wrapping_sub(pos & (self.capacity - 1)), order)
+    }
+
     fn len_of(&self, pos: u64) -> &AtomicU32 {
         // SAFETY: as for `seq`.
         unsafe { &*std::ptr::addr_of!((*self.slot_ptr(pos)).len) }
@@ -200,7 +218,7 @@ impl Ring {
         let enq = self.enqueue();
         let mut pos = enq.load(Ordering::Relaxed);
         loop {
-            let seq = self.seq(pos).load(Ordering::Acquire);
+            let seq = self.load_seq(pos, Ordering::Acquire);
             let dif = seq.wrapping_sub(pos) as i64;
             if dif == 0 {
                 match enq.compare_exchange_weak(pos, pos + 1, Ordering::Relaxed, Ordering::Relaxed)
@@ -218,7 +236,7 @@ impl Ring {
         // until it publishes seq = pos + 1; msg fits the payload.
         unsafe { std::ptr::copy_nonoverlapping(msg.as_ptr(), self.slot_data(pos), msg.len()) };
         self.len_of(pos).store(msg.len() as u32, Ordering::Relaxed);
-        self.seq(pos).store(pos + 1, Ordering::Release);
+        self.store_seq(pos, pos + 1, Ordering::Release);
         Ok(())
     }
 
@@ -227,7 +245,7 @@ impl Ring {
     pub fn pop(&self, out: &mut [u8; SLOT_PAYLOAD]) -> Option<usize> {
         let deq = self.dequeue();
         let pos = deq.load(Ordering::Relaxed);
-        if self.seq(pos).load(Ordering::Acquire) != pos + 1 {
+        if self.load_seq(pos, Ordering::Acquire) != pos + 1 {
             return None;
         }
         // A hostile producer can write any length; never read past the slot.
@@ -235,7 +253,7 @@ impl Ring {
         // SAFETY: seq == pos + 1 (Acquire) means the producer finished
         // writing; the slot is ours until we store the next seq.
         unsafe { std::ptr::copy_nonoverlapping(self.slot_data(pos), out.as_mut_ptr(), len) };
-        self.seq(pos).store(pos + self.capacity, Ordering::Release);
+        self.store_seq(pos, pos + self.capacity, Ordering::Release);
         deq.store(pos + 1, Ordering::Relaxed);
         Some(len)
     }

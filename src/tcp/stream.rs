@@ -16,6 +16,9 @@ pub(crate) struct Stream {
     /// syscall says EAGAIN: an idle stream costs no syscall per poll.
     pub readable: bool,
     pub writable: bool,
+    /// The engine stopped on the shard (a full inbox, no bounce buffer):
+    /// buffered frames wait for a later pass, whatever epoll says.
+    blocked: bool,
     proto: StreamProto,
 }
 
@@ -43,8 +46,20 @@ impl Stream {
             sock,
             readable: true,
             writable: true,
+            blocked: false,
             proto: StreamProto::new(limits, idx, mac),
         }
+    }
+
+    /// Whether the next pass must give it a turn without an event: bytes
+    /// may still be readable, frames sendable, or it is blocked on the shard.
+    pub fn wants_turn(&self) -> bool {
+        self.readable || self.blocked || (self.writable && self.proto.tx_ready())
+    }
+
+    /// Whether it has socket work now (not only waiting on the shard).
+    pub fn has_io(&self) -> bool {
+        self.readable || (self.writable && self.proto.tx_ready())
     }
 
     /// Writes queued frames until the socket would block. Returns whether
@@ -94,6 +109,7 @@ impl Stream {
             iov_base: std::ptr::null_mut(),
             iov_len: 0,
         }; 2];
+        self.blocked = false;
         loop {
             // Frames already buffered are handled even when the socket is dry.
             match self.proto.step(regions, sink)? {
@@ -101,7 +117,10 @@ impl Stream {
                     progress = true;
                     continue;
                 }
-                Step::Blocked => return Ok(progress),
+                Step::Blocked => {
+                    self.blocked = true;
+                    return Ok(progress);
+                }
                 Step::NeedBytes => {}
             }
             if !self.readable {
