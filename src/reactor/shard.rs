@@ -902,12 +902,22 @@ impl Shard {
             }
         }
         let local_slots = self.local.conns.capacity().max(1);
+        // Many connections often share one peer process: one look each.
+        let mut seen: Option<(u32, bool)> = None;
         for at in local.clone() {
             let idx = at % local_slots;
             let Some(lc) = self.local.conns.get(idx) else {
                 continue;
             };
-            if !crate::sys::pid_alive(lc.peer_pid) {
+            let alive = match seen {
+                Some((pid, alive)) if pid == lc.peer_pid => alive,
+                _ => {
+                    let alive = crate::sys::pid_alive(lc.peer_pid);
+                    seen = Some((lc.peer_pid, alive));
+                    alive
+                }
+            };
+            if !alive {
                 self.to_fail.push((
                     ConnRef::Local(idx),
                     format!("peer process {} is gone", lc.peer_pid),

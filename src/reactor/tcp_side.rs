@@ -24,6 +24,14 @@ pub(crate) const WAKER: Token = Token(usize::MAX);
 /// Up to this many streams, `poll` tries every socket instead of asking
 /// epoll (it still parks on epoll).
 const DIRECT_POLL_MAX_STREAMS: usize = 4;
+/// With more, the connections that moved bytes lately (at most this many)
+/// are still tried directly each pass, so a busy connection among many
+/// idle ones is served as if it were alone (no epoll round first) ...
+const HOT_CONNS: usize = 4;
+/// ... for this many passes after their last traffic; and while there are
+/// such, epoll is asked only every `EPOLL_EVERY_HOT` passes.
+const HOT_PASSES: u64 = 4096;
+const EPOLL_EVERY_HOT: u64 = 4;
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
 const KEEPALIVE_PROBES: u32 = 3;
@@ -65,6 +73,9 @@ pub(crate) struct TcpSide {
     verbs_conns: usize,
     /// Connections the last pass visited (what a pass costs).
     pub visited: usize,
+    /// Connections tried directly each pass: (slab index, until which pass).
+    hot: Vec<(usize, u64)>,
+    passes: u64,
     shard: usize,
     /// Sent data unacknowledged this long kills a socket (TCP_USER_TIMEOUT):
     /// the op timeout, so a half-open peer is not kept for minutes.
@@ -85,6 +96,8 @@ impl TcpSide {
             visiting: Vec::new(),
             verbs_conns: 0,
             visited: 0,
+            hot: Vec::with_capacity(HOT_CONNS),
+            passes: 0,
             shard,
             user_timeout,
         };
@@ -227,19 +240,30 @@ impl Source for TcpSide {
         if self.conns.is_empty() {
             return 0;
         }
+        self.passes += 1;
         let direct = self.direct_poll();
-        if !direct {
-            match self.epoll.poll(&mut self.events, Some(Duration::ZERO)) {
-                Ok(()) => self.apply_events(),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => warn!(shard = self.shard, "epoll_wait failed: {e}"),
-            }
-        }
         if direct {
             // Few streams: every socket is tried (no epoll call).
-            let keys: Vec<usize> = self.conns.iter().map(|(k, _)| k).collect();
-            for k in keys {
-                self.mark(k);
+            for (k, c) in self.conns.iter_mut() {
+                if !c.queued {
+                    c.queued = true;
+                    self.ready.push(k);
+                }
+            }
+        } else {
+            let passes = self.passes;
+            let conns = &self.conns;
+            self.hot
+                .retain(|&(i, until)| until > passes && conns.contains(i));
+            for h in 0..self.hot.len() {
+                self.mark(self.hot[h].0);
+            }
+            if self.hot.is_empty() || self.passes % EPOLL_EVERY_HOT == 0 {
+                match self.epoll.poll(&mut self.events, Some(Duration::ZERO)) {
+                    Ok(()) => self.apply_events(),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => warn!(shard = self.shard, "epoll_wait failed: {e}"),
+                }
             }
         }
         let mut work = 0;
@@ -252,6 +276,7 @@ impl Source for TcpSide {
                 continue;
             };
             conn.queued = false;
+            let try_all = direct || self.hot.iter().any(|&(i, _)| i == idx);
             if let Some(v) = &mut conn.verbs {
                 match v.poll(cx.done) {
                     Ok(n) => work += n,
@@ -276,7 +301,7 @@ impl Source for TcpSide {
             };
             let before = work;
             for s in conn.streams.iter_mut() {
-                if direct {
+                if try_all {
                     s.readable = true;
                     s.writable = true;
                 }
@@ -300,6 +325,14 @@ impl Source for TcpSide {
             }
             if work > before {
                 conn.last_active = clock.now();
+                if !direct {
+                    let until = self.passes + HOT_PASSES;
+                    match self.hot.iter().position(|&(i, _)| i == idx) {
+                        Some(h) => self.hot[h].1 = until,
+                        None if self.hot.len() < HOT_CONNS => self.hot.push((idx, until)),
+                        None => {}
+                    }
+                }
             }
             if conn.wants_turn() {
                 conn.queued = true;
