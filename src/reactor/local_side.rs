@@ -91,6 +91,11 @@ impl LocalSide {
         idx
     }
 
+    /// The connections polled every pass (may name removed ones).
+    pub fn hot(&self) -> &[usize] {
+        &self.hot
+    }
+
     /// Polls connection `idx` every pass from now on (the shard calls it
     /// after queueing messages on it).
     pub fn heat(&mut self, idx: usize) {

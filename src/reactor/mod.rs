@@ -22,6 +22,7 @@ mod queue;
 mod shard;
 mod source;
 mod tcp_side;
+mod timers;
 
 pub use completion::Transfer;
 pub(crate) use queue::{

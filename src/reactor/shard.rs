@@ -46,12 +46,16 @@ const COMMANDS_PER_POLL: usize = 256;
 const PARKED_PER_DEPTH: usize = 8;
 /// `poll` calls between looks at the clock for the timeout checks.
 const TIMEOUT_CLOCK_EVERY: u32 = 64;
-/// Timeout checks run at most this often, each over a slice of the
-/// connections ...
-const TIMEOUT_CHECK_PERIOD: Duration = Duration::from_millis(1);
-/// ... sized so that every connection is looked at within this time: no
-/// pass touches every connection, and a check costs ~1 % of them.
-const TIMEOUT_SWEEP: Duration = Duration::from_millis(100);
+/// Connections whose timers came due that one check looks at at most (the
+/// rest wait for the next check).
+const MAX_DUE_PER_CHECK: usize = 256;
+/// The longest a connection goes between looks (shorter with a short op
+/// timeout: a quarter of it).
+const MAX_CHECK_INTERVAL: Duration = Duration::from_secs(1);
+/// The hot same-host connections (those polled every pass) are also looked
+/// at this often: a crashed peer process is noticed only by looking (rings
+/// do not close), and its requests should fail in milliseconds.
+const HOT_LOCAL_CHECK: Duration = Duration::from_millis(10);
 
 #[derive(Debug, Clone)]
 pub(crate) struct ShardConfig {
@@ -95,11 +99,12 @@ pub struct Shard {
     ledger: OpLedger,
     inbox: SyncSender<(ConnId, Vec<u8>)>,
     iter: u32,
-    /// When the timeout checks last ran, and where their turn stands (slab
-    /// indices of the tcp and the same-host connections).
-    checked_at: Instant,
-    tcp_cursor: usize,
-    local_cursor: usize,
+    /// When each connection is next looked at by the timeout checks.
+    timers: super::timers::Timers,
+    /// Scratch for the connections due in a check.
+    due: Vec<(ConnRef, ConnId)>,
+    /// When the hot same-host connections were last looked at.
+    hot_checked: Instant,
     ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
     /// Connections found broken during a pass, dropped after it.
     to_fail: Vec<(ConnRef, String)>,
@@ -179,9 +184,9 @@ impl Shard {
             gpu,
             inbox,
             iter: 0,
-            checked_at: Instant::now(),
-            tcp_cursor: 0,
-            local_cursor: 0,
+            timers: Default::default(),
+            due: Vec::new(),
+            hot_checked: Instant::now(),
             ipc_counters,
             to_fail: Vec::new(),
             ipc_revoked: Vec::new(),
@@ -424,6 +429,7 @@ impl Shard {
                 match self.tcp.add(conn, streams, limits, verbs, macs) {
                     Ok(idx) => {
                         self.dir.insert(conn, ConnRef::Tcp(idx));
+                        self.arm_new(ConnRef::Tcp(idx), conn);
                         debug!(shard = self.id, %conn, "connection adopted");
                     }
                     Err(e) => {
@@ -437,6 +443,7 @@ impl Shard {
                 let conn = lc.id;
                 let idx = self.local.add(*lc);
                 self.dir.insert(conn, ConnRef::Local(idx));
+                self.arm_new(ConnRef::Local(idx), conn);
                 debug!(shard = self.id, %conn, "same-host connection adopted");
                 None
             }
@@ -831,41 +838,28 @@ impl Shard {
         self.remember_failed(id, reason);
     }
 
-    /// Runs the timeout checks over the next slice of connections, if
-    /// `TIMEOUT_CHECK_PERIOD` has passed: the slice is the share of all
-    /// connections that the time since the last check is of
-    /// `TIMEOUT_SWEEP` (all of them after a long sleep).
-    fn check_timeouts(&mut self, now: Instant) {
-        let since = now.saturating_duration_since(self.checked_at);
-        if since < TIMEOUT_CHECK_PERIOD {
-            return;
-        }
-        self.checked_at = now;
-        let share = since.min(TIMEOUT_SWEEP).as_secs_f64() / TIMEOUT_SWEEP.as_secs_f64();
-        let tcp = slice(&mut self.tcp_cursor, self.tcp.conns.capacity(), share);
-        let local = slice(&mut self.local_cursor, self.local.conns.capacity(), share);
-        self.check_timeouts_of(now, tcp, local);
+    /// The longest a connection goes between looks by the timeout checks.
+    fn check_interval(&self) -> Duration {
+        (self.cfg.op_timeout / 4).clamp(Duration::from_millis(1), MAX_CHECK_INTERVAL)
     }
 
-    fn check_timeouts_of(
-        &mut self,
-        now: Instant,
-        tcp: std::ops::Range<usize>,
-        local: std::ops::Range<usize>,
-    ) {
+    /// Arms the first look at a connection just added.
+    fn arm_new(&mut self, at: ConnRef, id: ConnId) {
+        let first = Instant::now() + self.check_interval();
+        self.timers.arm(first, at, id);
+    }
+
+    /// Runs the timeout checks that are due: the parked commands' (only
+    /// connections that found no room have any), then each connection whose
+    /// timer came due, re-armed at its next deadline. No connection is
+    /// looked at before its time.
+    fn check_timeouts(&mut self, now: Instant) {
         let limit = self.cfg.op_timeout;
-        let late = |t: Instant| now.duration_since(t) > limit;
-        let timeout = || {
-            format!(
-                "no response to a request within {} ms (op timeout)",
-                limit.as_millis()
-            )
-        };
         // A connection whose commands found no room for a whole op timeout
         // (a peer that stopped reading) is failed; what it parked then
         // fails with the reason on the next pass.
         for (conn, (since, _)) in self.parked.iter() {
-            if late(*since) {
+            if now.duration_since(*since) > limit {
                 if let Some(at) = self.dir.get(*conn) {
                     self.to_fail.push((
                         at,
@@ -877,104 +871,122 @@ impl Shard {
                 }
             }
         }
-        let tcp_slots = self.tcp.conns.capacity().max(1);
-        for at in tcp.clone() {
-            let idx = at % tcp_slots;
-            let Some(conn) = self.tcp.conns.get(idx) else {
-                continue;
-            };
-            if conn
-                .streams
-                .iter()
-                .filter_map(|s| s.oldest_pending())
-                .any(late)
-            {
-                self.to_fail.push((ConnRef::Tcp(idx), timeout()));
-            } else if conn.streams.iter().any(|s| s.inbound_stalled(now, limit)) {
-                // Half a frame, then silence: it holds our memory.
-                self.to_fail.push((
-                    ConnRef::Tcp(idx),
-                    format!(
-                        "an inbound frame stalled for more than {} ms (op timeout)",
-                        limit.as_millis()
-                    ),
-                ));
-            }
-        }
-        let local_slots = self.local.conns.capacity().max(1);
-        // Many connections often share one peer process: one look each.
-        let mut seen: Option<(u32, bool)> = None;
-        for at in local.clone() {
-            let idx = at % local_slots;
-            let Some(lc) = self.local.conns.get(idx) else {
-                continue;
-            };
-            let alive = match seen {
-                Some((pid, alive)) if pid == lc.peer_pid => alive,
-                _ => {
-                    let alive = crate::sys::pid_alive(lc.peer_pid);
-                    seen = Some((lc.peer_pid, alive));
-                    alive
+        if now.saturating_duration_since(self.hot_checked) >= HOT_LOCAL_CHECK {
+            self.hot_checked = now;
+            let mut due = std::mem::take(&mut self.due);
+            for &idx in self.local.hot() {
+                if let Some(lc) = self.local.conns.get(idx).filter(|lc| lc.busy()) {
+                    due.push((ConnRef::Local(idx), lc.id));
                 }
-            };
-            if !alive {
-                self.to_fail.push((
-                    ConnRef::Local(idx),
-                    format!("peer process {} is gone", lc.peer_pid),
-                ));
-            } else if lc.oldest_pending().is_some_and(late) {
-                self.to_fail.push((ConnRef::Local(idx), timeout()));
             }
+            let mut seen = None;
+            for (at, _) in due.drain(..) {
+                // Their timers stay armed; this look only adds to them.
+                let _ = self.check_conn(at, now, &mut seen);
+            }
+            self.due = due;
         }
-        if let Some(idle) = self.cfg.idle_timeout {
-            self.mark_idle(now, idle, tcp, local);
+        if self.timers.next().is_some_and(|t| t <= now) {
+            let mut due = std::mem::take(&mut self.due);
+            self.timers.due(now, MAX_DUE_PER_CHECK, &mut due);
+            // Many connections often share one peer process: one look each.
+            let mut seen = None;
+            for (at, id) in due.drain(..) {
+                if self.dir.get(id) != Some(at) {
+                    continue; // gone since it was armed
+                }
+                if let Some(next) = self.check_conn(at, now, &mut seen) {
+                    self.timers.arm(next, at, id);
+                }
+            }
+            self.due = due;
         }
         self.fail_marked();
     }
 
-    /// Marks connections with nothing in flight and no traffic for `idle`
-    /// (`FERRY_IDLE_TIMEOUT_MS`); one marked already keeps its first reason
-    /// (`fail_marked` drops each once).
-    fn mark_idle(
+    /// Checks one connection: requests past the op timeout, a half-arrived
+    /// frame gone quiet, a vanished peer process, the idle timeout. Marks it
+    /// for failing (and returns `None`) or returns when to look again.
+    fn check_conn(
         &mut self,
+        at: ConnRef,
         now: Instant,
-        idle: Duration,
-        tcp: std::ops::Range<usize>,
-        local: std::ops::Range<usize>,
-    ) {
-        let quiet = |t: Instant| now.saturating_duration_since(t) > idle;
-        let why = || {
-            format!(
-                "idle for more than {} ms (FERRY_IDLE_TIMEOUT_MS)",
-                idle.as_millis()
-            )
+        seen: &mut Option<(u32, bool)>,
+    ) -> Option<Instant> {
+        let limit = self.cfg.op_timeout;
+        let late = |t: Instant| now.saturating_duration_since(t) > limit;
+        let (why, busy, last_active, oldest) = match at {
+            ConnRef::Tcp(i) => {
+                let conn = &self.tcp.conns[i];
+                let oldest = conn.streams.iter().filter_map(|s| s.oldest_pending()).min();
+                let why = if oldest.is_some_and(late) {
+                    Some(format!(
+                        "no response to a request within {} ms (op timeout)",
+                        limit.as_millis()
+                    ))
+                } else if conn.streams.iter().any(|s| s.inbound_stalled(now, limit)) {
+                    // Half a frame, then silence: it holds our memory.
+                    Some(format!(
+                        "an inbound frame stalled for more than {} ms (op timeout)",
+                        limit.as_millis()
+                    ))
+                } else {
+                    None
+                };
+                let busy = conn.streams.iter().any(|s| s.has_pending() || s.has_tx())
+                    || conn.verbs.as_ref().is_some_and(|v| v.busy())
+                    || self.parked.contains_key(&conn.id);
+                (why, busy, conn.last_active, oldest)
+            }
+            ConnRef::Local(i) => {
+                let lc = &self.local.conns[i];
+                let alive = match *seen {
+                    Some((pid, alive)) if pid == lc.peer_pid => alive,
+                    _ => {
+                        let alive = crate::sys::pid_alive(lc.peer_pid);
+                        *seen = Some((lc.peer_pid, alive));
+                        alive
+                    }
+                };
+                let oldest = lc.oldest_pending();
+                let why = if !alive {
+                    Some(format!("peer process {} is gone", lc.peer_pid))
+                } else if oldest.is_some_and(late) {
+                    Some(format!(
+                        "no response to a request within {} ms (op timeout)",
+                        limit.as_millis()
+                    ))
+                } else {
+                    None
+                };
+                let busy = lc.has_pending() || self.parked.contains_key(&lc.id);
+                (why, busy, lc.last_active, oldest)
+            }
         };
-        let tcp_slots = self.tcp.conns.capacity().max(1);
-        for at in tcp {
-            let idx = at % tcp_slots;
-            let Some(conn) = self.tcp.conns.get(idx) else {
-                continue;
-            };
-            let busy = conn.streams.iter().any(|s| s.has_pending() || s.has_tx())
-                || conn.verbs.as_ref().is_some_and(|v| v.busy())
-                || self.parked.contains_key(&conn.id);
-            let at = ConnRef::Tcp(idx);
-            if !busy && quiet(conn.last_active) {
-                self.to_fail.push((at, why()));
-            }
+        if let Some(why) = why {
+            self.to_fail.push((at, why));
+            return None;
         }
-        let local_slots = self.local.conns.capacity().max(1);
-        for at in local {
-            let idx = at % local_slots;
-            let Some(lc) = self.local.conns.get(idx) else {
-                continue;
-            };
-            let at = ConnRef::Local(idx);
-            let busy = lc.has_pending() || self.parked.contains_key(&lc.id);
-            if !busy && quiet(lc.last_active) {
-                self.to_fail.push((at, why()));
-            }
+        let tick = Duration::from_millis(1);
+        let mut next = now + self.check_interval();
+
+        if let Some(t) = oldest {
+            next = next.min(t + limit + tick);
         }
+        if let (Some(idle), false) = (self.cfg.idle_timeout, busy) {
+            if now.saturating_duration_since(last_active) > idle {
+                self.to_fail.push((
+                    at,
+                    format!(
+                        "idle for more than {} ms (FERRY_IDLE_TIMEOUT_MS)",
+                        idle.as_millis()
+                    ),
+                ));
+                return None;
+            }
+            next = next.min(last_active + idle + tick);
+        }
+        Some(next.max(now + tick))
     }
 
     /// Drops the connections marked in `to_fail`, failing their requests;
@@ -1056,39 +1068,5 @@ impl Drop for Shard {
         }
         self.publish();
         self.regions.clear();
-    }
-}
-
-/// The next `share` (0..=1) of `slots` slab slots from `cursor` on, as a
-/// range to take modulo `slots`; advances the cursor. At least one slot.
-fn slice(cursor: &mut usize, slots: usize, share: f64) -> std::ops::Range<usize> {
-    if slots == 0 {
-        return 0..0;
-    }
-    let n = ((slots as f64 * share).ceil() as usize).clamp(1, slots);
-    let start = *cursor % slots;
-    *cursor = start + n;
-    start..start + n
-}
-
-#[cfg(test)]
-mod slice_tests {
-    use super::slice;
-
-    #[test]
-    fn slices_take_turns_and_cover_every_slot() {
-        let mut cursor = 0;
-        let mut seen = vec![0; 1000];
-        // 1 % at a time: 100 checks cover all 1000 slots once.
-        for _ in 0..100 {
-            for at in slice(&mut cursor, 1000, 0.01) {
-                seen[at % 1000] += 1;
-            }
-        }
-        assert!(seen.iter().all(|&n| n == 1), "{seen:?}");
-        // A long sleep covers everything at once; at least one slot always.
-        assert_eq!(slice(&mut cursor, 1000, 1.0).len(), 1000);
-        assert_eq!(slice(&mut cursor, 1000, 0.0).len(), 1);
-        assert_eq!(slice(&mut cursor, 0, 0.5), 0..0);
     }
 }
