@@ -21,6 +21,30 @@ fn signal(pid: u32, sig: &str) {
         .success());
 }
 
+/// Waits until every thread of `pid` has stopped: `kill -STOP` returns when
+/// the signal is queued, and on a loaded machine a thread of the target can
+/// still run (and answer a handshake) until the group stop reaches it.
+fn wait_stopped(pid: u32) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let all = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .flatten()
+            .all(|t| {
+                let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+                // The state follows the parenthesised command name.
+                stat.rsplit(") ")
+                    .next()
+                    .is_some_and(|rest| rest.starts_with('T'))
+            });
+        if all {
+            return;
+        }
+        assert!(Instant::now() < deadline, "pid {pid} did not stop");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 #[test]
 fn restarted_peer_on_the_same_address() {
     let port = {
@@ -76,6 +100,7 @@ fn stopped_peer_is_back_pressure_with_bounded_memory() {
     let local = ep.alloc(64 * MIB).unwrap();
     let rss0 = rss_kib(std::process::id());
     signal(t.child.id(), "-STOP");
+    wait_stopped(t.child.id());
     let mut ts = Vec::new();
     let mut refused = 0;
     let start = Instant::now();
@@ -115,6 +140,7 @@ fn peer_killed_mid_handshake_is_an_error_not_a_hang() {
     let pid = t.child.id();
     // Stopped, the kernel still accepts the TCP connection but nobody answers.
     signal(pid, "-STOP");
+    wait_stopped(pid);
     let meta = t.served.meta.clone();
     let killer = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(300));

@@ -279,7 +279,7 @@ fn poll_one(
 mod tests {
     use super::*;
     use crate::error::ConnId;
-    use crate::region::RegionTable;
+    use crate::reactor::source::CxParts;
 
     /// Quiet same-host connections cool off: a pass then looks at one ring
     /// every few passes, not at all of them; a message on a cold one is
@@ -307,22 +307,8 @@ mod tests {
                 4,
             ));
         }
-        let mut regions = RegionTable::default();
-        let (_utx, updates) = std::sync::mpsc::channel();
-        let (inbox, notes) = std::sync::mpsc::sync_channel(16);
-        let (mut done, mut revoked, mut reqs, mut replies, mut to_fail) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut cx = Cx {
-            regions: &mut regions,
-            updates: &updates,
-            done: &mut done,
-            inbox: &inbox,
-            ipc_revoked: &mut revoked,
-            gpu_reqs: &mut reqs,
-            gpu_replies: &mut replies,
-            gpu: None,
-            to_fail: &mut to_fail,
-        };
+        let (mut parts, notes) = CxParts::new(16);
+        let mut cx = parts.cx();
         side.poll(&mut cx);
         assert!(side.visited >= 40, "new connections start hot");
         let deadline = std::time::Instant::now() + Duration::from_secs(10);

@@ -196,3 +196,53 @@ impl Source for GpuWork {
         }
     }
 }
+
+/// What a `Cx` borrows, owned, for tests that poll a source alone.
+#[cfg(test)]
+pub(crate) struct CxParts {
+    regions: RegionTable,
+    updates: Receiver<RegionCmd>,
+    _updates_tx: std::sync::mpsc::Sender<RegionCmd>,
+    inbox: SyncSender<(ConnId, Vec<u8>)>,
+    done: Vec<(u32, Result<()>)>,
+    revoked: Vec<(ConnId, u64)>,
+    reqs: Vec<GpuReq>,
+    replies: Vec<(ConnId, u64, bool, Status)>,
+    to_fail: Vec<(ConnRef, String)>,
+}
+
+#[cfg(test)]
+impl CxParts {
+    /// The parts, and the receiving end of an inbox of `inbox_cap`
+    /// notifications.
+    pub fn new(inbox_cap: usize) -> (CxParts, Receiver<(ConnId, Vec<u8>)>) {
+        let (tx, updates) = std::sync::mpsc::channel();
+        let (inbox, notes) = std::sync::mpsc::sync_channel(inbox_cap);
+        let parts = CxParts {
+            regions: RegionTable::default(),
+            updates,
+            _updates_tx: tx,
+            inbox,
+            done: Vec::new(),
+            revoked: Vec::new(),
+            reqs: Vec::new(),
+            replies: Vec::new(),
+            to_fail: Vec::new(),
+        };
+        (parts, notes)
+    }
+
+    pub fn cx(&mut self) -> Cx<'_> {
+        Cx {
+            regions: &mut self.regions,
+            updates: &self.updates,
+            done: &mut self.done,
+            inbox: &self.inbox,
+            ipc_revoked: &mut self.revoked,
+            gpu_reqs: &mut self.reqs,
+            gpu_replies: &mut self.replies,
+            gpu: None,
+            to_fail: &mut self.to_fail,
+        }
+    }
+}

@@ -400,7 +400,7 @@ mod tests {
     /// frame on one of them costs a visit to that one.
     #[test]
     fn a_pass_visits_only_ready_connections() {
-        use crate::region::RegionTable;
+        use crate::reactor::source::CxParts;
         use crate::wire::{DataHeader, DataKind};
         use std::io::Write;
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -417,22 +417,8 @@ mod tests {
                 .unwrap();
             peers.push(b);
         }
-        let mut regions = RegionTable::default();
-        let (_utx, updates) = std::sync::mpsc::channel();
-        let (inbox, notes) = std::sync::mpsc::sync_channel(16);
-        let (mut done, mut revoked, mut reqs, mut replies, mut to_fail) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut cx = Cx {
-            regions: &mut regions,
-            updates: &updates,
-            done: &mut done,
-            inbox: &inbox,
-            ipc_revoked: &mut revoked,
-            gpu_reqs: &mut reqs,
-            gpu_replies: &mut replies,
-            gpu: None,
-            to_fail: &mut to_fail,
-        };
+        let (mut parts, notes) = CxParts::new(16);
+        let mut cx = parts.cx();
         // Each new connection gets a first turn; then nothing is ready.
         side.poll(&mut cx);
         assert_eq!(side.visited, 40);
