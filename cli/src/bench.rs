@@ -12,7 +12,7 @@ use anyhow::{bail, Context, Result};
 use ferry::{
     Config, ConnId, Endpoint, MemoryRegion, Mode, OpKind, RemoteBuf, Shard, Transfer, Transport,
 };
-use ferry_cli::testkit::read_served;
+use ferry_cli::testkit::{read_served, rss_kib};
 
 use crate::args::{fmt_size, parse_size, Args};
 use crate::raw;
@@ -182,16 +182,6 @@ fn parse(mut a: Args) -> Result<Opts> {
     Ok(o)
 }
 
-/// Resident memory of process `pid`, in KiB (0 if unknown).
-fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
-}
-
 /// What holding the idle connections cost.
 struct IdleCost {
     n: usize,
@@ -215,12 +205,10 @@ fn open_idle(
     let addr = ferry::EndpointMetadata::decode(meta)?.socket_addr();
     let (here0, there0) = (rss_kib(std::process::id()), rss_kib(target_pid));
     let t0 = Instant::now();
-    let mut idle = Vec::with_capacity(n);
     for i in 0..n {
-        idle.push(
-            ep.connect(addr)
-                .with_context(|| format!("idle connection {} of {n}", i + 1))?,
-        );
+        // Held by the endpoint until it drops; nothing here uses them.
+        ep.connect(addr)
+            .with_context(|| format!("idle connection {} of {n}", i + 1))?;
         // The embedded shard takes each connection in as it comes.
         shard.poll();
     }
@@ -231,8 +219,7 @@ fn open_idle(
         shard.poll();
     }
     let (here1, there1) = (rss_kib(std::process::id()), rss_kib(target_pid));
-    let per = |a: u64, b: u64| b.saturating_sub(a) as f64 / n as f64;
-    drop(idle);
+    let per = |a: usize, b: usize| b.saturating_sub(a) as f64 / n as f64;
     Ok(Some(IdleCost {
         n,
         open_s: t_open.as_secs_f64(),

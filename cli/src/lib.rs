@@ -1,5 +1,6 @@
 //! Helpers of the `ferry` tool that its test suites share: the byte
-//! pattern transfers are checked with, and the lines `ferry serve` prints.
+//! pattern transfers are checked with, the lines `ferry serve` prints, and
+//! a process's resident memory.
 //! Not part of the `ferry` library's API.
 
 pub mod testkit;

@@ -94,3 +94,13 @@ pub fn read_served(out: &mut impl std::io::BufRead) -> Result<Served, String> {
         gpu_rbuf,
     })
 }
+
+/// Resident memory of process `pid`, in KiB (0 if unknown).
+pub fn rss_kib(pid: u32) -> usize {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}

@@ -171,16 +171,6 @@ fn a_flood_of_silent_and_half_open_sockets_locks_nobody_out() {
     );
 }
 
-/// Reads one control frame from a blocking socket.
-fn read_frame(s: &mut TcpStream) -> ControlFrame {
-    let mut header = [0u8; ferry::wire::CONTROL_HEADER_LEN];
-    s.read_exact(&mut header).unwrap();
-    let mut frame = vec![0u8; header.len() + ControlFrame::body_len(&header).unwrap()];
-    frame[..header.len()].copy_from_slice(&header);
-    s.read_exact(&mut frame[header.len()..]).unwrap();
-    ControlFrame::decode(&frame).unwrap()
-}
-
 /// Limits are ours: 40 peers each declaring 2^20 requests in flight send
 /// READs of 64 KiB as fast as they may and never read an answer. The
 /// target keeps to its own limit per stream, answers from the registered
@@ -211,7 +201,7 @@ fn peers_declaring_huge_limits_cost_only_our_limits() {
             auth_nonce: rand(),
         };
         s.write_all(&ControlFrame::Hello(hello).encode()).unwrap();
-        let ControlFrame::HelloAck(_) = read_frame(&mut s) else {
+        let ControlFrame::HelloAck(_) = read_control_frame(&mut s) else {
             panic!("not acknowledged")
         };
         // Our limit is 64: exactly that many, so the peers stay connected.

@@ -1156,10 +1156,6 @@ impl Inner {
             info!(%peer, "peer is on this host: expecting a same-host connection");
             return;
         }
-        for s in &d.streams {
-            // The control backend's calls (the verbs exchange) expect their mode.
-            let _ = s.set_nonblocking(self.backend == IoBackend::Epoll);
-        }
         fn adopt(inner: &Arc<Inner>, d: Done<PeerSlot>) {
             let peer = d.peer;
             match inner.adopt(d.streams, &d.hellos, false, peer) {
@@ -1170,6 +1166,11 @@ impl Inner {
         }
         if !self.wants_verbs(&d.theirs) {
             return adopt(self, d);
+        }
+        for s in &d.streams {
+            // The verbs exchange runs on the control backend, whose calls
+            // expect their socket mode (the shard sets its own after).
+            let _ = s.set_nonblocking(self.backend == IoBackend::Epoll);
         }
         if self.verbs_setups.fetch_add(1, Ordering::AcqRel) >= MAX_VERBS_SETUPS {
             self.verbs_setups.fetch_sub(1, Ordering::AcqRel);

@@ -208,12 +208,11 @@ impl<S> Gate<S> {
         let mut done = Vec::new();
         loop {
             let now = Instant::now();
-            self.expire(now);
+            let next = self.expire(now);
             let wait = if self.backlog || !self.kick.is_empty() {
                 Duration::ZERO
             } else {
-                self.next_deadline()
-                    .map_or(deadline, |d| d.min(deadline))
+                next.map_or(deadline, |d| d.min(deadline))
                     .saturating_duration_since(now)
             };
             match self.poll.poll(&mut self.events, Some(wait)) {
@@ -247,35 +246,30 @@ impl<S> Gate<S> {
         }
     }
 
-    fn next_deadline(&self) -> Option<Instant> {
-        self.socks
-            .iter()
-            .map(|(_, h)| {
-                if h.heard {
-                    h.since + self.limits.whole
-                } else {
-                    h.since + self.limits.first_bytes.min(self.limits.whole)
-                }
-            })
-            .min()
-    }
-
-    fn expire(&mut self, now: Instant) {
-        let late: Vec<usize> = self
-            .socks
-            .iter()
-            .filter(|(_, h)| {
-                let age = now.saturating_duration_since(h.since);
-                age >= self.limits.whole || (!h.heard && age >= self.limits.first_bytes)
-            })
-            .map(|(k, _)| k)
-            .collect();
+    /// Drops the sockets past their deadline (first bytes, or the whole
+    /// handshake); returns the earliest deadline of those left.
+    fn expire(&mut self, now: Instant) -> Option<Instant> {
+        let (first, whole) = (
+            self.limits.first_bytes.min(self.limits.whole),
+            self.limits.whole,
+        );
+        let mut next: Option<Instant> = None;
+        let mut late = Vec::new();
+        for (k, h) in self.socks.iter() {
+            let due = h.since + if h.heard { whole } else { first };
+            if due <= now {
+                late.push(k);
+            } else {
+                next = Some(next.map_or(due, |n| n.min(due)));
+            }
+        }
         for k in late {
             if self.socks.contains(k) {
                 self.stats.expired += 1;
                 self.drop_with_group(k, "handshake deadline passed");
             }
         }
+        next
     }
 
     fn accept_some(&mut self, listener: &TcpListener) {

@@ -62,6 +62,23 @@ pub(crate) struct Integrity {
 const TAG_HEADER: &[u8] = b"H";
 const TAG_PAYLOAD: &[u8] = b"P";
 
+/// Writes a frame's tags (no-op without integrity). A gated frame is
+/// sealed when released, once its payload is final.
+fn seal(mac: &Option<Integrity>, f: &mut TxFrame) {
+    let Some(m) = mac else {
+        return;
+    };
+    let tag = m.tx.tag(f.seq, &[TAG_HEADER, &f.hdr[..HDR]]);
+    f.hdr[HDR..].copy_from_slice(&tag);
+    let (p, len) = f.payload.ptr_len();
+    if m.full && len > 0 {
+        // SAFETY: the payload is host memory (GPU payloads are staged into
+        // host bounce buffers first) that the frame keeps alive.
+        let bytes = unsafe { std::slice::from_raw_parts(p, len) };
+        f.trailer = m.tx.tag(f.seq, &[TAG_PAYLOAD, bytes]);
+    }
+}
+
 /// Per-stream bounds, fixed at connection time.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct StreamLimits {
@@ -259,25 +276,9 @@ impl StreamProto {
         };
         self.tx_seq += 1;
         if gate == 0 {
-            self.seal(&mut f);
+            seal(&self.mac, &mut f);
         }
         self.tx.push_back(f);
-    }
-
-    /// Writes the frame's tags (no-op without integrity).
-    fn seal(&self, f: &mut TxFrame) {
-        let Some(m) = &self.mac else {
-            return;
-        };
-        let tag = m.tx.tag(f.seq, &[TAG_HEADER, &f.hdr[..HDR]]);
-        f.hdr[HDR..].copy_from_slice(&tag);
-        let (p, len) = f.payload.ptr_len();
-        if m.full && len > 0 {
-            // SAFETY: the payload is host memory (GPU payloads are staged
-            // into host bounce buffers first) that the frame keeps alive.
-            let bytes = unsafe { std::slice::from_raw_parts(p, len) };
-            f.trailer = m.tx.tag(f.seq, &[TAG_PAYLOAD, bytes]);
-        }
     }
 
     pub fn can_request(&self) -> bool {
@@ -374,10 +375,9 @@ impl StreamProto {
     /// copy failed, the response says so instead (and carries no payload).
     /// Frames behind it wait: responses stay in request order.
     pub fn release(&mut self, gate: u64, ok: bool) {
-        let Some(at) = self.tx.iter().position(|f| f.gate == gate) else {
+        let Some(f) = self.tx.iter_mut().find(|f| f.gate == gate) else {
             return;
         };
-        let mut f = self.tx.remove(at).expect("found");
         f.gate = 0;
         if !ok {
             if let Ok(h) = DataHeader::decode(&f.hdr[..HDR]) {
@@ -387,8 +387,7 @@ impl StreamProto {
                 f.payload = TxPayload::None;
             }
         }
-        self.seal(&mut f);
-        self.tx.insert(at, f);
+        seal(&self.mac, f);
     }
 
     /// Fails every outstanding request of this stream.

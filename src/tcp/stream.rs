@@ -54,7 +54,7 @@ impl Stream {
     /// Whether the next pass must give it a turn without an event: bytes
     /// may still be readable, frames sendable, or it is blocked on the shard.
     pub fn wants_turn(&self) -> bool {
-        self.readable || self.blocked || (self.writable && self.proto.tx_ready())
+        self.has_io() || self.blocked
     }
 
     /// Whether it has socket work now (not only waiting on the shard).

@@ -207,13 +207,19 @@ pub fn remote_hash(ep: &Endpoint, conn: ConnId, off: usize, len: usize) -> u64 {
     u64::from_str_radix(h, 16).unwrap()
 }
 
-/// Resident memory of process `pid`, in KiB (0 if unknown).
-pub fn rss_kib(pid: u32) -> usize {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    s.lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
+#[allow(unused_imports)] // not every suite measures memory
+pub use ferry_cli::testkit::rss_kib;
+
+/// Reads one control frame from a blocking socket (a raw peer's side of
+/// the handshake).
+pub fn read_control_frame(s: &mut impl std::io::Read) -> ferry::wire::ControlFrame {
+    use ferry::wire::{ControlFrame, CONTROL_HEADER_LEN};
+    let mut header = [0u8; CONTROL_HEADER_LEN];
+    s.read_exact(&mut header).unwrap();
+    let mut frame = vec![0u8; CONTROL_HEADER_LEN + ControlFrame::body_len(&header).unwrap()];
+    frame[..CONTROL_HEADER_LEN].copy_from_slice(&header);
+    s.read_exact(&mut frame[CONTROL_HEADER_LEN..]).unwrap();
+    ControlFrame::decode(&frame).unwrap()
 }
 
 /// A raw peer: listens on 127.0.0.1, accepts one stream, answers its Hello
@@ -223,18 +229,13 @@ pub fn raw_peer(
     max_inflight: u32,
     then: impl FnOnce(std::net::TcpStream) + Send + 'static,
 ) -> (std::net::SocketAddr, std::thread::JoinHandle<()>) {
-    use ferry::wire::{ControlFrame, Hello, CONTROL_HEADER_LEN};
-    use std::io::{Read, Write};
+    use ferry::wire::{ControlFrame, Hello};
+    use std::io::Write;
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     let t = std::thread::spawn(move || {
         let (mut s, _) = l.accept().unwrap();
-        let mut header = [0u8; CONTROL_HEADER_LEN];
-        s.read_exact(&mut header).unwrap();
-        let mut frame = vec![0u8; CONTROL_HEADER_LEN + ControlFrame::body_len(&header).unwrap()];
-        frame[..CONTROL_HEADER_LEN].copy_from_slice(&header);
-        s.read_exact(&mut frame[CONTROL_HEADER_LEN..]).unwrap();
-        let ControlFrame::Hello(h) = ControlFrame::decode(&frame).unwrap() else {
+        let ControlFrame::Hello(h) = read_control_frame(&mut s) else {
             panic!("no hello")
         };
         let ack = Hello {
