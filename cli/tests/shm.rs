@@ -34,8 +34,13 @@ fn shm_objects_are_private_and_removed_on_clean_shutdown() {
     );
     let me = format!("{:016x}", ep.id());
     let files = shm_files_with(&me);
-    // Our accept ring, and one ring per direction of the connection.
-    assert_eq!(files.len(), 3, "{files:?}");
+    // Our accept ring, our shard's doorbell (page and FIFO), and one ring
+    // per direction of the connection.
+    assert_eq!(files.len(), 5, "{files:?}");
+    assert!(
+        files.contains(&format!("ferry-{me}-bell0.fifo")),
+        "{files:?}"
+    );
     for f in &files {
         let mode = std::fs::metadata(format!("/dev/shm/{f}"))
             .unwrap()
@@ -114,18 +119,28 @@ fn crashed_peer_fails_transfers_and_its_rings_are_swept() {
     let me = format!("{:016x}", ep.id());
     let target_rings: Vec<String> = shm_files_with(&me)
         .into_iter()
-        .filter(|f| f.starts_with(&format!("ferry-{me}-")))
+        .filter(|f| f.starts_with(&format!("ferry-{me}-")) && !f.contains("-bell"))
         .collect();
     assert_eq!(
         target_rings.len(),
         1,
         "the ring the dead target owned: {target_rings:?}"
     );
+    // ... and its doorbell (page and FIFO).
+    let target = &target_rings[0][format!("ferry-{me}-").len()..][..16];
+    let bell = format!("/dev/shm/ferry-{target}-bell0");
+    let stale = [
+        format!("/dev/shm/{}", target_rings[0]),
+        bell.clone(),
+        format!("{bell}.fifo"),
+    ];
+    for f in &stale {
+        assert!(std::path::Path::new(f).exists(), "{f} is not there");
+    }
     let _fresh = path_client(Path::Shm);
-    assert!(
-        !std::path::Path::new(&format!("/dev/shm/{}", target_rings[0])).exists(),
-        "stale ring was not swept"
-    );
+    for f in &stale {
+        assert!(!std::path::Path::new(f).exists(), "stale {f} was not swept");
+    }
 }
 
 #[test]

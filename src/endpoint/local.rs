@@ -12,6 +12,7 @@ use crate::auth::{ct_eq, proof};
 use crate::error::{ConnId, Error, Result};
 use crate::reactor::Command;
 use crate::region::Backing;
+use crate::shm::bell::RemoteBell;
 use crate::shm::cma::{probe_cma, CMA_CANARY};
 use crate::shm::fdpass::{self, Shared};
 use crate::shm::local::LocalConn;
@@ -26,7 +27,7 @@ pub(crate) const PAIR_RING_SLOTS: usize = 1024;
 fn push_msg(ring: &ShmRing, m: &Msg, inline: &[u8], deadline: Instant) -> Result<()> {
     let mut buf = [0u8; SLOT_PAYLOAD];
     let n = m.encode(inline, &mut buf);
-    while ring.ring.push(&buf[..n]).is_err() {
+    while ring.push(&buf[..n]).is_err() {
         if Instant::now() >= deadline {
             return Err(Error::Timeout {
                 what: "room in a local peer's ring",
@@ -45,6 +46,46 @@ fn refuse(what: &'static str, reason: String) -> Error {
 impl Inner {
     pub(crate) fn shm_ready(&self) -> bool {
         self.shm_note.is_none()
+    }
+
+    /// Creates a ring we consume, naming our doorbell in its header.
+    fn create_ring(&self, name: &str) -> Result<ShmRing> {
+        let rx = ShmRing::create(name, PAIR_RING_SLOTS, random_u64())?;
+        if self.local_bell {
+            rx.ring.set_bell_home(self.id, 0);
+        }
+        Ok(rx)
+    }
+
+    /// Opens the ring `name` that local endpoint `consumer` reads, with the
+    /// doorbell its header names (opened once per peer shard).
+    fn open_ring(&self, name: &str, consumer: u64) -> Result<ShmRing> {
+        let mut ring = ShmRing::open(name)?;
+        if let Some((owner, shard)) = ring.ring.bell_home() {
+            if owner != consumer {
+                return Err(refuse(
+                    "a same-host connection",
+                    format!(
+                        "{name} names the doorbell of {owner:016x}, not its reader {consumer:016x}"
+                    ),
+                ));
+            }
+            let mut bells = self.bells.lock().expect("lock");
+            let bell = match bells
+                .get(&(owner, shard))
+                .and_then(std::sync::Weak::upgrade)
+            {
+                Some(b) => b,
+                None => {
+                    bells.retain(|_, w| w.strong_count() > 0);
+                    let b = Arc::new(RemoteBell::open(owner, shard)?);
+                    bells.insert((owner, shard), Arc::downgrade(&b));
+                    b
+                }
+            };
+            ring.bell = Some(bell);
+        }
+        Ok(ring)
     }
 
     /// A connection id served by shard 0, which owns same-host connections.
@@ -119,12 +160,8 @@ impl Inner {
         }
         let deadline = Instant::now() + self.cfg.connect_timeout();
         let conn = self.local_conn_id();
-        let rx = ShmRing::create(
-            &pair_ring_name(peer_id, self.id, conn.0 as u32),
-            PAIR_RING_SLOTS,
-            random_u64(),
-        )?;
-        let accept = ShmRing::open(&accept_ring_name(peer_id))?;
+        let rx = self.create_ring(&pair_ring_name(peer_id, self.id, conn.0 as u32))?;
+        let accept = self.open_ring(&accept_ring_name(peer_id), peer_id)?;
         if !pid_alive(accept.owner_pid()) {
             return Err(refuse(
                 "a same-host connection",
@@ -189,7 +226,7 @@ impl Inner {
             }
         }
         let peer_pid = ack.addr as u32;
-        let tx = ShmRing::open(&pair_ring_name(self.id, peer_id, conn.0 as u32))?;
+        let tx = self.open_ring(&pair_ring_name(self.id, peer_id, conn.0 as u32), peer_id)?;
         let mut lc = LocalConn::new(
             conn,
             peer_id,
@@ -248,7 +285,7 @@ impl Inner {
         let deadline = Instant::now() + self.cfg.connect_timeout();
         let (peer_id, peer_pid) = (m.aux, m.addr as u32);
         // The connector made the ring we answer into.
-        let tx = ShmRing::open(&pair_ring_name(self.id, peer_id, m.conn))?;
+        let tx = self.open_ring(&pair_ring_name(self.id, peer_id, m.conn), peer_id)?;
         let mut ack = Msg::new(MsgKind::ConnectAck);
         ack.aux = self.id;
         ack.addr = this_pid() as u64;
@@ -271,11 +308,7 @@ impl Inner {
             return Err(refuse("a same-host connection", why));
         }
         let conn = self.local_conn_id();
-        let rx = ShmRing::create(
-            &pair_ring_name(peer_id, self.id, m.conn),
-            PAIR_RING_SLOTS,
-            random_u64(),
-        )?;
+        let rx = self.create_ring(&pair_ring_name(peer_id, self.id, m.conn))?;
         ack.conn = conn.0 as u32;
         ack.src_key = self.cfg.stream_inflight as u32;
         ack.src_addr = &CMA_CANARY as *const u64 as u64;
@@ -291,7 +324,7 @@ impl Inner {
         );
         // Adopt before answering, so the peer's first request finds us.
         self.adopt_local(lc, peer_id, peer_pid, deadline)?;
-        let tx2 = ShmRing::open(&pair_ring_name(self.id, peer_id, m.conn))?;
+        let tx2 = self.open_ring(&pair_ring_name(self.id, peer_id, m.conn), peer_id)?;
         let server_proof = self
             .auth_key()
             .map(|k| proof(k, "local-server", m.aux2, 0, self.id, peer_id));

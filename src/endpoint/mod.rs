@@ -149,6 +149,10 @@ pub(crate) struct Inner {
     local_connects: Mutex<Receiver<(crate::wire::shm_msg::Msg, Vec<u8>)>>,
     memfd_regions: Mutex<HashMap<u32, std::sync::Weak<Region>>>,
     local_peers: Mutex<std::collections::HashSet<u64>>,
+    /// Whether shard 0 has a doorbell (our rings name it in their header).
+    local_bell: bool,
+    /// Local peers' doorbells we ring, shared by the rings into one shard.
+    bells: Mutex<HashMap<(u64, u32), std::sync::Weak<crate::shm::bell::RemoteBell>>>,
     /// Connections the shards saw die; forgotten on the next control call.
     closed: Mutex<Receiver<ConnId>>,
     /// Handshakes under way per remote address (they count against its
@@ -249,6 +253,7 @@ impl Endpoint {
         }
         let (connects_tx, connects_rx) = mpsc::sync_channel(64);
         let mut local_setup = None;
+        let mut local_bell = false;
         let shm_note = if cfg.transport == Transport::Tcp {
             Some("FERRY_TRANSPORT=tcp".to_owned())
         } else {
@@ -261,11 +266,26 @@ impl Endpoint {
                 crate::shm::fdpass::FdListener::bind(id),
             ) {
                 (Ok(accept_ring), Ok(fd_listener)) => {
+                    let bell = crate::shm::bell::Bell::create(id, 0)
+                        .map_err(|e| {
+                            warn!("no doorbell for same-host rings ({e}): quiet rings are polled")
+                        })
+                        .ok();
+                    if bell.is_some() {
+                        // CONNECT messages always ring: the accept ring is
+                        // polled, but a parked shard must wake for them.
+                        accept_ring.ring.set_bell_home(id, 0);
+                        accept_ring
+                            .ring
+                            .set_bell(crate::shm::bell::ACCEPT_BIT, true);
+                        local_bell = true;
+                    }
                     local_setup = Some(crate::reactor::LocalSetup {
                         accept_ring,
                         fd_listener,
                         connects: connects_tx,
                         wake_accept: gate.waker(),
+                        bell,
                     });
                     None
                 }
@@ -323,6 +343,8 @@ impl Endpoint {
             registrations: Arc::new(AtomicUsize::new(0)),
             memfd_regions: Mutex::new(HashMap::new()),
             local_peers: Mutex::new(std::collections::HashSet::new()),
+            local_bell,
+            bells: Mutex::new(HashMap::new()),
             backend,
             backend_note: note,
             listener,

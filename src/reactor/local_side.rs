@@ -6,12 +6,17 @@
 //!
 //! Rings are polled, so a pass would cost every connection something;
 //! instead only the hot ones (with anything under way, or traffic in the
-//! last `COOL_AFTER`) are polled every pass, and the quiet ones one every
-//! `COLD_EVERY_PASSES` passes, in turn. The first message on a quiet
-//! connection waits up to (quiet connections × `COLD_EVERY_PASSES`)
-//! passes (~1 ms per 1000 quiet connections on a busy-polling shard);
-//! then the connection is hot again. Doorbells (issue 11) would remove
-//! that wait.
+//! last `COOL_AFTER`) are polled every pass. A quiet one is marked cold in
+//! its ring's header, and its peer then rings the shard's doorbell
+//! (`shm/bell.rs`) with each message: a pass looks at one word for all of
+//! them, and the connections rung are hot again. The shard parks with
+//! requests outstanding too: announcing the sleep marks every hot ring
+//! cold for its length, so any message wakes it through the doorbell's
+//! FIFO in its epoll set.
+//!
+//! Without a doorbell (one could not be made) quiet rings are polled one
+//! every `COLD_EVERY_PASSES` passes, in turn, and a parked shard with
+//! same-host connections wakes every `LOCAL_PARK`.
 
 use std::sync::mpsc::SyncSender;
 use std::time::Duration;
@@ -20,6 +25,7 @@ use slab::Slab;
 use tracing::warn;
 
 use super::source::{ConnRef, Cx, LiveRegions, Park, ShardSink, Source};
+use crate::shm::bell::{Bell, ACCEPT_BIT, BELL_BITS};
 use crate::shm::cma::Cma;
 use crate::shm::fdpass::{FdListener, Sender};
 use crate::shm::local::{LocalConn, PeerMaps};
@@ -27,9 +33,11 @@ use crate::shm::object::ShmRing;
 use crate::shm::ring::SLOT_PAYLOAD;
 use crate::wire::shm_msg::{Msg, MsgKind};
 
-/// A parked shard with same-host connections wakes this often.
+/// Without a doorbell, a parked shard with same-host connections wakes
+/// this often (and with one, while fd-passing senders wait).
 const LOCAL_PARK: Duration = Duration::from_millis(1);
-/// A parked shard that owns the accept ring wakes this often.
+/// Without a doorbell, a parked shard that owns the accept ring wakes this
+/// often.
 const ACCEPT_RING_PARK: Duration = Duration::from_millis(10);
 /// Polls between looks at the fd-passing socket.
 const FD_CHECK_EVERY: u32 = 4096;
@@ -37,6 +45,9 @@ const FD_CHECK_EVERY: u32 = 4096;
 /// quiet ring costs a TLB and cache miss or two (~0.3 µs): at this rate
 /// they cost a pass ~0.1 µs on average however many there are.
 const COLD_EVERY_PASSES: u32 = 4;
+/// With a doorbell, quiet rings are still polled in turn, this rarely: a
+/// peer that failed to ring costs a delay, not a lost message.
+const COLD_EVERY_PASSES_RUNG: u32 = 256;
 /// A connection with nothing under way cools (is polled in turn instead of
 /// every pass) once it has seen no traffic for this many passes and ...
 const COOL_AFTER_PASSES: u32 = 1024;
@@ -54,6 +65,8 @@ pub(crate) struct LocalSetup {
     pub connects: SyncSender<(Msg, Vec<u8>)>,
     /// ... and wakes the thread running it.
     pub wake_accept: std::sync::Arc<mio::Waker>,
+    /// The shard's doorbell (None: quiet rings are polled in turn).
+    pub bell: Option<Bell>,
 }
 
 pub(crate) struct LocalSide {
@@ -68,13 +81,19 @@ pub(crate) struct LocalSide {
     cursor: usize,
     /// Rings the last pass looked at (what a pass costs).
     pub visited: usize,
+    bell: Option<Bell>,
+    /// Scratch for the bits taken from the doorbell.
+    rung: Vec<u32>,
 }
 
 impl LocalSide {
-    pub fn new(shard: usize, setup: Option<LocalSetup>) -> Self {
+    pub fn new(shard: usize, mut setup: Option<LocalSetup>) -> Self {
+        let bell = setup.as_mut().and_then(|s| s.bell.take());
         Self {
             conns: Slab::new(),
             setup,
+            bell,
+            rung: Vec::new(),
             peer_maps: PeerMaps::default(),
             polls: 0,
             shard,
@@ -84,11 +103,74 @@ impl LocalSide {
         }
     }
 
+    /// Uses `bell` as the shard's doorbell (for connections added later).
+    #[cfg(test)]
+    pub fn with_bell(mut self, bell: Bell) -> Self {
+        self.bell = Some(bell);
+        self
+    }
+
+    /// The doorbell's FIFO and the fd-passing socket: the shard's epoll set
+    /// watches them, so a parked shard wakes for a rung ring or a sender.
+    pub fn wake_fds(&self) -> [Option<i32>; 2] {
+        [
+            self.bell.as_ref().map(|b| b.fd()),
+            self.setup.as_ref().map(|s| s.fd_listener.fd()),
+        ]
+    }
+
     /// Takes a new connection in (hot: its first messages are near).
-    pub fn add(&mut self, lc: LocalConn) -> usize {
+    pub fn add(&mut self, mut lc: LocalConn) -> usize {
+        let idx = self.conns.vacant_key();
+        let bit = idx as u64 + 1;
+        if self.bell.is_some() && bit < u64::from(BELL_BITS) {
+            lc.bell_bit = Some(bit as u32);
+            lc.set_cold(false);
+        }
         let idx = self.conns.insert(lc);
         self.heat(idx);
         idx
+    }
+
+    /// Before a sleep: the doorbell is told, and every ring polled until
+    /// now is marked cold for its length. The caller then polls once more
+    /// (messages that came before the marks were seen) before sleeping.
+    pub fn park_begin(&mut self) {
+        let Some(b) = &self.bell else { return };
+        b.set_parked(true);
+        for &i in &self.hot {
+            if let Some(lc) = self.conns.get(i).filter(|lc| lc.hot) {
+                lc.set_cold(true);
+            }
+        }
+    }
+
+    /// After the sleep (or the decision not to sleep): hot rings are polled
+    /// again, unrung.
+    pub fn park_end(&mut self) {
+        let Some(b) = &self.bell else { return };
+        b.set_parked(false);
+        b.drain();
+        for &i in &self.hot {
+            if let Some(lc) = self.conns.get(i).filter(|lc| lc.hot) {
+                lc.set_cold(false);
+            }
+        }
+    }
+
+    /// Makes the connections whose peers rang hot; returns how many.
+    fn take_rung(&mut self) -> usize {
+        let Some(b) = &self.bell else { return 0 };
+        let mut rung = std::mem::take(&mut self.rung);
+        let n = b.take(|bit| rung.push(bit));
+        for bit in rung.drain(..) {
+            // The accept ring is polled every pass anyway.
+            if bit != ACCEPT_BIT {
+                self.heat(bit as usize - 1);
+            }
+        }
+        self.rung = rung;
+        n
     }
 
     /// The connections polled every pass (may name removed ones).
@@ -103,6 +185,7 @@ impl LocalSide {
             lc.quiet_passes = 0;
             if !lc.hot {
                 lc.hot = true;
+                lc.set_cold(false);
                 self.hot.push(idx);
             }
         }
@@ -165,7 +248,7 @@ impl LocalSide {
 
 impl Source for LocalSide {
     fn poll(&mut self, cx: &mut Cx<'_>) -> usize {
-        let mut work = self.poll_accept_ring();
+        let mut work = self.poll_accept_ring() + self.take_rung();
         self.polls = self.polls.wrapping_add(1);
         let senders_waiting = self.setup.as_ref().is_some_and(|ls| ls.fd_listener.busy());
         if senders_waiting || self.polls % FD_CHECK_EVERY == 0 {
@@ -187,20 +270,38 @@ impl Source for LocalSide {
                 lc.quiet_passes = 0;
             } else {
                 lc.quiet_passes = lc.quiet_passes.saturating_add(1);
-                if lc.quiet_passes > COOL_AFTER_PASSES
+                // With a doorbell, only a ring that has a bit on it cools.
+                let can_cool = self.bell.is_none() || lc.bell_bit.is_some();
+                if can_cool
+                    && lc.quiet_passes > COOL_AFTER_PASSES
                     && clock.now().saturating_duration_since(lc.last_active) > COOL_AFTER
                 {
-                    lc.hot = false;
-                    self.hot.swap_remove(i);
-                    continue;
+                    // Marked cold first, then looked at once more: a
+                    // message pushed before the peer saw the mark is
+                    // found here, any later one rings.
+                    lc.set_cold(true);
+                    let w = poll_one(idx, lc, &self.peer_maps, cx, &mut clock);
+                    if w == 0 {
+                        lc.hot = false;
+                        self.hot.swap_remove(i);
+                        continue;
+                    }
+                    work += w;
+                    lc.set_cold(false);
+                    lc.quiet_passes = 0;
                 }
             }
             i += 1;
         }
-        // One quiet one every few passes, in turn (with few connections,
-        // each is looked at every pass: they are all hot or cheap).
+        // One quiet one every few passes, in turn (without a doorbell and
+        // with few connections, each is looked at every pass: they are all
+        // hot or cheap).
         let slots = self.conns.capacity();
-        let cold_turn = slots <= 4 || self.polls % COLD_EVERY_PASSES == 0;
+        let cold_turn = if self.bell.is_some() {
+            self.polls % COLD_EVERY_PASSES_RUNG == 0
+        } else {
+            slots <= 4 || self.polls % COLD_EVERY_PASSES == 0
+        };
         if slots > 0 && cold_turn {
             for _ in 0..slots.min(4) {
                 let idx = self.cursor % slots;
@@ -221,6 +322,23 @@ impl Source for LocalSide {
     }
 
     fn may_park(&self) -> Park {
+        if self.bell.is_some() {
+            // Every ring wakes the shard through the doorbell while it
+            // sleeps, but some work only polling moves on.
+            let mut park = Park::Yes;
+            for lc in self.hot.iter().filter_map(|&i| self.conns.get(i)) {
+                if lc.needs_polling() {
+                    return Park::No;
+                }
+                if lc.bell_bit.is_none() {
+                    park = Park::Within(LOCAL_PARK);
+                }
+            }
+            if self.setup.as_ref().is_some_and(|s| s.fd_listener.busy()) {
+                park = park.and(Park::Within(LOCAL_PARK));
+            }
+            return park;
+        }
         // A connection with anything under way is hot.
         if self
             .hot
@@ -339,6 +457,89 @@ mod tests {
         };
         assert_eq!(got, (ConnId(17), b"abc".to_vec()));
         assert!(side.conns[17].hot);
+        assert!(cx.to_fail.is_empty());
+    }
+
+    fn readable(fd: i32, timeout_ms: i32) -> bool {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one pollfd of ours.
+        unsafe { libc::poll(&mut p, 1, timeout_ms) == 1 }
+    }
+
+    /// With a doorbell, quiet rings cost a pass nothing, a message on one
+    /// is found on the very next pass, and a shard that announced a sleep
+    /// is woken through the FIFO by a message on any ring, hot or cold.
+    #[test]
+    fn rung_rings_are_found_at_once_and_wake_a_sleeper() {
+        let base = format!("/ferry-test-{:x}-rung", std::process::id());
+        let pid = std::process::id();
+        let id = (u64::from(pid) << 16) | 0xbe11;
+        let mut side = LocalSide::new(0, None).with_bell(Bell::create(id, 0).unwrap());
+        let remote = std::sync::Arc::new(crate::shm::bell::RemoteBell::open(id, 0).unwrap());
+        let mut peers = Vec::new();
+        for i in 0..40u32 {
+            let ab = ShmRing::create(&format!("{base}-{i}-ab"), 16, 1).unwrap();
+            let ba = ShmRing::create(&format!("{base}-{i}-ba"), 16, 1).unwrap();
+            ba.ring.set_bell_home(id, 0);
+            let to_b = ShmRing::open(&format!("{base}-{i}-ab")).unwrap();
+            let mut to_a = ShmRing::open(&format!("{base}-{i}-ba")).unwrap();
+            assert_eq!(to_a.ring.bell_home(), Some((id, 0)));
+            to_a.bell = Some(remote.clone());
+            side.add(LocalConn::new(ConnId(i as u64), 2, pid, i, ba, to_b, 4, 4));
+            peers.push(LocalConn::new(
+                ConnId(100 + i as u64),
+                1,
+                pid,
+                i,
+                ab,
+                to_a,
+                4,
+                4,
+            ));
+        }
+        let (mut parts, notes) = CxParts::new(16);
+        let mut cx = parts.cx();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let cool = |side: &mut LocalSide, cx: &mut Cx<'_>| {
+            while !side.hot.is_empty() {
+                side.poll(cx);
+                assert!(std::time::Instant::now() < deadline, "never cooled");
+            }
+        };
+        cool(&mut side, &mut cx);
+        let mut total = 0;
+        for _ in 0..200 {
+            side.poll(&mut cx);
+            total += side.visited;
+        }
+        // (Only the rare safety-net look at one quiet ring in turn.)
+        assert!(total <= 1, "200 passes looked at {total} quiet rings");
+        // A message on a cold ring: found on the next pass.
+        assert!(peers[17].push_notify(b"abc"));
+        side.poll(&mut cx);
+        assert_eq!(notes.try_recv().unwrap(), (ConnId(17), b"abc".to_vec()));
+        assert!(side.conns[17].hot);
+        // A sleeper: connection 17 is hot, the rest cold; a message on
+        // either kind wakes it.
+        for (peer, conn) in [(17usize, 17u64), (5, 5)] {
+            side.park_begin();
+            assert_eq!(side.poll(&mut cx), 0);
+            assert_eq!(side.may_park(), Park::Yes);
+            assert!(!readable(side.wake_fds()[0].unwrap(), 0));
+            assert!(peers[peer].push_notify(b"wake"));
+            assert!(
+                readable(side.wake_fds()[0].unwrap(), 5000),
+                "a message on connection {conn} did not wake the sleeper"
+            );
+            side.park_end();
+            side.poll(&mut cx);
+            assert_eq!(notes.try_recv().unwrap(), (ConnId(conn), b"wake".to_vec()));
+            assert!(!readable(side.wake_fds()[0].unwrap(), 0), "drained");
+        }
         assert!(cx.to_fail.is_empty());
     }
 }

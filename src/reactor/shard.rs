@@ -145,6 +145,10 @@ impl Shard {
         ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
     ) -> Result<(Shard, ShardHandle)> {
         let (tcp, waker) = TcpSide::new(id, cfg.op_timeout)?;
+        let local = LocalSide::new(id, local_setup);
+        for fd in local.wake_fds().into_iter().flatten() {
+            tcp.watch_wake_fd(fd)?;
+        }
         let wake = Arc::new(WakeState {
             parked: AtomicBool::new(false),
             waker,
@@ -180,7 +184,7 @@ impl Shard {
             wake,
             dir: Directory::new(closed),
             tcp,
-            local: LocalSide::new(id, local_setup),
+            local,
             gpu,
             inbox,
             iter: 0,
@@ -272,9 +276,11 @@ impl Shard {
     /// arrived in the meantime or a source cannot wake it.
     pub fn park(&mut self, max: Duration) {
         self.wake.parked.store(true, Ordering::SeqCst);
+        self.local.park_begin();
         fence(Ordering::SeqCst);
-        // One more pass after announcing the park: a submitter that did not
-        // see `parked` queued its item before it, so this pass finds it.
+        // One more pass after announcing the park: a submitter (or a local
+        // peer) that did not see `parked` queued its item before it, so
+        // this pass finds it.
         let idle = self.poll() == 0;
         let park = self.may_park();
         if idle && park != Park::No {
@@ -287,6 +293,7 @@ impl Shard {
             self.tcp.wait(wait);
         }
         self.wake.parked.store(false, Ordering::SeqCst);
+        self.local.park_end();
         self.local.poll_fd_listener();
         self.check_timeouts(Instant::now());
     }

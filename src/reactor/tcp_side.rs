@@ -21,6 +21,9 @@ use crate::error::{ConnId, Error, Result};
 use crate::tcp::{Stream, StreamLimits};
 
 pub(crate) const WAKER: Token = Token(usize::MAX);
+/// Other descriptors whose readiness only ends a park (a doorbell's FIFO,
+/// the fd-passing socket): their sources look at them on the next pass.
+const WAKE_ONLY: Token = Token(usize::MAX - 1);
 /// Up to this many streams, `poll` tries every socket instead of asking
 /// epoll (it still parks on epoll).
 const DIRECT_POLL_MAX_STREAMS: usize = 4;
@@ -110,6 +113,14 @@ impl TcpSide {
         self.stream_count <= DIRECT_POLL_MAX_STREAMS
     }
 
+    /// Adds `fd` to the epoll set: its readiness ends a park.
+    pub fn watch_wake_fd(&self, fd: i32) -> Result<()> {
+        self.epoll
+            .registry()
+            .register(&mut mio::unix::SourceFd(&fd), WAKE_ONLY, Interest::READABLE)
+            .map_err(|e| Error::io("epoll_ctl(ADD)", e))
+    }
+
     /// Waits up to `timeout` for a socket or the waker (a parked shard).
     pub fn wait(&mut self, timeout: Duration) {
         match self.epoll.poll(&mut self.events, Some(timeout)) {
@@ -134,7 +145,7 @@ impl TcpSide {
     fn apply_events(&mut self) {
         for ev in self.events.iter() {
             let t = ev.token();
-            if t == WAKER {
+            if t == WAKER || t == WAKE_ONLY {
                 continue;
             }
             let (key, idx) = (t.0 / MAX_STREAMS, t.0 % MAX_STREAMS);

@@ -204,6 +204,11 @@ impl FdListener {
         n
     }
 
+    /// The listening socket (readable when a sender connects).
+    pub fn fd(&self) -> i32 {
+        self.fd.0
+    }
+
     /// Whether senders wait to be served (the shard then polls often).
     pub fn busy(&self) -> bool {
         !self.pending.is_empty()

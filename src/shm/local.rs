@@ -72,6 +72,9 @@ pub(crate) struct LocalConn {
     /// other quiet ones; and for how many passes it has found nothing.
     pub hot: bool,
     pub quiet_passes: u32,
+    /// Our ring's bit on the shard's doorbell (None: no doorbell, or past
+    /// its bits; such a connection is never left unpolled).
+    pub bell_bit: Option<u32>,
 }
 
 // SAFETY: the raw pointers in `pending` point into regions kept alive by the
@@ -147,7 +150,24 @@ impl LocalConn {
             last_active: Instant::now(),
             hot: false,
             quiet_passes: 0,
+            bell_bit: None,
         }
+    }
+
+    /// Says whether the shard polls our ring (`cold == false`) or relies on
+    /// the peer ringing the doorbell. After going cold the ring must be
+    /// polled once more (see `Ring::set_bell`).
+    pub fn set_cold(&self, cold: bool) {
+        if let Some(bit) = self.bell_bit {
+            self.rx.ring.set_bell(bit, cold);
+        }
+    }
+
+    /// Whether only polling can move it on: replies waiting for room in
+    /// the peer's ring (the peer does not ring us when it makes room), or a
+    /// notification waiting for the application's inbox.
+    pub fn needs_polling(&self) -> bool {
+        !self.outbox.is_empty() || self.notify_blocked.is_some()
     }
 
     /// Whether it has anything under way: requests of ours or the peer's,
@@ -174,7 +194,7 @@ impl LocalConn {
     fn send(&mut self, m: &Msg, inline: &[u8]) -> bool {
         let mut buf = [0u8; SLOT_PAYLOAD];
         let n = m.encode(inline, &mut buf);
-        self.tx.ring.push(&buf[..n]).is_ok()
+        self.tx.push(&buf[..n]).is_ok()
     }
 
     /// Queues one request; `false` if there is no room now (retry later).
@@ -240,7 +260,7 @@ impl LocalConn {
         };
         let mut buf = [0u8; SLOT_PAYLOAD];
         let n = m.encode(inline, &mut buf);
-        if self.tx.ring.push(&buf[..n]).is_err() {
+        if self.tx.push(&buf[..n]).is_err() {
             return false;
         }
         entry.insert(Pending {
@@ -327,7 +347,7 @@ impl LocalConn {
     ) -> Result<usize, String> {
         let mut work = 0;
         while let Some((buf, n)) = self.outbox.front() {
-            if self.tx.ring.push(&buf[..*n]).is_err() {
+            if self.tx.push(&buf[..*n]).is_err() {
                 break;
             }
             self.outbox.pop_front();
@@ -360,7 +380,7 @@ impl LocalConn {
         self.peer_owed -= 1;
         let mut buf = [0u8; SLOT_PAYLOAD];
         let n = m.encode(inline, &mut buf);
-        if self.outbox.is_empty() && self.tx.ring.push(&buf[..n]).is_ok() {
+        if self.outbox.is_empty() && self.tx.push(&buf[..n]).is_ok() {
             return;
         }
         // Room is guaranteed: the peer keeps at most peer_max requests out.

@@ -6,7 +6,10 @@
 //! `ferry-<sender>-<receiver>` carries one connection's messages in one
 //! direction. The receiver creates (and on drop removes) each ring; a ring
 //! left by a process that died is detected by its owner pid and re-created.
+//! `ferry-<id>-bell<shard>` (and its `.fifo`) is a shard's doorbell: how a
+//! producer wakes a consumer that stopped polling a quiet ring (`bell.rs`).
 
+pub(crate) mod bell;
 pub(crate) mod cma;
 pub(crate) mod fdpass;
 pub(crate) mod local;

@@ -3,7 +3,10 @@
 use std::ffi::CString;
 use std::io;
 
-use super::ring::{ring_bytes, Ring};
+use std::sync::atomic::Ordering;
+
+use super::bell::{RemoteBell, BELL_MAGIC};
+use super::ring::{ring_bytes, Header, Ring, RingError, RING_MAGIC};
 use crate::error::{Error, Result};
 use crate::sys::{pid_alive, this_pid, Mapping};
 
@@ -27,15 +30,32 @@ pub(crate) fn pid_ns() -> u64 {
         .unwrap_or(0)
 }
 
-/// Whether the owner of `ring` is certainly gone: same pid namespace as
-/// ours (else its pid means nothing here) and no such process.
-fn owner_gone(ring: &ShmRing) -> bool {
-    let h = ring.ring.header();
-    h.pid_ns.load(std::sync::atomic::Ordering::Relaxed) == pid_ns() && !pid_alive(ring.owner_pid())
+/// The header of a ferry object in `map` (a ring or a doorbell page), if
+/// it has one.
+fn header_of(map: &Mapping) -> Option<&Header> {
+    if map.len < std::mem::size_of::<Header>() {
+        return None;
+    }
+    // SAFETY: the mapping is page aligned and holds a whole header; every
+    // field is an atomic.
+    let h = unsafe { &*(map.ptr as *const Header) };
+    let magic = h.magic.load(Ordering::Acquire);
+    (magic == RING_MAGIC || magic == BELL_MAGIC).then_some(h)
 }
 
-/// Removes the ferry rings in /dev/shm whose owner process died without
-/// cleaning up. Returns how many were removed.
+/// Whether the owner of the object in `map` is certainly gone: same pid
+/// namespace as ours (else its pid means nothing here) and no such
+/// process. An object with no valid header counts as gone too.
+fn owner_gone(map: &Mapping) -> bool {
+    header_of(map).map_or(true, |h| {
+        h.pid_ns.load(Ordering::Relaxed) == pid_ns()
+            && !pid_alive(h.owner_pid.load(Ordering::Relaxed))
+    })
+}
+
+/// Removes the ferry objects in /dev/shm (rings, doorbells and their
+/// FIFOs) whose owner process died without cleaning up. Returns how many
+/// were removed.
 pub(crate) fn sweep_stale() -> usize {
     let Ok(dir) = std::fs::read_dir("/dev/shm") else {
         return 0;
@@ -46,22 +66,118 @@ pub(crate) fn sweep_stale() -> usize {
         if !name.starts_with("ferry-") {
             continue;
         }
-        let path = format!("/{name}");
-        if let Ok(r) = ShmRing::open(&path) {
-            if owner_gone(&r) {
-                let c = cname(&path);
-                // SAFETY: valid name; the owner is gone.
-                unsafe { libc::shm_unlink(c.as_ptr()) };
-                tracing::info!(
-                    name,
-                    pid = r.owner_pid(),
-                    "removed a ring left by a process that is gone"
-                );
-                n += 1;
+        if let Some(base) = name.strip_suffix(".fifo") {
+            // A doorbell's FIFO outlives its page only if its owner died
+            // between making the two.
+            if !std::path::Path::new(&format!("/dev/shm/{base}")).exists() {
+                let _ = std::fs::remove_file(e.path());
             }
+            continue;
+        }
+        let path = format!("/{name}");
+        let Ok(map) = map_existing(&path) else {
+            continue;
+        };
+        // Only objects with a header whose owner is gone: one still being
+        // laid out has no magic yet.
+        if header_of(&map).is_some() && owner_gone(&map) {
+            let pid = header_of(&map).map_or(0, |h| h.owner_pid.load(Ordering::Relaxed));
+            unlink(&path);
+            let _ = std::fs::remove_file(format!("/dev/shm/{name}.fifo"));
+            tracing::info!(
+                name,
+                pid,
+                "removed an object left by a process that is gone"
+            );
+            n += 1;
         }
     }
     n
+}
+
+pub(crate) fn unlink(name: &str) {
+    let c = cname(name);
+    // SAFETY: valid name.
+    unsafe { libc::shm_unlink(c.as_ptr()) };
+}
+
+/// Maps an existing object `name` whole.
+pub(crate) fn map_existing(name: &str) -> Result<Mapping> {
+    let c = cname(name);
+    // SAFETY: valid name.
+    let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(Error::io("shm_open", io::Error::last_os_error()));
+    }
+    let guard = Fd(fd);
+    // SAFETY: stat of an fd we hold into a zeroed struct.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(Error::io("fstat(shm)", io::Error::last_os_error()));
+    }
+    if st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return Err(Error::Unsupported {
+            what: "opening a shared-memory object",
+            reason: format!("{name} is not a regular file"),
+        });
+    }
+    let map = Mapping::map_fd(fd, st.st_size as usize).map_err(|e| Error::io("mmap(shm)", e))?;
+    drop(guard);
+    Ok(map)
+}
+
+/// Creates the object `name` (mode 0600) of `len` zero bytes and maps it.
+/// A leftover of the same name is re-created if its owner process is gone
+/// or it has no valid header; one whose owner lives is an error.
+pub(crate) fn create_mapping(name: &str, len: usize) -> Result<Mapping> {
+    let c = cname(name);
+    let mut retried = false;
+    loop {
+        // SAFETY: c is a valid NUL-terminated name.
+        let fd = unsafe {
+            libc::shm_open(
+                c.as_ptr(),
+                libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_CLOEXEC,
+                0o600,
+            )
+        };
+        if fd < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EEXIST) && !retried {
+                retried = true;
+                match map_existing(name) {
+                    Ok(old) if !owner_gone(&old) => {
+                        let pid =
+                            header_of(&old).map_or(0, |h| h.owner_pid.load(Ordering::Relaxed));
+                        return Err(Error::Unsupported {
+                            what: "creating a shared-memory object",
+                            reason: format!("{name} is in use by live process {pid}"),
+                        });
+                    }
+                    _ => {
+                        tracing::warn!(name, "removing an object left by a process that is gone");
+                        unlink(name);
+                        continue;
+                    }
+                }
+            }
+            return Err(Error::io("shm_open(O_CREAT)", e));
+        }
+        let guard = Fd(fd);
+        // SAFETY: fd is ours; ftruncate sizes the new object.
+        if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
+            let e = io::Error::last_os_error();
+            unlink(name);
+            return Err(Error::io("ftruncate(shm)", e));
+        }
+        let map = Mapping::map_fd(fd, len).map_err(|e| {
+            unlink(name);
+            Error::io("mmap(shm)", e)
+        })?;
+        drop(guard);
+        return Ok(map);
+    }
 }
 
 /// A ring in a POSIX shared-memory object (`/dev/shm/<name>`).
@@ -71,101 +187,56 @@ pub(crate) struct ShmRing {
     name: String,
     /// The creator (the ring's consumer) removes the object on drop.
     owner: bool,
+    /// A producer's way to wake the consumer (see `bell.rs`).
+    pub bell: Option<std::sync::Arc<RemoteBell>>,
 }
 
 impl ShmRing {
-    /// Creates the ring `name` with mode 0600. A leftover object of the same
-    /// name is re-created if its owner process is gone or its header is not
-    /// a valid ring; one whose owner lives is an error.
+    /// Creates the ring `name` with mode 0600 (see `create_mapping` for a
+    /// leftover of the same name).
     pub fn create(name: &str, capacity: usize, generation: u64) -> Result<ShmRing> {
-        let c = cname(name);
-        let len = ring_bytes(capacity);
-        let mut retried = false;
-        loop {
-            // SAFETY: c is a valid NUL-terminated name.
-            let fd = unsafe {
-                libc::shm_open(
-                    c.as_ptr(),
-                    libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_CLOEXEC,
-                    0o600,
-                )
-            };
-            if fd < 0 {
-                let e = io::Error::last_os_error();
-                if e.raw_os_error() == Some(libc::EEXIST) && !retried {
-                    retried = true;
-                    match Self::open(name) {
-                        Ok(old) if !owner_gone(&old) => {
-                            return Err(Error::Unsupported {
-                                what: "creating a shared-memory ring",
-                                reason: format!(
-                                    "{name} is in use by live process {}",
-                                    old.owner_pid()
-                                ),
-                            })
-                        }
-                        _ => {
-                            tracing::warn!(name, "removing a ring left by a process that is gone");
-                            // SAFETY: valid name; unlinking a stale object.
-                            unsafe { libc::shm_unlink(c.as_ptr()) };
-                            continue;
-                        }
-                    }
-                }
-                return Err(Error::io("shm_open(O_CREAT)", e));
-            }
-            let guard = Fd(fd);
-            // SAFETY: fd is ours; ftruncate sizes the new object.
-            if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
-                let e = io::Error::last_os_error();
-                // SAFETY: valid name.
-                unsafe { libc::shm_unlink(c.as_ptr()) };
-                return Err(Error::io("ftruncate(shm)", e));
-            }
-            let map = Mapping::map_fd(fd, len).map_err(|e| Error::io("mmap(shm)", e))?;
-            drop(guard);
-            // SAFETY: a fresh (zero-filled: O_EXCL, then ftruncate)
-            // page-aligned mapping of `len` bytes nobody else
-            // uses until the magic is published by init.
-            let ring = unsafe { Ring::init(map.ptr, capacity, this_pid(), pid_ns(), generation) };
-            return Ok(ShmRing {
-                ring,
-                _map: map,
-                name: name.to_owned(),
-                owner: true,
-            });
-        }
+        let map = create_mapping(name, ring_bytes(capacity))?;
+        // SAFETY: a fresh (zero-filled: O_EXCL, then ftruncate) page-aligned
+        // mapping of `ring_bytes(capacity)` bytes nobody else uses until the
+        // magic is published by init.
+        let ring = unsafe { Ring::init(map.ptr, capacity, this_pid(), pid_ns(), generation) };
+        Ok(ShmRing {
+            ring,
+            _map: map,
+            name: name.to_owned(),
+            owner: true,
+            bell: None,
+        })
     }
 
     /// Opens an existing ring to produce into it.
     pub fn open(name: &str) -> Result<ShmRing> {
-        let c = cname(name);
-        // SAFETY: valid name.
-        let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0) };
-        if fd < 0 {
-            return Err(Error::io("shm_open", io::Error::last_os_error()));
-        }
-        let guard = Fd(fd);
-        // SAFETY: stat of an fd we hold into a zeroed struct.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        if unsafe { libc::fstat(fd, &mut st) } != 0 {
-            return Err(Error::io("fstat(shm)", io::Error::last_os_error()));
-        }
-        let len = st.st_size as usize;
-        let map = Mapping::map_fd(fd, len).map_err(|e| Error::io("mmap(shm)", e))?;
-        drop(guard);
+        let map = map_existing(name)?;
         // SAFETY: the mapping is page aligned and `len` long, and lives in the ShmRing.
-        let ring = unsafe { Ring::attach(map.ptr, len) }.map_err(|reason| Error::Unsupported {
-            what: "attaching a shared-memory ring",
-            reason: format!("{name}: {reason}"),
-        })?;
+        let ring =
+            unsafe { Ring::attach(map.ptr, map.len) }.map_err(|reason| Error::Unsupported {
+                what: "attaching a shared-memory ring",
+                reason: format!("{name}: {reason}"),
+            })?;
         Ok(ShmRing {
             ring,
             _map: map,
             name: name.to_owned(),
             owner: false,
+            bell: None,
         })
+    }
+
+    /// Appends one message and, if the consumer stopped polling the ring,
+    /// rings its doorbell.
+    pub fn push(&self, msg: &[u8]) -> std::result::Result<(), RingError> {
+        self.ring.push(msg)?;
+        if let Some(b) = &self.bell {
+            if let Some(bit) = self.ring.bell_wanted() {
+                b.ring(bit);
+            }
+        }
+        Ok(())
     }
 
     pub fn owner_pid(&self) -> u32 {
@@ -179,9 +250,7 @@ impl ShmRing {
 impl Drop for ShmRing {
     fn drop(&mut self) {
         if self.owner {
-            let c = cname(&self.name);
-            // SAFETY: valid name; we created it.
-            unsafe { libc::shm_unlink(c.as_ptr()) };
+            unlink(&self.name);
         }
     }
 }

@@ -22,9 +22,16 @@ pub const SLOT_PAYLOAD: usize = SLOT_BYTES - 16;
 // The message codec (in `wire`) is sized for exactly this payload.
 const _: () = assert!(SLOT_PAYLOAD == crate::wire::SHM_SLOT_PAYLOAD);
 const LINE: usize = 128;
-/// 2: slot sequence numbers are stored less the slot index (zero memory is
-/// an empty ring); 1 stored them as they are.
-const RING_VERSION: u32 = 2;
+/// 3: the header names the consumer's doorbell (`bell_*`); 2: slot
+/// sequence numbers are stored less the slot index (zero memory is an empty
+/// ring); 1 stored them as they are.
+const RING_VERSION: u32 = 3;
+
+/// `Header::bell`: the consumer does not poll the ring now; a producer
+/// rings the doorbell after each push.
+pub const BELL_COLD: u64 = 1 << 63;
+/// `Header::bell`: the low 32 bits name the ring's bit on the doorbell.
+pub const BELL_VALID: u64 = 1 << 62;
 
 /// The first bytes of the mapping: what the ring is and who owns it.
 #[repr(C, align(128))]
@@ -41,6 +48,14 @@ pub struct Header {
     /// The owner's pid namespace (inode of /proc/self/ns/pid): its pid only
     /// means something to processes in the same namespace.
     pub pid_ns: AtomicU64,
+    /// Whose doorbell wakes the consumer (endpoint id; 0: none) ...
+    pub bell_owner: AtomicU64,
+    /// ... and which of its shards (set before anyone opens the ring).
+    pub bell_shard: AtomicU32,
+    _pad: u32,
+    /// `BELL_COLD | BELL_VALID | bit`, written by the consumer (see
+    /// `shm/bell.rs`); read by producers after each push.
+    pub bell: AtomicU64,
 }
 
 #[repr(C, align(128))]
@@ -205,6 +220,40 @@ impl Ring {
 
     pub fn capacity(&self) -> usize {
         self.capacity as usize
+    }
+
+    /// Names the doorbell that wakes this ring's consumer (the consumer
+    /// calls it before the ring's name is given to anyone).
+    pub fn set_bell_home(&self, owner: u64, shard: u32) {
+        let h = self.header();
+        h.bell_shard.store(shard, Ordering::Relaxed);
+        h.bell_owner.store(owner, Ordering::Release);
+    }
+
+    /// The doorbell named in the header: (endpoint id, shard).
+    pub fn bell_home(&self) -> Option<(u64, u32)> {
+        let h = self.header();
+        let owner = h.bell_owner.load(Ordering::Acquire);
+        (owner != 0).then(|| (owner, h.bell_shard.load(Ordering::Relaxed)))
+    }
+
+    /// Consumer: gives the ring bit `bit` on the doorbell and says whether
+    /// it is polled (`cold == false`) or must be rung. Going cold is
+    /// ordered before the consumer's next look at the slots (SeqCst), so a
+    /// message pushed meanwhile is either seen by that look or rung.
+    pub fn set_bell(&self, bit: u32, cold: bool) {
+        let v = BELL_VALID | bit as u64 | if cold { BELL_COLD } else { 0 };
+        self.header().bell.store(v, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    /// Producer, after a push: the doorbell bit to ring, if the consumer
+    /// stopped polling. The fence orders the push before the look at the
+    /// flag (the other half of `set_bell`'s ordering).
+    pub fn bell_wanted(&self) -> Option<u32> {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let v = self.header().bell.load(Ordering::Relaxed);
+        (v & (BELL_COLD | BELL_VALID) == BELL_COLD | BELL_VALID).then_some(v as u32)
     }
 
     /// Appends one message; `Err(Full)` hands back nothing was written.
