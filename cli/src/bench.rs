@@ -12,7 +12,7 @@ use anyhow::{bail, Context, Result};
 use ferry::{
     Config, ConnId, Endpoint, MemoryRegion, Mode, OpKind, RemoteBuf, Shard, Transfer, Transport,
 };
-use ferry_cli::testkit::{read_served, rss_kib};
+use ferry_cli::testkit::{cpu_ns, read_served, rss_kib};
 
 use crate::args::{fmt_size, parse_size, Args};
 use crate::raw;
@@ -65,8 +65,24 @@ Flags:
                          extra ones stay open and idle while the first is
                          measured (default 1). Raises FERRY_MAX_CONNS and
                          FERRY_MAX_CONNS_PER_PEER for both processes to fit,
-                         and prints the resident memory they cost each side
+                         and prints the resident memory they cost each side;
+                         then leaves all of them idle for 1 s and prints the
+                         CPU each side used meanwhile and the round trip of
+                         the first 8-byte WRITE after it
+  --contend N            measure each point quiet and then with N busy
+                         processes (`ferry busy`, one spinning thread each)
+                         running beside the benchmark, alternating per
+                         round; prints the loaded figures, the quiet ones
+                         and their ratio (loaded / quiet). Not with
+                         --baseline
+  --plot FILE.svg         also draw GB/s against block size, ferry's WRITE
+                         and READ and the run's reference (--baseline or
+                         --contend's quiet figures, dashed), into FILE.svg
   --json                 one JSON object per line instead of a table
+Spinning: the initiator's shard and each target shard spin at most
+FERRY_SPIN_US after their last work, and not at all for 100 ms after they
+find they were preempted while spinning; so the benchmark's own spinning
+threads (1 + FERRY_SHARDS) never hold a core they share with busier work.
 Environment: FERRY_* variables apply to both processes (see the README).";
 
 struct Opts {
@@ -85,6 +101,8 @@ struct Opts {
     json: bool,
     rounds: usize,
     idle_conns: usize,
+    contend: usize,
+    plot: Option<String>,
 }
 
 struct Row {
@@ -101,6 +119,8 @@ struct Row {
     /// Median over rounds of ferry / baseline measured back to back.
     ratio: Option<f64>,
     baseline_p50_us: Option<f64>,
+    /// What the baseline latencies are ("raw tcp ping-pong", "quiet").
+    latency_ref: &'static str,
     baseline_p99_us: Option<f64>,
 }
 
@@ -161,7 +181,16 @@ fn parse(mut a: Args) -> Result<Opts> {
     if idle_conns == 0 || idle_conns > 100_000 {
         bail!("--idle-conns {idle_conns}: must be 1..=100000");
     }
+    let contend: usize = a.parsed("contend", 0)?;
+    if contend > 256 {
+        bail!("--contend {contend}: must be 0..=256");
+    }
+    if contend > 0 && baseline {
+        bail!("--contend and --baseline: pick one (each is the run's reference)");
+    }
     let o = Opts {
+        plot: a.value("plot"),
+        contend,
         idle_conns,
         transport,
         ipc,
@@ -226,6 +255,57 @@ fn open_idle(
         here_kib_each: per(here0, here1),
         there_kib_each: per(there0, there1),
     }))
+}
+
+/// Busy processes beside the benchmark (`--contend`), killed on drop.
+struct Contenders(Vec<Child>);
+
+impl Contenders {
+    fn start(n: usize) -> Result<Contenders> {
+        let exe = std::env::current_exe().context("finding the ferry executable")?;
+        let mut c = Contenders(Vec::with_capacity(n));
+        for _ in 0..n {
+            c.0.push(
+                Command::new(&exe)
+                    .arg("busy")
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .spawn()
+                    .context("spawning ferry busy")?,
+            );
+        }
+        // Let them get going before anything is measured.
+        std::thread::sleep(Duration::from_millis(50));
+        Ok(c)
+    }
+}
+
+impl Drop for Contenders {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// `ferry busy`: one thread that spins until its parent goes away (a
+/// contender for `ferry bench --contend`).
+pub fn busy() -> ! {
+    // SAFETY: asks for SIGKILL when the parent dies; no pointers.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+    // SAFETY: getppid has no preconditions.
+    let parent = unsafe { libc::getppid() };
+    let mut x = 0u64;
+    loop {
+        for i in 0..(1u64 << 20) {
+            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(i));
+        }
+        // SAFETY: as above.
+        if unsafe { libc::getppid() } != parent {
+            std::process::exit(0);
+        }
+    }
 }
 
 /// A child process that is killed if we return early.
@@ -295,7 +375,6 @@ struct Bench<'a> {
     conn: ConnId,
     local: MemoryRegion,
     remote: Remote,
-    spin: Duration,
     /// Bytes per one-op latency round trip.
     latency_bytes: usize,
 }
@@ -349,7 +428,6 @@ impl Bench<'_> {
         let mut lat = Vec::with_capacity(1 << 20);
         let mut k = 0usize;
         let (mut first_done, mut last_done, mut done_in_window) = (None, warm_end, 0u64);
-        let mut idle_since = Instant::now();
         loop {
             let now = Instant::now();
             if now < end {
@@ -363,11 +441,7 @@ impl Bench<'_> {
             }
             // Like a managed shard: spin while busy, park when idle for a
             // while, so the kernel's own work (softirqs) gets a core.
-            if self.shard.poll() > 0 {
-                idle_since = Instant::now();
-            } else if idle_since.elapsed() >= self.spin {
-                self.shard.park(Duration::from_millis(1));
-            }
+            self.shard.poll_or_park(Duration::from_millis(1));
             let mut done_now = None;
             while let Some((t, _)) = inflight.front_mut() {
                 match t.poll() {
@@ -404,6 +478,32 @@ impl Bench<'_> {
         Ok((bytes / window / 1e9, ops / window, lat, batch))
     }
 
+    /// Leaves the connections idle for `secs` (the initiator parks like a
+    /// managed shard), then times one 8-byte WRITE round trip. Returns each
+    /// side's CPU use while idle (% of one core) and that round trip (us).
+    fn idle_probe(&mut self, target_pid: u32, secs: f64) -> Result<(f64, f64, f64)> {
+        let me = std::process::id();
+        let (here0, there0) = (cpu_ns(me), cpu_ns(target_pid));
+        let start = Instant::now();
+        while start.elapsed().as_secs_f64() < secs {
+            self.shard.poll_or_park(Duration::from_millis(100));
+        }
+        let wall_ns = start.elapsed().as_nanos() as f64;
+        let (here1, there1) = (cpu_ns(me), cpu_ns(target_pid));
+        let pct = |a: u64, b: u64| b.saturating_sub(a) as f64 / wall_ns * 100.0;
+        let t = Instant::now();
+        let mut tr = self.submit(OpKind::Write, 0, 8)?;
+        let r = loop {
+            self.shard.poll();
+            if let Some(r) = tr.poll() {
+                break r;
+            }
+        };
+        let rtt_us = t.elapsed().as_secs_f64() * 1e6;
+        r?;
+        Ok((pct(here0, here1), pct(there0, there1), rtt_us))
+    }
+
     /// One op of `latency_bytes` at a time; returns latencies in us.
     fn latency(&mut self, op: OpKind, secs: f64) -> Result<Vec<f64>> {
         let end = Instant::now() + Duration::from_secs_f64(secs);
@@ -413,7 +513,7 @@ impl Bench<'_> {
             let start = Instant::now();
             let mut t = self.submit(op, 0, self.latency_bytes)?;
             let r = loop {
-                self.shard.poll();
+                self.shard.poll_or_park(Duration::from_millis(1));
                 if let Some(r) = t.poll() {
                     break r;
                 }
@@ -458,7 +558,7 @@ fn print_row(r: &Row, json: bool) {
         println!("{s}}}");
     } else if r.op.ends_with("_latency") {
         let base = match (r.baseline_p50_us, r.baseline_p99_us) {
-            (Some(a), Some(b)) => format!("   raw tcp ping-pong p50 {a:.1} us, p99 {b:.1} us"),
+            (Some(a), Some(b)) => format!("   {} p50 {a:.1} us, p99 {b:.1} us", r.latency_ref),
             _ => String::new(),
         };
         println!(
@@ -587,14 +687,12 @@ pub fn run(a: Args) -> Result<()> {
     } else {
         Remote::Key(served.rbuf)
     };
-    let spin = Duration::from_micros(ep.config().spin_us);
     let mut b = Bench {
         ep: &ep,
         shard,
         conn,
         local,
         remote,
-        spin,
         latency_bytes: if o.ipc { 4096 } else { 8 },
     };
 
@@ -613,6 +711,7 @@ pub fn run(a: Args) -> Result<()> {
     };
     if !o.json {
         let base = match (o.baseline, o.ipc, shm) {
+            (false, _, _) if o.contend > 0 => " quiet GB/s  ratio",
             (false, _, _) => "",
             (true, false, _) if o.device_gpu => "  host GB/s  ratio",
             (true, true, _) if o.pinned => "   H2D GB/s  ratio",
@@ -621,11 +720,16 @@ pub fn run(a: Args) -> Result<()> {
             (true, false, true) => "memcpy GB/s  ratio",
         };
         println!(
-            "transport {transport}, control path {}, {} round(s) of {} s per point{}",
+            "transport {transport}, control path {}, {} round(s) of {} s per point{}{}",
             ep.io_backend().0,
             o.rounds,
             o.seconds,
-            if o.rounds > 1 { " (medians)" } else { "" }
+            if o.rounds > 1 { " (medians)" } else { "" },
+            if o.contend > 0 {
+                format!(", with {} busy process(es) beside it", o.contend)
+            } else {
+                String::new()
+            }
         );
         println!(
             "{:<6} {:>9} {:>6} {:>9} {:>11} {:>10} {:>10}{base}",
@@ -633,9 +737,11 @@ pub fn run(a: Args) -> Result<()> {
         );
     }
     if let Some(c) = idle {
+        let (cpu_here, cpu_there, rtt_us) = b.idle_probe(target_pid, 1.0)?;
         if o.json {
             println!(
-                "{{\"idle_conns\":{},\"open_s\":{:.3},\"rss_kib_each\":{:.1},\"target_rss_kib_each\":{:.1}}}",
+                "{{\"idle_conns\":{},\"open_s\":{:.3},\"rss_kib_each\":{:.1},\"target_rss_kib_each\":{:.1},\
+                 \"idle_cpu_pct\":{cpu_here:.3},\"target_idle_cpu_pct\":{cpu_there:.3},\"rtt_after_idle_us\":{rtt_us:.1}}}",
                 c.n, c.open_s, c.here_kib_each, c.there_kib_each
             );
         } else {
@@ -644,8 +750,32 @@ pub fn run(a: Args) -> Result<()> {
                  {:.1} KiB each at the target",
                 c.n, c.open_s, c.here_kib_each, c.there_kib_each
             );
+            println!(
+                "idle for 1 s: CPU {cpu_here:.2} % of a core here, {cpu_there:.2} % at the target; \
+                 then one 8-byte WRITE round trip took {rtt_us:.1} us"
+            );
         }
     }
+    let ref_name = match (o.baseline, o.ipc, shm) {
+        _ if o.contend > 0 => "quiet",
+        (false, _, _) => "",
+        (true, false, _) if o.device_gpu => "host memory",
+        (true, true, _) if o.pinned => "pinned H2D",
+        (true, true, _) => "peer copy",
+        (true, false, false) => "raw tcp",
+        (true, false, true) => "memcpy",
+    };
+    let mut plotted: Vec<crate::plot::Series> = Vec::new();
+    let mut plot_point = |name: String, reference: bool, block: usize, gbps: f64| {
+        match plotted.iter_mut().find(|s| s.name == name) {
+            Some(s) => s.points.push((block, gbps)),
+            None => plotted.push(crate::plot::Series {
+                name,
+                points: vec![(block, gbps)],
+                reference,
+            }),
+        }
+    };
     let total = o.sizes.len() * o.ops.len();
     let mut i = 0;
     for &size in &o.sizes {
@@ -662,7 +792,20 @@ pub fn run(a: Args) -> Result<()> {
                     r + 1,
                     o.rounds
                 );
+                let quiet = if o.contend > 0 {
+                    Some(b.throughput(op, size, o.batch, o.seconds)?.0)
+                } else {
+                    None
+                };
+                let busy = (o.contend > 0)
+                    .then(|| Contenders::start(o.contend))
+                    .transpose()?;
                 let (g, ops_per_s, l, b_used) = b.throughput(op, size, o.batch, o.seconds)?;
+                drop(busy);
+                if let Some(q) = quiet {
+                    base.push(q);
+                    ratios.push(g / q);
+                }
                 batch = b_used;
                 gbps.push(g);
                 opss.push(ops_per_s);
@@ -684,6 +827,10 @@ pub fn run(a: Args) -> Result<()> {
                 }
             }
             let lat = sorted(lat);
+            plot_point(format!("ferry {}", op_name(op)), false, size, median(&gbps));
+            if !base.is_empty() {
+                plot_point(format!("{ref_name} {}", op_name(op)), true, size, median(&base));
+            }
             print_row(
                 &Row {
                     transport,
@@ -698,12 +845,26 @@ pub fn run(a: Args) -> Result<()> {
                     baseline_gbps: (!base.is_empty()).then(|| median(&base)),
                     ratio: (!ratios.is_empty()).then(|| median(&ratios)),
                     baseline_p50_us: None,
+                    latency_ref: "",
                     baseline_p99_us: None,
                 },
                 o.json,
             );
             std::io::stdout().flush()?;
         }
+    }
+    if let Some(path) = &o.plot {
+        let title = format!(
+            "ferry bench --transport {transport}{}",
+            if o.contend > 0 {
+                format!(" --contend {}", o.contend)
+            } else {
+                String::new()
+            }
+        );
+        std::fs::write(path, crate::plot::svg(&title, &plotted))
+            .with_context(|| format!("writing {path}"))?;
+        eprintln!("chart written to {path}");
     }
     if o.latency {
         for &op in &o.ops {
@@ -717,7 +878,16 @@ pub fn run(a: Args) -> Result<()> {
                     r + 1,
                     o.rounds
                 );
+                if o.contend > 0 {
+                    let quiet = sorted(b.latency(op, o.seconds)?);
+                    b50.push(percentile(&quiet, 0.5));
+                    b99.push(percentile(&quiet, 0.99));
+                }
+                let busy = (o.contend > 0)
+                    .then(|| Contenders::start(o.contend))
+                    .transpose()?;
                 let lat = sorted(b.latency(op, o.seconds)?);
+                drop(busy);
                 p50.push(percentile(&lat, 0.5));
                 p99.push(percentile(&lat, 0.99));
                 p999.push(percentile(&lat, 0.999));
@@ -745,6 +915,11 @@ pub fn run(a: Args) -> Result<()> {
                     baseline_gbps: None,
                     ratio: None,
                     baseline_p50_us: (!b50.is_empty()).then(|| median(&b50)),
+                    latency_ref: if o.contend > 0 {
+                        "quiet"
+                    } else {
+                        "raw tcp ping-pong"
+                    },
                     baseline_p99_us: (!b99.is_empty()).then(|| median(&b99)),
                 },
                 o.json,

@@ -3,6 +3,7 @@
 mod args;
 mod bench;
 mod info;
+mod plot;
 mod raw;
 mod serve;
 
@@ -70,6 +71,7 @@ fn main() -> Result<()> {
         "serve" if wants_help => println!("{}", serve::HELP),
         "serve" => serve::run(Args::parse(rest, &[])?)?,
         "raw-peer" => raw::serve()?,
+        "busy" => bench::busy(),
         other => anyhow::bail!("unknown command {other:?}; see `ferry help`"),
     }
     Ok(())

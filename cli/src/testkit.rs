@@ -104,3 +104,18 @@ pub fn rss_kib(pid: u32) -> usize {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or(0)
 }
+
+/// CPU time process `pid` has used, all its threads together, in
+/// nanoseconds (`/proc/<pid>/task/*/schedstat`: nanosecond resolution,
+/// where `stat`'s clock ticks are 10 ms). Threads that ended are not
+/// counted; 0 if the process is gone.
+pub fn cpu_ns(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}

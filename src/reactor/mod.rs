@@ -7,10 +7,13 @@
 //! the loop takes a lock or allocates per operation.
 //!
 //! * **managed** mode: the endpoint starts one thread per shard that polls,
-//!   spins `spin_us` when idle, then parks in `epoll_wait` until a socket or
-//!   a submitter (through an eventfd `Waker`) wakes it;
-//! * **embedded** mode: the caller owns each `Shard` and calls `poll()` from
-//!   its own loop; the engine starts no thread.
+//!   spins `spin_us` when idle (not at all for a while after it finds it
+//!   was preempted while spinning: `spin.rs`), then parks in `epoll_wait`
+//!   until a socket, a doorbell or a submitter (through an eventfd
+//!   `Waker`) wakes it;
+//! * **embedded** mode: the caller owns each `Shard` and calls `poll()` (or
+//!   `poll_or_park()`, the managed loop's step) from its own loop; the
+//!   engine starts no thread.
 
 pub(crate) mod completion;
 mod directory;
@@ -21,6 +24,7 @@ mod plan;
 mod queue;
 mod shard;
 mod source;
+mod spin;
 mod tcp_side;
 mod timers;
 

@@ -92,6 +92,8 @@ pub struct Shard {
     dir: Directory,
     tcp: TcpSide,
     local: LocalSide,
+    /// When an idle pass parks.
+    spin: super::spin::Spin,
     /// CUDA copies and opened IPC handles; made when a driver is present
     /// (or on the first IPC op).
     gpu: Option<GpuWork>,
@@ -172,6 +174,7 @@ impl Shard {
                 cfg.gpu_bounce_bytes,
             )
         });
+        let spin = super::spin::Spin::new(cfg.spin);
         let shard = Shard {
             id,
             ledger: OpLedger::new(table, cfg.max_conn_inflight_ops),
@@ -185,6 +188,7 @@ impl Shard {
             dir: Directory::new(closed),
             tcp,
             local,
+            spin,
             gpu,
             inbox,
             iter: 0,
@@ -298,18 +302,33 @@ impl Shard {
         self.check_timeouts(Instant::now());
     }
 
+    /// One step of a loop that owns a core: polls, and once the shard has
+    /// been idle for its spin time (at once, for a while after it found it
+    /// was preempted while spinning: `spin.rs`) parks for up to `max`.
+    /// Returns the work the poll found. The managed shard threads run this;
+    /// an embedded caller may too.
+    pub fn poll_or_park(&mut self, max: Duration) -> usize {
+        let work = self.poll();
+        if work > 0 {
+            self.spin.busy();
+        } else if self.spin.idle(Instant::now()) {
+            self.park(max);
+            self.spin.woke();
+        } else {
+            std::hint::spin_loop();
+        }
+        work
+    }
+
+    /// Preemptions seen while spinning (each stopped the spin for a while).
+    pub fn preemptions(&self) -> u64 {
+        self.spin.preemptions
+    }
+
     /// Drives the shard until the endpoint shuts down (managed mode).
     pub(crate) fn run(mut self) {
-        let mut idle_since = Instant::now();
         while !self.wake.shutdown.load(Ordering::Relaxed) {
-            if self.poll() > 0 {
-                idle_since = Instant::now();
-            } else if idle_since.elapsed() >= self.cfg.spin {
-                self.park(Duration::from_millis(100));
-                idle_since = Instant::now();
-            } else {
-                std::hint::spin_loop();
-            }
+            self.poll_or_park(Duration::from_millis(100));
         }
     }
 
