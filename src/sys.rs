@@ -228,3 +228,15 @@ impl LazyClock {
         *self.0.get_or_insert_with(std::time::Instant::now)
     }
 }
+
+/// Times the calling thread was preempted (involuntary context switches,
+/// `getrusage(RUSAGE_THREAD)`); 0 if unknown.
+pub(crate) fn involuntary_switches() -> u64 {
+    // SAFETY: a zeroed rusage filled in by the kernel.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: RUSAGE_THREAD with a valid out pointer.
+    if unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) } != 0 {
+        return 0;
+    }
+    ru.ru_nivcsw as u64
+}

@@ -766,15 +766,16 @@ pub fn run(a: Args) -> Result<()> {
         (true, false, true) => "memcpy",
     };
     let mut plotted: Vec<crate::plot::Series> = Vec::new();
-    let mut plot_point = |name: String, reference: bool, block: usize, gbps: f64| {
-        match plotted.iter_mut().find(|s| s.name == name) {
-            Some(s) => s.points.push((block, gbps)),
-            None => plotted.push(crate::plot::Series {
-                name,
-                points: vec![(block, gbps)],
-                reference,
-            }),
-        }
+    let mut plot_point = |name: String, reference: bool, block: usize, gbps: f64| match plotted
+        .iter_mut()
+        .find(|s| s.name == name)
+    {
+        Some(s) => s.points.push((block, gbps)),
+        None => plotted.push(crate::plot::Series {
+            name,
+            points: vec![(block, gbps)],
+            reference,
+        }),
     };
     let total = o.sizes.len() * o.ops.len();
     let mut i = 0;
@@ -829,7 +830,12 @@ pub fn run(a: Args) -> Result<()> {
             let lat = sorted(lat);
             plot_point(format!("ferry {}", op_name(op)), false, size, median(&gbps));
             if !base.is_empty() {
-                plot_point(format!("{ref_name} {}", op_name(op)), true, size, median(&base));
+                plot_point(
+                    format!("{ref_name} {}", op_name(op)),
+                    true,
+                    size,
+                    median(&base),
+                );
             }
             print_row(
                 &Row {

@@ -83,7 +83,11 @@ pub fn svg(title: &str, series: &[Series]) -> String {
             LEFT + pw,
             LEFT - 6.0,
             yy + 4.0,
-            if step < 1.0 { format!("{g:.1}") } else { format!("{g:.0}") }
+            if step < 1.0 {
+                format!("{g:.1}")
+            } else {
+                format!("{g:.0}")
+            }
         );
         g += step;
     }

@@ -312,6 +312,8 @@ impl Shard {
         if work > 0 {
             self.spin.busy();
         } else if self.spin.idle(Instant::now()) {
+            self.spin
+                .parking(crate::sys::involuntary_switches(), Instant::now());
             self.park(max);
             self.spin.woke();
         } else {

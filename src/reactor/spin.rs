@@ -6,12 +6,14 @@
 //! what gets preempted: the kernel runs someone else for a time slice
 //! (milliseconds) while the reply waits, and the spin has burnt the share
 //! the thread needed to serve it. A sleeper, in contrast, is woken with
-//! priority (it used less than its share). So a shard spins after its last
-//! work for at most `FERRY_SPIN_US`, and not at all for a while once it
-//! sees that it was preempted while spinning: two idle passes in a row
-//! that lie further apart than any idle pass takes (a pass with nothing to
-//! do costs microseconds; a pass that copies may take milliseconds, so
-//! only idle ones count).
+//! priority (it used less than its share). Worse, the thread a spinner
+//! waits for may be waiting for the spinner's core. So a shard spins after
+//! its last work for at most `FERRY_SPIN_US`, and not at all for a while
+//! once it sees that its core is shared: the kernel preempted it since the
+//! last park (its involuntary context switches grew), or two idle passes
+//! in a row lie further apart than any idle pass takes (a pass with
+//! nothing to do costs microseconds; a pass that copies may take
+//! milliseconds, so only idle ones count).
 
 use std::time::{Duration, Instant};
 
@@ -20,6 +22,13 @@ use std::time::{Duration, Instant};
 const PREEMPTED_GAP: Duration = Duration::from_micros(200);
 /// After a preemption, no spinning for this long ...
 const CALM_AFTER_PREEMPTION: Duration = Duration::from_millis(100);
+/// Involuntary switches are counted over windows at least this long ...
+const SWITCH_WINDOW: Duration = Duration::from_millis(10);
+/// ... and this many per second mean a shared core. A thread that owns its
+/// core still sees some (a woken peer thread or kernel work preempts it:
+/// ~300–1700/s measured on the 2-core machine, busy-polling); one sharing
+/// its core with a busy process sees ~30 000/s.
+const SHARED_CORE_SWITCHES_PER_S: u64 = 5000;
 
 #[derive(Debug)]
 pub(crate) struct Spin {
@@ -33,6 +42,10 @@ pub(crate) struct Spin {
     last_idle_pass: Option<Instant>,
     /// Preemptions seen (for tests and stats).
     pub preemptions: u64,
+    /// The thread's involuntary context switches when the current window
+    /// began, and when it began.
+    switches: u64,
+    window_start: Option<Instant>,
 }
 
 impl Spin {
@@ -43,7 +56,35 @@ impl Spin {
             idle_since: None,
             last_idle_pass: None,
             preemptions: 0,
+            switches: 0,
+            window_start: None,
         }
+    }
+
+    /// Before a park: `switches` is the thread's involuntary context switch
+    /// count now; at a rate past `SHARED_CORE_SWITCHES_PER_S` over the
+    /// last window, the core is shared.
+    pub fn parking(&mut self, switches: u64, now: Instant) {
+        let Some(start) = self.window_start else {
+            self.window_start = Some(now);
+            self.switches = switches;
+            return;
+        };
+        let span = now.saturating_duration_since(start);
+        if span < SWITCH_WINDOW {
+            return;
+        }
+        let per_s = switches.saturating_sub(self.switches) as f64 / span.as_secs_f64();
+        if per_s > SHARED_CORE_SWITCHES_PER_S as f64 {
+            self.preempted(now);
+        }
+        self.window_start = Some(now);
+        self.switches = switches;
+    }
+
+    fn preempted(&mut self, now: Instant) {
+        self.preemptions += 1;
+        self.no_spin_until = Some(now + CALM_AFTER_PREEMPTION);
     }
 
     /// After a pass that found work.
@@ -56,8 +97,7 @@ impl Spin {
     pub fn idle(&mut self, now: Instant) -> bool {
         if let Some(prev) = self.last_idle_pass {
             if now.saturating_duration_since(prev) > PREEMPTED_GAP {
-                self.preemptions += 1;
-                self.no_spin_until = Some(now + CALM_AFTER_PREEMPTION);
+                self.preempted(now);
             }
         }
         self.last_idle_pass = Some(now);
@@ -97,7 +137,10 @@ mod tests {
         assert!(!s.should_park(3, t0));
         assert!(!s.should_park(0, t0 + Duration::from_micros(1)));
         assert!(!s.should_park(0, t0 + Duration::from_micros(40)));
-        assert!(!s.should_park(1, t0 + Duration::from_micros(45)), "work resets");
+        assert!(
+            !s.should_park(1, t0 + Duration::from_micros(45)),
+            "work resets"
+        );
         assert!(!s.should_park(0, t0 + Duration::from_micros(60)));
         assert!(s.should_park(0, t0 + Duration::from_micros(111)));
         s.woke();
@@ -125,5 +168,25 @@ mod tests {
         // Calm over: spins again.
         assert!(!s.should_park(0, t0 + CALM_AFTER_PREEMPTION + us(9010)));
         assert!(s.should_park(0, t0 + CALM_AFTER_PREEMPTION + us(9070)));
+        // Involuntary switches at a rate a shared core shows: calm again;
+        // at an owned core's rate: not.
+        let t1 = t0 + CALM_AFTER_PREEMPTION + us(9070);
+        s.parking(100, t1);
+        s.woke();
+        assert_eq!(s.preemptions, 1, "the first count is only a start");
+        s.parking(110, t1 + us(5000));
+        assert_eq!(s.preemptions, 1, "a window is 10 ms at least");
+        s.parking(115, t1 + us(20_000));
+        s.woke();
+        assert_eq!(s.preemptions, 1, "750/s: an owned core");
+        assert!(!s.should_park(0, t1 + us(20_010)));
+        s.woke();
+        s.parking(115 + 600, t1 + us(40_000));
+        s.woke();
+        assert_eq!(s.preemptions, 2, "30 000/s: a shared core");
+        assert!(
+            s.should_park(0, t1 + us(40_100)),
+            "parks at once while calm"
+        );
     }
 }
