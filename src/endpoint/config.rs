@@ -98,6 +98,12 @@ pub struct Config {
     pub sq_depth: usize,
     /// TCP streams per connection (`FERRY_STREAMS`, default 1).
     pub streams_per_conn: u16,
+    /// The most shards one tcp connection's streams are spread over
+    /// (`FERRY_LANES`, default 0: as many as streams and shards allow; 1:
+    /// every connection on one shard). Each lane is a group of the
+    /// connection's streams on its own shard; large operations are split
+    /// over the lanes, small ones dealt round-robin.
+    pub lanes: usize,
     /// Operations larger than this are split into frames of this size,
     /// dealt round-robin over the streams (`FERRY_CHUNK_BYTES`, default 4 MiB).
     pub chunk_bytes: usize,
@@ -179,6 +185,7 @@ impl Default for Config {
             stream_inflight: 1024,
             sq_depth: 4096,
             streams_per_conn: 1,
+            lanes: 0,
             chunk_bytes: 4 << 20,
             connect_timeout_ms: 5000,
             op_timeout_ms: 10_000,
@@ -267,6 +274,7 @@ impl Config {
             1 << 20,
         )?;
         within("sq_depth (FERRY_SQ_DEPTH)", self.sq_depth, 1, 1 << 20)?;
+        within("lanes (FERRY_LANES)", self.lanes, 0, 255)?;
         within(
             "streams_per_conn (FERRY_STREAMS)",
             self.streams_per_conn,
@@ -405,6 +413,7 @@ impl Config {
             "FERRY_STREAM_INFLIGHT" => stream_inflight,
             "FERRY_SQ_DEPTH" => sq_depth,
             "FERRY_STREAMS" => streams_per_conn,
+            "FERRY_LANES" => lanes,
             "FERRY_CHUNK_BYTES" => chunk_bytes,
             "FERRY_CONNECT_TIMEOUT_MS" => connect_timeout_ms,
             "FERRY_OP_TIMEOUT_MS" => op_timeout_ms,

@@ -149,6 +149,8 @@ pub(crate) struct Inner {
     local_connects: Mutex<Receiver<(crate::wire::shm_msg::Msg, Vec<u8>)>>,
     memfd_regions: Mutex<HashMap<u32, std::sync::Weak<Region>>>,
     local_peers: Mutex<std::collections::HashSet<u64>>,
+    /// Turn of the lanes for small ops on connections spread over shards.
+    next_lane: AtomicU64,
     /// Whether shard 0 has a doorbell (our rings name it in their header).
     local_bell: bool,
     /// Local peers' doorbells we ring, shared by the rings into one shard.
@@ -344,6 +346,7 @@ impl Endpoint {
             memfd_regions: Mutex::new(HashMap::new()),
             local_peers: Mutex::new(std::collections::HashSet::new()),
             local_bell,
+            next_lane: AtomicU64::new(0),
             bells: Mutex::new(HashMap::new()),
             backend,
             backend_note: note,
@@ -505,15 +508,15 @@ impl Endpoint {
         // Managed shards confirm, so that once this returns the connection
         // serves no further request (an embedded shard is polled by the
         // caller, who may be this thread: no waiting there).
-        let (ack, done) = mpsc::sync_channel(1);
         let managed = self.inner.cfg.mode == Mode::Managed;
-        self.inner
-            .shard_of(conn)
-            .submit_blocking(Command::RemoveConn(conn, managed.then_some(ack)), deadline)?;
-        if managed {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if done.recv_timeout(left).is_err() {
-                warn!(%conn, "shard did not confirm the removal in time");
+        for (lane, shard) in self.inner.lanes(conn) {
+            let (ack, done) = mpsc::sync_channel(1);
+            shard.submit_blocking(Command::RemoveConn(lane, managed.then_some(ack)), deadline)?;
+            if managed {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if done.recv_timeout(left).is_err() {
+                    warn!(%conn, %lane, "shard did not confirm the removal in time");
+                }
             }
         }
         info!(%conn, peer = %info.peer, "connection removed");
@@ -726,9 +729,12 @@ impl Endpoint {
             return Err(Error::UnknownConn { conn });
         }
         let deadline = Instant::now() + self.inner.cfg.connect_timeout();
-        self.inner.shard_of(conn).submit_blocking(
+        // A connection spread over shards sends them on its first lane (in
+        // order with each other; ops complete before they are reported).
+        let (lane, shard) = self.inner.lanes(conn).next().expect("a lane");
+        shard.submit_blocking(
             Command::Notify {
-                conn,
+                conn: lane,
                 payload: msg.to_vec(),
             },
             deadline,
@@ -781,6 +787,21 @@ pub(super) fn desc(
     })
 }
 
+/// A connection spread over shards has an id whose top byte is its lane
+/// count (2..=255) and whose rest is its first lane's id; lane i is
+/// `ConnId(base + i)`. Others have a zero top byte: one lane, themselves.
+const LANES_SHIFT: u32 = 56;
+const MAX_LANES: usize = 255;
+
+fn lanes_of(conn: ConnId) -> (u64, usize) {
+    let k = (conn.0 >> LANES_SHIFT) as usize;
+    if k > 1 {
+        (conn.0 & ((1 << LANES_SHIFT) - 1), k)
+    } else {
+        (conn.0, 1)
+    }
+}
+
 impl Inner {
     /// Requests in flight per stream, both ways: the smaller of ours and
     /// the peer's declaration (both sides compute the same). Queues are
@@ -805,6 +826,15 @@ impl Inner {
             conns.remove(c);
         }
         drop(conns);
+        // One lane dead: the others go too (an op split over them could
+        // not complete), without waiting.
+        for &c in &dead {
+            if lanes_of(c).1 > 1 {
+                for (lane, shard) in self.lanes(c) {
+                    let _ = shard.submit(Command::RemoveConn(lane, None));
+                }
+            }
+        }
         self.remotes
             .lock()
             .expect("lock")
@@ -850,14 +880,61 @@ impl Inner {
         })
     }
 
+    /// The shard that serves `conn` (for a connection spread over shards:
+    /// its first lane's).
     fn shard_of(&self, conn: ConnId) -> &ShardHandle {
-        &self.shards[(conn.0 % self.shards.len() as u64) as usize]
+        let (base, _) = lanes_of(conn);
+        &self.shards[(base % self.shards.len() as u64) as usize]
+    }
+
+    /// Each lane of `conn` (itself, unless spread over shards), with the
+    /// shard that serves it.
+    fn lanes(&self, conn: ConnId) -> impl Iterator<Item = (ConnId, &ShardHandle)> {
+        let (base, k) = lanes_of(conn);
+        let n = self.shards.len() as u64;
+        (0..k as u64).map(move |i| (ConnId(base + i), &self.shards[((base + i) % n) as usize]))
+    }
+
+    /// How many lanes a new tcp connection of `streams` streams gets.
+    fn lanes_for(&self, streams: usize) -> usize {
+        let cap = if self.cfg.lanes == 0 {
+            usize::MAX
+        } else {
+            self.cfg.lanes
+        };
+        streams.min(self.shards.len()).min(cap).clamp(1, MAX_LANES)
+    }
+
+    /// Ids for `k` lanes: `base..base + k`, with `base` a multiple of the
+    /// shard count when k > 1, so lane i is served by shard i.
+    fn alloc_conn_ids(&self, k: usize) -> u64 {
+        if k <= 1 {
+            return self.next_conn.fetch_add(1, Ordering::Relaxed);
+        }
+        let n = self.shards.len() as u64;
+        let mut cur = self.next_conn.load(Ordering::Relaxed);
+        loop {
+            let base = cur.div_ceil(n) * n;
+            match self.next_conn.compare_exchange_weak(
+                cur,
+                base + k as u64,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return base,
+                Err(c) => cur = c,
+            }
+        }
     }
 
     pub(super) fn submit(&self, conn: ConnId, kind: OpKind, parts: OpParts) -> Result<Transfer> {
         let t = self.table.claim().ok_or(Error::TooManyInflight {
             max: self.table.capacity(),
         })?;
+        let (base, k) = lanes_of(conn);
+        if k > 1 {
+            return self.submit_lanes(t, base, k, kind, parts);
+        }
         let cmd = OpCmd {
             conn,
             kind,
@@ -871,6 +948,82 @@ impl Inner {
             Err((e, _)) => {
                 // Never submitted: complete it ourselves so the slot frees.
                 self.table.complete(t.slot(), Ok(()));
+                drop(t);
+                Err(e)
+            }
+        }
+    }
+
+    /// Submits an op on a connection spread over `k` lanes: a large
+    /// single op is cut into `k` contiguous pieces (at chunk boundaries),
+    /// one per lane; a vectored one deals its pairs over the lanes; a
+    /// small one goes whole to the next lane in turn. The pieces complete
+    /// into one slot (`CompletionTable::set_parts`).
+    fn submit_lanes(
+        &self,
+        t: Transfer,
+        base: u64,
+        k: usize,
+        kind: OpKind,
+        parts: OpParts,
+    ) -> Result<Transfer> {
+        let slot = t.slot();
+        let chunk = self.cfg.chunk_bytes as u64;
+        let n = self.shards.len() as u64;
+        let mut failed = None;
+        let mut sent = 0u64;
+        let mut send = |lane_idx: u64, piece: OpParts| {
+            let lane = base + lane_idx % k as u64;
+            if failed.is_some() {
+                // An earlier piece was refused: this one is never sent.
+                self.table.complete(slot, Ok(()));
+                return;
+            }
+            let cmd = OpCmd {
+                conn: ConnId(lane),
+                kind,
+                slot,
+                parts: piece,
+                at: Default::default(),
+                counted: false,
+            };
+            if let Err((e, _)) = self.shards[(lane % n) as usize].submit(Command::Op(cmd)) {
+                // Never submitted: its part is completed here, so the slot
+                // frees once the pieces already sent end.
+                self.table.complete(slot, Ok(()));
+                failed = Some(e);
+            }
+            sent += 1;
+        };
+        match parts {
+            OpParts::One(d) if d.len() >= 2 * chunk => {
+                let total = d.len();
+                let per = total.div_ceil(chunk).div_ceil(k as u64) * chunk;
+                self.table.set_parts(slot, total.div_ceil(per) as u32);
+                let mut off = 0;
+                while off < total {
+                    let len = per.min(total - off);
+                    send(off / per, OpParts::One(d.piece(off, len)));
+                    off += len;
+                }
+            }
+            OpParts::Many(ds) if ds.len() > 1 => {
+                let lanes = k.min(ds.len());
+                let mut groups: Vec<Vec<_>> = (0..lanes).map(|_| Vec::new()).collect();
+                for (i, d) in ds.into_iter().enumerate() {
+                    groups[i % lanes].push(d);
+                }
+                self.table.set_parts(slot, lanes as u32);
+                for (i, g) in groups.into_iter().enumerate() {
+                    send(i as u64, OpParts::Many(g));
+                }
+            }
+            whole => send(self.next_lane.fetch_add(1, Ordering::Relaxed), whole),
+        }
+        debug_assert!(sent >= 1);
+        match failed {
+            None => Ok(t),
+            Some(e) => {
                 drop(t);
                 Err(e)
             }
@@ -953,10 +1106,15 @@ impl Inner {
             conn,
         };
         match conn {
-            Some(c) => self.shard_of(c).region(RegionCmd::Grant {
-                rkey,
-                grant: grant(Some(c)),
-            })?,
+            // Every lane's shard: requests may come on any of them.
+            Some(c) => {
+                for (_, shard) in self.lanes(c) {
+                    shard.region(RegionCmd::Grant {
+                        rkey,
+                        grant: grant(Some(c)),
+                    })?;
+                }
+            }
             None => {
                 for s in &self.shards {
                     s.region(RegionCmd::Grant {
@@ -1118,15 +1276,28 @@ impl Inner {
         peer: SocketAddr,
     ) -> Result<ConnId> {
         let peer_hello = hellos[0].1;
-        let macs = self.stream_macs(hellos, client);
-        let conn = ConnId(self.next_conn.fetch_add(1, Ordering::Relaxed));
+        let mut macs = self.stream_macs(hellos, client);
         let agreed = self.agreed_inflight(peer_hello.max_inflight as usize);
         let limits = StreamLimits {
             own_max: agreed,
             peer_max: agreed,
         };
         let deadline = Instant::now() + self.cfg.connect_timeout();
-        let verbs = self.verbs_link(&streams[0], &peer_hello, deadline)?;
+        let mut verbs = self.verbs_link(&streams[0], &peer_hello, deadline)?;
+        // Each side spreads its streams over its own shards: a stream's
+        // requests are answered on that stream, so the two sides need not
+        // split alike. Verbs connections stay whole (one set of QPs).
+        let k = if verbs.is_some() {
+            1
+        } else {
+            self.lanes_for(streams.len())
+        };
+        let base = self.alloc_conn_ids(k);
+        let conn = if k > 1 {
+            ConnId(base | (k as u64) << LANES_SHIFT)
+        } else {
+            ConnId(base)
+        };
         self.conns.lock().expect("lock").insert(
             conn,
             ConnInfo {
@@ -1134,17 +1305,29 @@ impl Inner {
                 verbs: verbs.is_some(),
             },
         );
-        self.shard_of(conn).submit_blocking(
-            Command::AddConn {
-                conn,
-                streams,
-                limits,
-                verbs,
-                macs,
-            },
-            deadline,
-        )?;
-        info!(%conn, %peer, streams = self.cfg.streams_per_conn, "connected");
+        let total = streams.len();
+        let mut streams = streams.into_iter();
+        for (i, (lane, shard)) in self.lanes(conn).enumerate() {
+            let take = (i + 1) * total / k - i * total / k;
+            let mine: Vec<_> = streams.by_ref().take(take).collect();
+            let lane_macs = if macs.is_empty() {
+                Vec::new()
+            } else {
+                macs.drain(..take).collect()
+            };
+            shard.submit_blocking(
+                Command::AddConn {
+                    conn: lane,
+                    group: conn,
+                    streams: mine,
+                    limits,
+                    verbs: verbs.take(),
+                    macs: lane_macs,
+                },
+                deadline,
+            )?;
+        }
+        info!(%conn, %peer, streams = total, lanes = k, "connected");
         Ok(conn)
     }
 

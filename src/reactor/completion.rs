@@ -29,6 +29,11 @@ const SPIN_ITERS: u32 = 20_000;
 
 struct Slot {
     state: AtomicU32,
+    /// Parts still to complete when the op was split over shards (0: not
+    /// split; `complete` ends it at once).
+    parts: AtomicU32,
+    /// A part failed and its error is in `result` (the first one wins).
+    erred: std::sync::atomic::AtomicBool,
     /// Written by the completer while the state is PENDING, read by the
     /// owner only after it observed DONE (Acquire): never both at once.
     result: UnsafeCell<Option<Error>>,
@@ -50,6 +55,8 @@ impl CompletionTable {
         let slots = (0..capacity)
             .map(|_| Slot {
                 state: AtomicU32::new(FREE),
+                parts: AtomicU32::new(0),
+                erred: std::sync::atomic::AtomicBool::new(false),
                 result: UnsafeCell::new(None),
             })
             .collect();
@@ -84,6 +91,8 @@ impl CompletionTable {
                     .is_ok()
             {
                 self.hint.store(j + 1, Ordering::Relaxed);
+                self.slots[j].parts.store(0, Ordering::Relaxed);
+                self.slots[j].erred.store(false, Ordering::Relaxed);
                 return Some(Transfer {
                     table: self.clone(),
                     idx: j as u32,
@@ -94,12 +103,47 @@ impl CompletionTable {
         None
     }
 
-    /// Records the outcome of the operation in `idx`. Returns `false` (and
+    /// Splits the operation in `idx` into `n` parts (each submitted to
+    /// its own shard): it then ends when `complete` has been called once
+    /// per part, with the first error any part had. The owner calls it
+    /// before submitting any part.
+    pub fn set_parts(&self, idx: u32, n: u32) {
+        if n > 1 {
+            self.slots[idx as usize].parts.store(n, Ordering::Relaxed);
+        }
+    }
+
+    /// Records the outcome of the operation in `idx` (of one part of a
+    /// split one: the last part's call ends it). Returns `false` (and
     /// changes nothing) if the slot has no operation in flight or another
     /// completion got there first: only the first completion of a claim
     /// counts, so no caller can race the owner's read of the result.
     pub fn complete(&self, idx: u32, outcome: Result<()>) -> bool {
         let slot = &self.slots[idx as usize];
+        if slot.parts.load(Ordering::Acquire) != 0 {
+            if slot.state.load(Ordering::Relaxed) & (DONE | COMPLETING) != 0 {
+                return false;
+            }
+            if let Err(e) = outcome {
+                if !slot.erred.swap(true, Ordering::AcqRel) {
+                    // SAFETY: the `erred` swap admits one writer; the owner
+                    // reads only after DONE, which the last part publishes
+                    // after its AcqRel decrement below (ordered after this).
+                    unsafe { *slot.result.get() = Some(e) };
+                }
+            }
+            if slot.parts.fetch_sub(1, Ordering::AcqRel) != 1 {
+                return true;
+            }
+            // The last part: publish with the error kept (if any).
+            return self.finish(slot, None);
+        }
+        self.finish(slot, Some(outcome.err()))
+    }
+
+    /// Ends the op in `slot`, storing `result` unless it is `None` (a split
+    /// op's parts stored theirs).
+    fn finish(&self, slot: &Slot, result: Option<Option<Error>>) -> bool {
         let mut s = slot.state.load(Ordering::Relaxed);
         loop {
             if s & PENDING == 0 || s & (DONE | COMPLETING) != 0 {
@@ -115,9 +159,11 @@ impl CompletionTable {
                 Err(cur) => s = cur,
             }
         }
-        // SAFETY: our CAS set COMPLETING, which admits one completer; the
-        // owner does not touch `result` until it sees DONE below.
-        unsafe { *slot.result.get() = outcome.err() };
+        if let Some(r) = result {
+            // SAFETY: our CAS set COMPLETING, which admits one completer;
+            // the owner does not touch `result` until it sees DONE below.
+            unsafe { *slot.result.get() = r };
+        }
         s |= COMPLETING;
         loop {
             if s & DETACHED != 0 {
@@ -336,6 +382,55 @@ mod tests {
         assert_eq!(t.in_use(), 0);
         drop((a, b));
         assert!(t.claim().is_some());
+    }
+
+    /// A split op ends once every part completed (from several threads),
+    /// with the error one part had; then the slot is reused unsplit.
+    #[test]
+    fn split_op_ends_with_its_last_part_and_keeps_an_error() {
+        let t = CompletionTable::new(1);
+        for round in 0..200u32 {
+            let mut a = t.claim().unwrap();
+            let idx = a.slot();
+            t.set_parts(idx, 4);
+            let bad = round % 5;
+            let hs: Vec<_> = (0..4u32)
+                .map(|p| {
+                    let t = t.clone();
+                    std::thread::spawn(move || {
+                        let outcome = if p == bad {
+                            Err(Error::Timeout {
+                                what: "part",
+                                timeout_ms: u64::from(p),
+                            })
+                        } else {
+                            Ok(())
+                        };
+                        assert!(t.complete(idx, outcome));
+                    })
+                })
+                .collect();
+            for h in hs {
+                h.join().unwrap();
+            }
+            match a.poll() {
+                Some(Ok(())) => assert_eq!(bad, 4, "round {round}: an error was lost"),
+                Some(Err(Error::Timeout { timeout_ms, .. })) => assert_eq!(timeout_ms, bad.into()),
+                other => panic!("round {round}: {other:?}"),
+            }
+            drop(a);
+        }
+        // Not done before the last part; a single op after it is unsplit.
+        let mut a = t.claim().unwrap();
+        t.set_parts(a.slot(), 2);
+        t.complete(a.slot(), Ok(()));
+        assert!(a.poll().is_none());
+        t.complete(a.slot(), Ok(()));
+        assert!(matches!(a.poll(), Some(Ok(()))));
+        drop(a);
+        let mut b = t.claim().unwrap();
+        t.complete(b.slot(), Ok(()));
+        assert!(matches!(b.poll(), Some(Ok(()))));
     }
 
     #[test]

@@ -14,7 +14,9 @@ const FAILED_MEMORY: usize = 4096;
 
 pub(crate) struct Directory {
     by_id: IntMap<ConnId, ConnRef>,
-    failed: HashMap<ConnId, String>,
+    /// By the shard's id of the dead connection: the id the application
+    /// knows it by (see `Conn::group`) and why it died.
+    failed: HashMap<ConnId, (ConnId, String)>,
     /// Tells the endpoint which connections died, so it can forget them.
     closed: mpsc::Sender<ConnId>,
 }
@@ -47,22 +49,23 @@ impl Directory {
     /// Why calls on `conn` fail: the reason it died, or that it is unknown.
     pub fn error_of(&self, conn: ConnId) -> Error {
         match self.failed.get(&conn) {
-            Some(reason) => Error::ConnFailed {
-                conn,
+            Some((group, reason)) => Error::ConnFailed {
+                conn: *group,
                 reason: reason.clone(),
             },
             None => Error::UnknownConn { conn },
         }
     }
 
-    /// Records that `conn` died, and tells the endpoint.
-    pub fn remember_failed(&mut self, conn: ConnId, reason: String) {
+    /// Records that `conn` (the application's `group`) died, and tells the
+    /// endpoint.
+    pub fn remember_failed(&mut self, conn: ConnId, group: ConnId, reason: String) {
         // The endpoint may be gone already; then nobody needs to know.
-        let _ = self.closed.send(conn);
+        let _ = self.closed.send(group);
         if self.failed.len() >= FAILED_MEMORY {
             self.failed.clear();
         }
-        self.failed.insert(conn, reason);
+        self.failed.insert(conn, (group, reason));
     }
 
     /// Forgets a dead connection's reason (`remove_remote` was called).

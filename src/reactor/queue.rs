@@ -23,6 +23,29 @@ pub(crate) struct OpDesc {
     pub nic_rkey: Option<u32>,
 }
 
+impl OpDesc {
+    /// Bytes it moves.
+    pub fn len(&self) -> u64 {
+        self.local.len() as u64
+    }
+
+    /// `len` bytes of it from `off` (both sides moved alike); the caller
+    /// keeps `off + len <= self.len()`.
+    pub fn piece(&self, off: u64, len: u64) -> OpDesc {
+        OpDesc {
+            local: self
+                .local
+                .sub(off as usize, len as usize)
+                .expect("a piece lies inside its op"),
+            remote_addr: self.remote_addr + off,
+            rkey: self.rkey,
+            tag: self.tag,
+            remote_device: self.remote_device,
+            nic_rkey: self.nic_rkey,
+        }
+    }
+}
+
 pub(crate) enum OpParts {
     One(OpDesc),
     Many(Vec<OpDesc>),
@@ -89,7 +112,11 @@ pub(crate) enum Command {
         alloc_base: u64,
     },
     AddConn {
+        /// The shard's id for it ...
         conn: ConnId,
+        /// ... and the application's (differs for one lane of a connection
+        /// spread over shards).
+        group: ConnId,
         streams: Vec<TcpStream>,
         limits: StreamLimits,
         /// RDMA queue pairs, when both sides set them up.

@@ -449,12 +449,13 @@ impl Shard {
             }
             Command::AddConn {
                 conn,
+                group,
                 streams,
                 limits,
                 verbs,
                 macs,
             } => {
-                match self.tcp.add(conn, streams, limits, verbs, macs) {
+                match self.tcp.add(conn, group, streams, limits, verbs, macs) {
                     Ok(idx) => {
                         self.dir.insert(conn, ConnRef::Tcp(idx));
                         self.arm_new(ConnRef::Tcp(idx), conn);
@@ -462,7 +463,7 @@ impl Shard {
                     }
                     Err(e) => {
                         warn!(shard = self.id, %conn, "could not adopt connection: {e}");
-                        self.remember_failed(conn, e.to_string());
+                        self.remember_failed(conn, group, e.to_string());
                     }
                 }
                 None
@@ -805,23 +806,23 @@ impl Shard {
         }
     }
 
-    fn remember_failed(&mut self, conn: ConnId, reason: String) {
-        self.dir.remember_failed(conn, reason);
+    fn remember_failed(&mut self, conn: ConnId, group: ConnId, reason: String) {
+        self.dir.remember_failed(conn, group, reason);
         self.ledger.forget_conn_if_idle(conn);
     }
 
     fn drop_conn(&mut self, idx: usize, reason: String) {
         let mut conn = self.tcp.remove(idx);
-        self.regions.revoke_conn(conn.id);
+        self.regions.revoke_conn(conn.group);
         self.dir.remove(conn.id);
         let err = Error::ConnFailed {
-            conn: conn.id,
+            conn: conn.group,
             reason,
         };
         let mut sink = ShardSink {
             done: &mut self.ledger.done,
             inbox: &self.inbox,
-            conn: conn.id,
+            conn: conn.group,
             ipc_revoked: &mut self.ipc_revoked,
             gpu_reqs: None,
             gpu: None,
@@ -833,7 +834,7 @@ impl Shard {
             v.fail_all(&err, sink.done);
         }
         if let Error::ConnFailed { reason, .. } = err {
-            self.remember_failed(conn.id, reason);
+            self.remember_failed(conn.id, conn.group, reason);
         }
     }
 
@@ -863,7 +864,7 @@ impl Shard {
                 g.revoke_owner(peer);
             }
         }
-        self.remember_failed(id, reason);
+        self.remember_failed(id, id, reason);
     }
 
     /// The longest a connection goes between looks by the timeout checks.

@@ -43,6 +43,10 @@ const MAX_STREAMS: usize = 64;
 
 pub(crate) struct Conn {
     pub id: ConnId,
+    /// The id the application knows: the connection this is one lane of
+    /// (a connection spread over shards), else `id`. Notifications,
+    /// errors and per-connection windows use it.
+    pub group: ConnId,
     pub streams: Vec<Stream>,
     /// The stream the next frame goes to (round-robin).
     pub next: usize,
@@ -172,6 +176,7 @@ impl TcpSide {
     pub fn add(
         &mut self,
         conn: ConnId,
+        group: ConnId,
         streams: Vec<std::net::TcpStream>,
         limits: StreamLimits,
         verbs: Option<Box<crate::verbs::Link>>,
@@ -222,6 +227,7 @@ impl TcpSide {
         self.verbs_conns += verbs.is_some() as usize;
         entry.insert(Conn {
             id: conn,
+            group,
             streams: out,
             next: 0,
             verbs,
@@ -300,12 +306,12 @@ impl Source for TcpSide {
             let mut regions = LiveRegions {
                 table: cx.regions,
                 updates: cx.updates,
-                conn: conn.id,
+                conn: conn.group,
             };
             let mut sink = super::source::ShardSink {
                 done: cx.done,
                 inbox: cx.inbox,
-                conn: conn.id,
+                conn: conn.group,
                 ipc_revoked: cx.ipc_revoked,
                 gpu_reqs: None,
                 gpu: cx.gpu.as_deref_mut(),
@@ -393,7 +399,7 @@ mod tests {
             peer_max: 4,
         };
         let idx = side
-            .add(ConnId(1), vec![a], limits, None, Vec::new())
+            .add(ConnId(1), ConnId(1), vec![a], limits, None, Vec::new())
             .unwrap();
         let sock = socket2::SockRef::from(&side.conns[idx].streams[0].sock);
         assert_eq!(
@@ -424,7 +430,7 @@ mod tests {
         for i in 0..40 {
             let a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
             let (b, _) = l.accept().unwrap();
-            side.add(ConnId(i), vec![a], limits, None, Vec::new())
+            side.add(ConnId(i), ConnId(i), vec![a], limits, None, Vec::new())
                 .unwrap();
             peers.push(b);
         }
