@@ -69,6 +69,13 @@ Flags:
                          then leaves all of them idle for 1 s and prints the
                          CPU each side used meanwhile and the round trip of
                          the first 8-byte WRITE after it
+  --streams N            TCP streams per connection, both processes
+                         (FERRY_STREAMS)
+  --shards N             shards in each process (FERRY_SHARDS); with more
+                         than one the initiator's are managed threads, and
+                         a connection's streams are spread over them
+                         (FERRY_LANES). --baseline then measures as many
+                         plain TCP streams as --streams, in parallel
   --contend N            measure each point quiet and then with N busy
                          processes (`ferry busy`, one spinning thread each)
                          running beside the benchmark, alternating per
@@ -79,10 +86,12 @@ Flags:
                          and READ and the run's reference (--baseline or
                          --contend's quiet figures, dashed), into FILE.svg
   --json                 one JSON object per line instead of a table
-Spinning: the initiator's shard and each target shard spin at most
+Spinning: the initiator's shards and each target shard spin at most
 FERRY_SPIN_US after their last work, and not at all for 100 ms after they
-find they were preempted while spinning; so the benchmark's own spinning
-threads (1 + FERRY_SHARDS) never hold a core they share with busier work.
+find their core shared (preempted while spinning, or preempted often);
+with managed initiator shards (--shards > 1) the benchmark thread sleeps
+on the oldest op instead of spinning. So the run has at most 2 x shards
+spinning threads, and where that exceeds the cores they yield them.
 Environment: FERRY_* variables apply to both processes (see the README).";
 
 struct Opts {
@@ -101,6 +110,8 @@ struct Opts {
     json: bool,
     rounds: usize,
     idle_conns: usize,
+    streams: Option<usize>,
+    shards: Option<usize>,
     contend: usize,
     plot: Option<String>,
 }
@@ -188,7 +199,17 @@ fn parse(mut a: Args) -> Result<Opts> {
     if contend > 0 && baseline {
         bail!("--contend and --baseline: pick one (each is the run's reference)");
     }
+    let streams: Option<usize> = a.value("streams").map(|v| v.parse()).transpose()?;
+    let shards: Option<usize> = a.value("shards").map(|v| v.parse()).transpose()?;
+    if streams.is_some_and(|n| n == 0 || n > 64) {
+        bail!("--streams: must be 1..=64");
+    }
+    if shards.is_some_and(|n| n == 0 || n > 256) {
+        bail!("--shards: must be 1..=256");
+    }
     let o = Opts {
+        streams,
+        shards,
         plot: a.value("plot"),
         contend,
         idle_conns,
@@ -223,7 +244,7 @@ struct IdleCost {
 /// what they cost (time, and resident memory on each side).
 fn open_idle(
     ep: &Endpoint,
-    shard: &mut Shard,
+    mut shard: Option<&mut Shard>,
     meta: &[u8],
     n: usize,
     target_pid: u32,
@@ -239,13 +260,20 @@ fn open_idle(
         ep.connect(addr)
             .with_context(|| format!("idle connection {} of {n}", i + 1))?;
         // The embedded shard takes each connection in as it comes.
-        shard.poll();
+        if let Some(s) = shard.as_deref_mut() {
+            s.poll();
+        }
     }
     let t_open = t0.elapsed();
     // Let the target settle (its accept loop, first polls).
     let settle = Instant::now();
     while settle.elapsed() < Duration::from_millis(300) {
-        shard.poll();
+        match shard.as_deref_mut() {
+            Some(s) => {
+                s.poll();
+            }
+            None => std::thread::sleep(Duration::from_millis(1)),
+        }
     }
     let (here1, there1) = (rss_kib(std::process::id()), rss_kib(target_pid));
     let per = |a: usize, b: usize| b.saturating_sub(a) as f64 / n as f64;
@@ -371,7 +399,9 @@ impl Remote {
 
 struct Bench<'a> {
     ep: &'a Endpoint,
-    shard: Shard,
+    /// The initiator's one embedded shard (None: managed shards, with
+    /// --shards > 1).
+    shard: Option<Shard>,
     conn: ConnId,
     local: MemoryRegion,
     remote: Remote,
@@ -441,7 +471,17 @@ impl Bench<'_> {
             }
             // Like a managed shard: spin while busy, park when idle for a
             // while, so the kernel's own work (softirqs) gets a core.
-            self.shard.poll_or_park(Duration::from_millis(1));
+            // With managed shards this thread sleeps on the oldest op (after
+            // a short spin) instead of spinning beside them.
+            match (&mut self.shard, inflight.front_mut()) {
+                (Some(s), _) => {
+                    s.poll_or_park(Duration::from_millis(1));
+                }
+                (None, Some((t, _))) => {
+                    let _ = t.wait_timeout(Duration::from_millis(1));
+                }
+                (None, None) => {}
+            }
             let mut done_now = None;
             while let Some((t, _)) = inflight.front_mut() {
                 match t.poll() {
@@ -486,7 +526,12 @@ impl Bench<'_> {
         let (here0, there0) = (cpu_ns(me), cpu_ns(target_pid));
         let start = Instant::now();
         while start.elapsed().as_secs_f64() < secs {
-            self.shard.poll_or_park(Duration::from_millis(100));
+            match &mut self.shard {
+                Some(s) => {
+                    s.poll_or_park(Duration::from_millis(100));
+                }
+                None => std::thread::sleep(Duration::from_millis(10)),
+            }
         }
         let wall_ns = start.elapsed().as_nanos() as f64;
         let (here1, there1) = (cpu_ns(me), cpu_ns(target_pid));
@@ -494,7 +539,9 @@ impl Bench<'_> {
         let t = Instant::now();
         let mut tr = self.submit(OpKind::Write, 0, 8)?;
         let r = loop {
-            self.shard.poll();
+            if let Some(s) = &mut self.shard {
+                s.poll();
+            }
             if let Some(r) = tr.poll() {
                 break r;
             }
@@ -513,7 +560,14 @@ impl Bench<'_> {
             let start = Instant::now();
             let mut t = self.submit(op, 0, self.latency_bytes)?;
             let r = loop {
-                self.shard.poll_or_park(Duration::from_millis(1));
+                match &mut self.shard {
+                    Some(s) => {
+                        s.poll_or_park(Duration::from_millis(1));
+                    }
+                    None => {
+                        let _ = t.wait_timeout(Duration::from_millis(1));
+                    }
+                }
                 if let Some(r) = t.poll() {
                     break r;
                 }
@@ -601,6 +655,13 @@ pub fn run(a: Args) -> Result<()> {
         "auto"
     };
     std::env::set_var("FERRY_TRANSPORT", target_transport);
+    // Both processes read these (the target at start, we below).
+    if let Some(n) = o.streams {
+        std::env::set_var("FERRY_STREAMS", n.to_string());
+    }
+    if let Some(n) = o.shards {
+        std::env::set_var("FERRY_SHARDS", n.to_string());
+    }
     if o.idle_conns > 1 {
         // Room for them on both sides (the target counts them per peer).
         let room = (o.idle_conns + 64).to_string();
@@ -635,18 +696,27 @@ pub fn run(a: Args) -> Result<()> {
 
     let mut cfg = Config::from_env()?;
     cfg.listen_addr = "127.0.0.1".parse()?;
-    cfg.mode = Mode::Embedded;
-    cfg.shards = 1;
+    // One shard: embedded, driven by the benchmark loop; more: managed.
+    cfg.mode = if cfg.shards > 1 {
+        Mode::Managed
+    } else {
+        Mode::Embedded
+    };
     cfg.transport = o.transport;
     if o.ipc || o.device_gpu {
         cfg.gpu = Some(o.gpu);
     }
     let ep = Endpoint::builder().config(cfg).build()?;
-    let shard = ep.take_shards().pop().context("embedded shard")?;
+    let mut shard = ep.take_shards().pop();
     let conn = ep.add_remote(&served.meta)?;
     let shm = matches!(ep.peer(conn), Some(ferry::Peer::Local { .. }));
-    let mut shard = shard;
-    let idle = open_idle(&ep, &mut shard, &served.meta, o.idle_conns - 1, target_pid)?;
+    let idle = open_idle(
+        &ep,
+        shard.as_mut(),
+        &served.meta,
+        o.idle_conns - 1,
+        target_pid,
+    )?;
     let transport = match (o.ipc, shm, o.device_gpu) {
         (true, _, _) => "ipc",
         (false, true, false) => "shm",
@@ -706,7 +776,9 @@ pub fn run(a: Args) -> Result<()> {
             peer_gpu.unwrap_or(0),
             o.pinned,
         ))),
-        (true, false, false) => Some(Reference::Tcp(raw::RawPeer::spawn()?)),
+        (true, false, false) => Some(Reference::Tcp(raw::RawPeer::spawn(
+            ep.config().streams_per_conn.into(),
+        )?)),
         (true, false, true) => Some(Reference::Memcpy(Vec::new(), Vec::new())),
     };
     if !o.json {

@@ -1,4 +1,5 @@
-//! The raw TCP reference for `ferry bench --baseline`: one TCP stream
+//! The raw TCP reference for `ferry bench --baseline`: as many TCP streams
+//! as ferry's connection has (each on a thread of its own on both sides)
 //! between this process and a `ferry raw-peer` child, moving the same block
 //! sizes with plain blocking send/recv, and a spinning 8-byte ping-pong.
 
@@ -19,12 +20,15 @@ const HDR: usize = 17;
 pub struct RawPeer {
     _child: Peer,
     port: u16,
-    /// Reused across measurements, so no run pays for first-touch faults.
-    buf: Vec<u8>,
+    /// Streams measured at once.
+    streams: usize,
+    /// One per stream, reused across measurements, so no run pays for
+    /// first-touch faults.
+    bufs: Vec<Vec<u8>>,
 }
 
 impl RawPeer {
-    pub fn spawn() -> Result<RawPeer> {
+    pub fn spawn(streams: usize) -> Result<RawPeer> {
         let mut child = spawn_self(&["raw-peer"])?;
         let mut out = BufReader::new(child.stdout.take().context("raw-peer stdout")?);
         let mut line = String::new();
@@ -37,28 +41,20 @@ impl RawPeer {
         Ok(RawPeer {
             _child: Peer(child),
             port,
-            buf: Vec::new(),
+            streams: streams.max(1),
+            bufs: Vec::new(),
         })
     }
 
     fn open(&self, mode: u8, size: usize, slots: usize) -> Result<TcpStream> {
-        let s = TcpStream::connect(("127.0.0.1", self.port))?;
-        s.set_nodelay(true)?;
-        let mut hdr = [0u8; HDR];
-        hdr[0] = mode;
-        hdr[1..9].copy_from_slice(&(size as u64).to_le_bytes());
-        hdr[9..].copy_from_slice(&(slots as u64).to_le_bytes());
-        (&s).write_all(&hdr)?;
-        // The peer answers once its buffers are ready, before timing starts.
-        let mut ready = [0u8; 1];
-        (&s).read_exact(&mut ready)?;
-        Ok(s)
+        open(self.port, mode, size, slots)
     }
 
-    /// GB/s of one stream moving `size`-byte blocks for `secs`; `reverse`
-    /// sends from the peer to us (the READ direction). Both sides cycle
-    /// through `slots` distinct blocks, the memory footprint ferry's run of
-    /// the same point had, so that cache effects match.
+    /// GB/s of all the streams together moving `size`-byte blocks for
+    /// `secs`, each on its own thread; `reverse` sends from the peer to us
+    /// (the READ direction). The streams share the `slots` distinct blocks
+    /// of ferry's run of the same point (its memory footprint), so that
+    /// cache effects match.
     pub fn stream_gbps(
         &mut self,
         reverse: bool,
@@ -66,46 +62,24 @@ impl RawPeer {
         slots: usize,
         secs: f64,
     ) -> Result<f64> {
-        if self.buf.len() < size * slots {
-            self.buf = vec![0x5au8; size * slots];
+        let n = self.streams;
+        let per = slots.div_ceil(n).max(1);
+        self.bufs.resize_with(n, Vec::new);
+        if n == 1 {
+            return one_stream(self.port, &mut self.bufs[0], reverse, size, per, secs);
         }
-        let dur = Duration::from_secs_f64(secs);
-        let mut k = 0;
-        if !reverse {
-            let mut s = self.open(SINK, size, slots)?;
-            let buf = &mut self.buf;
-            let start = Instant::now();
-            let mut sent = 0u64;
-            while start.elapsed() < dur {
-                s.write_all(&buf[(k % slots) * size..][..size])?;
-                k += 1;
-                sent += size as u64;
-            }
-            s.shutdown(Shutdown::Write)?;
-            let mut ack = [0u8; 8];
-            s.read_exact(&mut ack)?;
-            let secs = start.elapsed().as_secs_f64();
-            if u64::from_le_bytes(ack) != sent {
-                bail!(
-                    "raw sink counted {} bytes, we sent {sent}",
-                    u64::from_le_bytes(ack)
-                );
-            }
-            Ok(sent as f64 / secs / 1e9)
-        } else {
-            let mut s = self.open(SOURCE, size, slots)?;
-            let buf = &mut self.buf;
-            let start = Instant::now();
-            let mut got = 0u64;
-            while start.elapsed() < dur {
-                // Read whole blocks, as a receiver of `size`-byte messages would.
-                s.read_exact(&mut buf[(k % slots) * size..][..size])?;
-                k += 1;
-                got += size as u64;
-            }
-            let secs = start.elapsed().as_secs_f64();
-            Ok(got as f64 / secs / 1e9)
-        }
+        let port = self.port;
+        let results: Vec<Result<f64>> = std::thread::scope(|sc| {
+            let hs: Vec<_> = self
+                .bufs
+                .iter_mut()
+                .map(|buf| sc.spawn(move || one_stream(port, buf, reverse, size, per, secs)))
+                .collect();
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| bail!("a raw stream panicked")))
+                .collect()
+        });
+        results.into_iter().sum()
     }
 
     /// Round trips of 8 bytes, both sides busy-polling; latencies in us.
@@ -127,6 +101,20 @@ impl RawPeer {
         }
         Ok(lat)
     }
+}
+
+fn open(port: u16, mode: u8, size: usize, slots: usize) -> Result<TcpStream> {
+    let s = TcpStream::connect(("127.0.0.1", port))?;
+    s.set_nodelay(true)?;
+    let mut hdr = [0u8; HDR];
+    hdr[0] = mode;
+    hdr[1..9].copy_from_slice(&(size as u64).to_le_bytes());
+    hdr[9..].copy_from_slice(&(slots as u64).to_le_bytes());
+    (&s).write_all(&hdr)?;
+    // The peer answers once its buffers are ready, before timing starts.
+    let mut ready = [0u8; 1];
+    (&s).read_exact(&mut ready)?;
+    Ok(s)
 }
 
 fn spin_read(s: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<()> {
@@ -164,51 +152,110 @@ pub fn serve() -> Result<()> {
         let _ = std::io::stdin().read_to_end(&mut sink);
         std::process::exit(0);
     });
-    let mut buf: Vec<u8> = Vec::new();
+    // A thread per connection: the multi-stream reference opens several
+    // at once.
     for s in l.incoming() {
-        let mut s = s?;
-        s.set_nodelay(true)?;
-        let mut hdr = [0u8; HDR];
-        s.read_exact(&mut hdr)?;
-        let size = u64::from_le_bytes(hdr[1..9].try_into().expect("8 bytes")) as usize;
-        let slots = u64::from_le_bytes(hdr[9..].try_into().expect("8 bytes")) as usize;
-        if size == 0 || slots == 0 || size.saturating_mul(slots) > 4 << 30 {
-            bail!("raw-peer: {slots} blocks of {size} bytes");
-        }
-        if buf.len() < size * slots {
-            buf = vec![0xa5u8; size * slots];
-        }
-        s.write_all(&[1])?;
-        let mut k = 0;
-        match hdr[0] {
-            SINK => {
-                let mut total = 0u64;
-                loop {
-                    match s.read(&mut buf[(k % slots) * size..][..size])? {
-                        0 => break,
-                        n => total += n as u64,
-                    }
-                    k += 1;
-                }
-                s.write_all(&total.to_le_bytes())?;
+        let s = s?;
+        std::thread::spawn(move || {
+            if let Err(e) = serve_one(s) {
+                eprintln!("raw-peer: {e:#}");
             }
-            SOURCE => loop {
-                if s.write_all(&buf[(k % slots) * size..][..size]).is_err() {
-                    break;
-                }
-                k += 1;
-            },
-            PING => {
-                s.set_nonblocking(true)?;
-                let mut msg = [0u8; 8];
-                while spin_read(&mut s, &mut msg).is_ok() {
-                    if spin_write(&mut s, &msg).is_err() {
-                        break;
-                    }
-                }
-            }
-            m => bail!("raw-peer: unknown mode {m}"),
-        }
+        });
     }
     Ok(())
+}
+
+fn serve_one(mut s: TcpStream) -> Result<()> {
+    s.set_nodelay(true)?;
+    let mut hdr = [0u8; HDR];
+    s.read_exact(&mut hdr)?;
+    let size = u64::from_le_bytes(hdr[1..9].try_into().expect("8 bytes")) as usize;
+    let slots = u64::from_le_bytes(hdr[9..].try_into().expect("8 bytes")) as usize;
+    if size == 0 || slots == 0 || size.saturating_mul(slots) > 4 << 30 {
+        bail!("{slots} blocks of {size} bytes");
+    }
+    let mut buf = vec![0xa5u8; size * slots];
+    s.write_all(&[1])?;
+    let mut k = 0;
+    match hdr[0] {
+        SINK => {
+            let mut total = 0u64;
+            loop {
+                match s.read(&mut buf[(k % slots) * size..][..size])? {
+                    0 => break,
+                    n => total += n as u64,
+                }
+                k += 1;
+            }
+            s.write_all(&total.to_le_bytes())?;
+        }
+        SOURCE => loop {
+            if s.write_all(&buf[(k % slots) * size..][..size]).is_err() {
+                break;
+            }
+            k += 1;
+        },
+        PING => {
+            s.set_nonblocking(true)?;
+            let mut msg = [0u8; 8];
+            while spin_read(&mut s, &mut msg).is_ok() {
+                if spin_write(&mut s, &msg).is_err() {
+                    break;
+                }
+            }
+        }
+        m => bail!("unknown mode {m}"),
+    }
+    Ok(())
+}
+
+/// GB/s of one stream moving `size`-byte blocks for `secs`, cycling
+/// through `slots` blocks of `buf` (grown to fit); `reverse` sends from the
+/// peer to us.
+fn one_stream(
+    port: u16,
+    buf: &mut Vec<u8>,
+    reverse: bool,
+    size: usize,
+    slots: usize,
+    secs: f64,
+) -> Result<f64> {
+    if buf.len() < size * slots {
+        *buf = vec![0x5au8; size * slots];
+    }
+    let dur = Duration::from_secs_f64(secs);
+    let mut k = 0;
+    if !reverse {
+        let mut s = open(port, SINK, size, slots)?;
+        let start = Instant::now();
+        let mut sent = 0u64;
+        while start.elapsed() < dur {
+            s.write_all(&buf[(k % slots) * size..][..size])?;
+            k += 1;
+            sent += size as u64;
+        }
+        s.shutdown(Shutdown::Write)?;
+        let mut ack = [0u8; 8];
+        s.read_exact(&mut ack)?;
+        let secs = start.elapsed().as_secs_f64();
+        if u64::from_le_bytes(ack) != sent {
+            bail!(
+                "raw sink counted {} bytes, we sent {sent}",
+                u64::from_le_bytes(ack)
+            );
+        }
+        Ok(sent as f64 / secs / 1e9)
+    } else {
+        let mut s = open(port, SOURCE, size, slots)?;
+        let start = Instant::now();
+        let mut got = 0u64;
+        while start.elapsed() < dur {
+            // Read whole blocks, as a receiver of `size`-byte messages would.
+            s.read_exact(&mut buf[(k % slots) * size..][..size])?;
+            k += 1;
+            got += size as u64;
+        }
+        let secs = start.elapsed().as_secs_f64();
+        Ok(got as f64 / secs / 1e9)
+    }
 }
