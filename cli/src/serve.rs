@@ -38,7 +38,7 @@ Flags:
   --seed N         pattern seed, 0-255 (default 0)
   --listen ADDR    address to listen on (default 127.0.0.1)
   --port N         port to listen on (default: FERRY_LISTEN_PORT, else any)
-  --shards N       shards (default 1)
+  --shards N       shards (default: FERRY_SHARDS, else 1)
   --gpu IDX        also allocate --bytes on GPU IDX, filled with the
                    pattern, advertised for CUDA IPC (IPCBUF line)
 Environment: every FERRY_* variable (see the README).";
@@ -48,7 +48,11 @@ pub fn run(mut a: Args) -> Result<()> {
     let seed: u8 = a.parsed("seed", 0)?;
     let listen = a.value("listen").unwrap_or_else(|| "127.0.0.1".into());
     let port: u16 = a.parsed("port", 0)?;
-    let shards: usize = a.parsed("shards", 1)?;
+    let shards: Option<usize> = a
+        .value("shards")
+        .map(|v| v.parse())
+        .transpose()
+        .context("--shards")?;
     let gpu: Option<usize> = a
         .value("gpu")
         .map(|v| v.parse())
@@ -62,7 +66,9 @@ pub fn run(mut a: Args) -> Result<()> {
     if port != 0 {
         cfg.listen_port = port;
     }
-    cfg.shards = shards;
+    if let Some(n) = shards {
+        cfg.shards = n;
+    }
     cfg.gpu = gpu;
     let ep = Endpoint::builder().config(cfg).build()?;
     let mut buf = vec![0u8; bytes];
