@@ -76,6 +76,9 @@ Flags:
                          a connection's streams are spread over them
                          (FERRY_LANES). --baseline then measures as many
                          plain TCP streams as --streams, in parallel
+  --conns N              measure over N connections to the target, each
+                         op on the next in turn (each connection on the
+                         next shard: with --shards, the work of many peers)
   --contend N            measure each point quiet and then with N busy
                          processes (`ferry busy`, one spinning thread each)
                          running beside the benchmark, alternating per
@@ -112,6 +115,7 @@ struct Opts {
     idle_conns: usize,
     streams: Option<usize>,
     shards: Option<usize>,
+    conns: usize,
     contend: usize,
     plot: Option<String>,
 }
@@ -207,7 +211,12 @@ fn parse(mut a: Args) -> Result<Opts> {
     if shards.is_some_and(|n| n == 0 || n > 256) {
         bail!("--shards: must be 1..=256");
     }
+    let conns: usize = a.parsed("conns", 1)?;
+    if conns == 0 || conns > 1024 {
+        bail!("--conns {conns}: must be 1..=1024");
+    }
     let o = Opts {
+        conns,
         streams,
         shards,
         plot: a.value("plot"),
@@ -402,7 +411,9 @@ struct Bench<'a> {
     /// The initiator's one embedded shard (None: managed shards, with
     /// --shards > 1).
     shard: Option<Shard>,
-    conn: ConnId,
+    /// The connections measured (--conns), used in turn.
+    conns: Vec<ConnId>,
+    turn: std::cell::Cell<usize>,
     local: MemoryRegion,
     remote: Remote,
     /// Bytes per one-op latency round trip.
@@ -411,7 +422,10 @@ struct Bench<'a> {
 
 impl Bench<'_> {
     fn submit(&self, op: OpKind, off: usize, size: usize) -> Result<Transfer> {
-        let (ep, c, l) = (self.ep, self.conn, &self.local);
+        let t = self.turn.get();
+        self.turn.set(t.wrapping_add(1));
+        let c = self.conns[t % self.conns.len()];
+        let (ep, l) = (self.ep, &self.local);
         Ok(match &self.remote {
             Remote::Key(r) => {
                 let rb = r.slice(off as u32, size as u32).context("remote window")?;
@@ -717,6 +731,18 @@ pub fn run(a: Args) -> Result<()> {
         o.idle_conns - 1,
         target_pid,
     )?;
+    // Further connections measured beside the first (--conns).
+    let mut conns = vec![conn];
+    let addr = ferry::EndpointMetadata::decode(&served.meta)?.socket_addr();
+    for i in 1..o.conns {
+        conns.push(
+            ep.connect(addr)
+                .with_context(|| format!("connection {} of {}", i + 1, o.conns))?,
+        );
+        if let Some(s) = shard.as_mut() {
+            s.poll();
+        }
+    }
     let transport = match (o.ipc, shm, o.device_gpu) {
         (true, _, _) => "ipc",
         (false, true, false) => "shm",
@@ -760,7 +786,8 @@ pub fn run(a: Args) -> Result<()> {
     let mut b = Bench {
         ep: &ep,
         shard,
-        conn,
+        conns,
+        turn: Default::default(),
         local,
         remote,
         latency_bytes: if o.ipc { 4096 } else { 8 },
@@ -932,14 +959,17 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     if let Some(path) = &o.plot {
-        let title = format!(
-            "ferry bench --transport {transport}{}",
-            if o.contend > 0 {
-                format!(" --contend {}", o.contend)
-            } else {
-                String::new()
+        let mut title = format!("ferry bench --transport {transport}");
+        for (flag, v) in [
+            ("streams", o.streams.unwrap_or(1)),
+            ("shards", o.shards.unwrap_or(1)),
+            ("conns", o.conns),
+            ("contend", o.contend),
+        ] {
+            if v > usize::from(flag != "contend") {
+                title += &format!(" --{flag} {v}");
             }
-        );
+        }
         std::fs::write(path, crate::plot::svg(&title, &plotted))
             .with_context(|| format!("writing {path}"))?;
         eprintln!("chart written to {path}");

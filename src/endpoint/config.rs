@@ -101,8 +101,10 @@ pub struct Config {
     /// The most shards one tcp connection's streams are spread over
     /// (`FERRY_LANES`, default 0: as many as streams and shards allow; 1:
     /// every connection on one shard). Each lane is a group of the
-    /// connection's streams on its own shard; large operations are split
-    /// over the lanes, small ones dealt round-robin.
+    /// connection's streams on its own shard; large operations (≥ 2
+    /// chunks) are split over the lanes, vectored ones dealt over them,
+    /// and each application thread's small ones go to one lane (threads
+    /// are dealt lanes round-robin).
     pub lanes: usize,
     /// Operations larger than this are split into frames of this size,
     /// dealt round-robin over the streams (`FERRY_CHUNK_BYTES`, default 4 MiB).

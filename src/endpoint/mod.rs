@@ -149,7 +149,8 @@ pub(crate) struct Inner {
     local_connects: Mutex<Receiver<(crate::wire::shm_msg::Msg, Vec<u8>)>>,
     memfd_regions: Mutex<HashMap<u32, std::sync::Weak<Region>>>,
     local_peers: Mutex<std::collections::HashSet<u64>>,
-    /// Turn of the lanes for small ops on connections spread over shards.
+    /// Turn of the lanes handed to threads for their small ops
+    /// (`thread_lane`).
     next_lane: AtomicU64,
     /// Whether shard 0 has a doorbell (our rings name it in their header).
     local_bell: bool,
@@ -905,6 +906,22 @@ impl Inner {
         streams.min(self.shards.len()).min(cap).clamp(1, MAX_LANES)
     }
 
+    /// The lane (modulo a connection's count) this thread's small ops use:
+    /// dealt round-robin to threads on their first op.
+    fn thread_lane(&self) -> u64 {
+        thread_local! {
+            static LANE: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+        }
+        LANE.with(|l| match l.get() {
+            Some(lane) => lane,
+            None => {
+                let lane = self.next_lane.fetch_add(1, Ordering::Relaxed);
+                l.set(Some(lane));
+                lane
+            }
+        })
+    }
+
     /// Ids for `k` lanes: `base..base + k`, with `base` a multiple of the
     /// shard count when k > 1, so lane i is served by shard i.
     fn alloc_conn_ids(&self, k: usize) -> u64 {
@@ -957,7 +974,7 @@ impl Inner {
     /// Submits an op on a connection spread over `k` lanes: a large
     /// single op is cut into `k` contiguous pieces (at chunk boundaries),
     /// one per lane; a vectored one deals its pairs over the lanes; a
-    /// small one goes whole to the next lane in turn. The pieces complete
+    /// small one goes whole to the calling thread's lane. The pieces complete
     /// into one slot (`CompletionTable::set_parts`).
     fn submit_lanes(
         &self,
@@ -1018,7 +1035,10 @@ impl Inner {
                     send(i as u64, OpParts::Many(g));
                 }
             }
-            whole => send(self.next_lane.fetch_add(1, Ordering::Relaxed), whole),
+            // A small op: the calling thread's lane, so one thread's small
+            // ops batch on one shard (and stay in order), while several
+            // threads spread over the lanes.
+            whole => send(self.thread_lane(), whole),
         }
         debug_assert!(sent >= 1);
         match failed {
