@@ -52,9 +52,11 @@ Flags:
   --baseline             also a reference measured in the same run, same
                          sizes, same memory footprint (blocks cycle through
                          as many distinct buffers as ferry's run), and
-                         prints ferry's ratio to it. tcp: plain one-stream
-                         TCP send/recv between two processes (and a TCP
-                         ping-pong for --latency); shm: single-thread memcpy;
+                         prints ferry's ratio to it. tcp: plain TCP
+                         send/recv between two processes, as many streams
+                         as --streams, a thread each (and a TCP
+                         ping-pong for --latency); shm: memcpy (blocks of
+                         1 MiB or more split over --shards threads);
                          ipc: cuMemcpyAsync between the same two GPUs in
                          one process (the peer-copy rate), or pinned H2D
                          with --local pinned
@@ -806,7 +808,11 @@ pub fn run(a: Args) -> Result<()> {
         (true, false, false) => Some(Reference::Tcp(raw::RawPeer::spawn(
             ep.config().streams_per_conn.into(),
         )?)),
-        (true, false, true) => Some(Reference::Memcpy(Vec::new(), Vec::new())),
+        (true, false, true) => Some(Reference::Memcpy(
+            Vec::new(),
+            Vec::new(),
+            o.shards.unwrap_or(1),
+        )),
     };
     if !o.json {
         let base = match (o.baseline, o.ipc, shm) {
@@ -1041,7 +1047,8 @@ pub fn run(a: Args) -> Result<()> {
 /// single-thread memcpy (for the same-host path).
 enum Reference {
     Tcp(raw::RawPeer),
-    Memcpy(Vec<u8>, Vec<u8>),
+    /// Source, destination, threads sharing each copy.
+    Memcpy(Vec<u8>, Vec<u8>, usize),
     Gpu(GpuRef),
     /// ferry itself with host buffers (for --device gpu).
     Host(MemoryRegion, Remote),
@@ -1113,7 +1120,7 @@ impl Reference {
             Reference::Tcp(p) => p.stream_gbps(reverse, size, slots, secs),
             Reference::Gpu(g) => g.gbps(reverse, size, slots, secs),
             Reference::Host(..) => unreachable!("measured through the Bench itself"),
-            Reference::Memcpy(src, dst) => {
+            Reference::Memcpy(src, dst, threads) => {
                 // Page-aligned source and destination: glibc's memcpy slows
                 // down ~15x here when the destination sits just past the
                 // source modulo 4 KiB, and the reference must not.
@@ -1126,13 +1133,30 @@ impl Reference {
                     src.as_ptr().align_offset(4096),
                     dst.as_ptr().align_offset(4096),
                 );
+                let (src, dst) = (&src[s0..s0 + size * slots], &mut dst[d0..d0 + size * slots]);
+                // Each block is copied by `threads` threads at once, a
+                // slice each, as ferry's shards share one large copy.
+                let n = (*threads).clamp(1, size.div_ceil(4096));
+                let part = size.div_ceil(n).next_multiple_of(64).min(size);
                 let dur = Duration::from_secs_f64(secs);
                 let start = Instant::now();
-                let (mut k, mut bytes) = (0usize, 0u64);
+                let mut bytes = 0u64;
+                let mut k = 0usize;
                 while start.elapsed() < dur {
                     let off = (k % slots) * size;
-                    dst[d0 + off..d0 + off + size].copy_from_slice(&src[s0 + off..s0 + off + size]);
-                    std::hint::black_box(&mut dst[d0 + off]);
+                    let (s, d) = (&src[off..off + size], &mut dst[off..off + size]);
+                    // Small blocks are one thread's (as in ferry, which
+                    // spreads copies of 1 MiB or more).
+                    if n == 1 || size < 1 << 20 {
+                        d.copy_from_slice(s);
+                    } else {
+                        std::thread::scope(|sc| {
+                            for (dc, sc_) in d.chunks_mut(part).zip(s.chunks(part)) {
+                                sc.spawn(move || dc.copy_from_slice(sc_));
+                            }
+                        });
+                    }
+                    std::hint::black_box(&mut d[0]);
                     k += 1;
                     bytes += size as u64;
                 }

@@ -140,7 +140,18 @@ fn crashed_peer_fails_transfers_and_its_rings_are_swept() {
 
 #[test]
 fn memfd_host_memory_moves_byte_exact() {
-    let t = Target::start_on(Path::Shm, 64 * MIB, &[]);
+    memfd_moves_byte_exact(&[]);
+}
+
+/// The target has four shards: copies of 1 MiB or more are cut into
+/// slices its sibling shards copy (`start_host_copies`).
+#[test]
+fn memfd_host_memory_moves_byte_exact_in_slices_over_shards() {
+    memfd_moves_byte_exact(&[("FERRY_SHARDS", "4")]);
+}
+
+fn memfd_moves_byte_exact(env: &[(&str, &str)]) {
+    let t = Target::start_on(Path::Shm, 64 * MIB, env);
     let ep = path_client(Path::Shm);
     let conn = ep.add_remote(&t.served.meta).unwrap();
     let rb = t.served.rbuf;
@@ -150,6 +161,9 @@ fn memfd_host_memory_moves_byte_exact() {
         (3, 17, 5 * MIB + 3),
         (4096 - 1, 1, 100),
         (7, 8, 4096),
+        (65, 0, MIB),
+        (1, 2, MIB - 1),
+        (MIB + 5, 3, 3 * MIB + 65537),
     ] {
         let win = rb.slice(roff as u32, len as u32).unwrap();
         ep.read(conn, &local, loff, len, &win).unwrap();

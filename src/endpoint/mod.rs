@@ -332,6 +332,13 @@ impl Endpoint {
             shards.push(s);
             handles.push(h);
         }
+        // Each shard can hand slices of a large same-host copy to the others.
+        if handles.len() > 1 {
+            for s in &mut shards {
+                let others = handles.iter().filter(|h| h.id != s.id()).cloned();
+                s.set_siblings(others.collect());
+            }
+        }
         let inner = Arc::new(Inner {
             gpu,
             ipc_counters,

@@ -125,6 +125,8 @@ pub(crate) enum Command {
         macs: Vec<crate::tcp::Integrity>,
     },
     AddLocal(Box<crate::shm::local::LocalConn>),
+    /// One slice of another shard's large same-host copy.
+    CopySlice(CopySlice),
     /// Drops a connection; the sender (if any) hears once it is gone.
     RemoveConn(ConnId, Option<SyncSender<()>>),
     Notify {
@@ -173,6 +175,32 @@ impl WakeState {
         if self.parked.load(Ordering::SeqCst) {
             let _ = self.waker.wake();
         }
+    }
+}
+
+/// One slice of a large same-host copy (`HostCopy`), run by a sibling
+/// shard: `len` bytes from `src` to `dst`, then `join` counts it done.
+pub(crate) struct CopySlice {
+    pub dst: *mut u8,
+    pub src: *const u8,
+    pub len: usize,
+    pub join: Arc<std::sync::atomic::AtomicUsize>,
+    /// Both memories, alive until the slice is copied.
+    pub _ours: crate::region::RegionSlice,
+    pub _theirs: Arc<crate::sys::Mapping>,
+}
+
+// SAFETY: `dst` and `src` point into the two memories the slice holds, and
+// no other slice of the copy covers the same bytes.
+unsafe impl Send for CopySlice {}
+
+impl CopySlice {
+    /// Copies the slice and counts it done.
+    pub fn run(self) {
+        // SAFETY: the ranges lie inside the held memories (cut from a
+        // checked request) and do not overlap (ours vs the peer's mapping).
+        unsafe { crate::shm::local::copy_bytes(self.dst, self.src, self.len) };
+        self.join.fetch_sub(1, std::sync::atomic::Ordering::Release);
     }
 }
 

@@ -31,7 +31,7 @@ use super::ledger::OpLedger;
 pub(crate) use super::local_side::LocalSetup;
 use super::local_side::LocalSide;
 use super::plan::{self, Route};
-use super::queue::{Command, OpCmd, RegionCmd, ShardHandle, WakeState};
+use super::queue::{Command, CopySlice, OpCmd, RegionCmd, ShardHandle, WakeState};
 use super::source::{apply_region_updates, ConnRef, Cx, Park, ShardSink, Source};
 use super::tcp_side::TcpSide;
 use crate::error::{ConnId, Error, OpKind, Result};
@@ -116,6 +116,13 @@ pub struct Shard {
     gpu_reqs: Vec<crate::xfer::GpuReq>,
     /// Their answers once copied: (connection, op id, write, status).
     gpu_replies: Vec<(ConnId, u64, bool, Status)>,
+    /// The other shards, which copy slices of large same-host copies.
+    siblings: Vec<ShardHandle>,
+    /// Large same-host copies requested this pass ...
+    host_copies: Vec<crate::xfer::HostCopy>,
+    /// ... and those whose slices are under way: (slices left,
+    /// connection, op id, write).
+    copy_waits: Vec<(Arc<std::sync::atomic::AtomicUsize>, ConnId, u64, bool)>,
 }
 
 /// The context sources report into, borrowed from the shard's other
@@ -130,6 +137,7 @@ macro_rules! cx {
             ipc_revoked: &mut $s.ipc_revoked,
             gpu_reqs: &mut $s.gpu_reqs,
             gpu_replies: &mut $s.gpu_replies,
+            host_copies: (!$s.siblings.is_empty()).then_some(&mut $s.host_copies),
             gpu: $gpu,
             to_fail: &mut $s.to_fail,
         }
@@ -200,12 +208,80 @@ impl Shard {
             ipc_revoked: Vec::new(),
             gpu_reqs: Vec::new(),
             gpu_replies: Vec::new(),
+            siblings: Vec::new(),
+            host_copies: Vec::new(),
+            copy_waits: Vec::new(),
         };
         Ok((shard, handle))
     }
 
     pub fn id(&self) -> usize {
         self.id
+    }
+
+    /// The other shards of the endpoint (large same-host copies are cut
+    /// into slices for them).
+    pub(crate) fn set_siblings(&mut self, siblings: Vec<ShardHandle>) {
+        self.siblings = siblings;
+    }
+
+    /// Cuts each large same-host copy of this pass into a slice per shard:
+    /// the siblings' go through their queues (one that is full gets none:
+    /// its slice is copied here), ours is copied now.
+    fn start_host_copies(&mut self) {
+        use std::sync::atomic::AtomicUsize;
+        for req in self.host_copies.drain(..) {
+            let len = req.ours.len();
+            let shards = self.siblings.len() + 1;
+            // Slices of whole 64 KiB blocks.
+            let slice = len.div_ceil(shards).next_multiple_of(64 << 10);
+            let count = len.div_ceil(slice);
+            let join = Arc::new(AtomicUsize::new(count));
+            let (ours, theirs) = (req.ours.ptr(), req.theirs);
+            let (dst, src) = if req.write {
+                (ours, theirs as *const u8)
+            } else {
+                (theirs, ours as *const u8)
+            };
+            let piece = |i: usize| {
+                let off = i * slice;
+                CopySlice {
+                    // SAFETY: off < len: inside both `len`-byte ranges.
+                    dst: unsafe { dst.add(off) },
+                    // SAFETY: as above.
+                    src: unsafe { src.add(off) },
+                    len: slice.min(len - off),
+                    join: join.clone(),
+                    _ours: req.ours.clone(),
+                    _theirs: req.map.clone(),
+                }
+            };
+            for i in 1..count {
+                let s = piece(i);
+                if let Err((_, Command::CopySlice(back))) =
+                    self.siblings[i - 1].submit(Command::CopySlice(s))
+                {
+                    back.run();
+                }
+            }
+            piece(0).run();
+            self.copy_waits.push((join, req.conn, req.op_id, req.write));
+        }
+    }
+
+    /// Answers the spread copies whose every slice is done.
+    fn finish_host_copies(&mut self) -> usize {
+        let before = self.copy_waits.len();
+        let replies = &mut self.gpu_replies;
+        self.copy_waits.retain(|(left, conn, op, write)| {
+            if left.load(Ordering::Acquire) == 0 {
+                replies.push((*conn, *op, *write, Status::Ok));
+                false
+            } else {
+                true
+            }
+        });
+        before - self.copy_waits.len()
     }
 
     /// Connections this shard drives now.
@@ -244,6 +320,12 @@ impl Shard {
             }
         }
         work += self.fail_marked();
+        if !self.host_copies.is_empty() {
+            self.start_host_copies();
+        }
+        if !self.copy_waits.is_empty() {
+            work += self.finish_host_copies();
+        }
         if !self.ipc_revoked.is_empty() {
             self.apply_ipc_revocations();
         }
@@ -273,7 +355,17 @@ impl Shard {
     /// Whether every source lets the shard sleep, and for how long.
     fn may_park(&self) -> Park {
         let gpu = self.gpu.as_ref().map_or(Park::Yes, |g| g.may_park());
-        self.tcp.may_park().and(self.local.may_park()).and(gpu)
+        // Sibling shards finishing slices do not wake us.
+        let copies = if self.copy_waits.is_empty() {
+            Park::Yes
+        } else {
+            Park::No
+        };
+        self.tcp
+            .may_park()
+            .and(self.local.may_park())
+            .and(gpu)
+            .and(copies)
     }
 
     /// Sleeps until a socket, a submitter or `max` wakes it, unless work
@@ -437,6 +529,10 @@ impl Shard {
             Command::Op(op) => self.apply_op(op).map(Command::Op),
             Command::Ipc(cmd) => {
                 self.apply_ipc(cmd);
+                None
+            }
+            Command::CopySlice(s) => {
+                s.run();
                 None
             }
             Command::RevokeIpc { alloc_base } => {
@@ -825,6 +921,7 @@ impl Shard {
             conn: conn.group,
             ipc_revoked: &mut self.ipc_revoked,
             gpu_reqs: None,
+            host_copies: None,
             gpu: None,
         };
         for s in conn.streams.iter_mut() {
@@ -852,6 +949,7 @@ impl Shard {
             conn: lc.id,
             ipc_revoked: &mut self.ipc_revoked,
             gpu_reqs: None,
+            host_copies: None,
             gpu: None,
         };
         lc.fail_pending(&err, &mut sink);

@@ -65,6 +65,8 @@ pub(crate) struct Cx<'a> {
     pub gpu_reqs: &'a mut Vec<GpuReq>,
     /// Answers to those, once copied: (connection, op id, write, status).
     pub gpu_replies: &'a mut Vec<(ConnId, u64, bool, Status)>,
+    /// Large same-host copies to spread over the shards (None: one shard).
+    pub host_copies: Option<&'a mut Vec<crate::xfer::HostCopy>>,
     /// The GPU work, for tcp bounce buffers (absent while it is the source
     /// being polled, or without a driver).
     pub gpu: Option<&'a mut GpuWork>,
@@ -132,6 +134,9 @@ pub(crate) struct ShardSink<'a> {
     pub ipc_revoked: &'a mut Vec<(ConnId, u64)>,
     /// Same-host requests that need a CUDA copy (None on tcp: refused).
     pub gpu_reqs: Option<&'a mut Vec<GpuReq>>,
+    /// Large same-host copies to spread over the shards (None: copied
+    /// inline).
+    pub host_copies: Option<&'a mut Vec<crate::xfer::HostCopy>>,
     /// GPU staging for tcp frames (None without a GPU path).
     pub gpu: Option<&'a mut GpuWork>,
 }
@@ -166,6 +171,16 @@ impl Sink for ShardSink<'_> {
             Some(g) => g.stage_tcp(self.conn, stage),
             // Unreachable: staging starts only after `bounce` gave a buffer.
             None => warn!(conn = %self.conn, "GPU staging without a GPU path: dropped"),
+        }
+    }
+
+    fn host_copy(&mut self, req: crate::xfer::HostCopy) -> Result<(), crate::xfer::HostCopy> {
+        match &mut self.host_copies {
+            Some(v) => {
+                v.push(req);
+                Ok(())
+            }
+            None => Err(req),
         }
     }
 
@@ -240,6 +255,7 @@ impl CxParts {
             inbox: &self.inbox,
             ipc_revoked: &mut self.revoked,
             gpu_reqs: &mut self.reqs,
+            host_copies: None,
             gpu_replies: &mut self.replies,
             gpu: None,
             to_fail: &mut self.to_fail,

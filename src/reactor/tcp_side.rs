@@ -314,6 +314,7 @@ impl Source for TcpSide {
                 conn: conn.group,
                 ipc_revoked: cx.ipc_revoked,
                 gpu_reqs: None,
+                host_copies: None,
                 gpu: cx.gpu.as_deref_mut(),
             };
             let before = work;

@@ -24,7 +24,11 @@ use crate::sys::Mapping;
 use crate::wire::shm_msg::{Msg, MsgKind, MAX_INLINE};
 use crate::wire::IpcRef;
 use crate::wire::{Status, MAX_NOTIFY_BYTES};
-use crate::xfer::{GpuReq, PendingOp, Sink, Theirs};
+use crate::xfer::{GpuReq, HostCopy, PendingOp, Sink, Theirs};
+
+/// Host copies at least this long are spread over the shards (when there
+/// are several): below it one thread's copy is as fast as the hand-off.
+pub(crate) const SPREAD_COPY_MIN: usize = 1 << 20;
 
 /// A peer's memfd region mapped into this process.
 pub(crate) struct PeerMap {
@@ -302,6 +306,8 @@ impl LocalConn {
     }
 
     /// Answers a request the shard finished with a CUDA copy.
+    /// Answers a request whose copy ran elsewhere (CUDA, or a host copy
+    /// spread over the shards).
     pub fn finish_gpu(&mut self, op_id: u64, write: bool, status: Status) {
         let mut reply = Msg::new(if write {
             MsgKind::WriteAck
@@ -491,9 +497,27 @@ impl LocalConn {
                             // SAFETY: `ours` is len readable bytes kept alive by `held`.
                             out_inline = unsafe { std::slice::from_raw_parts(ours, len) };
                             true
-                        } else if let Some((theirs, _)) =
+                        } else if let Some((theirs, map)) =
                             self.mapped(maps, m.src_key, m.src_addr, m.len)
                         {
+                            // A large copy is spread over the shards, which
+                            // answer when every slice is done.
+                            let theirs = if len >= SPREAD_COPY_MIN {
+                                let req = HostCopy {
+                                    conn: self.id,
+                                    op_id: m.op_id,
+                                    write,
+                                    ours: w.clone(),
+                                    theirs,
+                                    map: map.clone(),
+                                };
+                                match sink.host_copy(req) {
+                                    Ok(()) => return Ok(()),
+                                    Err(back) => back.theirs,
+                                }
+                            } else {
+                                theirs
+                            };
                             // SAFETY: both ranges checked, `len` long; the
                             // peer's mapping lives in `maps` during the call.
                             unsafe {

@@ -33,6 +33,11 @@ pub(crate) trait Sink {
     fn gpu_copy(&mut self, _req: GpuReq) -> bool {
         false
     }
+    /// Takes a large host copy to spread over the shards; gives it back
+    /// when this sink copies alone (the caller then copies inline).
+    fn host_copy(&mut self, req: HostCopy) -> Result<(), HostCopy> {
+        Err(req)
+    }
     /// A pinned bounce buffer of at least `len` bytes, for GPU memory on
     /// the tcp path.
     fn bounce(&mut self, _len: usize) -> Bounce {
@@ -122,3 +127,22 @@ pub(crate) struct GpuReq {
 // SAFETY: the one raw pointer (`Theirs::Host`) is an address for a CUDA
 // copy into a peer mapping the request holds; nothing dereferences it here.
 unsafe impl Send for GpuReq {}
+
+/// A large same-host copy between our memory and a peer's memfd memory
+/// mapped here, which the shard spreads over its sibling shards (each
+/// copies a slice) and answers once every slice is done.
+pub(crate) struct HostCopy {
+    pub conn: ConnId,
+    pub op_id: u64,
+    /// The peer writes into `ours` (else reads from it).
+    pub write: bool,
+    pub ours: RegionSlice,
+    /// The peer's bytes in its mapping, `ours.len()` long; `map` keeps the
+    /// mapping alive until the copy ends.
+    pub theirs: *mut u8,
+    pub map: Arc<Mapping>,
+}
+
+// SAFETY: `theirs` points into `map`, which the request holds; the copy
+// that dereferences it is the request's owner's (one slice per thread).
+unsafe impl Send for HostCopy {}
