@@ -78,6 +78,86 @@ pub(crate) fn pin_to_core(core: usize) {
     }
 }
 
+/// The CPUs a Linux cpulist names ("0-3,8,10-11"); malformed parts are
+/// skipped.
+pub(crate) fn parse_cpulist(list: &str) -> Vec<usize> {
+    let mut out = Vec::new();
+    for part in list.trim().split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                if let (Ok(a), Ok(b)) = (a.trim().parse::<usize>(), b.trim().parse::<usize>()) {
+                    // A bound on what a malformed file can make us allocate.
+                    if a <= b && b < 1 << 16 {
+                        out.extend(a..=b);
+                    }
+                }
+            }
+            None => {
+                if let Ok(c) = part.trim().parse() {
+                    out.push(c);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The order shards are pinned to cores in (`FERRY_PIN`): the cores of
+/// NUMA node `near` first (the GPU's), then the other nodes' in node
+/// order, each list only the cores this process may run on. `nodes` are
+/// (node, cpulist) pairs as sysfs has them; `allowed` says whether a core
+/// is in our affinity mask. Empty when nothing is known.
+pub(crate) fn pin_order(
+    nodes: &[(usize, String)],
+    near: Option<usize>,
+    allowed: impl Fn(usize) -> bool,
+) -> Vec<usize> {
+    let mut nodes: Vec<&(usize, String)> = nodes.iter().collect();
+    nodes.sort_by_key(|(n, _)| (Some(*n) != near, *n));
+    nodes
+        .iter()
+        .flat_map(|(_, l)| parse_cpulist(l))
+        .filter(|&c| allowed(c))
+        .collect()
+}
+
+/// `pin_order` for this machine, near the NUMA node of PCI device `bdf`
+/// (the GPU), from /sys.
+pub(crate) fn machine_pin_order(bdf: Option<&str>) -> Vec<usize> {
+    let mut nodes = Vec::new();
+    if let Ok(dir) = std::fs::read_dir("/sys/devices/system/node") {
+        for e in dir.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(n) = name.strip_prefix("node").and_then(|n| n.parse().ok()) else {
+                continue;
+            };
+            if let Ok(l) = std::fs::read_to_string(e.path().join("cpulist")) {
+                nodes.push((n, l));
+            }
+        }
+    }
+    let near = bdf.filter(|b| !b.is_empty()).and_then(|b| {
+        std::fs::read_to_string(format!(
+            "/sys/bus/pci/devices/{}/numa_node",
+            b.to_ascii_lowercase()
+        ))
+        .ok()?
+        .trim()
+        .parse::<usize>()
+        .ok()
+    });
+    // SAFETY: a zeroed cpu_set_t filled in by the kernel for this thread.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; a valid out pointer of the right size.
+    let have =
+        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) }
+            == 0;
+    pin_order(&nodes, near, |c| {
+        // SAFETY: CPU_ISSET reads the set; c is bounded by the kernel's lists.
+        !have || (c < libc::CPU_SETSIZE as usize && unsafe { libc::CPU_ISSET(c, &set) })
+    })
+}
+
 /// A multiply-shift hasher for the engine's small integer keys (rkeys,
 /// connection ids): the hot-path tables need speed, not DoS resistance, and
 /// their keys come from this process (a peer can only name them).
@@ -239,4 +319,25 @@ pub(crate) fn involuntary_switches() -> u64 {
         return 0;
     }
     ru.ru_nivcsw as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpulists_and_the_pin_order() {
+        assert_eq!(parse_cpulist("0-3,8,10-11\n"), [0, 1, 2, 3, 8, 10, 11]);
+        assert_eq!(parse_cpulist(""), Vec::<usize>::new());
+        assert_eq!(parse_cpulist("5-2,x,7"), [7]);
+        assert_eq!(parse_cpulist("0-99999999"), Vec::<usize>::new());
+        let nodes = [(0, "0-3".to_owned()), (1, "4-7".to_owned())];
+        // The GPU's node first; cores we may not use are left out.
+        assert_eq!(
+            pin_order(&nodes, Some(1), |c| c != 5),
+            [4, 6, 7, 0, 1, 2, 3]
+        );
+        assert_eq!(pin_order(&nodes, None, |_| true), [0, 1, 2, 3, 4, 5, 6, 7]);
+        assert!(pin_order(&[], Some(0), |_| true).is_empty());
+    }
 }

@@ -380,13 +380,24 @@ impl Endpoint {
             Mode::Managed => {
                 let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
                 let pin = inner.cfg.pin_cores;
+                // Shard i on the i-th core of the GPU's NUMA node first.
+                let order = if pin {
+                    crate::sys::machine_pin_order(Some(inner.metadata.gpu_bdf.as_str()))
+                } else {
+                    Vec::new()
+                };
                 for s in shards {
                     let id = s.id();
+                    let core = if order.is_empty() {
+                        id % ncpu
+                    } else {
+                        order[id % order.len()]
+                    };
                     let t = std::thread::Builder::new()
                         .name(format!("ferry-shard-{id}"))
                         .spawn(move || {
                             if pin {
-                                pin_to_core(id % ncpu);
+                                pin_to_core(core);
                             }
                             s.run()
                         })

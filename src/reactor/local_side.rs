@@ -377,7 +377,7 @@ fn poll_one(
         conn: lc.id,
         ipc_revoked: cx.ipc_revoked,
         gpu_reqs: Some(cx.gpu_reqs),
-        host_copies: cx.host_copies.as_mut().map(|v| &mut **v),
+        host_copies: cx.host_copies.as_deref_mut(),
         gpu: None,
     };
     match lc.poll(&mut regions, peer_maps, &mut Cma, &mut sink) {
