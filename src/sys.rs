@@ -158,6 +158,18 @@ pub(crate) fn machine_pin_order(bdf: Option<&str>) -> Vec<usize> {
     })
 }
 
+/// Whether `fd` becomes readable within `timeout_ms` (tests).
+#[cfg(test)]
+pub(crate) fn fd_readable(fd: i32, timeout_ms: i32) -> bool {
+    let mut p = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one pollfd of ours.
+    unsafe { libc::poll(&mut p, 1, timeout_ms) == 1 }
+}
+
 /// A multiply-shift hasher for the engine's small integer keys (rkeys,
 /// connection ids): the hot-path tables need speed, not DoS resistance, and
 /// their keys come from this process (a peer can only name them).

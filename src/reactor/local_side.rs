@@ -399,21 +399,27 @@ mod tests {
     use super::*;
     use crate::error::ConnId;
     use crate::reactor::source::CxParts;
+    use crate::sys::fd_readable as readable;
 
-    /// Quiet same-host connections cool off: a pass then looks at one ring
-    /// every few passes, not at all of them; a message on a cold one is
-    /// still found (in turn) and makes it hot again.
-    #[test]
-    fn quiet_rings_are_polled_in_turn_and_wake_on_traffic() {
-        let base = format!("/ferry-test-{:x}-coldhot", std::process::id());
+    /// `n` connections into `side`, returned as the peers' ends (connection
+    /// i's peer has id 100 + i). With `bell`, our rings name the doorbell
+    /// of endpoint `bell`, shard 0, and the peers ring it.
+    fn connect_pairs(side: &mut LocalSide, tag: &str, n: u32, bell: Option<u64>) -> Vec<LocalConn> {
+        let base = format!("/ferry-test-{:x}-{tag}", std::process::id());
         let pid = std::process::id();
-        let mut side = LocalSide::new(0, None);
+        let remote =
+            bell.map(|id| std::sync::Arc::new(crate::shm::bell::RemoteBell::open(id, 0).unwrap()));
         let mut peers = Vec::new();
-        for i in 0..40u32 {
+        for i in 0..n {
             let ab = ShmRing::create(&format!("{base}-{i}-ab"), 16, 1).unwrap();
             let ba = ShmRing::create(&format!("{base}-{i}-ba"), 16, 1).unwrap();
+            if let Some(id) = bell {
+                ba.ring.set_bell_home(id, 0);
+            }
             let to_b = ShmRing::open(&format!("{base}-{i}-ab")).unwrap();
-            let to_a = ShmRing::open(&format!("{base}-{i}-ba")).unwrap();
+            let mut to_a = ShmRing::open(&format!("{base}-{i}-ba")).unwrap();
+            assert_eq!(to_a.ring.bell_home(), bell.map(|id| (id, 0)));
+            to_a.bell = remote.clone();
             side.add(LocalConn::new(ConnId(i as u64), 2, pid, i, ba, to_b, 4, 4));
             peers.push(LocalConn::new(
                 ConnId(100 + i as u64),
@@ -426,6 +432,16 @@ mod tests {
                 4,
             ));
         }
+        peers
+    }
+
+    /// Quiet same-host connections cool off: a pass then looks at one ring
+    /// every few passes, not at all of them; a message on a cold one is
+    /// still found (in turn) and makes it hot again.
+    #[test]
+    fn quiet_rings_are_polled_in_turn_and_wake_on_traffic() {
+        let mut side = LocalSide::new(0, None);
+        let mut peers = connect_pairs(&mut side, "coldhot", 40, None);
         let (mut parts, notes) = CxParts::new(16);
         let mut cx = parts.cx();
         side.poll(&mut cx);
@@ -461,47 +477,14 @@ mod tests {
         assert!(cx.to_fail.is_empty());
     }
 
-    fn readable(fd: i32, timeout_ms: i32) -> bool {
-        let mut p = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one pollfd of ours.
-        unsafe { libc::poll(&mut p, 1, timeout_ms) == 1 }
-    }
-
     /// With a doorbell, quiet rings cost a pass nothing, a message on one
     /// is found on the very next pass, and a shard that announced a sleep
     /// is woken through the FIFO by a message on any ring, hot or cold.
     #[test]
     fn rung_rings_are_found_at_once_and_wake_a_sleeper() {
-        let base = format!("/ferry-test-{:x}-rung", std::process::id());
-        let pid = std::process::id();
-        let id = (u64::from(pid) << 16) | 0xbe11;
+        let id = (u64::from(std::process::id()) << 16) | 0xbe11;
         let mut side = LocalSide::new(0, None).with_bell(Bell::create(id, 0).unwrap());
-        let remote = std::sync::Arc::new(crate::shm::bell::RemoteBell::open(id, 0).unwrap());
-        let mut peers = Vec::new();
-        for i in 0..40u32 {
-            let ab = ShmRing::create(&format!("{base}-{i}-ab"), 16, 1).unwrap();
-            let ba = ShmRing::create(&format!("{base}-{i}-ba"), 16, 1).unwrap();
-            ba.ring.set_bell_home(id, 0);
-            let to_b = ShmRing::open(&format!("{base}-{i}-ab")).unwrap();
-            let mut to_a = ShmRing::open(&format!("{base}-{i}-ba")).unwrap();
-            assert_eq!(to_a.ring.bell_home(), Some((id, 0)));
-            to_a.bell = Some(remote.clone());
-            side.add(LocalConn::new(ConnId(i as u64), 2, pid, i, ba, to_b, 4, 4));
-            peers.push(LocalConn::new(
-                ConnId(100 + i as u64),
-                1,
-                pid,
-                i,
-                ab,
-                to_a,
-                4,
-                4,
-            ));
-        }
+        let mut peers = connect_pairs(&mut side, "rung", 40, Some(id));
         let (mut parts, notes) = CxParts::new(16);
         let mut cx = parts.cx();
         let deadline = std::time::Instant::now() + Duration::from_secs(10);

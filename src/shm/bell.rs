@@ -282,16 +282,7 @@ impl RemoteBell {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn readable(fd: i32, timeout_ms: i32) -> bool {
-        let mut p = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one pollfd of ours.
-        unsafe { libc::poll(&mut p, 1, timeout_ms) == 1 }
-    }
+    use crate::sys::fd_readable as readable;
 
     fn test_id(tag: u64) -> u64 {
         (u64::from(std::process::id()) << 20) ^ tag ^ 0xbe11_0000_0000_0000
