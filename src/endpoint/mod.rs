@@ -530,7 +530,10 @@ impl Endpoint {
         let managed = self.inner.cfg.mode == Mode::Managed;
         for (lane, shard) in self.inner.lanes(conn) {
             let (ack, done) = mpsc::sync_channel(1);
-            shard.submit_blocking(Command::RemoveConn(lane, managed.then_some(ack)), deadline)?;
+            shard.submit_blocking(
+                Command::RemoveConn(lane, managed.then_some(ack), "removed by remove_remote"),
+                deadline,
+            )?;
             if managed {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if done.recv_timeout(left).is_err() {
@@ -850,7 +853,11 @@ impl Inner {
         for &c in &dead {
             if lanes_of(c).1 > 1 {
                 for (lane, shard) in self.lanes(c) {
-                    let _ = shard.submit(Command::RemoveConn(lane, None));
+                    let _ = shard.submit(Command::RemoveConn(
+                        lane,
+                        None,
+                        "another lane of this connection failed",
+                    ));
                 }
             }
         }

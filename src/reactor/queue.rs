@@ -127,8 +127,9 @@ pub(crate) enum Command {
     AddLocal(Box<crate::shm::local::LocalConn>),
     /// One slice of another shard's large same-host copy.
     CopySlice(CopySlice),
-    /// Drops a connection; the sender (if any) hears once it is gone.
-    RemoveConn(ConnId, Option<SyncSender<()>>),
+    /// Drops a connection, failing what is under way on it with the
+    /// reason given; the sender (if any) hears once it is gone.
+    RemoveConn(ConnId, Option<SyncSender<()>>, &'static str),
     Notify {
         conn: ConnId,
         payload: Vec<u8>,

@@ -572,14 +572,10 @@ impl Shard {
                 debug!(shard = self.id, %conn, "same-host connection adopted");
                 None
             }
-            Command::RemoveConn(conn, ack) => {
+            Command::RemoveConn(conn, ack, reason) => {
                 match self.dir.get(conn) {
-                    Some(ConnRef::Tcp(idx)) => {
-                        self.drop_conn(idx, "removed by remove_remote".to_owned())
-                    }
-                    Some(ConnRef::Local(idx)) => {
-                        self.drop_local(idx, "removed by remove_remote".to_owned())
-                    }
+                    Some(ConnRef::Tcp(idx)) => self.drop_conn(idx, reason.to_owned()),
+                    Some(ConnRef::Local(idx)) => self.drop_local(idx, reason.to_owned()),
                     None => {}
                 }
                 self.dir.forget_failed(conn);
