@@ -158,6 +158,34 @@ pub(crate) fn machine_pin_order(bdf: Option<&str>) -> Vec<usize> {
     })
 }
 
+/// When any of several threads last saw activity, at millisecond grain:
+/// the lanes of one connection share one, so a lane idle while its
+/// siblings are busy is not idle. A writer stores at most once per
+/// millisecond (`touch`), so the shared line is seldom written.
+#[derive(Debug, Default)]
+pub(crate) struct Activity(std::sync::atomic::AtomicU64);
+
+fn epoch() -> std::time::Instant {
+    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(std::time::Instant::now)
+}
+
+impl Activity {
+    pub fn touch(&self, now: std::time::Instant) {
+        use std::sync::atomic::Ordering;
+        let ms = now.saturating_duration_since(epoch()).as_millis() as u64;
+        if self.0.load(Ordering::Relaxed) < ms {
+            self.0.fetch_max(ms, Ordering::Relaxed);
+        }
+    }
+
+    /// The last activity (never before `floor`, the caller's own).
+    pub fn last(&self, floor: std::time::Instant) -> std::time::Instant {
+        let ms = self.0.load(std::sync::atomic::Ordering::Relaxed);
+        floor.max(epoch() + std::time::Duration::from_millis(ms))
+    }
+}
+
 /// Whether `fd` becomes readable within `timeout_ms` (tests).
 #[cfg(test)]
 pub(crate) fn fd_readable(fd: i32, timeout_ms: i32) -> bool {

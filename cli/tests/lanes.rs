@@ -235,3 +235,26 @@ fn a_large_op_runs_on_several_shards() {
     local.read_at(0, &mut got).unwrap();
     assert_eq!(check_pattern(&got, 0, 5), None);
 }
+
+/// With an idle timeout, a connection kept busy by one thread's small ops
+/// (all on one lane) is not closed for its other lanes' idleness: the
+/// lanes share when the connection last moved bytes.
+#[test]
+fn busy_connection_survives_the_idle_timeout_of_its_quiet_lanes() {
+    let idle = |mut c: Config| {
+        c.idle_timeout_ms = 300;
+        c
+    };
+    let (a, b, ca, _cb) = pair(idle(cfg(4, 4)), idle(cfg(4, 4)));
+    let size = 4 * CHUNK;
+    let ma = a.alloc(size).unwrap();
+    let mb = b.alloc(size).unwrap();
+    let win = mb.advertise(0, size).unwrap();
+    let until = Instant::now() + Duration::from_millis(1200);
+    while Instant::now() < until {
+        a.write(ca, &ma, 0, 64, &win.slice(0, 64).unwrap()).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Every lane is still there: a large op runs on all of them.
+    a.write(ca, &ma, 0, size, &win).unwrap();
+}

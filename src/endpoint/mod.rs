@@ -1352,6 +1352,7 @@ impl Inner {
         );
         let total = streams.len();
         let mut streams = streams.into_iter();
+        let activity = (k > 1).then(|| Arc::new(crate::sys::Activity::default()));
         for (i, (lane, shard)) in self.lanes(conn).enumerate() {
             let take = (i + 1) * total / k - i * total / k;
             let mine: Vec<_> = streams.by_ref().take(take).collect();
@@ -1364,6 +1365,7 @@ impl Inner {
                 Command::AddConn {
                     conn: lane,
                     group: conn,
+                    activity: activity.clone(),
                     streams: mine,
                     limits,
                     verbs: verbs.take(),

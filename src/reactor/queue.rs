@@ -117,6 +117,8 @@ pub(crate) enum Command {
         /// ... and the application's (differs for one lane of a connection
         /// spread over shards).
         group: ConnId,
+        /// When any lane of the connection last moved bytes (lanes only).
+        activity: Option<Arc<crate::sys::Activity>>,
         streams: Vec<TcpStream>,
         limits: StreamLimits,
         /// RDMA queue pairs, when both sides set them up.

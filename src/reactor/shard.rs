@@ -546,12 +546,13 @@ impl Shard {
             Command::AddConn {
                 conn,
                 group,
+                activity,
                 streams,
                 limits,
                 verbs,
                 macs,
             } => {
-                match self.tcp.add(conn, group, streams, limits, verbs, macs) {
+                match self.tcp.add(conn, group, activity, streams, limits, verbs, macs) {
                     Ok(idx) => {
                         self.dir.insert(conn, ConnRef::Tcp(idx));
                         self.arm_new(ConnRef::Tcp(idx), conn);
@@ -1059,7 +1060,12 @@ impl Shard {
                 let busy = conn.streams.iter().any(|s| s.has_pending() || s.has_tx())
                     || conn.verbs.as_ref().is_some_and(|v| v.busy())
                     || self.parked.contains_key(&conn.id);
-                (why, busy, conn.last_active, oldest)
+                // A lane is idle only while the whole connection is.
+                let last = conn
+                    .activity
+                    .as_ref()
+                    .map_or(conn.last_active, |a| a.last(conn.last_active));
+                (why, busy, last, oldest)
             }
             ConnRef::Local(i) => {
                 let lc = &self.local.conns[i];

@@ -55,6 +55,8 @@ pub(crate) struct Conn {
     pub verbs: Option<Box<crate::verbs::Link>>,
     /// When the connection last moved a byte (for the idle timeout).
     pub last_active: std::time::Instant,
+    /// Shared with the other lanes of the connection (None: not spread).
+    pub activity: Option<std::sync::Arc<crate::sys::Activity>>,
     /// On the ready list.
     queued: bool,
 }
@@ -173,10 +175,12 @@ impl TcpSide {
     }
 
     /// Adopts a connection's sockets; returns its index.
+    #[allow(clippy::too_many_arguments)]
     pub fn add(
         &mut self,
         conn: ConnId,
         group: ConnId,
+        activity: Option<std::sync::Arc<crate::sys::Activity>>,
         streams: Vec<std::net::TcpStream>,
         limits: StreamLimits,
         verbs: Option<Box<crate::verbs::Link>>,
@@ -232,6 +236,7 @@ impl TcpSide {
             next: 0,
             verbs,
             last_active: std::time::Instant::now(),
+            activity,
             queued: false,
         });
         // A first turn: bytes may have arrived before the socket was ours.
@@ -343,6 +348,9 @@ impl Source for TcpSide {
             }
             if work > before {
                 conn.last_active = clock.now();
+                if let Some(a) = &conn.activity {
+                    a.touch(conn.last_active);
+                }
                 if !direct {
                     let until = self.passes + HOT_PASSES;
                     match self.hot.iter().position(|&(i, _)| i == idx) {
@@ -400,7 +408,7 @@ mod tests {
             peer_max: 4,
         };
         let idx = side
-            .add(ConnId(1), ConnId(1), vec![a], limits, None, Vec::new())
+            .add(ConnId(1), ConnId(1), None, vec![a], limits, None, Vec::new())
             .unwrap();
         let sock = socket2::SockRef::from(&side.conns[idx].streams[0].sock);
         assert_eq!(
@@ -431,7 +439,7 @@ mod tests {
         for i in 0..40 {
             let a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
             let (b, _) = l.accept().unwrap();
-            side.add(ConnId(i), ConnId(i), vec![a], limits, None, Vec::new())
+            side.add(ConnId(i), ConnId(i), None, vec![a], limits, None, Vec::new())
                 .unwrap();
             peers.push(b);
         }
