@@ -552,7 +552,10 @@ impl Shard {
                 verbs,
                 macs,
             } => {
-                match self.tcp.add(conn, group, activity, streams, limits, verbs, macs) {
+                match self
+                    .tcp
+                    .add(conn, group, activity, streams, limits, verbs, macs)
+                {
                     Ok(idx) => {
                         self.dir.insert(conn, ConnRef::Tcp(idx));
                         self.arm_new(ConnRef::Tcp(idx), conn);

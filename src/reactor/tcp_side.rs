@@ -408,7 +408,15 @@ mod tests {
             peer_max: 4,
         };
         let idx = side
-            .add(ConnId(1), ConnId(1), None, vec![a], limits, None, Vec::new())
+            .add(
+                ConnId(1),
+                ConnId(1),
+                None,
+                vec![a],
+                limits,
+                None,
+                Vec::new(),
+            )
             .unwrap();
         let sock = socket2::SockRef::from(&side.conns[idx].streams[0].sock);
         assert_eq!(
@@ -439,8 +447,16 @@ mod tests {
         for i in 0..40 {
             let a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
             let (b, _) = l.accept().unwrap();
-            side.add(ConnId(i), ConnId(i), None, vec![a], limits, None, Vec::new())
-                .unwrap();
+            side.add(
+                ConnId(i),
+                ConnId(i),
+                None,
+                vec![a],
+                limits,
+                None,
+                Vec::new(),
+            )
+            .unwrap();
             peers.push(b);
         }
         let (mut parts, notes) = CxParts::new(16);
