@@ -699,6 +699,23 @@ pub fn run(a: Args) -> Result<()> {
             Some(if n >= 2 { 1 } else { 0 })
         }
     };
+    // Our shards and the target's each spin while idle; say so when they
+    // outnumber the cores (they then give way: see the help's "Spinning").
+    let shards_each = o.shards.unwrap_or_else(|| {
+        std::env::var("FERRY_SHARDS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1)
+    });
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if 2 * shards_each + o.contend > cores {
+        eprintln!(
+            "ferry bench: {} spinning shard threads and {} busy processes on {cores} cores: \
+             a shard that finds its core shared parks as soon as it is idle",
+            2 * shards_each,
+            o.contend
+        );
+    }
     let mut serve_args = vec!["serve".to_owned(), "--bytes".into(), bytes.to_string()];
     if let Some(g) = peer_gpu {
         serve_args.extend(["--gpu".to_owned(), g.to_string()]);
