@@ -72,7 +72,10 @@ Flags:
                          CPU each side used meanwhile and the round trip of
                          the first 8-byte WRITE after it
   --streams N            TCP streams per connection, both processes
-                         (FERRY_STREAMS)
+                         (FERRY_STREAMS). A list (--streams 1,2,4,8) is a
+                         scaling run: one run per count, each with as many
+                         shards unless --shards is given; --plot then draws
+                         GB/s against the count
   --shards N             shards in each process (FERRY_SHARDS); with more
                          than one the initiator's are managed threads, and
                          a connection's streams are spread over them
@@ -116,6 +119,8 @@ struct Opts {
     rounds: usize,
     idle_conns: usize,
     streams: Option<usize>,
+    /// A scaling run: one run per count (`--streams 1,2,4,8`).
+    streams_list: Option<Vec<usize>>,
     shards: Option<usize>,
     conns: usize,
     contend: usize,
@@ -205,7 +210,26 @@ fn parse(mut a: Args) -> Result<Opts> {
     if contend > 0 && baseline {
         bail!("--contend and --baseline: pick one (each is the run's reference)");
     }
-    let streams: Option<usize> = a.value("streams").map(|v| v.parse()).transpose()?;
+    let streams_arg = a.value("streams");
+    let streams_list = match streams_arg.as_deref() {
+        Some(v) if v.contains(',') => Some(
+            v.split(',')
+                .map(|n| n.trim().parse::<usize>())
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .context("--streams LIST")?,
+        ),
+        _ => None,
+    };
+    let streams: Option<usize> = match (&streams_list, streams_arg) {
+        (Some(_), _) | (_, None) => None,
+        (None, Some(v)) => Some(v.parse().context("--streams")?),
+    };
+    if streams_list
+        .as_ref()
+        .is_some_and(|l| l.iter().any(|&n| n == 0 || n > 64))
+    {
+        bail!("--streams: each must be 1..=64");
+    }
     let shards: Option<usize> = a.value("shards").map(|v| v.parse()).transpose()?;
     if streams.is_some_and(|n| n == 0 || n > 64) {
         bail!("--streams: must be 1..=64");
@@ -218,6 +242,7 @@ fn parse(mut a: Args) -> Result<Opts> {
         bail!("--conns {conns}: must be 1..=1024");
     }
     let o = Opts {
+        streams_list,
         conns,
         streams,
         shards,
@@ -294,6 +319,118 @@ fn open_idle(
         here_kib_each: per(here0, here1),
         there_kib_each: per(there0, there1),
     }))
+}
+
+/// A number after `"key":` in one of the bench's JSON lines.
+fn json_num(line: &str, key: &str) -> Option<f64> {
+    let at = line.find(&format!("\"{key}\":"))? + key.len() + 3;
+    let rest = &line[at..];
+    let end = rest.find([',', '}']).unwrap_or(rest.len());
+    rest[..end].trim().parse().ok()
+}
+
+/// A text after `"key":"` in one of the bench's JSON lines.
+fn json_str<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    let at = line.find(&format!("\"{key}\":\""))? + key.len() + 4;
+    line[at..].split('"').next()
+}
+
+/// `--streams 1,2,4,8`: runs this benchmark once per count (as a child
+/// `ferry bench --json`, so each gets a fresh target), prints each run's
+/// rows with its count, and with --plot draws GB/s against the count.
+fn scaling(o: &Opts, list: &[usize]) -> Result<()> {
+    // Our flags again, less the ones each run sets.
+    let argv: Vec<String> = std::env::args().skip(2).collect();
+    let mut base = Vec::new();
+    let mut i = 0;
+    while i < argv.len() {
+        let a = &argv[i];
+        let name = a.trim_start_matches("--");
+        let (name, inline) = match name.split_once('=') {
+            Some((n, _)) => (n, true),
+            None => (name, false),
+        };
+        let takes_value = !matches!(name, "json" | "latency" | "baseline");
+        if matches!(name, "streams" | "plot" | "json") {
+            i += if takes_value && !inline { 2 } else { 1 };
+            continue;
+        }
+        base.push(a.clone());
+        i += 1;
+    }
+    let exe = std::env::current_exe().context("finding the ferry executable")?;
+    let mut plotted: Vec<crate::plot::Series> = Vec::new();
+    if !o.json {
+        println!(
+            "{:>7} {:<6} {:>9} {:>9} {:>10} {:>7}",
+            "streams", "op", "block", "GB/s", "base GB/s", "ratio"
+        );
+    }
+    for &n in list {
+        let mut cmd = Command::new(&exe);
+        cmd.arg("bench")
+            .args(&base)
+            .args(["--streams", &n.to_string(), "--json"])
+            .stdin(Stdio::null())
+            .stderr(Stdio::inherit());
+        if o.shards.is_none() {
+            cmd.args(["--shards", &n.to_string()]);
+        }
+        let out = cmd
+            .output()
+            .context("running one count of the scaling run")?;
+        if !out.status.success() {
+            bail!("the run with --streams {n} failed: {}", out.status);
+        }
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            if o.json {
+                println!("{}", line.replacen('{', &format!("{{\"streams\":{n},"), 1));
+            }
+            let (Some(op), Some(block), Some(gbps)) = (
+                json_str(line, "op"),
+                json_num(line, "block_bytes"),
+                json_num(line, "gbps"),
+            ) else {
+                continue;
+            };
+            let base_gbps = json_num(line, "baseline_gbps");
+            if !o.json {
+                println!(
+                    "{n:>7} {op:<6} {:>9} {gbps:>9.3} {:>10} {:>7}",
+                    fmt_size(block as usize),
+                    base_gbps.map_or(String::new(), |b| format!("{b:.3}")),
+                    base_gbps.map_or(String::new(), |b| format!("{:.2}", gbps / b)),
+                );
+            }
+            let mut point = |name: String, reference: bool, y: f64| match plotted
+                .iter_mut()
+                .find(|s| s.name == name)
+            {
+                Some(s) => s.points.push((n, y)),
+                None => plotted.push(crate::plot::Series {
+                    name,
+                    points: vec![(n, y)],
+                    reference,
+                }),
+            };
+            let what = format!("{op} {}", fmt_size(block as usize));
+            point(format!("ferry {what}"), false, gbps);
+            if let Some(b) = base_gbps {
+                point(format!("reference {what}"), true, b);
+            }
+        }
+    }
+    if let Some(path) = &o.plot {
+        let axis = crate::plot::XAxis {
+            name: "streams (= shards unless --shards)",
+            label: |n| n.to_string(),
+        };
+        let title = "ferry bench scaling run".to_owned();
+        std::fs::write(path, crate::plot::svg(&title, &axis, &plotted))
+            .with_context(|| format!("writing {path}"))?;
+        eprintln!("chart written to {path}");
+    }
+    Ok(())
 }
 
 /// Busy processes beside the benchmark (`--contend`), killed on drop.
@@ -659,6 +796,9 @@ fn print_row(r: &Row, json: bool) {
 
 pub fn run(a: Args) -> Result<()> {
     let o = parse(a)?;
+    if let Some(list) = &o.streams_list {
+        return scaling(&o, list);
+    }
     let max = *o.sizes.iter().max().expect("at least one size");
     let bytes = (max.saturating_mul(o.batch)).clamp(max, (1usize << 30).max(max));
     eprintln!(
@@ -993,8 +1133,11 @@ pub fn run(a: Args) -> Result<()> {
                 title += &format!(" --{flag} {v}");
             }
         }
-        std::fs::write(path, crate::plot::svg(&title, &plotted))
-            .with_context(|| format!("writing {path}"))?;
+        std::fs::write(
+            path,
+            crate::plot::svg(&title, &crate::plot::BLOCK_SIZE, &plotted),
+        )
+        .with_context(|| format!("writing {path}"))?;
         eprintln!("chart written to {path}");
     }
     if o.latency {

@@ -41,8 +41,20 @@ fn tick_step(max: f64, n: f64) -> f64 {
         .unwrap_or(10.0 * mag)
 }
 
-/// Renders the chart; `title` goes on top.
-pub fn svg(title: &str, series: &[Series]) -> String {
+/// What the x axis shows: its name and how a value is written.
+pub struct XAxis {
+    pub name: &'static str,
+    pub label: fn(usize) -> String,
+}
+
+/// Block sizes (the default chart).
+pub const BLOCK_SIZE: XAxis = XAxis {
+    name: "block size",
+    label: fmt_size,
+};
+
+/// Renders the chart (x on a log2 scale); `title` goes on top.
+pub fn svg(title: &str, axis: &XAxis, series: &[Series]) -> String {
     let pts = || series.iter().flat_map(|s| s.points.iter());
     let (xmin, xmax) = pts().fold((f64::MAX, f64::MIN), |(a, b), &(x, _)| {
         let l = (x as f64).log2();
@@ -102,7 +114,7 @@ pub fn svg(title: &str, series: &[Series]) -> String {
             TOP + ph,
             TOP + ph + 5.0,
             TOP + ph + 20.0,
-            fmt_size(b)
+            (axis.label)(b)
         );
     }
     let _ = writeln!(
@@ -114,9 +126,10 @@ pub fn svg(title: &str, series: &[Series]) -> String {
     );
     let _ = writeln!(
         o,
-        r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">block size</text>"#,
+        r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
         LEFT + pw / 2.0,
-        H - 15.0
+        H - 15.0,
+        axis.name
     );
     let _ = writeln!(
         o,
@@ -150,7 +163,7 @@ pub fn svg(title: &str, series: &[Series]) -> String {
                 x(b),
                 y(gb),
                 esc(&s.name),
-                fmt_size(b)
+                (axis.label)(b)
             );
         }
         let ly = TOP + 10.0 + i as f64 * 20.0;
@@ -176,6 +189,7 @@ mod tests {
     fn draws_every_series_and_point() {
         let s = svg(
             "tcp <test>",
+            &BLOCK_SIZE,
             &[
                 Series {
                     name: "ferry write".into(),
@@ -198,6 +212,10 @@ mod tests {
         // One point alone still draws.
         let one = svg(
             "x",
+            &XAxis {
+                name: "streams",
+                label: |n| n.to_string(),
+            },
             &[Series {
                 name: "a".into(),
                 points: vec![(8, 0.0)],
@@ -205,5 +223,6 @@ mod tests {
             }],
         );
         assert!(!one.contains("NaN"), "{one}");
+        assert!(one.contains(">streams<") && one.contains(">8<"), "{one}");
     }
 }
