@@ -150,12 +150,27 @@ fn memfd_host_memory_moves_byte_exact_in_slices_over_shards() {
     memfd_moves_byte_exact(&[("FERRY_SHARDS", "4")]);
 }
 
+/// Memory the target cannot map (plain registered memory): its copies go
+/// through process_vm_readv/writev, sliced over the target's shards too.
+#[test]
+fn cma_memory_moves_byte_exact_in_slices_over_shards() {
+    moves_byte_exact(&[("FERRY_SHARDS", "4")], false);
+}
+
 fn memfd_moves_byte_exact(env: &[(&str, &str)]) {
+    moves_byte_exact(env, true)
+}
+
+fn moves_byte_exact(env: &[(&str, &str)], memfd: bool) {
     let t = Target::start_on(Path::Shm, 64 * MIB, env);
     let ep = path_client(Path::Shm);
     let conn = ep.add_remote(&t.served.meta).unwrap();
     let rb = t.served.rbuf;
-    let local = ep.alloc_host(64 * MIB).unwrap();
+    let local = if memfd {
+        ep.alloc_host(64 * MIB).unwrap()
+    } else {
+        ep.alloc(64 * MIB).unwrap()
+    };
     for (roff, loff, len) in [
         (0usize, 0usize, 64 * MIB - 64),
         (3, 17, 5 * MIB + 3),

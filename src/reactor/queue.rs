@@ -181,29 +181,69 @@ impl WakeState {
     }
 }
 
-/// One slice of a large same-host copy (`HostCopy`), run by a sibling
-/// shard: `len` bytes from `src` to `dst`, then `join` counts it done.
-pub(crate) struct CopySlice {
-    pub dst: *mut u8,
-    pub src: *const u8,
-    pub len: usize,
-    pub join: Arc<std::sync::atomic::AtomicUsize>,
-    /// Both memories, alive until the slice is copied.
-    pub _ours: crate::region::RegionSlice,
-    pub _theirs: Arc<crate::sys::Mapping>,
+/// A spread copy's countdown of slices, and whether one failed.
+#[derive(Debug, Default)]
+pub(crate) struct CopyJoin {
+    pub left: std::sync::atomic::AtomicUsize,
+    pub failed: std::sync::atomic::AtomicBool,
 }
 
-// SAFETY: `dst` and `src` point into the two memories the slice holds, and
-// no other slice of the copy covers the same bytes.
+/// How one slice reaches the peer's bytes.
+pub(crate) enum SliceKind {
+    /// Both sides mapped here: `len` bytes from `src` to `dst`.
+    Mem { dst: *mut u8, src: *const u8 },
+    /// Our `local` and `remote` in process `pid` (CMA), from the peer when
+    /// `from_peer`.
+    Cma {
+        local: *mut u8,
+        pid: u32,
+        remote: u64,
+        from_peer: bool,
+    },
+}
+
+/// One slice of a large same-host copy (`HostCopy`), run by a sibling
+/// shard (or the owner), then counted in `join`.
+pub(crate) struct CopySlice {
+    pub kind: SliceKind,
+    pub len: usize,
+    pub join: Arc<CopyJoin>,
+    /// Both memories, alive until the slice is copied.
+    pub _ours: crate::region::RegionSlice,
+    pub _theirs: Option<Arc<crate::sys::Mapping>>,
+}
+
+// SAFETY: the pointers point into the memories the slice holds (or, for
+// CMA, into ours only), and no other slice of the copy covers the same
+// bytes.
 unsafe impl Send for CopySlice {}
 
 impl CopySlice {
-    /// Copies the slice and counts it done.
+    /// Copies the slice and counts it done (a failure marks the copy).
     pub fn run(self) {
-        // SAFETY: the ranges lie inside the held memories (cut from a
-        // checked request) and do not overlap (ours vs the peer's mapping).
-        unsafe { crate::shm::local::copy_bytes(self.dst, self.src, self.len) };
-        self.join.fetch_sub(1, std::sync::atomic::Ordering::Release);
+        use std::sync::atomic::Ordering;
+        let ok = match self.kind {
+            SliceKind::Mem { dst, src } => {
+                // SAFETY: the ranges lie inside the held memories (cut from
+                // a checked request) and do not overlap (ours vs the peer's).
+                unsafe { crate::shm::local::copy_bytes(dst, src, self.len) };
+                true
+            }
+            SliceKind::Cma {
+                local,
+                pid,
+                remote,
+                from_peer,
+            } => {
+                // SAFETY: `local` lies in our held, checked memory for `len`
+                // bytes; the kernel checks the peer's side.
+                unsafe { crate::shm::cma::cma(pid, local, remote, self.len, from_peer) }.is_ok()
+            }
+        };
+        if !ok {
+            self.join.failed.store(true, Ordering::Relaxed);
+        }
+        self.join.left.fetch_sub(1, Ordering::Release);
     }
 }
 

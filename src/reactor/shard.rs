@@ -31,7 +31,9 @@ use super::ledger::OpLedger;
 pub(crate) use super::local_side::LocalSetup;
 use super::local_side::LocalSide;
 use super::plan::{self, Route};
-use super::queue::{Command, CopySlice, OpCmd, RegionCmd, ShardHandle, WakeState};
+use super::queue::{
+    Command, CopyJoin, CopySlice, OpCmd, RegionCmd, ShardHandle, SliceKind, WakeState,
+};
 use super::source::{apply_region_updates, ConnRef, Cx, Park, ShardSink, Source};
 use super::tcp_side::TcpSide;
 use crate::error::{ConnId, Error, OpKind, Result};
@@ -122,7 +124,7 @@ pub struct Shard {
     host_copies: Vec<crate::xfer::HostCopy>,
     /// ... and those whose slices are under way: (slices left,
     /// connection, op id, write).
-    copy_waits: Vec<(Arc<std::sync::atomic::AtomicUsize>, ConnId, u64, bool)>,
+    copy_waits: Vec<(Arc<CopyJoin>, ConnId, u64, bool)>,
 }
 
 /// The context sources report into, borrowed from the shard's other
@@ -229,6 +231,7 @@ impl Shard {
     /// the siblings' go through their queues (one that is full gets none:
     /// its slice is copied here), ours is copied now.
     fn start_host_copies(&mut self) {
+        use crate::xfer::PeerBytes;
         use std::sync::atomic::AtomicUsize;
         for req in self.host_copies.drain(..) {
             let len = req.ours.len();
@@ -236,24 +239,47 @@ impl Shard {
             // Slices of whole 64 KiB blocks.
             let slice = len.div_ceil(shards).next_multiple_of(64 << 10);
             let count = len.div_ceil(slice);
-            let join = Arc::new(AtomicUsize::new(count));
-            let (ours, theirs) = (req.ours.ptr(), req.theirs);
-            let (dst, src) = if req.write {
-                (ours, theirs as *const u8)
-            } else {
-                (theirs, ours as *const u8)
-            };
+            let join = Arc::new(CopyJoin {
+                left: AtomicUsize::new(count),
+                ..Default::default()
+            });
+            let ours = req.ours.ptr();
             let piece = |i: usize| {
                 let off = i * slice;
+                let (kind, map) = match &req.theirs {
+                    PeerBytes::Mapped(theirs, map) => {
+                        let (dst, src) = if req.write {
+                            (ours, *theirs as *const u8)
+                        } else {
+                            (*theirs, ours as *const u8)
+                        };
+                        (
+                            SliceKind::Mem {
+                                // SAFETY: off < len: inside both ranges.
+                                dst: unsafe { dst.add(off) },
+                                // SAFETY: as above.
+                                src: unsafe { src.add(off) },
+                            },
+                            Some(map.clone()),
+                        )
+                    }
+                    PeerBytes::Process { pid, addr } => (
+                        SliceKind::Cma {
+                            // SAFETY: off < len: inside our range.
+                            local: unsafe { ours.add(off) },
+                            pid: *pid,
+                            remote: addr + off as u64,
+                            from_peer: req.write,
+                        },
+                        None,
+                    ),
+                };
                 CopySlice {
-                    // SAFETY: off < len: inside both `len`-byte ranges.
-                    dst: unsafe { dst.add(off) },
-                    // SAFETY: as above.
-                    src: unsafe { src.add(off) },
+                    kind,
                     len: slice.min(len - off),
                     join: join.clone(),
                     _ours: req.ours.clone(),
-                    _theirs: req.map.clone(),
+                    _theirs: map,
                 }
             };
             for i in 1..count {
@@ -273,9 +299,14 @@ impl Shard {
     fn finish_host_copies(&mut self) -> usize {
         let before = self.copy_waits.len();
         let replies = &mut self.gpu_replies;
-        self.copy_waits.retain(|(left, conn, op, write)| {
-            if left.load(Ordering::Acquire) == 0 {
-                replies.push((*conn, *op, *write, Status::Ok));
+        self.copy_waits.retain(|(join, conn, op, write)| {
+            if join.left.load(Ordering::Acquire) == 0 {
+                let status = if join.failed.load(Ordering::Relaxed) {
+                    Status::PeerMemory
+                } else {
+                    Status::Ok
+                };
+                replies.push((*conn, *op, *write, status));
                 false
             } else {
                 true

@@ -24,7 +24,7 @@ impl PeerMemory for Cma {
 /// # Safety
 /// `[local, local + len)` is live memory of this process for the call
 /// (written when `read_from_peer`, read otherwise).
-unsafe fn cma(
+pub(crate) unsafe fn cma(
     pid: u32,
     local: *mut u8,
     remote: u64,

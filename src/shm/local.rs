@@ -24,7 +24,7 @@ use crate::sys::Mapping;
 use crate::wire::shm_msg::{Msg, MsgKind, MAX_INLINE};
 use crate::wire::IpcRef;
 use crate::wire::{Status, MAX_NOTIFY_BYTES};
-use crate::xfer::{GpuReq, HostCopy, PendingOp, Sink, Theirs};
+use crate::xfer::{GpuReq, HostCopy, PeerBytes, PendingOp, Sink, Theirs};
 
 /// Host copies at least this long are spread over the shards (when there
 /// are several): below it one thread's copy is as fast as the hand-off.
@@ -502,22 +502,18 @@ impl LocalConn {
                         {
                             // A large copy is spread over the shards, which
                             // answer when every slice is done.
-                            let theirs = if len >= SPREAD_COPY_MIN {
+                            if len >= SPREAD_COPY_MIN {
                                 let req = HostCopy {
                                     conn: self.id,
                                     op_id: m.op_id,
                                     write,
                                     ours: w.clone(),
-                                    theirs,
-                                    map: map.clone(),
+                                    theirs: PeerBytes::Mapped(theirs, map.clone()),
                                 };
-                                match sink.host_copy(req) {
-                                    Ok(()) => return Ok(()),
-                                    Err(back) => back.theirs,
+                                if sink.host_copy(req).is_ok() {
+                                    return Ok(());
                                 }
-                            } else {
-                                theirs
-                            };
+                            }
                             // SAFETY: both ranges checked, `len` long; the
                             // peer's mapping lives in `maps` during the call.
                             unsafe {
@@ -529,6 +525,21 @@ impl LocalConn {
                             };
                             true
                         } else {
+                            if len >= SPREAD_COPY_MIN {
+                                let req = HostCopy {
+                                    conn: self.id,
+                                    op_id: m.op_id,
+                                    write,
+                                    ours: w.clone(),
+                                    theirs: PeerBytes::Process {
+                                        pid: self.peer_pid,
+                                        addr: m.src_addr,
+                                    },
+                                };
+                                if sink.host_copy(req).is_ok() {
+                                    return Ok(());
+                                }
+                            }
                             peer_mem.copy(self.peer_pid, &w, m.src_addr, write).is_ok()
                         };
                         held = Some(w);

@@ -128,21 +128,26 @@ pub(crate) struct GpuReq {
 // copy into a peer mapping the request holds; nothing dereferences it here.
 unsafe impl Send for GpuReq {}
 
-/// A large same-host copy between our memory and a peer's memfd memory
-/// mapped here, which the shard spreads over its sibling shards (each
-/// copies a slice) and answers once every slice is done.
+/// A large same-host copy between our memory and a peer's, which the shard
+/// spreads over its sibling shards (each copies a slice) and answers once
+/// every slice is done.
 pub(crate) struct HostCopy {
     pub conn: ConnId,
     pub op_id: u64,
     /// The peer writes into `ours` (else reads from it).
     pub write: bool,
     pub ours: RegionSlice,
-    /// The peer's bytes in its mapping, `ours.len()` long; `map` keeps the
-    /// mapping alive until the copy ends.
-    pub theirs: *mut u8,
-    pub map: Arc<Mapping>,
+    pub theirs: PeerBytes,
 }
 
-// SAFETY: `theirs` points into `map`, which the request holds; the copy
-// that dereferences it is the request's owner's (one slice per thread).
+/// Where the peer's side of a `HostCopy` is, `ours.len()` bytes long.
+pub(crate) enum PeerBytes {
+    /// In its memfd memory mapped here (the mapping kept alive with it).
+    Mapped(*mut u8, Arc<Mapping>),
+    /// At `addr` in process `pid`, reached with process_vm_readv/writev.
+    Process { pid: u32, addr: u64 },
+}
+
+// SAFETY: the one raw pointer points into the mapping the request holds;
+// each slice of the copy is dereferenced by one thread.
 unsafe impl Send for HostCopy {}
