@@ -402,21 +402,10 @@ fn scaling(o: &Opts, list: &[usize]) -> Result<()> {
                     base_gbps.map_or(String::new(), |b| format!("{:.2}", gbps / b)),
                 );
             }
-            let mut point = |name: String, reference: bool, y: f64| match plotted
-                .iter_mut()
-                .find(|s| s.name == name)
-            {
-                Some(s) => s.points.push((n, y)),
-                None => plotted.push(crate::plot::Series {
-                    name,
-                    points: vec![(n, y)],
-                    reference,
-                }),
-            };
             let what = format!("{op} {}", fmt_size(block as usize));
-            point(format!("ferry {what}"), false, gbps);
+            crate::plot::add_point(&mut plotted, format!("ferry {what}"), false, n, gbps);
             if let Some(b) = base_gbps {
-                point(format!("reference {what}"), true, b);
+                crate::plot::add_point(&mut plotted, format!("reference {what}"), true, n, b);
             }
         }
     }
@@ -1028,17 +1017,6 @@ pub fn run(a: Args) -> Result<()> {
         (true, false, true) => "memcpy",
     };
     let mut plotted: Vec<crate::plot::Series> = Vec::new();
-    let mut plot_point = |name: String, reference: bool, block: usize, gbps: f64| match plotted
-        .iter_mut()
-        .find(|s| s.name == name)
-    {
-        Some(s) => s.points.push((block, gbps)),
-        None => plotted.push(crate::plot::Series {
-            name,
-            points: vec![(block, gbps)],
-            reference,
-        }),
-    };
     let total = o.sizes.len() * o.ops.len();
     let mut i = 0;
     for &size in &o.sizes {
@@ -1090,14 +1068,10 @@ pub fn run(a: Args) -> Result<()> {
                 }
             }
             let lat = sorted(lat);
-            plot_point(format!("ferry {}", op_name(op)), false, size, median(&gbps));
+            let name = |who: &str| format!("{who} {}", op_name(op));
+            crate::plot::add_point(&mut plotted, name("ferry"), false, size, median(&gbps));
             if !base.is_empty() {
-                plot_point(
-                    format!("{ref_name} {}", op_name(op)),
-                    true,
-                    size,
-                    median(&base),
-                );
+                crate::plot::add_point(&mut plotted, name(ref_name), true, size, median(&base));
             }
             print_row(
                 &Row {

@@ -14,6 +14,18 @@ pub struct Series {
     pub reference: bool,
 }
 
+/// Adds (x, y) to the series called `name`, making it if new.
+pub fn add_point(series: &mut Vec<Series>, name: String, reference: bool, x: usize, y: f64) {
+    match series.iter_mut().find(|s| s.name == name) {
+        Some(s) => s.points.push((x, y)),
+        None => series.push(Series {
+            name,
+            points: vec![(x, y)],
+            reference,
+        }),
+    }
+}
+
 const W: f64 = 760.0;
 const H: f64 = 440.0;
 const LEFT: f64 = 70.0;

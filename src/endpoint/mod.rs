@@ -1013,7 +1013,6 @@ impl Inner {
         let chunk = self.cfg.chunk_bytes as u64;
         let n = self.shards.len() as u64;
         let mut failed = None;
-        let mut sent = 0u64;
         let mut send = |lane_idx: u64, piece: OpParts| {
             let lane = base + lane_idx % k as u64;
             if failed.is_some() {
@@ -1035,7 +1034,6 @@ impl Inner {
                 self.table.complete(slot, Ok(()));
                 failed = Some(e);
             }
-            sent += 1;
         };
         match parts {
             OpParts::One(d) if d.len() >= 2 * chunk => {
@@ -1065,7 +1063,6 @@ impl Inner {
             // threads spread over the lanes.
             whole => send(self.thread_lane(), whole),
         }
-        debug_assert!(sent >= 1);
         match failed {
             None => Ok(t),
             Some(e) => {

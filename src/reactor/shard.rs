@@ -434,9 +434,11 @@ impl Shard {
         let work = self.poll();
         if work > 0 {
             self.spin.busy();
-        } else if self.spin.idle(Instant::now()) {
-            self.spin
-                .parking(crate::sys::involuntary_switches(), Instant::now());
+            return work;
+        }
+        let now = Instant::now();
+        if self.spin.idle(now) {
+            self.spin.parking(crate::sys::involuntary_switches(), now);
             self.park(max);
             self.spin.woke();
         } else {

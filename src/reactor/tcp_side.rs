@@ -394,6 +394,25 @@ impl Source for TcpSide {
 mod tests {
     use super::*;
 
+    /// Adds a one-stream connection `id` (no lanes, verbs or MACs).
+    fn add_plain(
+        side: &mut TcpSide,
+        id: u64,
+        s: std::net::TcpStream,
+        limits: StreamLimits,
+    ) -> usize {
+        side.add(
+            ConnId(id),
+            ConnId(id),
+            None,
+            vec![s],
+            limits,
+            None,
+            Vec::new(),
+        )
+        .unwrap()
+    }
+
     /// Data sockets carry keepalive and a user timeout equal to the op
     /// timeout (a peer that stops acknowledging is dropped in seconds, not
     /// after the kernel's ~15 minutes of retransmissions).
@@ -407,17 +426,7 @@ mod tests {
             own_max: 4,
             peer_max: 4,
         };
-        let idx = side
-            .add(
-                ConnId(1),
-                ConnId(1),
-                None,
-                vec![a],
-                limits,
-                None,
-                Vec::new(),
-            )
-            .unwrap();
+        let idx = add_plain(&mut side, 1, a, limits);
         let sock = socket2::SockRef::from(&side.conns[idx].streams[0].sock);
         assert_eq!(
             sock.tcp_user_timeout().unwrap(),
@@ -447,16 +456,7 @@ mod tests {
         for i in 0..40 {
             let a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
             let (b, _) = l.accept().unwrap();
-            side.add(
-                ConnId(i),
-                ConnId(i),
-                None,
-                vec![a],
-                limits,
-                None,
-                Vec::new(),
-            )
-            .unwrap();
+            add_plain(&mut side, i, a, limits);
             peers.push(b);
         }
         let (mut parts, notes) = CxParts::new(16);

@@ -497,50 +497,45 @@ impl LocalConn {
                             // SAFETY: `ours` is len readable bytes kept alive by `held`.
                             out_inline = unsafe { std::slice::from_raw_parts(ours, len) };
                             true
-                        } else if let Some((theirs, map)) =
-                            self.mapped(maps, m.src_key, m.src_addr, m.len)
-                        {
+                        } else {
+                            let mapped = self.mapped(maps, m.src_key, m.src_addr, m.len);
                             // A large copy is spread over the shards, which
                             // answer when every slice is done.
                             if len >= SPREAD_COPY_MIN {
-                                let req = HostCopy {
-                                    conn: self.id,
-                                    op_id: m.op_id,
-                                    write,
-                                    ours: w.clone(),
-                                    theirs: PeerBytes::Mapped(theirs, map.clone()),
-                                };
-                                if sink.host_copy(req).is_ok() {
-                                    return Ok(());
-                                }
-                            }
-                            // SAFETY: both ranges checked, `len` long; the
-                            // peer's mapping lives in `maps` during the call.
-                            unsafe {
-                                if write {
-                                    copy_bytes(ours, theirs, len)
-                                } else {
-                                    copy_bytes(theirs, ours, len)
-                                }
-                            };
-                            true
-                        } else {
-                            if len >= SPREAD_COPY_MIN {
-                                let req = HostCopy {
-                                    conn: self.id,
-                                    op_id: m.op_id,
-                                    write,
-                                    ours: w.clone(),
-                                    theirs: PeerBytes::Process {
+                                let theirs = match mapped {
+                                    Some((p, map)) => PeerBytes::Mapped(p, map.clone()),
+                                    None => PeerBytes::Process {
                                         pid: self.peer_pid,
                                         addr: m.src_addr,
                                     },
                                 };
+                                let req = HostCopy {
+                                    conn: self.id,
+                                    op_id: m.op_id,
+                                    write,
+                                    ours: w.clone(),
+                                    theirs,
+                                };
                                 if sink.host_copy(req).is_ok() {
                                     return Ok(());
                                 }
                             }
-                            peer_mem.copy(self.peer_pid, &w, m.src_addr, write).is_ok()
+                            match mapped {
+                                Some((theirs, _)) => {
+                                    // SAFETY: both ranges checked, `len` long;
+                                    // the peer's mapping lives in `maps` during
+                                    // the call.
+                                    unsafe {
+                                        if write {
+                                            copy_bytes(ours, theirs, len)
+                                        } else {
+                                            copy_bytes(theirs, ours, len)
+                                        }
+                                    };
+                                    true
+                                }
+                                None => peer_mem.copy(self.peer_pid, &w, m.src_addr, write).is_ok(),
+                            }
                         };
                         held = Some(w);
                         if copied {
