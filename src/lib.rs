@@ -102,3 +102,10 @@ pub use wire::{EndpointMetadata, IpcBuf, RemoteBuf};
 pub fn probe_shm() -> std::result::Result<(), String> {
     shm::probe()
 }
+
+/// The address an endpoint puts in its metadata when none is configured:
+/// the first non-loopback IPv4 address of an interface that is up, else
+/// 127.0.0.1 (the seed's `get_oob_ip`).
+pub fn oob_ip() -> std::net::IpAddr {
+    sys::primary_ipv4().unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST))
+}

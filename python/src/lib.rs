@@ -1,0 +1,59 @@
+//! `ferry._native`: the Python extension module behind the `ferry` package.
+//!
+//! * [`endpoint::P2pEndpoint`] is `ferry.p2p.Endpoint`: the seed's (UCCL
+//!   P2P's) Python API name for name — integer ids for connections,
+//!   registrations and transfers, `(ok, …)` tuples, raw pointers. With
+//!   `strict=True` it raises `FerryError` instead of returning `ok=False`;
+//!   the Pythonic `ferry.Endpoint` (ferry/_api.py) is built on that mode.
+//! * [`desc::XferDesc`] and its byte format: `register_memory` /
+//!   `get_serialized_descs` / `transfer`.
+//!
+//! Every blocking call releases the GIL and wakes every 50 ms to run
+//! Python's signal handlers, so Ctrl-C interrupts it.
+
+use pyo3::prelude::*;
+
+mod desc;
+mod endpoint;
+mod env;
+mod registry;
+
+pyo3::create_exception!(
+    _native,
+    FerryError,
+    pyo3::exceptions::PyRuntimeError,
+    "A ferry operation failed; the message says what and why."
+);
+
+/// Logs `msg` on the `ferry` logger of Python's `logging` at `level`
+/// ("warning", "info", …). Logging never fails the caller.
+pub(crate) fn log(py: Python<'_>, level: &str, msg: &str) {
+    let _ = py
+        .import("logging")
+        .and_then(|m| m.call_method1("getLogger", ("ferry",)))
+        .and_then(|l| l.call_method1(level, (msg,)));
+}
+
+/// The seed's `get_oob_ip`: the address an endpoint advertises by default.
+#[pyfunction]
+fn get_oob_ip() -> String {
+    ferry::oob_ip().to_string()
+}
+
+/// Whether the same-host path works here (`None`) or why not.
+#[pyfunction]
+fn shm_unavailable() -> Option<String> {
+    ferry::probe_shm().err()
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("FerryError", m.py().get_type::<FerryError>())?;
+    m.add_class::<endpoint::P2pEndpoint>()?;
+    m.add_class::<desc::XferDesc>()?;
+    m.add_class::<desc::FloatType>()?;
+    m.add_function(wrap_pyfunction!(get_oob_ip, m)?)?;
+    m.add_function(wrap_pyfunction!(shm_unavailable, m)?)?;
+    m.add("UINT64_MAX", u64::MAX)?;
+    Ok(())
+}

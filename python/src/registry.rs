@@ -1,0 +1,121 @@
+//! Which same-host endpoint serves which GPU, so that the seed's
+//! `connect_local(gpu_bdf)` finds its peer: an endpoint with a GPU writes
+//! `/dev/shm/ferry-gpu-u<uid>-<bus id>` (mode 0600: only this user's
+//! processes read it) holding its endpoint id and pid, and removes it when
+//! it closes. A reader trusts only a file owned by its own uid, private to
+//! it, naming a live process.
+
+use std::io::Write;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+
+const DIR: &str = "/dev/shm";
+
+fn uid() -> u32 {
+    // SAFETY: getuid has no preconditions and cannot fail.
+    unsafe { libc::getuid() }
+}
+
+fn prefix() -> String {
+    format!("ferry-gpu-u{}-", uid())
+}
+
+fn path_of(bus_id: &str) -> Result<String, String> {
+    let ok = !bus_id.is_empty()
+        && bus_id.len() <= 32
+        && bus_id
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() || b == b':' || b == b'.');
+    if !ok {
+        return Err(format!(
+            "{bus_id:?} is not a PCI bus id (like 0000:1b:00.0)"
+        ));
+    }
+    Ok(format!("{DIR}/{}{}", prefix(), bus_id.to_ascii_lowercase()))
+}
+
+fn pid_alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    pid > 0
+        && (unsafe { libc::kill(pid, 0) } == 0
+            || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
+}
+
+/// (endpoint id, pid) from a registry file we may trust.
+fn read(path: &str) -> Result<(u64, i32), String> {
+    let f = std::fs::File::open(path).map_err(|e| format!("{path}: {e}"))?;
+    let m = f.metadata().map_err(|e| format!("{path}: {e}"))?;
+    if m.uid() != uid() || m.mode() & 0o077 != 0 || !m.is_file() {
+        return Err(format!(
+            "{path} is not a private file of uid {} (owner {}, mode {:o}); not trusted",
+            uid(),
+            m.uid(),
+            m.mode() & 0o777
+        ));
+    }
+    let mut s = String::new();
+    use std::io::Read;
+    f.take(64)
+        .read_to_string(&mut s)
+        .map_err(|e| format!("{path}: {e}"))?;
+    let mut it = s.split_whitespace();
+    let id = it.next().and_then(|v| u64::from_str_radix(v, 16).ok());
+    let pid = it.next().and_then(|v| v.parse().ok());
+    match (id, pid) {
+        (Some(id), Some(pid)) if pid_alive(pid) => Ok((id, pid)),
+        (Some(_), Some(pid)) => Err(format!("{path}: its endpoint's process {pid} is gone")),
+        _ => Err(format!("{path}: not an endpoint record")),
+    }
+}
+
+/// This endpoint's record; removed on drop if it is still ours.
+pub struct Published {
+    path: String,
+    id: u64,
+}
+
+impl Drop for Published {
+    fn drop(&mut self) {
+        if matches!(read(&self.path), Ok((id, _)) if id == self.id) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// Says that endpoint `id` of this process serves the GPU `bus_id`. A
+/// record of a live other endpoint is not replaced.
+pub fn publish(bus_id: &str, id: u64) -> Result<Published, String> {
+    let path = path_of(bus_id)?;
+    if let Ok((other, pid)) = read(&path) {
+        if other != id {
+            return Err(format!(
+                "GPU {bus_id} is already served by endpoint {other:016x} (pid {pid})"
+            ));
+        }
+    }
+    let tmp = format!("{path}.{}", std::process::id());
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(|e| format!("{tmp}: {e}"))?;
+    writeln!(f, "{id:016x} {}", std::process::id()).map_err(|e| format!("{tmp}: {e}"))?;
+    std::fs::rename(&tmp, &path).map_err(|e| format!("{path}: {e}"))?;
+    Ok(Published { path, id })
+}
+
+/// The endpoint id serving GPU `bus_id` on this host, for this user.
+pub fn find(bus_id: &str) -> Result<u64, String> {
+    read(&path_of(bus_id)?).map(|(id, _)| id)
+}
+
+/// The GPU bus id endpoint `id` published, if any.
+pub fn bus_id_of(id: u64) -> Option<String> {
+    let p = prefix();
+    std::fs::read_dir(DIR).ok()?.flatten().find_map(|e| {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let bus = name.strip_prefix(&p)?;
+        let path = format!("{DIR}/{name}");
+        matches!(read(&path), Ok((i, _)) if i == id).then(|| bus.to_owned())
+    })
+}
