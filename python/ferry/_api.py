@@ -184,10 +184,14 @@ def _piece(p: _Local) -> Tuple[Region, int, int]:
 class Connection:
     """A connection to one peer (tcp, or shared memory on this host)."""
 
-    def __init__(self, ep: "Endpoint", conn_id: int, peer: str = "") -> None:
+    def __init__(self, ep: "Endpoint", conn_id: int) -> None:
         self._ep = ep
         self.id = conn_id
-        self.peer = peer
+
+    @property
+    def peer(self) -> Optional[Tuple[str, str]]:
+        """``("tcp", "ip:port")`` or ``("shm", peer endpoint id)``; None once closed."""
+        return self._ep._n.peer(self.id)
 
     def _submit(
         self, write: bool, locals_: Sequence[_Local], windows: Sequence[Window]
@@ -276,13 +280,12 @@ class Endpoint:
         """Connects to the peer whose metadata this is (once: a second call
         gives the same connection); a same-host peer over shared memory."""
         _, cid = self._n.add_remote_endpoint(bytes(metadata))
-        ip, port, _ = _native.Endpoint.parse_metadata(bytes(metadata))
-        return Connection(self, cid, f"{ip}:{port}")
+        return Connection(self, cid)
 
     def accept(self) -> Connection:
         """Waits for one incoming connection (Ctrl-C interrupts)."""
-        _, ip, _, cid = self._n.accept()
-        return Connection(self, cid, ip)
+        _, _, _, cid = self._n.accept()
+        return Connection(self, cid)
 
     def register(self, obj: Any) -> Region:
         """Registers the memory of ``obj`` without copying it (see

@@ -732,6 +732,15 @@ impl P2pEndpoint {
         }
     }
 
+    /// ferry's: who is at the other end of `conn_id`: `("tcp", "ip:port")`
+    /// or `("shm", "<endpoint id>")`; `None` for an unknown or closed one.
+    fn peer(&self, conn_id: u64) -> Option<(&'static str, String)> {
+        match self.ep().ok()?.peer(ConnId(conn_id))? {
+            Peer::Net(a) => Some(("tcp", a.to_string())),
+            Peer::Local { endpoint_id, .. } => Some(("shm", format!("{endpoint_id:016x}"))),
+        }
+    }
+
     /// The seed keeps a rank → connection map that nothing fills;
     /// `UINT64_MAX` means unknown, as there.
     fn conn_id_of_rank(&self, _rank: i64) -> u64 {
@@ -857,21 +866,22 @@ impl P2pEndpoint {
         py: Python<'py>,
         args: &Bound<'py, PyTuple>,
     ) -> PyResult<(bool, Vec<Bound<'py, PyBytes>>)> {
-        let (conn, m, p, s, n): (Option<u64>, Vec<u64>, Vec<u64>, Vec<usize>, usize) = match args
-            .len()
-        {
-            5 => {
-                let (c, m, p, s, n) = args.extract()?;
-                (Some(c), m, p, s, n)
-            }
-            4 => {
-                let (m, p, s, n) = args.extract()?;
-                (None, m, p, s, n)
-            }
-            k => return Err(FerryError::new_err(format!(
+        let (conn, m, p, s, n): (Option<u64>, Vec<u64>, Vec<u64>, Vec<usize>, usize) =
+            match args.len() {
+                5 => {
+                    let (c, m, p, s, n) = args.extract()?;
+                    (Some(c), m, p, s, n)
+                }
+                4 => {
+                    let (m, p, s, n) = args.extract()?;
+                    (None, m, p, s, n)
+                }
+                k => {
+                    return Err(FerryError::new_err(format!(
                 "advertisev takes ([conn_id,] mr_id_v, ptr_v, size_v, num_iovs), not {k} arguments"
-            ))),
-        };
+            )))
+                }
+            };
         if m.len() != n || p.len() != n || s.len() != n {
             return Err(len_mismatch("advertisev"));
         }

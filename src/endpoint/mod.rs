@@ -557,7 +557,9 @@ impl Endpoint {
 
     /// Waits up to `timeout` for a same-host connection (the seed's
     /// `accept_local`); returns it with the peer's endpoint id and pid. Tcp
-    /// connections that arrive meanwhile stay queued for [`accept`].
+    /// connections that arrive meanwhile stay queued for [`accept`]. A
+    /// same-host peer may come by `connect_local` (our id) or by
+    /// `add_remote` (our metadata: its tcp handshake is answered here).
     ///
     /// [`accept`]: Endpoint::accept
     pub fn accept_local(&self, timeout: Duration) -> Result<(ConnId, u64, u32)> {
@@ -577,7 +579,14 @@ impl Endpoint {
                     timeout_ms: timeout.as_millis() as u64,
                 });
             }
-            std::thread::sleep(Duration::from_micros(200));
+            // A same-host peer that found us by our metadata (`add_remote`)
+            // handshakes over tcp first: drive those handshakes too (one
+            // that ends on tcp is queued for `accept`).
+            if self.inner.passive.lock().expect("lock").is_some() {
+                std::thread::sleep(Duration::from_micros(200));
+            } else {
+                self.inner.accept_step(Duration::from_millis(1))?;
+            }
         }
     }
 

@@ -1,0 +1,316 @@
+"""ferry.p2p: the seed's API, its (ok, ...) shapes and its error cases."""
+
+import hashlib
+import logging
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ferry
+from ferry import p2p
+
+import peer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def digest(a):
+    return hashlib.sha256(bytes(a)).hexdigest()
+
+
+def test_module_surface():
+    for name in [
+        "get_metadata", "parse_metadata", "get_oob_ip", "connect", "accept",
+        "start_passive_accept", "add_remote_endpoint", "remove_remote_endpoint",
+        "connect_local", "accept_local", "conn_id_of_rank", "reg", "regv", "dereg",
+        "advertise", "advertisev", "read", "write", "readv", "writev", "read_async",
+        "write_async", "readv_async", "writev_async", "poll_async", "advertise_ipc",
+        "advertisev_ipc", "write_ipc", "read_ipc", "writev_ipc", "readv_ipc",
+        "write_ipc_async", "read_ipc_async", "writev_ipc_async", "readv_ipc_async",
+        "register_memory", "deregister_memory", "get_serialized_descs",
+        "deserialize_descs", "transfer", "send_notification", "recv_notification",
+    ]:
+        assert hasattr(p2p.Endpoint, name), name
+    assert p2p.kFloat16 == p2p.FloatType.kFloat16
+    assert isinstance(p2p.get_oob_ip(), str)
+    assert p2p.XferDesc().mr_id == p2p.UINT64_MAX
+
+
+def test_metadata_round_trip_and_lazy_gpu():
+    ep = p2p.Endpoint(None, 8, 16)  # extra positional arguments are ignored
+    assert ep.gpu is None
+    ip, port, bdf = p2p.Endpoint.parse_metadata(ep.get_metadata())
+    assert port > 0 and bdf == ""
+    assert ip == p2p.get_oob_ip() or ip == "127.0.0.1" or ip
+    with pytest.raises(p2p.FerryError):
+        p2p.Endpoint.parse_metadata(b"\x01\x02")
+    assert ep.conn_id_of_rank(0) == p2p.UINT64_MAX
+    assert "ferry P2P Endpoint" in repr(ep)
+    ep.close()
+    assert "closed" in repr(ep)
+
+
+def pair(transport):
+    """Two endpoints of this process, connected (shm: same host)."""
+    a, b = p2p.Endpoint(), p2p.Endpoint()
+    assert a.start_passive_accept()
+    ok, conn = b.add_remote_endpoint(a.get_metadata())
+    assert ok
+    assert b.peer(conn)[0] == transport
+    return a, b, conn
+
+
+def test_every_operation_in_one_process(transport):
+    a, b, conn = pair(transport)
+    size = 256 << 10
+    dst = np.zeros(size, np.uint8)
+    ok, dmr = a.reg(dst.ctypes.data, size)
+    assert ok
+    _, meta_any = a.advertise(dmr, dst.ctypes.data, size)  # repository form
+    src = np.random.default_rng(2).integers(0, 256, size, dtype=np.uint8)
+    ok, smr = b.reg(src.ctypes.data, size)
+    assert b.write(conn, smr, src.ctypes.data, size, meta_any)
+    assert digest(dst) == digest(src)
+    # A window on the second half only, and a write of 4 KiB at its start.
+    _, half = a.advertise(dmr, dst.ctypes.data + size // 2, size // 2)
+    src[:4096] = 9
+    ok, tid = b.write_async(conn, smr, src.ctypes.data, 4096, half)
+    assert ok
+    assert b.wait(tid, 10.0)
+    assert (dst[size // 2 : size // 2 + 4096] == 9).all()
+    # READ back the whole window, vectored in 4 pieces.
+    back = np.zeros(size, np.uint8)
+    ok, bmr = b.reg(back.ctypes.data, size)
+    q = size // 4
+    _, metas = a.advertisev([dmr] * 4, [dst.ctypes.data + i * q for i in range(4)], [q] * 4, 4)
+    ok, tid = b.readv_async(conn, [bmr] * 4, [back.ctypes.data + i * q for i in range(4)], [q] * 4, metas, 4)
+    assert ok
+    while True:
+        ok, done = b.poll_async(tid)
+        assert ok
+        if done:
+            break
+    assert digest(back) == digest(dst)
+    # A finished id is forgotten.
+    assert b.poll_async(tid) == (False, False)
+    # Notifications both ways.
+    assert b.send_notification(conn, b"hello")
+    ok, from_conn, msg = a.recv_notification(5000)
+    assert ok and msg == b"hello"
+    assert a.send_notification(from_conn, b"back")
+    assert b.recv_notification(5000)[2] == b"back"
+    assert b.recv_notification(50) == (False, 0, b"")
+    # regv / dereg
+    ok, ids = a.regv([dst.ctypes.data, back.ctypes.data], [16, 16])
+    assert ok and len(ids) == 2 and all(a.dereg(i) for i in ids)
+    assert b.remove_remote_endpoint(conn)
+    assert b.write(conn, smr, src.ctypes.data, 16, meta_any) is False
+    a.close()
+    b.close()
+
+
+def test_error_cases_return_not_ok_and_log(transport, caplog):
+    a, b, conn = pair(transport)
+    buf = np.zeros(8192, np.uint8)
+    ok, mr = a.reg(buf.ctypes.data, 8192)
+    _, meta = a.advertise(mr, buf.ctypes.data, 4096)
+    src = np.ones(8192, np.uint8)
+    _, smr = b.reg(src.ctypes.data, 8192)
+    with caplog.at_level(logging.WARNING, logger="ferry"):
+        # unknown ids
+        assert b.poll_async(987654) == (False, False)
+        assert b.write(conn, 999, src.ctypes.data, 16, meta) is False
+        assert b.write(conn + 12345, smr, src.ctypes.data, 16, meta) is False
+        assert b.dereg(424242) is False
+        # wrong sizes: more than the window holds, outside the registration
+        assert b.write(conn, smr, src.ctypes.data, 8192, meta) is False
+        assert b.write(conn, smr, src.ctypes.data + 4096, 8192, meta) is False
+        assert b.write_async(conn, smr, src.ctypes.data, 8192, meta)[0] is False
+        # a window whose key is not valid at the peer
+        forged = bytearray(meta)
+        forged[32] ^= 0xFF  # the key's tag
+        assert b.write(conn, smr, src.ctypes.data, 16, bytes(forged)) is False
+        assert b.connect("not-an-ip", 0, 1)[0] is False
+        assert b.connect("127.0.0.1", 0, -1)[0] is False
+        assert b.connect_local("zz:zz")[0] is False
+    assert "unknown or already reported transfer id 987654" in caplog.text
+    assert "unknown mr_id 999" in caplog.text
+    # malformed arguments raise, as in the seed
+    with pytest.raises(p2p.FerryError, match="64 bytes"):
+        b.write(conn, smr, src.ctypes.data, 16, b"short")
+    with pytest.raises(p2p.FerryError, match="num_iovs"):
+        b.writev(conn, [smr], [src.ctypes.data], [16, 16], [meta], 1)
+    with pytest.raises(p2p.FerryError, match="advertise takes"):
+        a.advertise(1, 2)
+    with pytest.raises(p2p.FerryError, match="op_name"):
+        b.transfer(conn, "copy", [], [])
+    # strict mode raises where the seed returns False
+    s = p2p.Endpoint(strict=True)
+    with pytest.raises(p2p.FerryError, match="poll_async: unknown"):
+        s.poll_async(1)
+    a.close()
+    b.close()
+    s.close()
+
+
+def test_dead_peer_fails_operations(transport):
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=peer.serve, args=(theirs, 1 << 20, transport))
+    proc.start()
+    try:
+        ep = p2p.Endpoint()
+        ok, conn = ep.add_remote_endpoint(mine.recv())
+        assert ok
+        meta = mine.recv()
+        src = np.ones(1 << 20, np.uint8)
+        _, mr = ep.reg(src.ctypes.data, src.nbytes)
+        assert ep.write(conn, mr, src.ctypes.data, src.nbytes, meta)
+        mine.send("digest")
+        assert mine.recv() == digest(src)
+        proc.kill()
+        proc.join(10)
+        t0 = time.monotonic()
+        results = [ep.write(conn, mr, src.ctypes.data, src.nbytes, meta) for _ in range(3)]
+        assert results[-1] is False
+        assert time.monotonic() - t0 < 15
+        ep.close()
+    finally:
+        proc.kill()
+
+
+def test_descriptors_round_trip_and_reject_hostile_bytes():
+    ep = p2p.Endpoint()
+    t = np.zeros(1024, np.float32)
+    descs = ep.register_memory([t])
+    assert descs[0].mr_id != p2p.UINT64_MAX and descs[0].size == 4096
+    assert descs[0].addr == t.ctypes.data and len(descs[0].info) == 64
+    b = ep.get_serialized_descs(descs)
+    back = ep.deserialize_descs(b)
+    assert [(d.addr, d.size, d.rkeys, d.info) for d in back] == [
+        (d.addr, d.size, d.rkeys, d.info) for d in descs
+    ]
+    assert ep.deserialize_descs(b"") == []
+    for bad in [b[:-1], b + b"\0", (1 << 60).to_bytes(8, "little") + b[8:], b[:12]]:
+        with pytest.raises(p2p.FerryError):
+            ep.deserialize_descs(bad)
+    with pytest.raises(p2p.FerryError, match="not a tensor"):
+        ep.register_memory([object()])
+    ep.deregister_memory(descs)
+    assert ep.dereg(descs[0].mr_id) is False  # already gone
+    ep.close()
+
+
+def test_blocking_calls_release_the_gil():
+    ep = p2p.Endpoint()
+    result = {}
+
+    def waiter():
+        result["r"] = ep.recv_notification(600)
+
+    th = threading.Thread(target=waiter)
+    count = 0
+    t0 = time.monotonic()
+    th.start()
+    while time.monotonic() - t0 < 0.3:
+        count += 1
+    assert th.is_alive()
+    th.join(5)
+    assert result["r"][0] is False
+    # The Python loop ran all along (with the GIL held by the waiter it would
+    # manage only a handful of switches per 5 ms interval).
+    assert count > 10_000, count
+    ep.close()
+
+
+@pytest.mark.parametrize("call", ["ep.accept()", "ep.recv_notification()", "ep.accept_local()"])
+def test_ctrl_c_interrupts_a_blocking_call(call):
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        from ferry import p2p
+        ep = p2p.Endpoint()
+        print("ready", flush=True)
+        try:
+            {call}
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            sys.exit(0)
+        sys.exit(3)
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    time.sleep(0.3)
+    p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=10)
+    assert p.returncode == 0 and "interrupted" in out
+
+
+def test_uccl_aliases_are_honoured_and_said_once():
+    code = textwrap.dedent(
+        """
+        import logging
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        from ferry import p2p
+        try:
+            p2p.Endpoint()
+        except p2p.FerryError as e:
+            print("error:", e)
+        """
+    )
+    env = dict(os.environ, UCCL_P2P_MAX_INFLIGHT_OPS="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert "FERRY_MAX_INFLIGHT_OPS" in out.stdout, out
+    env = dict(os.environ, UCCL_P2P_TRANSPORT="tcp")
+    code2 = code.replace("p2p.Endpoint()", "p2p.Endpoint(); p2p.Endpoint()")
+    out = subprocess.run([sys.executable, "-c", code2], env=env, capture_output=True, text=True)
+    assert out.stderr.count("UCCL_P2P_TRANSPORT=tcp read as FERRY_TRANSPORT=tcp") == 1, out
+
+
+@pytest.mark.parametrize("transport_env", ["auto", "tcp"])
+def test_a_uccl_script_runs_unchanged(transport_env):
+    env = dict(os.environ, FERRY_TRANSPORT=transport_env, FERRY_LISTEN_ADDR="127.0.0.1")
+    out = subprocess.run(
+        [sys.executable, os.path.join(HERE, "uccl_script.py")],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_connect_local_by_metadata_and_accept_local():
+    a = p2p.Endpoint()
+    b = p2p.Endpoint()
+    res = {}
+    th = threading.Thread(target=lambda: res.update(r=a.accept_local()))
+    th.start()
+    ok, conn = b.connect_local(a.get_metadata())
+    th.join(10)
+    assert ok and res["r"][0] is True and res["r"][1] == ""
+    assert b.peer(conn)[0] == "shm"
+    a.close()
+    b.close()
+
+
+def test_connect_by_address_and_accept():
+    a = p2p.Endpoint()
+    b = p2p.Endpoint()
+    ip, port, _ = p2p.Endpoint.parse_metadata(a.get_metadata())
+    res = {}
+    th = threading.Thread(target=lambda: res.update(r=a.accept()))
+    th.start()
+    ok, conn = b.connect("127.0.0.1", 0, port)
+    th.join(10)
+    assert ok
+    ok_a, ip_a, gpu_a, conn_a = res["r"]
+    assert ok_a and gpu_a == -1 and isinstance(ip_a, str)
+    a.close()
+    b.close()
