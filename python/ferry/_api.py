@@ -200,6 +200,9 @@ class Connection:
         if len(locals_) != len(windows):
             raise _native.FerryError(f"{len(locals_)} local pieces but {len(windows)} windows")
         pieces = [_piece(p) for p in locals_]
+        for r, _, _ in pieces:
+            if r._ep is not self._ep:
+                raise _native.FerryError(f"{r!r} belongs to another endpoint than this connection")
         spans = [r._span(o, s) for r, o, s in pieces]
         ws = [bytes(w) for w in windows]
         if all(len(w) == _REMOTE_LEN for w in ws):
@@ -289,9 +292,13 @@ class Endpoint:
 
     def register(self, obj: Any) -> Region:
         """Registers the memory of ``obj`` without copying it (see
-        ``ferry.locate``); ``obj`` is kept alive by the region."""
+        ``ferry.locate``); ``obj`` is kept alive by the region. Read-only
+        memory (``bytes``, read-only arrays) is registered so that peers
+        may only READ it."""
         b = locate(obj)
-        _, mr = self._n.reg(b.ptr, b.nbytes)
+        # Memory Python holds immutable (bytes, read-only arrays) is only
+        # ever read by peers.
+        _, mr = self._n.reg(b.ptr, b.nbytes, readonly=b.readonly)
         return Region(self, mr, b)
 
     def alloc(self, nbytes: int) -> Region:

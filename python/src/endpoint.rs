@@ -481,8 +481,12 @@ impl P2pEndpoint {
     }
 
     fn register_one(&self, ep: &Endpoint, ptr: u64, size: usize) -> R<u64> {
+        self.register_with(ep, ptr, size, Access::all())
+    }
+
+    fn register_with(&self, ep: &Endpoint, ptr: u64, size: usize, access: Access) -> R<u64> {
         // SAFETY: the caller's promise (module docs), as with the seed's reg.
-        let mr = unsafe { ep.register_raw(ptr as *mut u8, size, Access::all()) }.map_err(err)?;
+        let mr = unsafe { ep.register_raw(ptr as *mut u8, size, access) }.map_err(err)?;
         self.note_gpu(ep);
         Ok(self.state.lock().expect("lock").add(mr))
     }
@@ -751,7 +755,9 @@ impl P2pEndpoint {
 
     /// `reg(ptr, size, floatType=kUndefined) -> (ok, mr_id)`. The memory
     /// (host or GPU) must stay valid until `dereg(mr_id)` returns.
-    #[pyo3(signature = (ptr, size, floatType=None))]
+    /// ferry's `readonly=True` lets peers only READ it (for memory Python
+    /// considers immutable, such as `bytes`).
+    #[pyo3(signature = (ptr, size, floatType=None, *, readonly=false))]
     #[allow(non_snake_case)]
     fn reg(
         &self,
@@ -759,11 +765,17 @@ impl P2pEndpoint {
         ptr: u64,
         size: usize,
         floatType: Option<&Bound<'_, PyAny>>,
+        readonly: bool,
     ) -> PyResult<(bool, u64)> {
         let _ = floatType; // ferry does not compress
+        let access = if readonly {
+            Access::REMOTE_READ
+        } else {
+            Access::all()
+        };
         let r = self
             .ep()
-            .and_then(|ep| py.allow_threads(|| self.register_one(&ep, ptr, size)));
+            .and_then(|ep| py.allow_threads(|| self.register_with(&ep, ptr, size, access)));
         self.out(py, "reg", r)
     }
 

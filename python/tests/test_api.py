@@ -1,0 +1,153 @@
+"""ferry.Endpoint: the Pythonic API."""
+
+import array
+import asyncio
+import ctypes
+import mmap
+
+import numpy as np
+import pytest
+
+import ferry
+
+
+def connected(transport):
+    a, b = ferry.Endpoint(), ferry.Endpoint()
+    a.listen()
+    conn = b.connect(a.metadata)
+    assert conn.peer[0] == transport
+    return a, b, conn
+
+
+def test_locate_understands_the_usual_buffers():
+    ba = bytearray(b"x" * 100)
+    b = ferry.locate(ba)
+    assert (b.nbytes, b.readonly, b.device) == (100, False, False)
+    assert ctypes.string_at(b.ptr, 3) == b"xxx"
+    with pytest.raises(BufferError):
+        ba.extend(b"y")  # pinned while located: cannot move
+    ro = ferry.locate(b"abc")
+    assert ro.readonly and ctypes.string_at(ro.ptr, 3) == b"abc"
+    arr = np.arange(10, dtype=np.float64)
+    n = ferry.locate(arr)
+    assert n.ptr == arr.ctypes.data and n.nbytes == 80
+    ron = arr.copy()
+    ron.flags.writeable = False
+    assert ferry.locate(ron).readonly and ferry.locate(ron).ptr == ron.ctypes.data
+    assert ferry.locate(array.array("i", [1, 2, 3])).nbytes == 12
+    m = mmap.mmap(-1, 4096)
+    assert ferry.locate(m).nbytes == 4096
+    with pytest.raises(ValueError, match="contiguous"):
+        ferry.locate(np.zeros((4, 4))[:, 1])
+    with pytest.raises(TypeError):
+        ferry.locate(object())
+
+    class Cai:  # a GPU array as cupy/numba describe it
+        __cuda_array_interface__ = {"data": (0x7000, False), "shape": (4, 8), "typestr": "<f2", "version": 3}
+
+    g = ferry.locate(Cai())
+    assert (g.ptr, g.nbytes, g.device) == (0x7000, 64, True)
+
+
+def test_dlpack_producers_are_read_without_copies():
+    arr = np.arange(64, dtype=np.uint32)
+
+    class OnlyDlpack:  # hides the buffer protocol: DLPack is the only way in
+        def __dlpack__(self, **kw):
+            return arr.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return arr.__dlpack_device__()
+
+    b = ferry.locate(OnlyDlpack())
+    assert b.ptr == arr.ctypes.data and b.nbytes == 256 and not b.device
+
+
+def test_write_read_and_windows(transport):
+    with ferry.Endpoint() as a, ferry.Endpoint() as b:
+        a.listen()
+        conn = b.connect(a.metadata)
+        assert conn.peer[0] == transport
+        dst = np.zeros(1 << 20, np.uint8)
+        with a.register(dst) as region:
+            window = ferry.Window(bytes(region.advertise()))  # as sent over the wire
+            src = b.register(np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8))
+            conn.write(src, window)
+            assert bytes(dst) == bytes(src.view())
+            # a part: 4 KiB at offset 8 KiB of both
+            part = region.advertise(8192, 4096, conn=None)
+            back = b.alloc(4096)
+            conn.read(back, part)
+            assert bytes(back.view()) == bytes(dst[8192:12288])
+            conn.write((src, 0, 16), part)
+            assert bytes(dst[8192:8208]) == bytes(src.view()[:16])
+            # vectored
+            wins = [region.advertise(i * 4096, 4096) for i in range(4)]
+            conn.writev([(src, i * 4096, 4096) for i in range(4)], wins)
+            assert bytes(dst[:16384]) == bytes(src.view()[:16384])
+            with pytest.raises(ferry.FerryError, match="outside the region"):
+                region.advertise(1 << 20, 1)
+            with pytest.raises(ferry.FerryError, match="do not fit"):
+                conn.write(src, part)
+            with pytest.raises(ValueError):
+                ferry.Window(b"123")
+
+
+def test_await_and_wait(transport):
+    a, b, conn = connected(transport)
+    dst = a.alloc(1 << 16)
+    window = dst.advertise()
+    src = b.register(bytearray(b"\x5a" * (1 << 16)))
+
+    async def go():
+        await conn.write_async(src, window)
+        ts = [conn.read_async((src, i * 1024, 1024), dst.advertise(i * 1024, 1024)) for i in range(8)]
+        await asyncio.gather(*ts)
+
+    asyncio.run(go())
+    assert bytes(dst.view()) == b"\x5a" * (1 << 16)
+    t = conn.write_async(src, window)
+    t.wait(10)
+    assert t.done()
+    t.wait()  # again: no error
+    a.close()
+    b.close()
+
+
+def test_notifications_and_read_only_sources(transport):
+    a, b, conn = connected(transport)
+    conn.notify(b"ping")
+    cid, msg = a.recv_notification(5)
+    assert msg == b"ping"
+    with pytest.raises(ferry.FerryError, match="notification"):
+        a.recv_notification(0.05)
+    dst = a.alloc(16)
+    src = b.register(b"0123456789abcdef")  # bytes: read-only, fine as a source
+    conn.write(src, dst.advertise())
+    assert bytes(dst.view()) == b"0123456789abcdef"
+    # ... and peers may not write into it.
+    ro = a.register(b"immutable bytes!")
+    with pytest.raises(ferry.FerryError):
+        conn.write(b.alloc(16), ro.advertise())
+    assert bytes(ctypes.string_at(ro.ptr, 16)) == b"immutable bytes!"
+    with pytest.raises(ferry.FerryError, match="another endpoint"):
+        conn.read(dst, ro.advertise())
+    back = b.alloc(16)
+    conn.read(back, ro.advertise())
+    assert bytes(back.view()) == b"immutable bytes!"
+    conn.close()
+    with pytest.raises(ferry.FerryError):
+        conn.write(src, dst.advertise())
+    a.close()
+    b.close()
+
+
+def test_closed_endpoint_says_so():
+    ep = ferry.Endpoint()
+    r = ep.alloc(64)
+    ep.close()
+    with pytest.raises(ferry.FerryError, match="closed"):
+        ep.metadata
+    with pytest.raises(ferry.FerryError, match="closed"):
+        r.advertise()
+    assert "closed" in repr(ep)
