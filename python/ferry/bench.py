@@ -206,7 +206,8 @@ def _run(ep, conn: int, write: bool, size: int, metas: List[bytes], local: Tuple
 
 def _rust_reference(binary: str, a) -> Dict[Tuple[str, int], float]:
     cmd = [binary, "bench", "--transport", a.transport, "--sizes", ",".join(str(s) for s in a.sizes),
-           "--batch", str(a.batch), "--seconds", str(a.seconds), "--op", a.op, "--json"]
+           "--batch", str(a.batch), "--seconds", str(a.seconds), "--op", a.op,
+           "--rounds", str(a.rounds), "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         print(f"ferry bench failed ({' '.join(cmd)}):\n{out.stderr}", file=sys.stderr)

@@ -830,13 +830,30 @@ impl P2pEndpoint {
         let mr = self.state.lock().expect("lock").remove(mr_id);
         let r = match mr {
             None => Err(format!("unknown mr_id {mr_id}")),
-            Some(mr) => py.allow_threads(|| match Arc::try_unwrap(mr) {
-                Ok(mr) => match self.ep() {
-                    Ok(ep) => ep.deregister(mr).map_err(err),
-                    Err(_) => Ok(()),
-                },
-                // A call still holds it; the last holder deregisters.
-                Err(_) => Ok(()),
+            Some(mut mr) => py.allow_threads(|| {
+                // A call submitting an operation may hold it a moment; the
+                // memory may be freed once this returns, so wait for it.
+                let deadline = Instant::now() + Duration::from_secs(10);
+                loop {
+                    match Arc::try_unwrap(mr) {
+                        Ok(mr) => {
+                            return match self.ep() {
+                                Ok(ep) => ep.deregister(mr).map_err(err),
+                                Err(_) => Ok(()),
+                            }
+                        }
+                        Err(_) if Instant::now() >= deadline => {
+                            return Err(format!(
+                                "mr_id {mr_id} is still held by a call after 10 s; \
+                                 it is deregistered when that call ends"
+                            ))
+                        }
+                        Err(still) => {
+                            mr = still;
+                            std::thread::sleep(Duration::from_micros(200));
+                        }
+                    }
+                }
             }),
         };
         self.done(py, "dereg", r)

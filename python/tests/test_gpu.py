@@ -58,11 +58,12 @@ def target(request):
     proc.start()
     os.environ["FERRY_TRANSPORT"] = request.param
     ep = p2p.Endpoint(0)
-    ok, conn = ep.add_remote_endpoint(mine.recv())
+    meta = mine.recv()
+    ok, conn = ep.add_remote_endpoint(meta)
     assert ok
     descs = ep.deserialize_descs(mine.recv())
     info = mine.recv()
-    yield request.param, ep, conn, descs, info, mine
+    yield request.param, ep, conn, descs, info, mine, meta
     mine.send("stop")
     mine.recv()
     proc.join(30)
@@ -71,7 +72,7 @@ def target(request):
 
 
 def test_tensors_via_register_memory_and_transfer(target):
-    transport, ep, conn, remote, _, pipe = target
+    transport, ep, conn, remote, _, pipe, _ = target
     assert ep.peer(conn)[0] == ("shm" if transport == "auto" else "tcp")
     mine = torch.randint(0, 256, (64 * MiB,), dtype=torch.uint8, device="cuda:0")
     back = torch.zeros(64 * MiB, dtype=torch.uint8, device="cuda:0")
@@ -89,7 +90,7 @@ def test_tensors_via_register_memory_and_transfer(target):
 
 
 def test_write_ipc_and_read_ipc_gpu_and_pinned(target):
-    transport, ep, conn, _, info, pipe = target
+    transport, ep, conn, _, info, pipe, _ = target
     if transport != "auto":
         pytest.skip("CUDA IPC is a same-host path")
     assert len(info) == 136
@@ -108,6 +109,16 @@ def test_write_ipc_and_read_ipc_gpu_and_pinned(target):
     back = torch.zeros(4 * MiB, dtype=torch.uint8, device="cuda:0")
     assert ep.read_ipc(conn, back.data_ptr(), back.numel(), info)
     assert int(back.sum().item()) == 5 * 4 * MiB
+
+
+def test_connect_local_by_bus_id(target):
+    transport, ep, conn, _, _, _, meta = target
+    if transport != "auto":
+        pytest.skip("a same-host path")
+    _, _, bdf = p2p.Endpoint.parse_metadata(meta)
+    assert bdf, "an endpoint with a GPU puts its bus id in the metadata"
+    ok, c2 = ep.connect_local(bdf)
+    assert ok and ep.peer(c2)[0] == "shm"
 
 
 def test_pythonic_api_with_cuda_tensors():

@@ -314,3 +314,50 @@ def test_connect_by_address_and_accept():
     assert ok_a and gpu_a == -1 and isinstance(ip_a, str)
     a.close()
     b.close()
+
+
+def test_ipc_family_and_blocking_vectors_with_host_memory(transport):
+    a, b, conn = pair(transport)
+    # The target side needs its own id of the connection for advertise_ipc.
+    ok, _, _, theirs = a.accept()
+    assert ok
+    n, size = 4, 8192
+    dst = [np.zeros(size, np.uint8) for _ in range(n)]
+    ok, infos = a.advertisev_ipc(theirs, [d.ctypes.data for d in dst], [size] * n)
+    assert ok and all(len(i) == 64 for i in infos)  # host memory: ordinary windows
+    ok, one = a.advertise_ipc(theirs, dst[0].ctypes.data, size)
+    assert ok and len(one) == 64
+    src = [np.full(size, i + 1, np.uint8) for i in range(n)]
+    ptrs = [s.ctypes.data for s in src]
+    assert b.writev_ipc(conn, ptrs, [size] * n, infos)
+    assert [int(d[0]) for d in dst] == [1, 2, 3, 4]
+    for d in dst:
+        d[:] = 9
+    back = [np.zeros(size, np.uint8) for _ in range(n)]
+    assert b.readv_ipc(conn, [x.ctypes.data for x in back], [size] * n, infos)
+    assert all((x == 9).all() for x in back)
+    ok, tid = b.writev_ipc_async(conn, ptrs, [size] * n, infos)
+    assert ok and b.wait(tid, 10)
+    ok, tid = b.readv_ipc_async(conn, [x.ctypes.data for x in back], [size] * n, infos)
+    assert ok and b.wait(tid, 10)
+    assert [int(x[0]) for x in back] == [1, 2, 3, 4]
+    ok, tid = b.write_ipc_async(conn, ptrs[3], size, one)
+    assert ok and b.wait(tid, 10) and int(dst[0][0]) == 4
+    x = np.zeros(size, np.uint8)
+    assert b.read_ipc(conn, x.ctypes.data, size, one) and int(x[0]) == 4
+    ok, tid = b.read_ipc_async(conn, x.ctypes.data, size, one)
+    assert ok and b.wait(tid, 10)
+    # wrong info length, unequal lists
+    assert b.write_ipc(conn, ptrs[0], size, b"\0" * 10) is False
+    with pytest.raises(p2p.FerryError):
+        b.writev_ipc(conn, ptrs, [size] * 3, infos)
+    # the blocking registration forms
+    _, mrs = b.regv(ptrs, [size] * n)
+    _, metas = a.advertisev(theirs, [a.reg(d.ctypes.data, size)[1] for d in dst],
+                            [d.ctypes.data for d in dst], [size] * n, n)
+    assert b.writev(conn, mrs, ptrs, [size] * n, metas, n)
+    assert [int(d[-1]) for d in dst] == [1, 2, 3, 4]
+    ok, tid = b.readv_async(conn, mrs, ptrs, [size] * n, metas, n)
+    assert ok and b.wait(tid, 10)
+    a.close()
+    b.close()
