@@ -6,7 +6,8 @@ through `writev_async` + `poll_async` (the seed's calls: --depth vectors
 of batch/depth blocks each), then prints GB/s (1e9 B/s). With the `ferry`
 binary at hand (--ferry-bin, else target/release/ferry of this checkout,
 else `ferry` on PATH) it also runs `ferry bench` with the same flags in
-the same run and prints Python's ratio to it: the binding's overhead.
+the same run, one round of it after each Python round, and prints the
+ratio of the medians: the binding's overhead.
 
 --transport ipc (needs a GPU and torch or cupy): `write_ipc` / `read_ipc`
 of GPU memory into a same-host target's GPU memory, against a peer copy
@@ -207,7 +208,7 @@ def _run(ep, conn: int, write: bool, size: int, metas: List[bytes], local: Tuple
 def _rust_reference(binary: str, a) -> Dict[Tuple[str, int], float]:
     cmd = [binary, "bench", "--transport", a.transport, "--sizes", ",".join(str(s) for s in a.sizes),
            "--batch", str(a.batch), "--seconds", str(a.seconds), "--op", a.op,
-           "--rounds", str(a.rounds), "--json"]
+           "--rounds", "1", "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         print(f"ferry bench failed ({' '.join(cmd)}):\n{out.stderr}", file=sys.stderr)
@@ -303,38 +304,48 @@ def main(argv: Optional[List[str]] = None) -> int:
         ptr = buf.ctypes.data
     kind = "ipc" if ipc else ep.peer(conn)[0]
     ops = ["write", "read"] if a.op == "both" else [a.op]
-    ref = {}
     binary = None if (a.no_reference or ipc) else _find_ferry(a.ferry_bin)
-    rows = []
+    points = []
     for size in a.sizes:
         mine.send(("windows", size, peer_conn))
         metas = mine.recv()
         n = len(metas)
         local = ([mr] * n, [ptr + i * size for i in range(n)])
-        for op in ops:
-            g = statistics.median(
-                _run(ep, conn, op == "write", size, metas, local, a.batch, a.depth, a.seconds, ipc)
-                for _ in range(a.rounds)
-            )
-            depth = a.depth or (2 if size < (1 << 20) else min(n, a.batch))
-            row = {"transport": kind, "op": op, "block_bytes": size, "batch": min(n, a.batch),
-                   "depth": depth, "gbps": round(g, 4)}
-            if ipc and op == "write":
-                row["peer_copy_gbps"] = round(_peer_copy_gbps(a.gpu, peer_gpu, size, a.seconds), 4)
-                row["ratio"] = round(g / row["peer_copy_gbps"], 3)
-            rows.append(row)
+        points += [(op, size, metas, local) for op in ops]
+    # Rounds alternate Python and the reference, so that a machine whose
+    # speed drifts during the run moves both alike; medians are reported.
+    got: Dict[Tuple[str, int], List[float]] = {(op, s): [] for op, s, _, _ in points}
+    refs: Dict[Tuple[str, int], List[float]] = {k: [] for k in got}
+    for r in range(a.rounds):
+        if a.rounds > 1:
+            print(f"round {r + 1}/{a.rounds} ...", file=sys.stderr)
+        for op, size, metas, local in points:
+            got[(op, size)].append(
+                _run(ep, conn, op == "write", size, metas, local, a.batch, a.depth, a.seconds, ipc))
+        if binary:
+            for k, v in _rust_reference(binary, a).items():
+                if k in refs:
+                    refs[k].append(v)
+    rows = []
+    for op, size, metas, _ in points:
+        n = len(metas)
+        g = statistics.median(got[(op, size)])
+        depth = a.depth or (2 if size < (1 << 20) else min(n, a.batch))
+        row = {"transport": kind, "op": op, "block_bytes": size, "batch": min(n, a.batch),
+               "depth": depth, "gbps": round(g, 4)}
+        if refs[(op, size)]:
+            rg = statistics.median(refs[(op, size)])
+            row["rust_gbps"] = round(rg, 4)
+            row["ratio"] = round(g / rg, 3)
+        if ipc and op == "write":
+            row["peer_copy_gbps"] = round(_peer_copy_gbps(a.gpu, peer_gpu, size, a.seconds), 4)
+            row["ratio"] = round(g / row["peer_copy_gbps"], 3)
+        rows.append(row)
     if ipc:
         mine.send(("windows", 4096, peer_conn))
         p50, p99 = _ipc_latency(ep, conn, ptr, mine.recv()[0])
         rows.append({"transport": "ipc", "op": "write_latency", "block_bytes": 4096,
                      "p50_us": round(p50, 2), "p99_us": round(p99, 2)})
-    if binary:
-        ref = _rust_reference(binary, a)
-        for r in rows:
-            rg = ref.get((r["op"], r["block_bytes"]))
-            if rg:
-                r["rust_gbps"] = round(rg, 4)
-                r["ratio"] = round(r["gbps"] / rg, 3)
     mine.send(("stop",))
     target.join(10)
     for r in rows:

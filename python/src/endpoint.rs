@@ -708,6 +708,10 @@ impl P2pEndpoint {
         let r = self.ep().and_then(|ep| {
             let target = target?;
             py.allow_threads(|| match target {
+                Ok(id) if id == ep.id() => Err(
+                    "that GPU is served by this endpoint itself (one endpoint per GPU and host)"
+                        .into(),
+                ),
                 Ok(id) => ep.connect_local(id).map_err(err),
                 Err(meta) => ep.add_remote(&meta).map_err(err),
             })

@@ -57,8 +57,10 @@ def target(request):
     proc = ctx.Process(target=_target, args=(theirs, request.param, _gpu()))
     proc.start()
     os.environ["FERRY_TRANSPORT"] = request.param
-    ep = p2p.Endpoint(0)
+    # The target says which GPU it serves (for connect_local) before it
+    # sends its metadata; ours comes second, so the record stays the target's.
     meta = mine.recv()
+    ep = p2p.Endpoint(0)
     ok, conn = ep.add_remote_endpoint(meta)
     assert ok
     descs = ep.deserialize_descs(mine.recv())
