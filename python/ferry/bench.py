@@ -67,8 +67,14 @@ def _target(pipe, sizes: List[int], batch: int, gpu: Optional[int]) -> None:
     if gpu is None:
         import numpy as np
 
-        buf = np.full(big, 0x5A, np.uint8)  # touched, as a live buffer is
+        import ctypes
+
+        # Plain heap memory, as `ferry serve` registers (numpy would ask for
+        # huge pages), touched as a live buffer is.
+        raw = bytearray(big)
+        buf = np.frombuffer(raw, np.uint8)
         ptr = buf.ctypes.data
+        ctypes.memset(ptr, 0x5A, big)
     else:
         buf = _gpu_alloc(gpu, big)
         ptr = _gpu_ptr(buf)
