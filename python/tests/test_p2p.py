@@ -361,3 +361,62 @@ def test_ipc_family_and_blocking_vectors_with_host_memory(transport):
     assert ok and b.wait(tid, 10)
     a.close()
     b.close()
+
+
+def test_ctrl_c_interrupts_a_blocking_write_to_a_stopped_peer(transport):
+    """A peer that stops answering (SIGSTOP) holds a blocking write until the
+    op timeout; Ctrl-C ends the wait at once."""
+    target_code = textwrap.dedent(
+        """
+        import sys, numpy as np
+        from ferry import p2p
+        ep = p2p.Endpoint()
+        ep.start_passive_accept()
+        buf = np.zeros(64 << 20, np.uint8)
+        ok, mr = ep.reg(buf.ctypes.data, buf.nbytes)
+        ok, meta = ep.advertise(mr, buf.ctypes.data, buf.nbytes)
+        print(ep.get_metadata().hex(), meta.hex(), flush=True)
+        sys.stdin.read()
+        """
+    )
+    init_code = textwrap.dedent(
+        """
+        import sys, numpy as np
+        from ferry import p2p
+        ep = p2p.Endpoint()
+        ok, conn = ep.add_remote_endpoint(bytes.fromhex(sys.argv[1]))
+        meta = bytes.fromhex(sys.argv[2])
+        src = np.ones(64 << 20, np.uint8)
+        ok, mr = ep.reg(src.ctypes.data, src.nbytes)
+        assert ep.write(conn, mr, src.ctypes.data, src.nbytes, meta)
+        print("ready", flush=True)
+        sys.stdin.readline()
+        try:
+            for _ in range(1000):
+                ep.write(conn, mr, src.ctypes.data, src.nbytes, meta)
+            sys.exit(4)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        """
+    )
+    env = dict(os.environ, FERRY_OP_TIMEOUT_MS="60000")
+    t = subprocess.Popen([sys.executable, "-c", target_code], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        meta_hex, win_hex = t.stdout.readline().split()
+        i = subprocess.Popen([sys.executable, "-c", init_code, meta_hex, win_hex],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        assert i.stdout.readline().strip() == "ready"
+        t.send_signal(signal.SIGSTOP)
+        i.stdin.write("go\n")
+        i.stdin.flush()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        i.send_signal(signal.SIGINT)
+        out, _ = i.communicate(timeout=20)
+        assert "interrupted" in out and i.returncode == 0
+        assert time.monotonic() - t0 < 5
+    finally:
+        t.send_signal(signal.SIGCONT)
+        t.kill()
+        t.wait()
