@@ -28,6 +28,19 @@ use super::VerbsConfig;
 use crate::error::{Error, Result};
 use crate::wire::{VerbsInfo, LINK_ETHERNET, LINK_INFINIBAND};
 
+/// The verbs flags of a registration's access rights.
+fn access_flags(a: crate::region::Access) -> AccessFlags {
+    let m = super::plan::mr_access(a);
+    let mut f = AccessFlags::LocalWrite;
+    if m.remote_write {
+        f |= AccessFlags::RemoteWrite;
+    }
+    if m.remote_read {
+        f |= AccessFlags::RemoteRead;
+    }
+    f
+}
+
 fn verbs_err(what: &'static str, e: impl std::fmt::Display) -> Error {
     Error::Verbs {
         what,
@@ -75,6 +88,8 @@ pub struct Nic {
     lid: u16,
     mtu: u8,
     link_layer: u8,
+    /// The device's READ caps: (`max_qp_rd_atom`, `max_qp_init_rd_atom`).
+    rd_atom: (i32, i32),
 }
 
 impl Nic {
@@ -97,9 +112,14 @@ impl Nic {
             LinkLayer::InfiniBand => LINK_INFINIBAND,
             _ => LINK_ETHERNET,
         };
+        let dev = ctx
+            .query_device()
+            .map_err(|e| verbs_err("ibv_query_device_ex", e))?;
+        let rd_atom = (dev.max_qp_rd_atom(), dev.max_qp_init_rd_atom());
         let pd = ctx.alloc_pd().map_err(|e| verbs_err("ibv_alloc_pd", e))?;
         Ok(Nic {
             name: name.to_owned(),
+            rd_atom,
             pd,
             port,
             gid_index: cfg.gid_index,
@@ -111,13 +131,18 @@ impl Nic {
         })
     }
 
-    /// Registers `[ptr, ptr + len)` of host memory for local and remote
-    /// access.
+    /// Registers `[ptr, ptr + len)` of host memory with the access `access`
+    /// gives (`plan::mr_access`).
     ///
     /// # Safety
     /// The memory must stay valid until the returned region is dropped.
-    pub unsafe fn reg_host(&self, ptr: u64, len: usize) -> Result<Arc<MemoryRegion>> {
-        let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead;
+    pub unsafe fn reg_host(
+        &self,
+        ptr: u64,
+        len: usize,
+        access: crate::region::Access,
+    ) -> Result<Arc<MemoryRegion>> {
+        let access = access_flags(access);
         // SAFETY: the caller's contract.
         unsafe { self.pd.reg_mr(ptr as usize, len, access) }.map_err(|e| verbs_err("ibv_reg_mr", e))
     }
@@ -134,8 +159,9 @@ impl Nic {
         offset: u64,
         iova: u64,
         len: usize,
+        access: crate::region::Access,
     ) -> Result<Arc<MemoryRegion>> {
-        let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead;
+        let access = access_flags(access);
         // SAFETY: the caller's contract.
         unsafe { self.pd.reg_dmabuf_mr(offset, len, iova, fd, access) }
             .map_err(|e| verbs_err("ibv_reg_dmabuf_mr", e))
@@ -190,7 +216,14 @@ impl Nic {
             link_layer: self.link_layer,
             sl: cfg.service_level,
             traffic_class: cfg.traffic_class,
-            max_rd_atomic: cfg.max_rd_atomic,
+            // What we accept: the peer sends at most this many READs.
+            max_rd_atomic: super::plan::read_depths(
+                cfg.max_rd_atomic,
+                self.rd_atom.0,
+                self.rd_atom.1,
+                u8::MAX,
+            )
+            .0,
             qps: qps
                 .qps
                 .iter()
@@ -235,6 +268,12 @@ impl DataQps {
             ));
         }
         let mtu = Mtu::from(remote.mtu.min(nic.mtu) as u32);
+        let (dest_rd, init_rd) = super::plan::read_depths(
+            cfg.max_rd_atomic,
+            nic.rd_atom.0,
+            nic.rd_atom.1,
+            remote.max_rd_atomic,
+        );
         for (i, qp) in self.qps.iter_mut().enumerate() {
             let (rqpn, rpsn) = remote.qps[i];
             let mut a = QueuePairAttribute::new();
@@ -248,7 +287,9 @@ impl DataQps {
             let mut ah = AddressHandleAttribute::new();
             ah.setup_port(nic.port)
                 .setup_dest_lid(remote.lid)
-                .setup_service_level(remote.sl);
+                // Our own service level: the fabric's QoS is configured per
+                // host, and a peer must not pick our lane.
+                .setup_service_level(cfg.service_level);
             if remote.link_layer == LINK_ETHERNET || remote.gid != [0u8; 16] {
                 let gid = sideway::ibverbs::address::Gid { raw: remote.gid };
                 ah.setup_grh_dest_gid(&gid)
@@ -260,7 +301,7 @@ impl DataQps {
                 .setup_path_mtu(mtu)
                 .setup_dest_qp_num(rqpn)
                 .setup_rq_psn(rpsn)
-                .setup_max_dest_read_atomic(cfg.max_rd_atomic)
+                .setup_max_dest_read_atomic(dest_rd)
                 .setup_min_rnr_timer(12)
                 .setup_address_vector(&ah);
             qp.modify(&a).map_err(|e| verbs_err("QP to RTR", e))?;
@@ -270,7 +311,7 @@ impl DataQps {
                 .setup_timeout(cfg.timeout)
                 .setup_retry_cnt(cfg.retry_cnt)
                 .setup_rnr_retry(7)
-                .setup_max_read_atomic(cfg.max_rd_atomic);
+                .setup_max_read_atomic(init_rd);
             qp.modify(&a).map_err(|e| verbs_err("QP to RTS", e))?;
         }
         Ok(())

@@ -110,13 +110,14 @@ pub(crate) fn mr_of(nic: &device::Nic, r: &crate::region::Region) -> crate::erro
             let fd = crate::gpu::memory::dmabuf_fd(ordinal, alloc_base, alloc_len)?;
             // SAFETY: the fd is a dma-buf of the allocation holding the
             // region, which outlives the MR (dropped with the Region).
-            let mr = unsafe { nic.reg_dmabuf(fd, r.addr() - alloc_base, r.addr(), r.len) };
+            let mr =
+                unsafe { nic.reg_dmabuf(fd, r.addr() - alloc_base, r.addr(), r.len, r.access) };
             // SAFETY: our fd; the MR holds its own reference to the buffer.
             unsafe { libc::close(fd) };
             mr?
         }
         // SAFETY: the region's memory outlives the MR (dropped with it).
-        _ => unsafe { nic.reg_host(r.addr(), r.len)? },
+        _ => unsafe { nic.reg_host(r.addr(), r.len, r.access)? },
     };
     let mr: std::sync::Arc<dyn std::any::Any + Send + Sync> = mr;
     let mr = r.nic_attach.get_or_init(|| mr);

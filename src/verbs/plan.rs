@@ -178,8 +178,76 @@ pub fn wc_outcome(status: u32) -> WcOutcome {
     }
 }
 
+/// The READ depths of a queue pair: how many incoming READs it accepts
+/// (RTR `max_dest_rd_atomic`: ours, within the device's
+/// `max_qp_rd_atom`) and how many it keeps outstanding (RTS
+/// `max_rd_atomic`: ours, within the device's `max_qp_init_rd_atom` and
+/// what the peer said it accepts). A value over a device cap fails the
+/// transition; one over the peer's accepted depth makes the peer's NIC
+/// refuse READs (REM_INV_REQ). At least 1 each.
+pub fn read_depths(ours: u8, dev_rd_atom: i32, dev_init_rd_atom: i32, peer_dest: u8) -> (u8, u8) {
+    let cap = |v: i32| u8::try_from(v.max(1)).unwrap_or(u8::MAX);
+    let dest = ours.min(cap(dev_rd_atom)).max(1);
+    let init = ours.min(cap(dev_init_rd_atom)).min(peer_dest).max(1);
+    (dest, init)
+}
+
+/// What a NIC registration of a region allows, from the region's own
+/// access rights: local write always (the NIC writes READ results into
+/// local memory), remote write and remote read only where the
+/// registration grants them, so the NIC refuses what ferry's own checks
+/// refuse on tcp.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MrAccess {
+    pub local_write: bool,
+    pub remote_write: bool,
+    pub remote_read: bool,
+}
+
+pub fn mr_access(a: crate::region::Access) -> MrAccess {
+    use crate::region::Access;
+    MrAccess {
+        local_write: true,
+        remote_write: a.contains(Access::REMOTE_WRITE),
+        remote_read: a.contains(Access::REMOTE_READ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn read_depths_stay_within_device_caps_and_the_peers_acceptance() {
+        // ConnectX-6: max_qp_rd_atom 16, max_qp_init_rd_atom 16.
+        assert_eq!(read_depths(16, 16, 16, 16), (16, 16));
+        assert_eq!(read_depths(32, 16, 16, 32), (16, 16));
+        // A peer that accepts fewer READs than we would send.
+        assert_eq!(read_depths(16, 16, 16, 4), (16, 4));
+        // A device that reports less (or nonsense) than asked.
+        assert_eq!(read_depths(16, 8, 4, 16), (8, 4));
+        assert_eq!(read_depths(16, 0, -1, 0), (1, 1));
+        assert_eq!(read_depths(16, 1 << 20, 1 << 20, 255), (16, 16));
+    }
+
+    #[test]
+    fn nic_registrations_grant_only_the_regions_rights() {
+        use crate::region::Access;
+        let ro = mr_access(Access::REMOTE_READ);
+        assert!(ro.local_write && ro.remote_read && !ro.remote_write);
+        let wo = mr_access(Access::REMOTE_WRITE);
+        assert!(wo.remote_write && !wo.remote_read);
+        let none = mr_access(Access::empty());
+        assert!(none.local_write && !none.remote_write && !none.remote_read);
+        assert_eq!(
+            mr_access(Access::all()),
+            MrAccess {
+                local_write: true,
+                remote_write: true,
+                remote_read: true
+            }
+        );
+    }
+
     use super::*;
 
     #[test]
