@@ -310,6 +310,23 @@ impl RegionTable {
     }
 }
 
+/// A host region over `buf` for tests of the layers above (no endpoint).
+#[cfg(test)]
+pub(crate) fn test_region(buf: &mut [u8]) -> Arc<Region> {
+    Arc::new(Region {
+        ptr: buf.as_mut_ptr(),
+        len: buf.len(),
+        rkey: 7,
+        tag: 0xfeed,
+        access: Access::all(),
+        mem: crate::gpu::MemKind::Host,
+        ipc_exported: Default::default(),
+        ipc_handle: Default::default(),
+        nic_attach: Default::default(),
+        _backing: Backing::Raw,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -21,6 +21,12 @@ struct LedgerOp {
     error: Option<Error>,
     /// The connection the op counts against (its in-flight limit).
     conn: Option<ConnId>,
+    /// The op itself, for transports whose hardware reads and writes its
+    /// local memory after posting (RDMA): its regions (and their NIC
+    /// registrations) stay alive until the op ends, and are let go before
+    /// the outcome is published, so a deregistration that follows it
+    /// finds them free.
+    hold: Option<super::queue::OpCmd>,
 }
 
 pub(crate) struct OpLedger {
@@ -61,8 +67,15 @@ impl OpLedger {
             remaining: pieces,
             error: None,
             conn,
+            hold: None,
         };
         Ok(())
+    }
+
+    /// Keeps `op` (its local memory) alive until op `op.slot` ends.
+    pub fn hold(&mut self, op: super::queue::OpCmd) {
+        let slot = op.slot as usize;
+        self.ops[slot].hold = Some(op);
     }
 
     /// Ends op `slot` at once with `err` (it was never opened, or none of
@@ -72,6 +85,7 @@ impl OpLedger {
             remaining: 1,
             error: None,
             conn: None,
+            hold: None,
         };
         self.done.push((slot, Err(err)));
     }
@@ -110,6 +124,7 @@ impl OpLedger {
             }
             op.remaining -= 1;
             if op.remaining == 0 {
+                drop(op.hold.take());
                 if let Some(c) = op.conn.take() {
                     if let Some(k) = self.conn_ops.get_mut(&c) {
                         *k = k.saturating_sub(1);
@@ -133,6 +148,46 @@ impl OpLedger {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_held_op_keeps_its_memory_until_its_last_piece_ends() {
+        use crate::reactor::queue::{OpCmd, OpDesc, OpParts};
+        let (table, mut l) = ledger(4, 8);
+        let mut buf = vec![0u8; 64];
+        let region = crate::region::test_region(&mut buf);
+        let t = table.claim().expect("a slot");
+        let slot = t.slot();
+        l.open(slot, 2, None).expect("open");
+        let local = crate::region::RegionSlice::new(&region, 0, 64).expect("slice");
+        l.hold(OpCmd {
+            conn: ConnId(1),
+            kind: crate::error::OpKind::Write,
+            slot,
+            parts: OpParts::One(OpDesc {
+                local,
+                remote_addr: 0,
+                rkey: 1,
+                tag: 0,
+                remote_device: false,
+                nic_rkey: Some(9),
+            }),
+            at: Default::default(),
+            counted: true,
+        });
+        assert_eq!(
+            Arc::strong_count(&region),
+            2,
+            "the ledger holds the op's region"
+        );
+        l.done.push((slot, Ok(())));
+        l.publish(|_| true);
+        assert_eq!(Arc::strong_count(&region), 2, "one piece is still out");
+        l.done.push((slot, Ok(())));
+        l.publish(|_| true);
+        assert_eq!(Arc::strong_count(&region), 1, "let go when the op ended");
+        drop(t);
+    }
+
     use super::*;
 
     fn ledger(slots: usize, per_conn: usize) -> (Arc<CompletionTable>, OpLedger) {

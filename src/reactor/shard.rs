@@ -654,13 +654,24 @@ impl Shard {
             self.ledger.fail(op.slot, err);
             return None;
         }
-        // An op goes over RDMA when its connection has queue pairs and
-        // every window carries the peer NIC's key; it then completes once.
+        // An op goes over RDMA when its connection has queue pairs, every
+        // window carries the peer NIC's key, and its work requests fit the
+        // send queues at all (else it would wait forever: it goes over the
+        // connection's tcp streams); it then completes once.
         let via_verbs = match target {
-            Some(ConnRef::Tcp(i)) => {
-                self.tcp.conns[i].verbs.is_some()
-                    && op.parts.as_slice().iter().all(|d| d.nic_rkey.is_some())
-            }
+            Some(ConnRef::Tcp(i)) => match &self.tcp.conns[i].verbs {
+                Some(link) => {
+                    let descs = op.parts.as_slice();
+                    descs.iter().all(|d| d.nic_rkey.is_some())
+                        && link.fits(
+                            descs
+                                .iter()
+                                .map(|d| link.pieces(d.local.len() as u64))
+                                .sum(),
+                        )
+                }
+                None => false,
+            },
             _ => false,
         };
         let route = match target {
@@ -831,8 +842,12 @@ impl Shard {
                 }
             }
         }
-        if let Err(e) = link.post(op.kind == OpKind::Write, op.slot) {
-            link.fail_slot(op.slot, e, &mut self.ledger.done);
+        match link.post(op.kind == OpKind::Write, op.slot) {
+            // The NIC reads (WRITE) or writes (READ) the op's local memory
+            // until its completions arrive: the ledger keeps the op's
+            // regions, and their MRs, alive until then.
+            Ok(_) => self.ledger.hold(op),
+            Err(e) => link.fail_slot(op.slot, e, &mut self.ledger.done),
         }
         None
     }

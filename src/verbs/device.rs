@@ -361,6 +361,10 @@ impl super::QpLink for Link {
         self.wr_out.iter().all(|&o| o + per_qp <= self.cfg.qp_depth)
     }
 
+    fn fits(&self, n_pieces: usize) -> bool {
+        plan::fits_queues(n_pieces, self.wr_out.len(), self.cfg.qp_depth)
+    }
+
     fn busy(&self) -> bool {
         !self.owed.is_empty()
     }

@@ -37,6 +37,8 @@ pub(crate) trait QpLink: Send {
     /// Can `n_pieces` more work requests go out without overrunning a
     /// send queue?
     fn has_room(&self, n_pieces: usize) -> bool;
+    /// Could `n_pieces` work requests ever go out (into empty queues)?
+    fn fits(&self, n_pieces: usize) -> bool;
     /// Completions are outstanding (the shard must keep polling).
     fn busy(&self) -> bool;
     /// Work requests an op part of `len` bytes becomes.

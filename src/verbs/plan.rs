@@ -178,6 +178,14 @@ pub fn wc_outcome(status: u32) -> WcOutcome {
     }
 }
 
+/// Whether an op of `n_pieces` work requests, striped over `n_qps` send
+/// queues of `depth` entries, fits them at all (when they are empty): a
+/// queue takes its share plus one more entry. One that never fits goes
+/// over the connection's tcp streams instead of waiting forever.
+pub fn fits_queues(n_pieces: usize, n_qps: usize, depth: u32) -> bool {
+    n_qps > 0 && (n_pieces.div_ceil(n_qps) as u64 + 1) <= depth as u64
+}
+
 /// The READ depths of a queue pair: how many incoming READs it accepts
 /// (RTR `max_dest_rd_atomic`: ours, within the device's
 /// `max_qp_rd_atom`) and how many it keeps outstanding (RTS
@@ -215,6 +223,16 @@ pub fn mr_access(a: crate::region::Access) -> MrAccess {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn an_op_that_can_never_fit_the_send_queues_is_told_apart() {
+        // 4 QPs of 1024: 4 x 1023 pieces fit, one more does not.
+        assert!(fits_queues(4 * 1023, 4, 1024));
+        assert!(!fits_queues(4 * 1023 + 1, 4, 1024));
+        assert!(fits_queues(1, 1, 2));
+        assert!(!fits_queues(1, 1, 1));
+        assert!(!fits_queues(1, 0, 1024));
+    }
 
     #[test]
     fn read_depths_stay_within_device_caps_and_the_peers_acceptance() {
