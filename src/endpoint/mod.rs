@@ -1253,7 +1253,7 @@ impl Inner {
     fn verbs_link(
         &self,
         s: &std::net::TcpStream,
-        peer: &Hello,
+        (ours, peer): (&Hello, &Hello),
         deadline: Instant,
     ) -> Result<Option<Box<crate::verbs::Link>>> {
         #[cfg(feature = "rdma")]
@@ -1261,7 +1261,10 @@ impl Inner {
             let Some(nic) = &self.nic else {
                 return Ok(None);
             };
-            if peer.caps & crate::wire::CAP_VERBS == 0 {
+            // Both hellos, as the accepting side decides (`wants_verbs`):
+            // a hello sent without CAP_VERBS (a fallback handshake) means
+            // no verbs on either side.
+            if !ours.both_offer(peer, crate::wire::CAP_VERBS) {
                 return Ok(None);
             }
             let ctl = std::cell::RefCell::new(Ctl::new(self.backend)?);
@@ -1277,7 +1280,7 @@ impl Inner {
         }
         #[cfg(not(feature = "rdma"))]
         {
-            let _ = (s, peer, deadline);
+            let _ = (s, ours, peer, deadline);
             Ok(None)
         }
     }
@@ -1334,7 +1337,7 @@ impl Inner {
             peer_max: agreed,
         };
         let deadline = Instant::now() + self.cfg.connect_timeout();
-        let mut verbs = self.verbs_link(&streams[0], &peer_hello, deadline)?;
+        let mut verbs = self.verbs_link(&streams[0], (&hellos[0].0, &peer_hello), deadline)?;
         // Each side spreads its streams over its own shards: a stream's
         // requests are answered on that stream, so the two sides need not
         // split alike. Verbs connections stay whole (one set of QPs).
@@ -1422,7 +1425,7 @@ impl Inner {
             }
             drop(d.slot);
         }
-        if !self.wants_verbs(&d.theirs) {
+        if !self.wants_verbs(&d.ours, &d.theirs) {
             return adopt(self, d);
         }
         for s in &d.streams {
@@ -1449,8 +1452,10 @@ impl Inner {
     }
 
     /// Whether accepting `theirs` leads to an RDMA exchange.
-    fn wants_verbs(&self, theirs: &Hello) -> bool {
-        cfg!(feature = "rdma") && self.nic.is_some() && theirs.caps & crate::wire::CAP_VERBS != 0
+    fn wants_verbs(&self, ours: &Hello, theirs: &Hello) -> bool {
+        cfg!(feature = "rdma")
+            && self.nic.is_some()
+            && ours.both_offer(theirs, crate::wire::CAP_VERBS)
     }
 
     fn push_accepted(&self, conn: ConnId, peer: Peer) {

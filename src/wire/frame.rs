@@ -56,6 +56,15 @@ pub struct Hello {
     pub auth_nonce: u64,
 }
 
+impl Hello {
+    /// Whether both hellos of a handshake offer `cap`: the one rule both
+    /// sides apply to the same pair, so they decide alike (a side that
+    /// offered nothing never finds the other set up for it).
+    pub fn both_offer(&self, other: &Hello, cap: u32) -> bool {
+        self.caps & other.caps & cap != 0
+    }
+}
+
 /// The sender can take same-host (shared-memory) connections.
 pub const CAP_SHM: u32 = 1;
 /// The sender has a shared secret and requires the peer to prove it too.
@@ -258,6 +267,27 @@ fn decode_hello(body: &[u8]) -> Result<Hello, DecodeError> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_capability_counts_only_when_both_hellos_offer_it() {
+        let h = |caps| Hello {
+            endpoint_id: 1,
+            caps,
+            auth_nonce: 0,
+            host_token: 0,
+            conn_nonce: 0,
+            stream_idx: 0,
+            stream_count: 1,
+            max_inflight: 1,
+        };
+        let (v, s) = (CAP_VERBS, CAP_SHM);
+        assert!(h(v | s).both_offer(&h(v), v));
+        // The fallback hello drops a bit: neither side may then use it.
+        assert!(!h(v).both_offer(&h(0), v));
+        assert!(!h(0).both_offer(&h(v), v));
+        assert!(!h(v).both_offer(&h(s), v));
+    }
+
     use super::*;
     use crate::wire::testrng::Rng;
 
