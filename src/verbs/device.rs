@@ -345,7 +345,7 @@ pub(crate) struct Link {
     wr_out: Vec<u32>,
     /// Per op slot: completions still owed, and the first error seen. An op
     /// completes once (one `done` per slot) when its last one arrives.
-    owed: crate::sys::IntMap<u32, (u32, Option<Error>)>,
+    owed: plan::Owed,
     /// The parts of the op being built (reused).
     items: Vec<Sge>,
 }
@@ -480,9 +480,10 @@ impl super::QpLink for Link {
         }
     }
 
-    /// Reports completions to `done`. `Err` (with the reason) when a
-    /// completion says the connection is broken: the QPs are in the error
-    /// state and every later WR would be flushed.
+    /// Reports completions to `done`. `Err` (with the reason) after any
+    /// error completion: the QPs are in the error state and every later WR
+    /// would be flushed; the caller fails the link (`fail_all`), which
+    /// ends every op still owed once.
     fn poll(&mut self, done: &mut Vec<(u32, Result<()>)>) -> std::result::Result<usize, String> {
         let mut broken = None;
         let (wr_out, owed) = (&mut self.wr_out, &mut self.owed);
@@ -499,24 +500,17 @@ impl super::QpLink for Link {
                         "{name}: the target's NIC refused it (unknown key, outside the registration, or not permitted)"
                     ),
                 }),
-                WcOutcome::ConnBroken => {
-                    broken.get_or_insert_with(|| format!("RDMA completion {name}"));
-                    Err(Error::Verbs {
-                        what: "RDMA operation",
-                        reason: name.to_owned(),
-                    })
-                }
+                WcOutcome::ConnBroken => Err(Error::Verbs {
+                    what: "RDMA operation",
+                    reason: name.to_owned(),
+                }),
             };
-            if let Some((left, err)) = owed.get_mut(&slot) {
-                if let Err(e) = r {
-                    err.get_or_insert(e);
-                }
-                *left = left.saturating_sub(1);
-                if *left == 0 {
-                    let (_, err) = owed.remove(&slot).expect("present");
-                    done.push((slot, err.map_or(Ok(()), Err)));
-                }
+            // Any error completion leaves an RC queue pair in error: the
+            // link is done, and its ops end through `fail_all`.
+            if r.is_err() {
+                broken.get_or_insert_with(|| format!("RDMA completion {name}"));
             }
+            plan::settle(owed, slot, r, done);
         });
         match broken {
             Some(reason) => Err(reason),
@@ -526,9 +520,7 @@ impl super::QpLink for Link {
 
     /// The link is going away: every completion still owed fails with `err`.
     fn fail_all(&mut self, err: &Error, done: &mut Vec<(u32, Result<()>)>) {
-        for (slot, (_, first)) in self.owed.drain() {
-            done.push((slot, Err(first.unwrap_or_else(|| err.duplicate()))));
-        }
+        plan::fail_owed(&mut self.owed, err, done);
     }
 }
 

@@ -178,6 +178,55 @@ pub fn wc_outcome(status: u32) -> WcOutcome {
     }
 }
 
+/// Per op slot: signalled completions still owed, and the first error.
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))] // used by device.rs
+pub(crate) type Owed = crate::sys::IntMap<u32, (u32, Option<crate::error::Error>)>;
+
+/// Applies one work completion to the op it names. A success pays one
+/// owed completion, and the op ends with the last (with its first error,
+/// if any). An error completion — signalled or not: mlx5 reports the
+/// faulting work request's id either way, and flushes every one after it —
+/// only records the error: an RC queue pair is in error after any error
+/// completion, so the caller fails the link and every op still owed ends
+/// once, with its first error (`fail_owed`). A completion for an op no
+/// longer owed (a late flush) changes nothing.
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))] // used by device.rs
+pub(crate) fn settle(
+    owed: &mut Owed,
+    slot: u32,
+    result: crate::error::Result<()>,
+    done: &mut Vec<(u32, crate::error::Result<()>)>,
+) {
+    let Some((left, first)) = owed.get_mut(&slot) else {
+        return;
+    };
+    match result {
+        Ok(()) => {
+            *left = left.saturating_sub(1);
+            if *left == 0 {
+                let (_, err) = owed.remove(&slot).expect("present");
+                done.push((slot, err.map_or(Ok(()), Err)));
+            }
+        }
+        Err(e) => {
+            first.get_or_insert(e);
+        }
+    }
+}
+
+/// The link is gone: every op still owed ends once, with its first error
+/// or `err`.
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))] // used by device.rs
+pub(crate) fn fail_owed(
+    owed: &mut Owed,
+    err: &crate::error::Error,
+    done: &mut Vec<(u32, crate::error::Result<()>)>,
+) {
+    for (slot, (_, first)) in owed.drain() {
+        done.push((slot, Err(first.unwrap_or_else(|| err.duplicate()))));
+    }
+}
+
 /// Whether an op of `n_pieces` work requests, striped over `n_qps` send
 /// queues of `depth` entries, fits them at all (when they are empty): a
 /// queue takes its share plus one more entry. One that never fits goes
@@ -223,6 +272,43 @@ pub fn mr_access(a: crate::region::Access) -> MrAccess {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn error_completions_end_ops_once_through_the_failed_link() {
+        use crate::error::Error;
+        let e = |r: &str| Error::Verbs {
+            what: "RDMA operation",
+            reason: r.to_owned(),
+        };
+        let mut owed = Owed::default();
+        let mut done = Vec::new();
+        owed.insert(1, (2, None));
+        owed.insert(2, (1, None));
+        // Op 1: one success, then an (unsignalled) error completion: not
+        // ended early, and the error is its own.
+        settle(&mut owed, 1, Ok(()), &mut done);
+        settle(&mut owed, 1, Err(e("IBV_WC_REM_ACCESS_ERR")), &mut done);
+        assert!(done.is_empty());
+        // Op 2 sees only flushes.
+        settle(&mut owed, 2, Err(e("IBV_WC_WR_FLUSH_ERR")), &mut done);
+        settle(&mut owed, 2, Err(e("IBV_WC_WR_FLUSH_ERR")), &mut done);
+        assert!(done.is_empty());
+        fail_owed(&mut owed, &e("link failed"), &mut done);
+        done.sort_by_key(|d| d.0);
+        assert_eq!(done.len(), 2, "each op ends exactly once");
+        let msg = |i: usize| done[i].1.as_ref().unwrap_err().to_string();
+        assert!(msg(0).contains("REM_ACCESS"), "{}", msg(0));
+        assert!(msg(1).contains("FLUSH"), "{}", msg(1));
+        // A late flush for an op already ended changes nothing.
+        settle(&mut owed, 1, Err(e("IBV_WC_WR_FLUSH_ERR")), &mut done);
+        assert_eq!(done.len(), 2);
+        // Successes alone end an op when the last owed one arrives.
+        owed.insert(3, (2, None));
+        settle(&mut owed, 3, Ok(()), &mut done);
+        assert_eq!(done.len(), 2);
+        settle(&mut owed, 3, Ok(()), &mut done);
+        assert!(matches!(done[2], (3, Ok(()))));
+    }
 
     #[test]
     fn an_op_that_can_never_fit_the_send_queues_is_told_apart() {
