@@ -109,14 +109,31 @@ pub(crate) fn mr_of(nic: &device::Nic, r: &crate::region::Region) -> crate::erro
             alloc_base,
             alloc_len,
         } => {
-            let fd = crate::gpu::memory::dmabuf_fd(ordinal, alloc_base, alloc_len)?;
-            // SAFETY: the fd is a dma-buf of the allocation holding the
-            // region, which outlives the MR (dropped with the Region).
-            let mr =
-                unsafe { nic.reg_dmabuf(fd, r.addr() - alloc_base, r.addr(), r.len, r.access) };
-            // SAFETY: our fd; the MR holds its own reference to the buffer.
-            unsafe { libc::close(fd) };
-            mr?
+            // SAFETY: sysconf has no preconditions.
+            let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
+            let (base, len, off) = plan::dmabuf_span(alloc_base, alloc_len as u64, r.addr(), page);
+            let via_dmabuf =
+                crate::gpu::memory::dmabuf_fd(ordinal, base, len as usize).and_then(|fd| {
+                    // SAFETY: the fd is a dma-buf of the allocation holding
+                    // the region, which outlives the MR (dropped with the
+                    // Region).
+                    let mr = unsafe { nic.reg_dmabuf(fd, off, r.addr(), r.len, r.access) };
+                    // SAFETY: our fd; the MR holds its own reference to it.
+                    unsafe { libc::close(fd) };
+                    mr
+                });
+            match via_dmabuf {
+                Ok(mr) => mr,
+                // No dma-buf (an older driver, a NIC without it): the
+                // device pointer itself, which nvidia-peermem pins.
+                // SAFETY: the region's memory outlives the MR.
+                Err(e) => unsafe { nic.reg_host(r.addr(), r.len, r.access) }.map_err(|e2| {
+                    crate::error::Error::Verbs {
+                        what: "registering GPU memory with the NIC",
+                        reason: format!("dma-buf: {e}; ibv_reg_mr on the device pointer: {e2}"),
+                    }
+                })?,
+            }
         }
         // SAFETY: the region's memory outlives the MR (dropped with it).
         _ => unsafe { nic.reg_host(r.addr(), r.len, r.access)? },

@@ -178,6 +178,18 @@ pub fn wc_outcome(status: u32) -> WcOutcome {
     }
 }
 
+/// The dma-buf span of GPU memory for `cuMemGetHandleForAddressRange`,
+/// which wants a start and size aligned to the host page: the allocation
+/// `[alloc_base, alloc_base + alloc_len)` widened to pages. Returns
+/// (aligned base, aligned length, the region's offset in it) for a region
+/// starting at `addr`; the MR then starts at that offset of the dma-buf.
+pub fn dmabuf_span(alloc_base: u64, alloc_len: u64, addr: u64, page: u64) -> (u64, u64, u64) {
+    let page = page.max(1);
+    let base = alloc_base - alloc_base % page;
+    let end = (alloc_base + alloc_len).div_ceil(page) * page;
+    (base, end - base, addr - base)
+}
+
 /// Per op slot: signalled completions still owed, and the first error.
 #[cfg_attr(not(feature = "rdma"), allow(dead_code))] // used by device.rs
 pub(crate) type Owed = crate::sys::IntMap<u32, (u32, Option<crate::error::Error>)>;
@@ -272,6 +284,23 @@ pub fn mr_access(a: crate::region::Access) -> MrAccess {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn dmabuf_spans_are_page_aligned_and_keep_the_regions_offset() {
+        // cudaMalloc'd: already aligned.
+        assert_eq!(
+            dmabuf_span(0x7f00_0020_0000, 1 << 20, 0x7f00_0020_1000, 4096),
+            (0x7f00_0020_0000, 1 << 20, 0x1000)
+        );
+        // An allocation that starts and ends inside pages (a sub-allocation
+        // reported by the driver): widened both ways, offset measured from
+        // the aligned start.
+        assert_eq!(
+            dmabuf_span(0x1000_0100, 0x2000, 0x1000_0180, 4096),
+            (0x1000_0000, 0x3000, 0x180)
+        );
+        assert_eq!(dmabuf_span(0x10000, 1, 0x10000, 65536), (0x10000, 65536, 0));
+    }
 
     #[test]
     fn error_completions_end_ops_once_through_the_failed_link() {
