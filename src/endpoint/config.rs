@@ -160,9 +160,10 @@ pub struct Config {
     /// RDMA devices to use, best first (`FERRY_RDMA_DEV=name[,name]`);
     /// default: the NICs nearest the GPU on the PCIe tree.
     pub rdma_dev: Option<String>,
-    /// GID table index (`FERRY_RDMA_GID_INDEX`, default 0; RoCE v2 GIDs
-    /// often sit at 1 or 3).
-    pub rdma_gid_index: u32,
+    /// GID table index (`FERRY_RDMA_GID_INDEX`). `None` (the default):
+    /// searched in the port's GID table — a RoCE v2 IPv4-mapped GID first,
+    /// then another RoCE v2 one, else index 0 (`verbs::nic::best_gid`).
+    pub rdma_gid_index: Option<u32>,
     /// Data queue pairs per connection (`FERRY_RDMA_QPS`, default 4, at most 64).
     pub rdma_qps: usize,
     /// Outstanding RDMA READs per queue pair (`FERRY_RDMA_MAX_RD_ATOMIC`, default 16).
@@ -207,7 +208,7 @@ impl Default for Config {
             gpu_streams: 4,
             gpu_bounce_bytes: 256 << 20,
             rdma_dev: None,
-            rdma_gid_index: 0,
+            rdma_gid_index: None,
             rdma_qps: 4,
             rdma_max_rd_atomic: 16,
             rdma_sl: 0,
@@ -343,12 +344,9 @@ impl Config {
             1,
             1 << 40,
         )?;
-        within(
-            "rdma_gid_index (FERRY_RDMA_GID_INDEX)",
-            self.rdma_gid_index,
-            0,
-            255,
-        )?;
+        if let Some(g) = self.rdma_gid_index {
+            within("rdma_gid_index (FERRY_RDMA_GID_INDEX)", g, 0, 255)?;
+        }
         within(
             "rdma_qps (FERRY_RDMA_QPS)",
             self.rdma_qps,
@@ -428,11 +426,13 @@ impl Config {
             "FERRY_MAX_CONN_INFLIGHT_OPS" => max_conn_inflight_ops,
             "FERRY_GPU_STREAMS" => gpu_streams,
             "FERRY_GPU_BOUNCE_BYTES" => gpu_bounce_bytes,
-            "FERRY_RDMA_GID_INDEX" => rdma_gid_index,
             "FERRY_RDMA_QPS" => rdma_qps,
             "FERRY_RDMA_MAX_RD_ATOMIC" => rdma_max_rd_atomic,
             "FERRY_RDMA_SL" => rdma_sl,
             "FERRY_RDMA_TC" => rdma_tc,
+        }
+        if let Some(v) = get("FERRY_RDMA_GID_INDEX") {
+            c.rdma_gid_index = Some(num("FERRY_RDMA_GID_INDEX", &v)?);
         }
         if let Some(v) = get("FERRY_GPU") {
             c.gpu = Some(num("FERRY_GPU", &v)?);

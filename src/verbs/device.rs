@@ -104,8 +104,14 @@ impl Nic {
         let pa = ctx
             .query_port(port)
             .map_err(|e| verbs_err("ibv_query_port", e))?;
+        // An explicit index, else the best of the port's GID table
+        // (RoCE v2, IPv4-mapped first: index 0 is RoCE v1's link-local GID
+        // on mlx5, which routed fabrics never connect).
+        let gid_index = cfg.gid_index.unwrap_or_else(|| {
+            super::nic::best_gid(std::path::Path::new("/sys"), name, port).unwrap_or(0)
+        });
         let gid = ctx
-            .query_gid(port, cfg.gid_index)
+            .query_gid(port, gid_index)
             .map_err(|e| verbs_err("ibv_query_gid", e))?;
         let g = gid.raw;
         let link_layer = match pa.link_layer() {
@@ -122,7 +128,7 @@ impl Nic {
             rd_atom,
             pd,
             port,
-            gid_index: cfg.gid_index,
+            gid_index,
             gid: g,
             lid: pa.lid(),
             mtu: pa.active_mtu() as u8,

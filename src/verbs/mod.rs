@@ -81,8 +81,26 @@ pub(crate) fn open_nic(
     let nics = status(gpu_bdf, wanted)?;
     #[cfg(feature = "rdma")]
     {
-        let nic = device::Nic::open(&nics[0], cfg).map_err(|e| e.to_string())?;
-        Ok((nics, Some(std::sync::Arc::new(nic))))
+        // The best NIC that opens: one that fails (a VF without
+        // resources, a port gone) is skipped, and the reasons are kept.
+        let mut why = Vec::new();
+        for (i, name) in nics.iter().enumerate() {
+            match device::Nic::open(name, cfg) {
+                Ok(nic) => {
+                    if !why.is_empty() {
+                        tracing::warn!("RDMA: skipped {}", why.join("; "));
+                    }
+                    let mut order = nics.clone();
+                    order.rotate_left(i);
+                    return Ok((order, Some(std::sync::Arc::new(nic))));
+                }
+                Err(e) => why.push(format!("{name}: {e}")),
+            }
+        }
+        Err(format!(
+            "no RDMA device could be opened: {}",
+            why.join("; ")
+        ))
     }
     #[cfg(not(feature = "rdma"))]
     {
@@ -172,8 +190,8 @@ pub(crate) fn remote_key(nic: Option<&NicHandle>, r: &crate::region::Region) -> 
 #[derive(Debug, Clone)]
 pub struct VerbsConfig {
     pub port: u8,
-    /// `FERRY_RDMA_GID_INDEX` (RoCE v2 GIDs usually sit at 1 or 3).
-    pub gid_index: u32,
+    /// `FERRY_RDMA_GID_INDEX`; `None`: `nic::best_gid` picks one.
+    pub gid_index: Option<u32>,
     pub n_qps: usize,
     pub qp_depth: u32,
     pub service_level: u8,
@@ -190,7 +208,7 @@ impl Default for VerbsConfig {
     fn default() -> Self {
         Self {
             port: 1,
-            gid_index: 0,
+            gid_index: None,
             n_qps: 4,
             qp_depth: 1024,
             service_level: 0,

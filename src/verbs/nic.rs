@@ -62,10 +62,22 @@ pub fn choose(
     gpu_bdf: Option<&str>,
     wanted: Option<&str>,
 ) -> Result<Vec<Nic>, String> {
-    let all =
+    let listed =
         list(sysfs).map_err(|e| format!("reading {}/class/infiniband: {e}", sysfs.display()))?;
-    if all.is_empty() {
+    if listed.is_empty() {
         return Err("no RDMA device (nothing in /sys/class/infiniband)".into());
+    }
+    // A NIC whose port 1 sysfs says is not ACTIVE (down, initializing)
+    // cannot carry a connection; one sysfs says nothing about is kept.
+    let (all, down): (Vec<Nic>, Vec<Nic>) = listed
+        .into_iter()
+        .partition(|n| port_active(sysfs, &n.name, 1) != Some(false));
+    if all.is_empty() {
+        let names: Vec<&str> = down.iter().map(|n| n.name.as_str()).collect();
+        return Err(format!(
+            "no RDMA device has an ACTIVE port 1 ({} are down)",
+            names.join(", ")
+        ));
     }
     if let Some(w) = wanted {
         let names: Vec<&str> = w
@@ -89,9 +101,11 @@ pub fn choose(
             })
             .collect();
     }
+    // sysfs names PCI functions in lowercase; CUDA reports bus ids in
+    // uppercase hex.
     let gpu = gpu_bdf
         .filter(|b| !b.is_empty())
-        .and_then(|b| pci_path(sysfs, b));
+        .and_then(|b| pci_path(sysfs, &b.to_ascii_lowercase()));
     let Some(gpu) = gpu else {
         return Ok(all);
     };
@@ -110,8 +124,167 @@ pub fn choose(
         .collect())
 }
 
+/// Parses a sysfs GID (`fe80:0000:0000:0000:0202:c9ff:fe00:0001`).
+fn parse_gid(s: &str) -> Option<[u8; 16]> {
+    let groups: Vec<&str> = s.trim().split(':').collect();
+    if groups.len() != 8 {
+        return None;
+    }
+    let mut g = [0u8; 16];
+    for (k, h) in groups.iter().enumerate() {
+        let v = u16::from_str_radix(h, 16).ok()?;
+        g[2 * k..2 * k + 2].copy_from_slice(&v.to_be_bytes());
+    }
+    Some(g)
+}
+
+/// How good a GID is for a connection: RoCE v2 with an IPv4-mapped
+/// address (routable, what RoCE fabrics mostly run) 3, another RoCE v2
+/// non-link-local one 2, RoCE v2 link-local 1, RoCE v1 / InfiniBand 0.
+/// `None`: an empty entry.
+fn gid_score(gid: &[u8; 16], kind: &str) -> Option<u8> {
+    if gid == &[0u8; 16] {
+        return None;
+    }
+    if !kind.trim().eq_ignore_ascii_case("RoCE v2") {
+        return Some(0);
+    }
+    let v4_mapped = gid[..10] == [0u8; 10] && gid[10..12] == [0xff, 0xff];
+    let link_local = gid[0] == 0xfe && gid[1] & 0xc0 == 0x80;
+    Some(if v4_mapped {
+        3
+    } else if !link_local {
+        2
+    } else {
+        1
+    })
+}
+
+/// The best GID index of `dev`'s `port` by its sysfs GID table (`gids/<i>`
+/// and `gid_attrs/types/<i>`): the lowest index of the best score
+/// (`gid_score`). `None` when the table cannot be read (the caller uses 0).
+pub fn best_gid(sysfs: &Path, dev: &str, port: u8) -> Option<u32> {
+    let base = sysfs.join(format!("class/infiniband/{dev}/ports/{port}"));
+    let mut best: Option<(u8, u32)> = None;
+    for e in std::fs::read_dir(base.join("gids")).ok()?.flatten() {
+        let Ok(idx) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Some(gid) = std::fs::read_to_string(e.path())
+            .ok()
+            .and_then(|t| parse_gid(&t))
+        else {
+            continue;
+        };
+        // No type file (InfiniBand ports on older kernels): type IB.
+        let kind = std::fs::read_to_string(base.join(format!("gid_attrs/types/{idx}")))
+            .unwrap_or_default();
+        if let Some(score) = gid_score(&gid, &kind) {
+            let better = match best {
+                None => true,
+                Some((s, i)) => score > s || (score == s && idx < i),
+            };
+            if better {
+                best = Some((score, idx));
+            }
+        }
+    }
+    best.map(|(_, i)| i)
+}
+
+/// Whether `dev`'s `port` is ACTIVE by sysfs (`ports/<p>/state`, e.g.
+/// "4: ACTIVE"); `None` when the file cannot be read.
+pub fn port_active(sysfs: &Path, dev: &str, port: u8) -> Option<bool> {
+    let p = sysfs.join(format!("class/infiniband/{dev}/ports/{port}/state"));
+    let s = std::fs::read_to_string(p).ok()?;
+    Some(s.to_ascii_uppercase().contains("ACTIVE") && !s.to_ascii_uppercase().contains("INIT"))
+}
+
 #[cfg(test)]
 mod tests {
+
+    fn port(root: &Path, dev: &str, state: &str, gids: &[(u32, &str, &str)]) {
+        let p = root.join(format!("class/infiniband/{dev}/ports/1"));
+        std::fs::create_dir_all(p.join("gids")).unwrap();
+        std::fs::create_dir_all(p.join("gid_attrs/types")).unwrap();
+        std::fs::write(p.join("state"), state).unwrap();
+        for (i, gid, kind) in gids {
+            std::fs::write(p.join(format!("gids/{i}")), format!("{gid}\n")).unwrap();
+            std::fs::write(p.join(format!("gid_attrs/types/{i}")), format!("{kind}\n")).unwrap();
+        }
+    }
+
+    const ZERO: &str = "0000:0000:0000:0000:0000:0000:0000:0000";
+    const LL: &str = "fe80:0000:0000:0000:0202:c9ff:fe00:0001";
+    const V4: &str = "0000:0000:0000:0000:0000:ffff:0a00:0001";
+
+    #[test]
+    fn roce_v2_ipv4_mapped_gids_are_preferred() {
+        let s = fake();
+        // A ConnectX RoCE port: v1 and v2 link-local at 0/1, v1 and v2
+        // IPv4-mapped at 2/3, an empty entry.
+        port(
+            &s,
+            "mlx5_0",
+            "4: ACTIVE",
+            &[
+                (0, LL, "IB/RoCE v1"),
+                (1, LL, "RoCE v2"),
+                (2, V4, "IB/RoCE v1"),
+                (3, V4, "RoCE v2"),
+                (4, ZERO, "RoCE v2"),
+            ],
+        );
+        assert_eq!(best_gid(&s, "mlx5_0", 1), Some(3));
+        // Only link-local: RoCE v2 over v1.
+        port(
+            &s,
+            "mlx5_1",
+            "4: ACTIVE",
+            &[(0, LL, "IB/RoCE v1"), (1, LL, "RoCE v2")],
+        );
+        assert_eq!(best_gid(&s, "mlx5_1", 1), Some(1));
+        // An InfiniBand port: its GIDs are all "IB"; the first one.
+        port(
+            &s,
+            "mlx5_2",
+            "4: ACTIVE",
+            &[(0, LL, "IB/RoCE v1"), (1, LL, "IB/RoCE v1")],
+        );
+        assert_eq!(best_gid(&s, "mlx5_2", 1), Some(0));
+        assert_eq!(best_gid(&s, "mlx5_9", 1), None);
+        assert_eq!(parse_gid("fe80::1"), None);
+        std::fs::remove_dir_all(&s).unwrap();
+    }
+
+    #[test]
+    fn inactive_ports_are_skipped_and_bus_ids_are_matched_in_lowercase() {
+        let s = fake();
+        // The GPU's own NIC is down: the next nearest active ones win.
+        port(&s, "mlx5_0", "1: DOWN", &[]);
+        port(&s, "mlx5_1", "4: ACTIVE", &[]);
+        port(&s, "mlx5_2", "4: ACTIVE", &[]);
+        assert_eq!(
+            names(&choose(&s, Some("0000:19:00.0"), None).unwrap()),
+            ["mlx5_2"]
+        );
+        port(&s, "mlx5_0", "4: ACTIVE", &[]);
+        // CUDA's uppercase form of a bus id finds the same function.
+        std::fs::create_dir_all(s.join("bus/pci/devices")).unwrap();
+        let gpu = pci_path(&s, "0000:19:00.0").unwrap();
+        std::os::unix::fs::symlink(&gpu, s.join("bus/pci/devices/0000:1b:00.0")).unwrap();
+        assert_eq!(
+            names(&choose(&s, Some("0000:1B:00.0"), None).unwrap()),
+            ["mlx5_0"]
+        );
+        for n in ["mlx5_0", "mlx5_1", "mlx5_2"] {
+            port(&s, n, "1: DOWN", &[]);
+        }
+        let e = choose(&s, None, None).unwrap_err();
+        assert!(e.contains("ACTIVE") && e.contains("mlx5_1"), "{e}");
+        std::fs::remove_dir_all(&s).unwrap();
+    }
+
     use super::*;
     use std::os::unix::fs::symlink;
 
