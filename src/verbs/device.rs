@@ -273,6 +273,11 @@ impl DataQps {
                 ),
             ));
         }
+        let grh = super::plan::address_plan(
+            (nic.link_layer, nic.gid),
+            (remote.link_layer, remote.gid, remote.lid),
+        )
+        .map_err(|e| verbs_err("connecting queue pairs", e))?;
         let mtu = Mtu::from(remote.mtu.min(nic.mtu) as u32);
         let (dest_rd, init_rd) = super::plan::read_depths(
             cfg.max_rd_atomic,
@@ -296,7 +301,7 @@ impl DataQps {
                 // Our own service level: the fabric's QoS is configured per
                 // host, and a peer must not pick our lane.
                 .setup_service_level(cfg.service_level);
-            if remote.link_layer == LINK_ETHERNET || remote.gid != [0u8; 16] {
+            if grh {
                 let gid = sideway::ibverbs::address::Gid { raw: remote.gid };
                 ah.setup_grh_dest_gid(&gid)
                     .setup_grh_src_gid_index(nic.gid_index as u8)

@@ -178,6 +178,39 @@ pub fn wc_outcome(status: u32) -> WcOutcome {
     }
 }
 
+/// How to address a peer's queue pairs: whether the address vector needs
+/// a GRH, or why the two ports cannot talk at all. RoCE (Ethernet) always
+/// routes by GID; InfiniBand routes by LID inside a subnet and needs a GRH
+/// only to cross subnets (the GIDs' 64-bit prefixes differ). Ports of
+/// different link layers, or an InfiniBand peer without a LID, cannot
+/// connect.
+pub fn address_plan(ours: (u8, [u8; 16]), theirs: (u8, [u8; 16], u16)) -> Result<bool, String> {
+    use crate::wire::{LINK_ETHERNET, LINK_INFINIBAND};
+    let ((our_ll, our_gid), (ll, gid, lid)) = (ours, theirs);
+    if our_ll != ll {
+        return Err(format!(
+            "link layers differ (ours {}, the peer's {})",
+            link_name(our_ll),
+            link_name(ll)
+        ));
+    }
+    match ll {
+        LINK_ETHERNET if gid == [0u8; 16] => Err("the peer's RoCE port has no GID".into()),
+        LINK_ETHERNET => Ok(true),
+        LINK_INFINIBAND if lid == 0 => Err("the peer's InfiniBand port has no LID".into()),
+        LINK_INFINIBAND => Ok(gid != [0u8; 16] && gid[..8] != our_gid[..8]),
+        other => Err(format!("unknown link layer {other}")),
+    }
+}
+
+fn link_name(ll: u8) -> &'static str {
+    match ll {
+        crate::wire::LINK_ETHERNET => "Ethernet",
+        crate::wire::LINK_INFINIBAND => "InfiniBand",
+        _ => "unknown",
+    }
+}
+
 /// The dma-buf span of GPU memory for `cuMemGetHandleForAddressRange`,
 /// which wants a start and size aligned to the host page: the allocation
 /// `[alloc_base, alloc_base + alloc_len)` widened to pages. Returns
@@ -284,6 +317,39 @@ pub fn mr_access(a: crate::region::Access) -> MrAccess {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn grh_only_where_routing_needs_it_and_mismatched_ports_are_refused() {
+        use crate::wire::{LINK_ETHERNET, LINK_INFINIBAND};
+        let sub_a = [0xfe, 0x80, 0, 0, 0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8];
+        let mut sub_b = sub_a;
+        sub_b[7] = 9;
+        // RoCE: always a GRH.
+        assert_eq!(
+            address_plan((LINK_ETHERNET, sub_a), (LINK_ETHERNET, sub_a, 0)),
+            Ok(true)
+        );
+        // InfiniBand, one subnet: LID routing, no GRH; across subnets: GRH.
+        assert_eq!(
+            address_plan((LINK_INFINIBAND, sub_a), (LINK_INFINIBAND, sub_a, 7)),
+            Ok(false)
+        );
+        assert_eq!(
+            address_plan((LINK_INFINIBAND, sub_a), (LINK_INFINIBAND, sub_b, 7)),
+            Ok(true)
+        );
+        assert!(
+            address_plan((LINK_INFINIBAND, sub_a), (LINK_INFINIBAND, sub_a, 0))
+                .unwrap_err()
+                .contains("no LID")
+        );
+        assert!(
+            address_plan((LINK_ETHERNET, sub_a), (LINK_INFINIBAND, sub_a, 7))
+                .unwrap_err()
+                .contains("link layers differ")
+        );
+        assert!(address_plan((LINK_ETHERNET, sub_a), (LINK_ETHERNET, [0; 16], 0)).is_err());
+    }
 
     #[test]
     fn dmabuf_spans_are_page_aligned_and_keep_the_regions_offset() {
