@@ -303,9 +303,8 @@ impl DataQps {
                 .setup_service_level(cfg.service_level);
             if grh {
                 let gid = sideway::ibverbs::address::Gid { raw: remote.gid };
-                ah.setup_grh_dest_gid(&gid)
-                    .setup_grh_src_gid_index(nic.gid_index as u8)
-                    .setup_grh_hop_limit(64);
+                // Our own traffic class (RoCE QoS: DSCP/ECN), flow label 0.
+                ah.setup_grh(&gid, 0, nic.gid_index as u8, 64, cfg.traffic_class);
             }
             let mut a = QueuePairAttribute::new();
             a.setup_state(QueuePairState::ReadyToReceive)
