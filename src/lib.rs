@@ -74,6 +74,8 @@
 //! ```
 
 pub(crate) mod auth;
+#[cfg(feature = "directory")]
+pub mod directory;
 pub mod endpoint;
 pub mod error;
 pub mod gpu;

@@ -22,6 +22,8 @@ const LAYERS: &[&[&str]] = &[
     &["tcp", "shm", "verbs", "oob"],
     &["reactor"],
     &["endpoint"],
+    // Off the data path: names in etcd (feature `directory`).
+    &["directory"],
 ];
 
 fn layer_of(module: &str) -> Option<usize> {

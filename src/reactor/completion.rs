@@ -415,7 +415,9 @@ mod tests {
             }
             match a.poll() {
                 Some(Ok(())) => assert_eq!(bad, 4, "round {round}: an error was lost"),
-                Some(Err(Error::Timeout { timeout_ms, .. })) => assert_eq!(timeout_ms, bad.into()),
+                Some(Err(Error::Timeout { timeout_ms, .. })) => {
+                    assert_eq!(timeout_ms, u64::from(bad))
+                }
                 other => panic!("round {round}: {other:?}"),
             }
             drop(a);

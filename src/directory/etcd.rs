@@ -1,0 +1,297 @@
+//! etcd's v3 API through its JSON gateway (`/v3/...`): leases, puts,
+//! prefix ranges and deletes, and watches. Keys and values travel base64
+//! encoded; int64 fields come as strings. Everything the server sends is
+//! checked: a reply that does not parse is an error naming the call.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use super::http::{self, HttpError, Messages, Response};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EtcdError {
+    #[error(transparent)]
+    Http(#[from] HttpError),
+    #[error("etcd {call}: {why}")]
+    Reply { call: &'static str, why: String },
+}
+
+type R<T> = Result<T, EtcdError>;
+
+const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+pub fn b64(data: &[u8]) -> String {
+    let mut o = String::with_capacity(data.len().div_ceil(3) * 4);
+    for c in data.chunks(3) {
+        let n = (c[0] as u32) << 16
+            | (*c.get(1).unwrap_or(&0) as u32) << 8
+            | *c.get(2).unwrap_or(&0) as u32;
+        for k in 0..4 {
+            if k <= c.len() {
+                o.push(B64[(n >> (18 - 6 * k) & 63) as usize] as char);
+            } else {
+                o.push('=');
+            }
+        }
+    }
+    o
+}
+
+pub fn unb64(s: &str) -> Option<Vec<u8>> {
+    let s = s.trim_end_matches('=');
+    let mut out = Vec::with_capacity(s.len() * 3 / 4);
+    let (mut acc, mut bits) = (0u32, 0);
+    for ch in s.bytes() {
+        let v = B64.iter().position(|&c| c == ch)? as u32;
+        acc = acc << 6 | v;
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((acc >> bits) as u8);
+            acc &= (1 << bits) - 1;
+        }
+    }
+    Some(out)
+}
+
+/// The key just past every key that starts with `prefix` (etcd's
+/// `range_end` for a prefix).
+pub fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut e = prefix.to_vec();
+    while let Some(last) = e.pop() {
+        if last < 0xff {
+            e.push(last + 1);
+            return e;
+        }
+    }
+    vec![0]
+}
+
+/// One stored key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Kv {
+    pub key: Vec<u8>,
+    pub value: Vec<u8>,
+    pub lease: i64,
+    pub mod_revision: i64,
+}
+
+/// A watch event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    Put(Kv),
+    Delete(Vec<u8>),
+}
+
+fn int(v: &Value) -> Option<i64> {
+    match v {
+        Value::String(s) => s.parse().ok(),
+        Value::Number(n) => n.as_i64(),
+        _ => None,
+    }
+}
+
+fn kv(v: &Value) -> Option<Kv> {
+    Some(Kv {
+        key: unb64(v.get("key")?.as_str()?)?,
+        value: v
+            .get("value")
+            .and_then(Value::as_str)
+            .map_or(Some(Vec::new()), unb64)?,
+        lease: v.get("lease").and_then(int).unwrap_or(0),
+        mod_revision: v.get("mod_revision").and_then(int).unwrap_or(0),
+    })
+}
+
+/// A client of one etcd member's gateway.
+#[derive(Debug, Clone)]
+pub struct Etcd {
+    pub addr: SocketAddr,
+    pub timeout: Duration,
+}
+
+impl Etcd {
+    fn call(&self, call: &'static str, path: &str, body: Value) -> R<Value> {
+        let mut resp = http::post(self.addr, path, body.to_string().as_bytes(), self.timeout)?;
+        let bytes = resp.read_all()?;
+        let v: Value = serde_json::from_slice(&bytes).map_err(|e| EtcdError::Reply {
+            call,
+            why: format!("not JSON ({e})"),
+        })?;
+        if let Some(err) = v.get("error").or_else(|| v.get("message")) {
+            return Err(EtcdError::Reply {
+                call,
+                why: err.to_string(),
+            });
+        }
+        Ok(v)
+    }
+
+    /// A lease of `ttl_s` seconds; its id.
+    pub fn grant(&self, ttl_s: u64) -> R<i64> {
+        let v = self.call("lease grant", "/v3/lease/grant", json!({ "TTL": ttl_s }))?;
+        v.get("ID").and_then(int).ok_or_else(|| EtcdError::Reply {
+            call: "lease grant",
+            why: format!("no lease id in {v}"),
+        })
+    }
+
+    /// Renews lease `id`; its remaining TTL (0 or less: it has expired).
+    pub fn keepalive(&self, id: i64) -> R<i64> {
+        let v = self.call(
+            "lease keepalive",
+            "/v3/lease/keepalive",
+            json!({ "ID": id.to_string() }),
+        )?;
+        let r = v.get("result").unwrap_or(&v);
+        Ok(r.get("TTL").and_then(int).unwrap_or(0))
+    }
+
+    pub fn revoke(&self, id: i64) -> R<()> {
+        self.call(
+            "lease revoke",
+            "/v3/lease/revoke",
+            json!({ "ID": id.to_string() }),
+        )
+        .map(|_| ())
+    }
+
+    pub fn put(&self, key: &[u8], value: &[u8], lease: i64) -> R<()> {
+        let mut body = json!({ "key": b64(key), "value": b64(value) });
+        if lease != 0 {
+            body["lease"] = json!(lease.to_string());
+        }
+        self.call("put", "/v3/kv/put", body).map(|_| ())
+    }
+
+    /// Every key under `prefix`, in key order.
+    pub fn range_prefix(&self, prefix: &[u8]) -> R<Vec<Kv>> {
+        let body = json!({ "key": b64(prefix), "range_end": b64(&prefix_end(prefix)) });
+        let v = self.call("range", "/v3/kv/range", body)?;
+        let kvs = v
+            .get("kvs")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        kvs.iter()
+            .map(|k| {
+                kv(k).ok_or_else(|| EtcdError::Reply {
+                    call: "range",
+                    why: format!("bad key-value {k}"),
+                })
+            })
+            .collect()
+    }
+
+    pub fn delete_prefix(&self, prefix: &[u8]) -> R<()> {
+        let body = json!({ "key": b64(prefix), "range_end": b64(&prefix_end(prefix)) });
+        self.call("delete", "/v3/kv/deleterange", body).map(|_| ())
+    }
+
+    /// Watches every key under `prefix` from now on.
+    pub fn watch(&self, prefix: &[u8]) -> R<Watch> {
+        let body = json!({ "create_request": {
+            "key": b64(prefix), "range_end": b64(&prefix_end(prefix)) } });
+        let resp = http::post(
+            self.addr,
+            "/v3/watch",
+            body.to_string().as_bytes(),
+            self.timeout,
+        )?;
+        Ok(Watch {
+            resp,
+            msgs: Messages::default(),
+        })
+    }
+}
+
+/// An open watch: `next` returns the changes of each message.
+pub struct Watch {
+    resp: Response,
+    msgs: Messages,
+}
+
+impl Watch {
+    /// The next batch of changes, waiting at most `wait`; `Ok(None)` when
+    /// nothing came in time, `Err` when the stream ended or broke.
+    pub fn next(&mut self, wait: Duration) -> R<Option<Vec<Change>>> {
+        loop {
+            if let Some(m) = self.msgs.next() {
+                let v: Value = serde_json::from_slice(&m).map_err(|e| EtcdError::Reply {
+                    call: "watch",
+                    why: format!("not JSON ({e})"),
+                })?;
+                let r = v.get("result").unwrap_or(&v);
+                if r.get("canceled").and_then(Value::as_bool) == Some(true) {
+                    return Err(EtcdError::Reply {
+                        call: "watch",
+                        why: format!("canceled by the server: {r}"),
+                    });
+                }
+                let Some(events) = r.get("events").and_then(Value::as_array) else {
+                    continue; // the "created" message, or progress
+                };
+                let mut out = Vec::with_capacity(events.len());
+                for e in events {
+                    let Some(k) = e.get("kv").and_then(kv) else {
+                        continue;
+                    };
+                    out.push(match e.get("type").and_then(Value::as_str) {
+                        Some("DELETE") => Change::Delete(k.key),
+                        _ => Change::Put(k),
+                    });
+                }
+                return Ok(Some(out));
+            }
+            self.resp.set_read_timeout(wait);
+            match self.resp.next_piece() {
+                Ok(Some(p)) => self
+                    .msgs
+                    .push(&p)
+                    .map_err(|why| EtcdError::Reply { call: "watch", why })?,
+                Ok(None) => {
+                    return Err(EtcdError::Reply {
+                        call: "watch",
+                        why: "the stream ended".into(),
+                    })
+                }
+                Err(HttpError::Io { source, .. })
+                    if matches!(
+                        source.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Ok(None)
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_round_trips_and_matches_the_standard() {
+        assert_eq!(b64(b"foo"), "Zm9v");
+        assert_eq!(b64(b"fo"), "Zm8=");
+        assert_eq!(b64(b""), "");
+        assert_eq!(b64(&[0xff, 0xfe]), "//4=");
+        for n in 0..40u8 {
+            let d: Vec<u8> = (0..n).map(|i| i.wrapping_mul(37)).collect();
+            assert_eq!(unb64(&b64(&d)).unwrap(), d);
+        }
+        assert_eq!(unb64("Zm9v!"), None);
+    }
+
+    #[test]
+    fn prefix_ends_cover_exactly_the_prefix() {
+        assert_eq!(prefix_end(b"ferry/a/"), b"ferry/a0");
+        assert_eq!(prefix_end(&[b'a', 0xff]), b"b");
+        assert_eq!(prefix_end(&[0xff]), vec![0]);
+    }
+}

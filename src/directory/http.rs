@@ -1,0 +1,275 @@
+//! A small blocking HTTP/1.1 client for etcd's JSON gateway: one POST per
+//! connection (`Connection: close`), a deadline on every step, bodies of
+//! `Content-Length` or chunked encoding, and a bound on what a response
+//! may make us hold. Responses are read incrementally for streams (watch).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+/// The most a response body (or one streamed message) may hold.
+pub const MAX_BODY: usize = 16 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum HttpError {
+    #[error("{addr}: {what}: {source}")]
+    Io {
+        addr: SocketAddr,
+        what: &'static str,
+        source: std::io::Error,
+    },
+    #[error("{addr}: {0}", addr = .1)]
+    Protocol(String, SocketAddr),
+    #[error("{addr}{path}: HTTP {status}: {body}")]
+    Status {
+        addr: SocketAddr,
+        path: String,
+        status: u16,
+        body: String,
+    },
+}
+
+/// An open response: status checked, headers read, body still coming.
+pub struct Response {
+    addr: SocketAddr,
+    r: BufReader<TcpStream>,
+    chunked: bool,
+    /// Content-Length bytes left, or of the current chunk.
+    left: usize,
+    done: bool,
+}
+
+fn io(addr: SocketAddr, what: &'static str) -> impl FnOnce(std::io::Error) -> HttpError {
+    move |source| HttpError::Io { addr, what, source }
+}
+
+/// POSTs `body` to `path` and returns the response once its headers are
+/// in; `timeout` bounds connecting and each read (a stream's reads wait
+/// at most that long for the next bytes).
+pub fn post(
+    addr: SocketAddr,
+    path: &str,
+    body: &[u8],
+    timeout: Duration,
+) -> Result<Response, HttpError> {
+    let s = TcpStream::connect_timeout(&addr, timeout).map_err(io(addr, "connect"))?;
+    s.set_read_timeout(Some(timeout))
+        .map_err(io(addr, "set timeout"))?;
+    s.set_write_timeout(Some(timeout))
+        .map_err(io(addr, "set timeout"))?;
+    s.set_nodelay(true).map_err(io(addr, "nodelay"))?;
+    let mut w = &s;
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    w.write_all(head.as_bytes()).map_err(io(addr, "send"))?;
+    w.write_all(body).map_err(io(addr, "send"))?;
+    let mut r = BufReader::new(s);
+    let line = read_line(&mut r, addr)?;
+    let status: u16 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| HttpError::Protocol(format!("bad status line {line:?}"), addr))?;
+    let (mut chunked, mut len) = (false, None);
+    for _ in 0..100 {
+        let h = read_line(&mut r, addr)?;
+        if h.is_empty() {
+            let mut resp = Response {
+                addr,
+                r,
+                chunked,
+                left: len.unwrap_or(usize::MAX),
+                done: false,
+            };
+            if status != 200 {
+                let body = resp.read_all().unwrap_or_default();
+                return Err(HttpError::Status {
+                    addr,
+                    path: path.to_owned(),
+                    status,
+                    body: String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned(),
+                });
+            }
+            return Ok(resp);
+        }
+        let (k, v) = h.split_once(':').unwrap_or((&h, ""));
+        if k.eq_ignore_ascii_case("transfer-encoding") && v.trim().eq_ignore_ascii_case("chunked") {
+            chunked = true;
+        } else if k.eq_ignore_ascii_case("content-length") {
+            len = Some(
+                v.trim()
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|&n| n <= MAX_BODY)
+                    .ok_or_else(|| {
+                        HttpError::Protocol(format!("bad Content-Length {v:?}"), addr)
+                    })?,
+            );
+        }
+    }
+    Err(HttpError::Protocol(
+        "more than 100 header lines".into(),
+        addr,
+    ))
+}
+
+fn read_line(r: &mut BufReader<TcpStream>, addr: SocketAddr) -> Result<String, HttpError> {
+    let mut buf = Vec::new();
+    r.by_ref()
+        .take(8192)
+        .read_until(b'\n', &mut buf)
+        .map_err(io(addr, "receive"))?;
+    if buf.last() != Some(&b'\n') {
+        return Err(HttpError::Protocol(
+            "header line too long or cut".into(),
+            addr,
+        ));
+    }
+    Ok(String::from_utf8_lossy(&buf).trim_end().to_owned())
+}
+
+impl Response {
+    /// The next piece of body (a chunk, or what is there of a plain
+    /// body); `None` at its end.
+    pub fn next_piece(&mut self) -> Result<Option<Vec<u8>>, HttpError> {
+        if self.done {
+            return Ok(None);
+        }
+        let addr = self.addr;
+        if self.chunked {
+            let size_line = read_line(&mut self.r, addr)?;
+            let size = usize::from_str_radix(size_line.split(';').next().unwrap_or("").trim(), 16)
+                .ok()
+                .filter(|&n| n <= MAX_BODY)
+                .ok_or_else(|| {
+                    HttpError::Protocol(format!("bad chunk size {size_line:?}"), addr)
+                })?;
+            if size == 0 {
+                self.done = true;
+                return Ok(None);
+            }
+            let mut buf = vec![0u8; size];
+            self.r.read_exact(&mut buf).map_err(io(addr, "receive"))?;
+            let mut crlf = [0u8; 2];
+            self.r.read_exact(&mut crlf).map_err(io(addr, "receive"))?;
+            return Ok(Some(buf));
+        }
+        let mut buf = Vec::new();
+        let want = self.left.min(MAX_BODY + 1);
+        self.r
+            .by_ref()
+            .take(want as u64)
+            .read_to_end(&mut buf)
+            .map_err(io(addr, "receive"))?;
+        if buf.len() > MAX_BODY {
+            return Err(HttpError::Protocol(
+                format!("body over {MAX_BODY} bytes"),
+                addr,
+            ));
+        }
+        self.done = true;
+        Ok(Some(buf))
+    }
+
+    /// The whole body (at most `MAX_BODY` bytes).
+    pub fn read_all(&mut self) -> Result<Vec<u8>, HttpError> {
+        let mut out = Vec::new();
+        while let Some(p) = self.next_piece()? {
+            out.extend_from_slice(&p);
+            if out.len() > MAX_BODY {
+                return Err(HttpError::Protocol(
+                    format!("body over {MAX_BODY} bytes"),
+                    self.addr,
+                ));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Stops waiting for more bytes after `deadline` (for a stream's reads).
+    pub fn set_read_timeout(&self, t: Duration) {
+        let _ = self
+            .r
+            .get_ref()
+            .set_read_timeout(Some(t.max(Duration::from_millis(1))));
+    }
+}
+
+/// Splits a gateway stream's bytes into JSON messages: the gateway writes
+/// one object per message, and a chunk may hold a part of one or several.
+#[derive(Default)]
+pub struct Messages {
+    buf: Vec<u8>,
+}
+
+impl Messages {
+    pub fn push(&mut self, bytes: &[u8]) -> Result<(), String> {
+        self.buf.extend_from_slice(bytes);
+        if self.buf.len() > MAX_BODY {
+            return Err(format!("a streamed message over {MAX_BODY} bytes"));
+        }
+        Ok(())
+    }
+
+    /// The next complete message, if one is in.
+    pub fn next(&mut self) -> Option<Vec<u8>> {
+        let start = self.buf.iter().position(|&b| b == b'{')?;
+        let (mut depth, mut in_str, mut esc) = (0usize, false, false);
+        for (i, &b) in self.buf.iter().enumerate().skip(start) {
+            if in_str {
+                match (esc, b) {
+                    (true, _) => esc = false,
+                    (false, b'\\') => esc = true,
+                    (false, b'"') => in_str = false,
+                    _ => {}
+                }
+                continue;
+            }
+            match b {
+                b'"' => in_str = true,
+                b'{' => depth += 1,
+                b'}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        let msg = self.buf[start..=i].to_vec();
+                        self.buf.drain(..=i);
+                        return Some(msg);
+                    }
+                }
+                _ => {}
+            }
+        }
+        None
+    }
+}
+
+/// Deadline helper: time left, or `None` when passed.
+pub fn left(deadline: Instant) -> Option<Duration> {
+    deadline
+        .checked_duration_since(Instant::now())
+        .filter(|d| !d.is_zero())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn streamed_messages_are_split_whole_whatever_the_chunking() {
+        let mut m = Messages::default();
+        m.push(br#"{"result":{"a":"}{"},"#).unwrap();
+        assert!(m.next().is_none());
+        m.push(br#""b":[1,{"c":"\"}"}]}}{"result":{}}"#).unwrap();
+        let one = m.next().unwrap();
+        assert!(
+            serde_json::from_slice::<serde_json::Value>(&one).is_ok(),
+            "{}",
+            String::from_utf8_lossy(&one)
+        );
+        assert_eq!(m.next().unwrap(), br#"{"result":{}}"#);
+        assert!(m.next().is_none());
+    }
+}
