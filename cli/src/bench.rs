@@ -93,6 +93,12 @@ Flags:
   --plot FILE.svg         also draw GB/s against block size, ferry's WRITE
                          and READ and the run's reference (--baseline or
                          --contend's quiet figures, dashed), into FILE.svg
+  --directory URL --peer NAME [--cluster C]
+                         measure against the target published as NAME in
+                         etcd at URL (`ferry serve --directory URL --name
+                         NAME`; cluster default ferry) instead of
+                         starting one; needs a build with the `directory`
+                         feature
   --json                 one JSON object per line instead of a table
 Spinning: the initiator's shards and each target shard spin at most
 FERRY_SPIN_US after their last work, and not at all for 100 ms after they
@@ -125,6 +131,9 @@ struct Opts {
     conns: usize,
     contend: usize,
     plot: Option<String>,
+    /// `--directory URL --peer NAME [--cluster C]`: measure against a
+    /// published target instead of spawning one.
+    directory: Option<(String, String, String)>,
 }
 
 struct Row {
@@ -241,7 +250,22 @@ fn parse(mut a: Args) -> Result<Opts> {
     if conns == 0 || conns > 1024 {
         bail!("--conns {conns}: must be 1..=1024");
     }
+    let directory = match (a.value("directory"), a.value("peer")) {
+        (Some(url), Some(peer)) => {
+            let cluster = a.value("cluster").unwrap_or_else(|| "ferry".into());
+            if baseline || idle_conns > 1 || contend > 0 || streams_list.is_some() {
+                bail!(
+                    "--directory measures a published target: not with --baseline, \
+                     --idle-conns, --contend or a --streams list (they start local processes)"
+                );
+            }
+            Some((url, cluster, peer))
+        }
+        (None, None) => None,
+        _ => bail!("--directory and --peer go together"),
+    };
     let o = Opts {
+        directory,
         streams_list,
         conns,
         streams,
@@ -850,11 +874,17 @@ pub fn run(a: Args) -> Result<()> {
         serve_args.extend(["--gpu".to_owned(), g.to_string()]);
     }
     let serve_args: Vec<&str> = serve_args.iter().map(String::as_str).collect();
-    let mut child = spawn_self(&serve_args)?;
-    let target_pid = child.id();
-    let mut out = BufReader::new(child.stdout.take().context("child stdout")?);
-    let _target = Peer(child);
-    let served = read_served(&mut out).map_err(anyhow::Error::msg)?;
+    let (served, target_pid, _target) = match &o.directory {
+        Some((url, cluster, peer)) => (crate::dir::served_by_name(url, cluster, peer)?, 0, None),
+        None => {
+            let mut child = spawn_self(&serve_args)?;
+            let target_pid = child.id();
+            let mut out = BufReader::new(child.stdout.take().context("child stdout")?);
+            let target = Peer(child);
+            let served = read_served(&mut out).map_err(anyhow::Error::msg)?;
+            (served, target_pid, Some(target))
+        }
+    };
 
     let mut cfg = Config::from_env()?;
     cfg.listen_addr = "127.0.0.1".parse()?;

@@ -2,6 +2,7 @@
 
 mod args;
 mod bench;
+mod dir;
 mod info;
 mod plot;
 mod raw;
@@ -22,6 +23,7 @@ Commands:
   info       which transports and control-path backends work here, and why
              the others do not
   serve      run a target endpoint until stdin closes (used by bench and tests)
+  ls         the endpoints published in an etcd directory (`--directory URL`)
   help       this text; `ferry <command> --help` for a command's flags
 
 Environment (read once at start; see README.md for all of them):
@@ -70,6 +72,8 @@ fn main() -> Result<()> {
         "info" => info::run(Args::parse(rest, &[])?)?,
         "serve" if wants_help => println!("{}", serve::HELP),
         "serve" => serve::run(Args::parse(rest, &[])?)?,
+        "ls" if wants_help => println!("{}", dir::LS_HELP),
+        "ls" => dir::ls(Args::parse(rest, &["json"])?)?,
         "raw-peer" => raw::serve()?,
         "busy" => bench::busy(),
         other => anyhow::bail!("unknown command {other:?}; see `ferry help`"),

@@ -41,6 +41,12 @@ Flags:
   --shards N       shards (default: FERRY_SHARDS, else 1)
   --gpu IDX        also allocate --bytes on GPU IDX, filled with the
                    pattern, advertised for CUDA IPC (IPCBUF line)
+  --directory URL --name NAME [--cluster C]
+                   also publish the endpoint in etcd at URL as NAME
+                   (cluster default ferry), with windows main, ro, wo
+                   (and ipc, gpu with --gpu), under a lease of --ttl
+                   seconds (default 10) that this process keeps alive;
+                   needs a build with the `directory` feature
 Environment: every FERRY_* variable (see the README).";
 
 pub fn run(mut a: Args) -> Result<()> {
@@ -53,6 +59,16 @@ pub fn run(mut a: Args) -> Result<()> {
         .map(|v| v.parse())
         .transpose()
         .context("--shards")?;
+    let directory = match (a.value("directory"), a.value("name")) {
+        (Some(url), Some(name)) => Some((
+            url,
+            a.value("cluster").unwrap_or_else(|| "ferry".into()),
+            name,
+        )),
+        (None, None) => None,
+        _ => bail!("--directory and --name go together"),
+    };
+    let ttl = Duration::from_secs(a.parsed("ttl", 10u64)?);
     let gpu: Option<usize> = a
         .value("gpu")
         .map(|v| v.parse())
@@ -102,6 +118,21 @@ pub fn run(mut a: Args) -> Result<()> {
         )?;
         writeln!(out, "GRBUF {}", rb(g)?)?;
     }
+    let mut windows = vec![
+        ("main", main.advertise(0, main.len())?.encode().to_vec()),
+        ("ro", ro.advertise(0, ro.len())?.encode().to_vec()),
+        ("wo", wo.advertise(0, wo.len())?.encode().to_vec()),
+    ];
+    if let Some(g) = &gmr {
+        windows.push(("ipc", g.advertise_ipc(0, g.len())?.encode().to_vec()));
+        windows.push(("gpu", g.advertise(0, g.len())?.encode().to_vec()));
+    }
+    let _published = match &directory {
+        Some((url, cluster, name)) => {
+            Some(crate::dir::publish(&ep, url, cluster, name, ttl, &windows)?)
+        }
+        None => None,
+    };
     writeln!(out, "READY")?;
     out.flush()?;
     drop(out);

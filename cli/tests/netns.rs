@@ -8,8 +8,9 @@
 
 mod common;
 
+use common::hosts::*;
+
 use std::io::BufReader;
-use std::os::fd::AsRawFd;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -18,74 +19,6 @@ use ferry::{Config, Endpoint, Error, Peer, Transport};
 use ferry_cli::testkit::{check_pattern, fill_pattern, fnv64, read_served, Served};
 
 const MIB: usize = 1 << 20;
-
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("ip: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
-
-/// Two namespaces and the veth pair between them; removed on drop.
-struct Hosts {
-    a: String,
-    b: String,
-}
-
-impl Hosts {
-    fn make() -> Result<Hosts, String> {
-        let id = std::process::id();
-        let h = Hosts {
-            a: format!("ferry-a-{id}"),
-            b: format!("ferry-b-{id}"),
-        };
-        let (va, vb) = (format!("fa{id}"), format!("fb{id}"));
-        ip(&["netns", "add", &h.a])?;
-        ip(&["netns", "add", &h.b])?;
-        ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb])?;
-        ip(&["link", "set", &va, "netns", &h.a])?;
-        ip(&["link", "set", &vb, "netns", &h.b])?;
-        for (ns, dev, v4, v6) in [
-            (&h.a, &va, "198.18.0.1/24", "fd77::1/64"),
-            (&h.b, &vb, "198.18.0.2/24", "fd77::2/64"),
-        ] {
-            ip(&["-n", ns, "addr", "add", v4, "dev", dev])?;
-            ip(&["-n", ns, "-6", "addr", "add", v6, "dev", dev, "nodad"])?;
-            ip(&["-n", ns, "link", "set", dev, "up"])?;
-            ip(&["-n", ns, "link", "set", "lo", "up"])?;
-        }
-        Ok(h)
-    }
-
-    fn link_a(&self, up: bool) {
-        let dev = format!("fa{}", std::process::id());
-        ip(&[
-            "-n",
-            &self.a,
-            "link",
-            "set",
-            &dev,
-            if up { "up" } else { "down" },
-        ])
-        .unwrap();
-    }
-}
-
-impl Drop for Hosts {
-    fn drop(&mut self) {
-        let _ = ip(&["netns", "del", &self.a]);
-        let _ = ip(&["netns", "del", &self.b]);
-    }
-}
 
 /// `ferry serve` inside namespace `ns`, listening on `addr`.
 fn serve_in(ns: &str, addr: &str, bytes: usize) -> (Child, Served) {
@@ -109,14 +42,6 @@ fn serve_in(ns: &str, addr: &str, bytes: usize) -> (Child, Served) {
     let mut out = BufReader::new(child.stdout.take().unwrap());
     let served = read_served(&mut out).expect("ferry serve in a namespace");
     (child, served)
-}
-
-/// Moves the calling thread (only) into namespace `ns`.
-fn enter(ns: &str) {
-    let f = std::fs::File::open(format!("/var/run/netns/{ns}")).unwrap();
-    // SAFETY: setns on a namespace fd we hold; it affects this thread only.
-    let r = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
-    assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
 }
 
 fn client_config() -> Config {

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod hosts;
+
 use std::io::BufReader;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;

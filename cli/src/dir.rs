@@ -1,0 +1,132 @@
+//! The directory in the tool: `serve --directory`, `bench --directory
+//! --peer`, `ls`. Without the `directory` feature each says how to get it.
+
+use std::time::Duration;
+
+use anyhow::Result;
+use ferry::Endpoint;
+use ferry_cli::testkit::Served;
+
+use crate::args::Args;
+
+pub const LS_HELP: &str = "\
+ferry ls: the endpoints published in an etcd directory
+
+Flags:
+  --directory URL   etcd (v3 JSON gateway), e.g. http://127.0.0.1:2379
+  --cluster C       cluster (default ferry)
+  --json            one JSON object per endpoint
+Prints each name with its address, incarnation and windows.";
+
+#[cfg(not(feature = "directory"))]
+fn missing() -> anyhow::Error {
+    anyhow::anyhow!(
+        "this ferry was built without the directory feature \
+         (cargo build --release -p ferry-cli --features directory)"
+    )
+}
+
+#[cfg(not(feature = "directory"))]
+pub fn publish(
+    _: &Endpoint,
+    _: &str,
+    _: &str,
+    _: &str,
+    _: Duration,
+    _: &[(&str, Vec<u8>)],
+) -> Result<()> {
+    Err(missing())
+}
+
+#[cfg(not(feature = "directory"))]
+pub fn served_by_name(_: &str, _: &str, _: &str) -> Result<Served> {
+    Err(missing())
+}
+
+#[cfg(not(feature = "directory"))]
+pub fn ls(_: Args) -> Result<()> {
+    Err(missing())
+}
+
+#[cfg(feature = "directory")]
+pub fn publish(
+    ep: &Endpoint,
+    url: &str,
+    cluster: &str,
+    name: &str,
+    ttl: Duration,
+    windows: &[(&str, Vec<u8>)],
+) -> Result<ferry::directory::Publication> {
+    let d = ferry::directory::Directory::new(url, cluster)?;
+    let p = d.publish(ep, name, ttl)?;
+    for (w, b) in windows {
+        p.add_window(w, b)?;
+    }
+    Ok(p)
+}
+
+#[cfg(feature = "directory")]
+pub fn served_by_name(url: &str, cluster: &str, peer: &str) -> Result<Served> {
+    use anyhow::Context;
+    let d = ferry::directory::Directory::new(url, cluster)?;
+    let e = d.lookup(peer)?;
+    let win = |w: &str| {
+        e.windows
+            .iter()
+            .find(|(n, _)| n == w)
+            .map(|(_, b)| b.clone())
+    };
+    let rb = |w: &str| -> Result<ferry::RemoteBuf> {
+        let b = win(w).with_context(|| format!("{peer} published no window {w:?}"))?;
+        Ok(ferry::RemoteBuf::decode(&b)?)
+    };
+    Ok(Served {
+        meta: e.metadata.clone(),
+        rbuf: rb("main")?,
+        rbuf_ro: rb("ro")?,
+        rbuf_wo: rb("wo")?,
+        ipc: win("ipc").map(|b| ferry::IpcBuf::decode(&b)).transpose()?,
+        gpu_rbuf: win("gpu")
+            .map(|b| ferry::RemoteBuf::decode(&b))
+            .transpose()?,
+    })
+}
+
+#[cfg(feature = "directory")]
+pub fn ls(mut a: Args) -> Result<()> {
+    let url = a
+        .value("directory")
+        .ok_or_else(|| anyhow::anyhow!("--directory URL is required"))?;
+    let cluster = a.value("cluster").unwrap_or_else(|| "ferry".into());
+    let json = a.switch("json");
+    a.finish()?;
+    let d = ferry::directory::Directory::new(&url, &cluster)?;
+    let all = d.list()?;
+    for e in &all {
+        let ws: Vec<&str> = e.windows.iter().map(|(n, _)| n.as_str()).collect();
+        if json {
+            println!(
+                "{{\"name\":\"{}\",\"addr\":\"{}\",\"incarnation\":\"{:016x}\",\"windows\":[{}]}}",
+                e.name,
+                e.addr,
+                e.incarnation,
+                ws.iter()
+                    .map(|w| format!("\"{w}\""))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            );
+        } else {
+            println!(
+                "{:<24} {:<24} {:016x}  {}",
+                e.name,
+                e.addr,
+                e.incarnation,
+                ws.join(",")
+            );
+        }
+    }
+    if all.is_empty() && !json {
+        eprintln!("(no endpoint published in cluster {cluster:?})");
+    }
+    Ok(())
+}

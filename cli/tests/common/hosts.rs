@@ -1,0 +1,82 @@
+//! Several hosts on one machine: network namespaces joined by a veth pair
+//! (198.18.0.0/24 from the benchmarking range, fd77::/64 ULA), which exist
+//! only while a test holds them. Needs root and iproute2.
+
+use std::os::fd::AsRawFd;
+use std::process::Command;
+
+pub fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+/// Two namespaces and the veth pair between them; removed on drop.
+pub struct Hosts {
+    pub a: String,
+    pub b: String,
+}
+
+impl Hosts {
+    pub fn make() -> Result<Hosts, String> {
+        let id = std::process::id();
+        let h = Hosts {
+            a: format!("ferry-a-{id}"),
+            b: format!("ferry-b-{id}"),
+        };
+        let (va, vb) = (format!("fa{id}"), format!("fb{id}"));
+        ip(&["netns", "add", &h.a])?;
+        ip(&["netns", "add", &h.b])?;
+        ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb])?;
+        ip(&["link", "set", &va, "netns", &h.a])?;
+        ip(&["link", "set", &vb, "netns", &h.b])?;
+        for (ns, dev, v4, v6) in [
+            (&h.a, &va, "198.18.0.1/24", "fd77::1/64"),
+            (&h.b, &vb, "198.18.0.2/24", "fd77::2/64"),
+        ] {
+            ip(&["-n", ns, "addr", "add", v4, "dev", dev])?;
+            ip(&["-n", ns, "-6", "addr", "add", v6, "dev", dev, "nodad"])?;
+            ip(&["-n", ns, "link", "set", dev, "up"])?;
+            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(h)
+    }
+
+    pub fn link_a(&self, up: bool) {
+        let dev = format!("fa{}", std::process::id());
+        ip(&[
+            "-n",
+            &self.a,
+            "link",
+            "set",
+            &dev,
+            if up { "up" } else { "down" },
+        ])
+        .unwrap();
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        let _ = ip(&["netns", "del", &self.a]);
+        let _ = ip(&["netns", "del", &self.b]);
+    }
+}
+
+/// Moves the calling thread (only) into namespace `ns`.
+pub fn enter(ns: &str) {
+    let f = std::fs::File::open(format!("/var/run/netns/{ns}")).unwrap();
+    // SAFETY: setns on a namespace fd we hold; it affects this thread only.
+    let r = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+    assert_eq!(r, 0, "setns: {}", std::io::Error::last_os_error());
+}
