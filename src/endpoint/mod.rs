@@ -1126,6 +1126,10 @@ impl Inner {
             nic_attach: Default::default(),
             _backing: backing,
         });
+        // With a NIC, register it there now, on the caller's thread: the
+        // pinning stays out of the shard loop, and a refusal (MEMLOCK) is
+        // found once — the region's ops then go over tcp.
+        let _ = crate::verbs::remote_key(self.nic.as_ref(), &r);
         for s in &self.shards {
             s.region(RegionCmd::Add(r.clone()))?;
         }

@@ -662,7 +662,11 @@ impl Shard {
             Some(ConnRef::Tcp(i)) => match &self.tcp.conns[i].verbs {
                 Some(link) => {
                     let descs = op.parts.as_slice();
-                    descs.iter().all(|d| d.nic_rkey.is_some())
+                    // Every local region registered with the NIC (a
+                    // refusal, remembered on the region, means tcp).
+                    descs
+                        .iter()
+                        .all(|d| d.nic_rkey.is_some() && link.lkey(d.local.region()).is_ok())
                         && link.fits(
                             descs
                                 .iter()

@@ -118,10 +118,44 @@ pub(crate) fn mr_of(nic: &device::Nic, r: &crate::region::Region) -> crate::erro
             .downcast::<sideway::ibverbs::memory_region::MemoryRegion>()
             .ok()
     };
-    if let Some(mr) = r.nic_attach.get().and_then(attached) {
-        return Ok(mr);
+    if let Some(a) = r.nic_attach.get() {
+        if let Some(mr) = attached(a) {
+            return Ok(mr);
+        }
+        // It failed before (RLIMIT_MEMLOCK, no dma-buf, …): not retried on
+        // every op; the region's ops go over tcp.
+        if let Some(f) = a.downcast_ref::<NicRegFailed>() {
+            return Err(crate::error::Error::Unsupported {
+                what: "RDMA registration",
+                reason: f.0.clone(),
+            });
+        }
     }
-    let mr = match r.mem {
+    match register_now(nic, r) {
+        Ok(mr) => {
+            let mr: std::sync::Arc<dyn std::any::Any + Send + Sync> = mr;
+            let mr = r.nic_attach.get_or_init(|| mr);
+            attached(mr).ok_or_else(|| crate::error::Error::Unsupported {
+                what: "RDMA registration",
+                reason: format!("region {:#x} carries a failed NIC attachment", r.addr()),
+            })
+        }
+        Err(e) => {
+            let _ = r
+                .nic_attach
+                .set(std::sync::Arc::new(NicRegFailed(e.to_string())));
+            Err(e)
+        }
+    }
+}
+
+/// A registration the NIC refused, remembered on the region.
+#[cfg(feature = "rdma")]
+struct NicRegFailed(String);
+
+#[cfg(feature = "rdma")]
+fn register_now(nic: &device::Nic, r: &crate::region::Region) -> crate::error::Result<Mr> {
+    Ok(match r.mem {
         crate::gpu::MemKind::Device {
             ordinal,
             alloc_base,
@@ -155,12 +189,6 @@ pub(crate) fn mr_of(nic: &device::Nic, r: &crate::region::Region) -> crate::erro
         }
         // SAFETY: the region's memory outlives the MR (dropped with it).
         _ => unsafe { nic.reg_host(r.addr(), r.len, r.access)? },
-    };
-    let mr: std::sync::Arc<dyn std::any::Any + Send + Sync> = mr;
-    let mr = r.nic_attach.get_or_init(|| mr);
-    attached(mr).ok_or_else(|| crate::error::Error::Unsupported {
-        what: "RDMA registration",
-        reason: format!("region {:#x} carries a foreign NIC attachment", r.addr()),
     })
 }
 
