@@ -151,3 +151,22 @@ def test_closed_endpoint_says_so():
     with pytest.raises(ferry.FerryError, match="closed"):
         r.advertise()
     assert "closed" in repr(ep)
+
+
+def test_the_type_stub_matches_the_extension():
+    """ferry/_native.pyi lists exactly what the extension defines."""
+    import ast
+    import os
+
+    from ferry import _native
+
+    stub = os.path.join(os.path.dirname(ferry.__file__), "_native.pyi")
+    tree = ast.parse(open(stub).read())
+    top = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    top |= {n.target.id for n in tree.body if isinstance(n, ast.AnnAssign)}
+    public = {k for k in dir(_native) if not k.startswith("_")}
+    assert top == public, (top ^ public)
+    ep_stub = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Endpoint")
+    methods = {n.name for n in ep_stub.body if isinstance(n, ast.FunctionDef)} - {"__init__"}
+    real = {k for k in dir(_native.Endpoint) if not k.startswith("_")}
+    assert methods == real, (methods ^ real)
