@@ -329,9 +329,18 @@ impl DataQps {
 
     /// Hands each completion's (wr_id, outcome, status name) to `out`;
     /// returns how many there were. Never blocks.
-    pub fn poll(&self, mut out: impl FnMut(u64, WcOutcome, &'static str)) -> usize {
-        let Ok(poller) = self.cq.start_poll() else {
-            return 0;
+    /// `Err` when polling itself fails (the CQ is unusable: the link is
+    /// done); an empty CQ is 0 completions.
+    pub fn poll(
+        &self,
+        mut out: impl FnMut(u64, WcOutcome, &'static str),
+    ) -> std::result::Result<usize, String> {
+        let poller = match self.cq.start_poll() {
+            Ok(p) => p,
+            Err(sideway::ibverbs::completion::PollCompletionQueueError::CompletionQueueEmpty) => {
+                return Ok(0)
+            }
+            Err(e) => return Err(format!("polling the completion queue: {e:?}")),
         };
         let mut n = 0;
         for wc in poller {
@@ -339,7 +348,7 @@ impl DataQps {
             out(wc.wr_id(), plan::wc_outcome(st), plan::wc_status_name(st));
             n += 1;
         }
-        n
+        Ok(n)
     }
 }
 
@@ -522,6 +531,8 @@ impl super::QpLink for Link {
             }
             plan::settle(owed, slot, r, done);
         });
+        // A failed poll is as final as an error completion.
+        let n = n?;
         match broken {
             Some(reason) => Err(reason),
             None => Ok(n),
