@@ -73,10 +73,7 @@ fn read_all(ep: &Endpoint, dir: &Directory) -> Result<(), String> {
 #[test]
 #[ignore = "needs root (network namespaces) and etcd: cargo test -p ferry-cli --features directory --test directory -- --ignored"]
 fn found_by_name_across_hosts_through_death_and_restart() {
-    // SAFETY: geteuid has no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    assert_eq!(euid, 0, "network namespaces need root");
-    let hosts = Hosts::make().expect("network namespaces and a veth pair");
+    let hosts = Hosts::make_as_root();
     let data = std::env::temp_dir().join(format!("ferry-etcd-ns-{}", std::process::id()));
     let mut etcd = etcd_in(&hosts.a, &data);
     let (a, b) = (hosts.a.clone(), hosts.b.clone());

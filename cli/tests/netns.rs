@@ -80,10 +80,7 @@ fn transfers_between_hosts(served: &Served) {
 #[test]
 #[ignore = "needs root to make network namespaces (cargo test --test netns -- --ignored)"]
 fn endpoints_on_separate_hosts() {
-    // SAFETY: geteuid has no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    assert_eq!(euid, 0, "network namespaces need root");
-    let hosts = Hosts::make().expect("network namespaces and a veth pair");
+    let hosts = Hosts::make_as_root();
     let (mut v4, v4_served) = serve_in(&hosts.a, "198.18.0.1", 64 * MIB);
     let (mut v6, v6_served) = serve_in(&hosts.a, "fd77::1", 16 * MIB);
     assert_eq!(

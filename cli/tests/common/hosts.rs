@@ -28,6 +28,14 @@ pub struct Hosts {
 }
 
 impl Hosts {
+    /// Two fresh hosts; the caller must be root (network namespaces).
+    pub fn make_as_root() -> Hosts {
+        // SAFETY: geteuid has no preconditions.
+        let euid = unsafe { libc::geteuid() };
+        assert_eq!(euid, 0, "network namespaces need root");
+        Hosts::make().expect("network namespaces and a veth pair")
+    }
+
     pub fn make() -> Result<Hosts, String> {
         let id = std::process::id();
         let h = Hosts {
