@@ -107,9 +107,9 @@ impl Nic {
         // An explicit index, else the best of the port's GID table
         // (RoCE v2, IPv4-mapped first: index 0 is RoCE v1's link-local GID
         // on mlx5, which routed fabrics never connect).
-        let gid_index = cfg.gid_index.unwrap_or_else(|| {
-            super::nic::best_gid(std::path::Path::new("/sys"), name, port).unwrap_or(0)
-        });
+        let gid_index = cfg
+            .gid_index
+            .unwrap_or_else(|| super::nic::best_gid(&super::sysfs_root(), name, port).unwrap_or(0));
         let gid = ctx
             .query_gid(port, gid_index)
             .map_err(|e| verbs_err("ibv_query_gid", e))?;

@@ -214,6 +214,29 @@ pub(crate) fn remote_key(nic: Option<&NicHandle>, r: &crate::region::Region) -> 
     }
 }
 
+/// Where libibverbs reads sysfs: `ibv_get_sysfs_path()` (rdma-core
+/// answers `$SYSFS_PATH` or `/sys`; a software NIC answers its own tree),
+/// `/sys` when libibverbs is absent. NIC choice and GID choice read the
+/// same tree libibverbs does.
+pub fn sysfs_root() -> std::path::PathBuf {
+    #[cfg(feature = "rdma")]
+    {
+        // SAFETY: no arguments; the answer is NULL (rdma-mummy-sys without
+        // libibverbs) or a NUL-terminated string that libibverbs keeps for
+        // the process's lifetime.
+        let p = unsafe { rdma_mummy_sys::ibv_get_sysfs_path() };
+        if !p.is_null() {
+            // SAFETY: checked non-NULL above; NUL-terminated by contract.
+            let s = unsafe { std::ffi::CStr::from_ptr(p) };
+            let s = s.to_string_lossy();
+            if !s.is_empty() {
+                return std::path::PathBuf::from(s.into_owned());
+            }
+        }
+    }
+    std::path::PathBuf::from("/sys")
+}
+
 /// Verbs settings (`FERRY_RDMA_*`).
 #[derive(Debug, Clone)]
 pub struct VerbsConfig {
@@ -260,7 +283,7 @@ pub fn status(gpu_bdf: Option<&str>, wanted: Option<&str>) -> Result<Vec<String>
     #[cfg(feature = "rdma")]
     {
         let names = device::device_names()?;
-        let chosen = nic::choose(std::path::Path::new("/sys"), gpu_bdf, wanted)?;
+        let chosen = nic::choose(&sysfs_root(), gpu_bdf, wanted)?;
         let usable: Vec<String> = chosen
             .into_iter()
             .map(|n| n.name)

@@ -65,7 +65,10 @@ pub fn choose(
     let listed =
         list(sysfs).map_err(|e| format!("reading {}/class/infiniband: {e}", sysfs.display()))?;
     if listed.is_empty() {
-        return Err("no RDMA device (nothing in /sys/class/infiniband)".into());
+        return Err(format!(
+            "no RDMA device (nothing in {}/class/infiniband)",
+            sysfs.display()
+        ));
     }
     // A NIC whose port 1 sysfs says is not ACTIVE (down, initializing)
     // cannot carry a connection; one sysfs says nothing about is kept.
