@@ -38,7 +38,7 @@ macro_rules! on_verbs {
         mod verbs {
             $(
                 #[test]
-                #[ignore = "needs an RDMA NIC (FERRY_TEST_RDMA=1 cargo test --features rdma -- --ignored verbs::)"]
+                #[ignore = "needs an RDMA NIC or the software NIC (tools/softverbs/test)"]
                 fn $name() { super::Path::Verbs.require(); super::$name(super::Path::Verbs) }
             )*
         }
@@ -53,6 +53,10 @@ on_verbs!(
     thousand_ops_in_flight,
     local_argument_errors,
     notifications_and_remove_remote,
+    peer_killed_mid_transfer_fails_within_timeout,
+    connect_errors_within_timeout,
+    bad_metadata_is_an_error,
+    several_streams_chunked,
 );
 
 on_every_path!(

@@ -56,3 +56,194 @@ fn without_a_nic_verbs_says_why_and_tcp_carries_the_bytes() {
     back.read_at(0, &mut got).unwrap();
     assert_eq!(check_pattern(&got, 0, 41), None);
 }
+
+// ---------------------------------------------------------------------
+// The verbs path itself. These need an RDMA NIC, or the software NIC
+// (`tools/softverbs/test` builds it and runs them with it first on the
+// library path); the faults they inject (`SOFTVERBS_*` in the target's
+// environment) are the software NIC's.
+
+const MIB: usize = 1 << 20;
+
+fn verbs_pair(bytes: usize, env: &[(&str, &str)]) -> (Target, Endpoint, ferry::ConnId) {
+    Path::Verbs.require();
+    let t = Target::start_on(Path::Verbs, bytes, env);
+    let ep = common::path_client(Path::Verbs);
+    let conn = ep.add_remote(&t.served.meta).expect("connect to target");
+    (t, ep, conn)
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    fill_pattern(&mut v, 0, seed);
+    v
+}
+
+#[test]
+#[ignore = "needs an RDMA NIC or the software NIC (tools/softverbs/test)"]
+fn deregistration_while_ops_are_in_flight_keeps_their_memory() {
+    let (t, ep, conn) = verbs_pair(64 * MIB, &[]);
+    assert!(ep.uses_verbs(conn));
+    let rb = t.served.rbuf;
+    for round in 0..4u8 {
+        let src = ep.register(pattern(64 * MIB, round)).unwrap();
+        let ts: Vec<_> = (0..64)
+            .map(|i| {
+                let w = rb.slice((i * MIB) as u32, MIB as u32).unwrap();
+                ep.write_async(conn, &src, i * MIB, MIB, &w).unwrap()
+            })
+            .collect();
+        // The handle goes while every op is in flight: the NIC must still
+        // find the memory (and its registration) until they complete.
+        if round % 2 == 0 {
+            drop(src);
+        } else {
+            ep.deregister(src).unwrap();
+        }
+        for mut tr in ts {
+            tr.wait_timeout(std::time::Duration::from_secs(10))
+                .unwrap_or_else(|e| panic!("round {round}: {e}"));
+        }
+        assert_eq!(
+            common::remote_hash(&ep, conn, 0, 64 * MIB),
+            ferry_cli::testkit::fnv64(&pattern(64 * MIB, round)),
+            "round {round}"
+        );
+    }
+    assert!(ep.uses_verbs(conn), "the connection stayed on verbs");
+}
+
+#[test]
+#[ignore = "needs an RDMA NIC or the software NIC (tools/softverbs/test)"]
+fn an_op_of_more_pieces_than_the_queues_hold_completes() {
+    Path::Verbs.require();
+    let t = Target::start_on(Path::Verbs, 32 * MIB, &[]);
+    let mut cfg = common::path_config(Path::Verbs);
+    // 4 KiB pieces: a 24 MiB op is 6144 work requests, more than 4 QPs
+    // of depth 1024 can ever hold at once.
+    cfg.chunk_bytes = 4096;
+    let ep = Endpoint::builder().config(cfg).build().unwrap();
+    let conn = ep.add_remote(&t.served.meta).unwrap();
+    assert!(ep.uses_verbs(conn));
+    let len = 24 * MIB;
+    let src = ep.register(pattern(len, 7)).unwrap();
+    let w = t.served.rbuf.slice(0, len as u32).unwrap();
+    ep.write(conn, &src, 0, len, &w).unwrap();
+    assert_eq!(
+        common::remote_hash(&ep, conn, 0, len),
+        ferry_cli::testkit::fnv64(&pattern(len, 7))
+    );
+    let back = ep.alloc(len).unwrap();
+    ep.read(conn, &back, 0, len, &w).unwrap();
+    let mut got = vec![0u8; len];
+    back.read_at(0, &mut got).unwrap();
+    assert!(got == pattern(len, 7), "READ of 6144 pieces");
+    // A vectored op of 5000 parts, too.
+    let parts: Vec<_> = (0..5000).map(|i| (&src, i * 4096, 4096)).collect();
+    let wins: Vec<_> = (0..5000)
+        .map(|i| t.served.rbuf.slice((i * 4096) as u32, 4096).unwrap())
+        .collect();
+    ep.writev(conn, &parts, &wins).unwrap();
+    assert!(ep.uses_verbs(conn));
+}
+
+#[test]
+#[ignore = "needs an RDMA NIC or the software NIC (tools/softverbs/test)"]
+fn a_remote_access_error_fails_the_connection_and_ends_every_op_once() {
+    let (t, ep, conn) = verbs_pair(64 * MIB, &[]);
+    assert!(ep.uses_verbs(conn));
+    let rb = t.served.rbuf;
+    let src = ep.alloc(64 * MIB).unwrap();
+    // Good ops in flight, then one with a NIC key the target never gave.
+    let mut ts: Vec<_> = (0..32)
+        .map(|i| {
+            let w = rb.slice((i * 2 * MIB) as u32, 2 * MIB as u32).unwrap();
+            ep.write_async(conn, &src, i * 2 * MIB, 2 * MIB, &w)
+                .unwrap()
+        })
+        .collect();
+    let mut forged = rb;
+    let key = rb.nic_rkey().expect("the window carries a NIC key") ^ 0x00ab_0000;
+    forged.reserved[12..16].copy_from_slice(&key.to_le_bytes());
+    ts.push(ep.write_async(conn, &src, 0, 4096, &forged).unwrap());
+    ts.extend((0..32).map(|i| {
+        let w = rb.slice((i * 2 * MIB) as u32, 2 * MIB as u32).unwrap();
+        ep.read_async(conn, &src, i * 2 * MIB, 2 * MIB, &w).unwrap()
+    }));
+    let started = std::time::Instant::now();
+    let (mut ok, mut failed) = (0, 0);
+    for mut tr in ts {
+        match tr.wait_timeout(std::time::Duration::from_secs(10)) {
+            Ok(()) => ok += 1,
+            Err(ferry::Error::ConnFailed { .. }) | Err(ferry::Error::Verbs { .. }) => failed += 1,
+            Err(e) => panic!("unexpected error: {e}"),
+        }
+    }
+    println!("{ok} completed, {failed} failed in {:?}", started.elapsed());
+    assert!(failed >= 1, "the forged key was refused");
+    assert_eq!(ok + failed, 65, "every op ended once");
+    // The connection is gone, and says so at once.
+    let e = ep.write(conn, &src, 0, 8, &rb).unwrap_err();
+    assert!(
+        matches!(e, ferry::Error::ConnFailed { .. }),
+        "later ops: {e}"
+    );
+    // A new connection to the same target works.
+    let conn2 = ep.add_remote(&t.served.meta).unwrap();
+    assert!(ep.uses_verbs(conn2));
+    ep.write(conn2, &src, 0, MIB, &rb).unwrap();
+}
+
+#[test]
+#[ignore = "needs an RDMA NIC or the software NIC (tools/softverbs/test)"]
+fn a_side_whose_queue_pairs_fail_to_connect_leaves_both_on_tcp() {
+    for point in ["rtr", "rts", "create_qp"] {
+        let (t, ep, conn) = verbs_pair(8 * MIB, &[("SOFTVERBS_FAIL", point)]);
+        assert!(
+            !ep.uses_verbs(conn),
+            "the target failed at {point}: the client must not use verbs"
+        );
+        let src = ep.register(pattern(8 * MIB, 3)).unwrap();
+        ep.write(conn, &src, 0, 8 * MIB, &t.served.rbuf).unwrap();
+        let back = ep.alloc(8 * MIB).unwrap();
+        ep.read(conn, &back, 0, 8 * MIB, &t.served.rbuf).unwrap();
+        let mut got = vec![0u8; 8 * MIB];
+        back.read_at(0, &mut got).unwrap();
+        assert!(got == pattern(8 * MIB, 3), "{point}: bytes over tcp");
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA NIC or the software NIC (tools/softverbs/test)"]
+fn read_depth_is_clamped_to_the_peers() {
+    // The target's NIC takes 2 READs in flight per QP; ours 16. Asking for
+    // more than the responder has is a remote invalid-request error.
+    let (t, ep, conn) = verbs_pair(64 * MIB, &[("SOFTVERBS_MAX_QP_RD_ATOM", "2")]);
+    assert!(ep.uses_verbs(conn));
+    let back = ep.alloc(64 * MIB).unwrap();
+    ep.read(conn, &back, 0, 64 * MIB, &t.served.rbuf).unwrap();
+    let mut got = vec![0u8; 64 * MIB];
+    back.read_at(0, &mut got).unwrap();
+    assert_eq!(check_pattern(&got, 0, 0), None);
+    assert!(ep.uses_verbs(conn));
+}
+
+#[test]
+#[ignore = "needs an RDMA NIC or the software NIC (tools/softverbs/test)"]
+fn a_registration_the_nic_refuses_moves_that_memory_over_tcp() {
+    // The target may pin 1 MiB (RLIMIT_MEMLOCK): its 16 MiB window gets
+    // no NIC key, and ops on it go over tcp; the connection keeps verbs.
+    let (t, ep, conn) = verbs_pair(16 * MIB, &[("SOFTVERBS_MEMLOCK_BYTES", "1048576")]);
+    assert!(ep.uses_verbs(conn));
+    assert_eq!(
+        t.served.rbuf.nic_rkey(),
+        None,
+        "the target's window has no NIC key"
+    );
+    let src = ep.register(pattern(16 * MIB, 9)).unwrap();
+    ep.write(conn, &src, 0, 16 * MIB, &t.served.rbuf).unwrap();
+    assert_eq!(
+        common::remote_hash(&ep, conn, 0, 16 * MIB),
+        ferry_cli::testkit::fnv64(&pattern(16 * MIB, 9))
+    );
+}

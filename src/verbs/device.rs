@@ -547,13 +547,17 @@ impl super::QpLink for Link {
 
 /// Sets up this connection's verbs link over its first control stream:
 /// both sides send their QP info (or a refusal), then read the other's,
-/// then connect. Any failure leaves the connection on tcp (`None`).
+/// then connect (INIT → RTR → RTS), then say whether that worked
+/// (`VerbsReady`) and read the other's answer. Verbs is used only when both
+/// are ready: neither side posts before the other is at RTR, and a side
+/// whose setup failed never leaves the other on verbs. Any failure leaves
+/// the connection on tcp (`None`) on both sides.
 pub(crate) fn exchange(
     nic: &Arc<Nic>,
     cfg: &VerbsConfig,
     chunk: u32,
-    send: impl FnOnce(&crate::wire::ControlFrame) -> Result<()>,
-    recv: impl FnOnce() -> Result<crate::wire::ControlFrame>,
+    send: impl Fn(&crate::wire::ControlFrame) -> Result<()>,
+    recv: impl Fn() -> Result<crate::wire::ControlFrame>,
 ) -> Result<Option<Link>> {
     use crate::wire::ControlFrame;
     let mine = nic.data_qps(cfg);
@@ -575,9 +579,26 @@ pub(crate) fn exchange(
             ))
         }
     };
+    // We sent a refusal: both know verbs is off, no more frames.
     let Ok(mut qps) = mine else { return Ok(None) };
-    if let Err(e) = qps.connect(nic, &theirs, cfg) {
+    // Both sent their info, so both wait for each other's answer.
+    let connected = qps.connect(nic, &theirs, cfg).map(|()| qps);
+    if let Err(e) = &connected {
         tracing::warn!("RDMA queue pairs did not connect, using tcp: {e}");
+    }
+    send(&ControlFrame::VerbsReady(connected.is_ok()))?;
+    let peer_ready = match recv()? {
+        ControlFrame::VerbsReady(r) => r,
+        other => {
+            return Err(verbs_err(
+                "the verbs exchange",
+                format!("expected the peer's ready answer, got {other:?}"),
+            ))
+        }
+    };
+    let Ok(qps) = connected else { return Ok(None) };
+    if !peer_ready {
+        tracing::warn!("the peer's RDMA queue pairs did not connect; using tcp");
         return Ok(None);
     }
     let n = qps.qps.len();

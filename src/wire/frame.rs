@@ -35,6 +35,7 @@ const KIND_ERROR: u8 = 3;
 const KIND_AUTH: u8 = 4;
 const KIND_AUTH_OK: u8 = 5;
 const KIND_VERBS: u8 = 6;
+const KIND_VERBS_READY: u8 = 7;
 
 /// One side's introduction on a new stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,6 +92,11 @@ pub enum ControlFrame {
     /// 0, when both hellos carry `CAP_VERBS`); `None`: this side will not
     /// use verbs for it, and both fall back to tcp.
     Verbs(Option<super::VerbsInfo>),
+    /// After both sides moved their queue pairs to RTS (or failed to):
+    /// `true` when ours are ready. Verbs is used only when both say so, so
+    /// neither side posts before the other reaches RTR, and a side whose
+    /// setup failed never leaves the other on verbs against a dead QP.
+    VerbsReady(bool),
 }
 
 impl ControlFrame {
@@ -116,6 +122,7 @@ impl ControlFrame {
             ControlFrame::Verbs(v) => {
                 (KIND_VERBS, v.as_ref().map_or_else(Vec::new, |v| v.encode()))
             }
+            ControlFrame::VerbsReady(ok) => (KIND_VERBS_READY, vec![u8::from(*ok)]),
         };
         let mut out = Vec::with_capacity(CONTROL_HEADER_LEN + body.len());
         out.extend_from_slice(&CONTROL_MAGIC.to_le_bytes());
@@ -148,7 +155,7 @@ impl ControlFrame {
             });
         }
         let kind = r.u8()?;
-        if !(KIND_HELLO..=KIND_VERBS).contains(&kind) {
+        if !(KIND_HELLO..=KIND_VERBS_READY).contains(&kind) {
             return Err(DecodeError::UnknownKind { what, got: kind });
         }
         let flags = r.u8()?;
@@ -194,6 +201,14 @@ impl ControlFrame {
             }),
             KIND_VERBS if body.is_empty() => Ok(ControlFrame::Verbs(None)),
             KIND_VERBS => Ok(ControlFrame::Verbs(Some(super::VerbsInfo::decode(body)?))),
+            KIND_VERBS_READY => match body {
+                [0] => Ok(ControlFrame::VerbsReady(false)),
+                [1] => Ok(ControlFrame::VerbsReady(true)),
+                _ => Err(DecodeError::Invalid {
+                    what: "verbs-ready frame",
+                    reason: format!("body {body:02x?}; expected exactly one byte, 0 or 1"),
+                }),
+            },
             _ => {
                 let what = "control error frame";
                 let mut r = Reader::new(body, what);
@@ -309,8 +324,9 @@ mod tests {
     fn property_round_trip() {
         let mut rng = Rng(99);
         for i in 0..3000 {
-            let f = match i % 7 {
+            let f = match i % 8 {
                 0 => ControlFrame::Hello(hello(&mut rng)),
+                7 => ControlFrame::VerbsReady(rng.next() & 1 == 1),
                 5 => ControlFrame::Verbs(None),
                 6 => ControlFrame::Verbs(Some(crate::wire::VerbsInfo {
                     gid: rng.bytes(16).try_into().unwrap(),
