@@ -27,12 +27,18 @@ its shard from the benchmark loop (embedded mode, busy-polling); the target
 runs a managed shard.
 
 Flags:
-  --transport auto|tcp|shm|ipc
+  --transport auto|tcp|shm|ipc|verbs
                          data path (default auto, which picks shm: the
                          target is a process on this host). ipc: CUDA IPC
                          write/read with an IpcBuf (the seed's write_ipc)
                          into the target's GPU memory
-                         (needs a GPU; the one-op latency uses 4 KiB)
+                         (needs a GPU; the one-op latency uses 4 KiB).
+                         verbs: RDMA queue pairs between the two
+                         processes through the NIC (a build with the
+                         `rdma` feature and an RDMA NIC, or the software
+                         NIC of tools/softverbs); an error if the
+                         connection did not get queue pairs. --baseline
+                         then measures plain TCP, as for tcp
   --gpu IDX              ipc: the initiator's GPU (default 0)
   --peer-gpu IDX         ipc: the target's GPU (default 1 if there are two
                          or more, else 0)
@@ -111,6 +117,8 @@ Environment: FERRY_* variables apply to both processes (see the README).";
 struct Opts {
     transport: Transport,
     ipc: bool,
+    /// `--transport verbs`: tcp connections that must carry queue pairs.
+    verbs: bool,
     device_gpu: bool,
     gpu: usize,
     peer_gpu: Option<usize>,
@@ -157,15 +165,20 @@ struct Row {
 
 fn parse(mut a: Args) -> Result<Opts> {
     let mut ipc = false;
+    let mut verbs = false;
     let transport = match a.value("transport").as_deref().unwrap_or("auto") {
         "auto" => Transport::Auto,
         "tcp" => Transport::Tcp,
+        "verbs" => {
+            verbs = true;
+            Transport::Tcp
+        }
         "shm" => Transport::Shm,
         "ipc" => {
             ipc = true;
             Transport::Shm
         }
-        t => bail!("--transport {t}: expected auto, tcp, shm or ipc"),
+        t => bail!("--transport {t}: expected auto, tcp, shm, ipc or verbs"),
     };
     let gpu: usize = a.parsed("gpu", 0)?;
     let device_gpu = match a.value("device").as_deref().unwrap_or("host") {
@@ -275,6 +288,7 @@ fn parse(mut a: Args) -> Result<Opts> {
         idle_conns,
         transport,
         ipc,
+        verbs,
         device_gpu,
         gpu,
         peer_gpu,
@@ -921,7 +935,23 @@ pub fn run(a: Args) -> Result<()> {
             s.poll();
         }
     }
+    if o.verbs {
+        if let Some(c) = conns.iter().find(|c| !ep.uses_verbs(**c)) {
+            bail!(
+                "--transport verbs: {c} has no RDMA queue pairs ({})",
+                match ep.verbs_status() {
+                    Ok(nics) => format!(
+                        "this side uses {}; the target has no NIC, refused, or failed",
+                        nics.join(", ")
+                    ),
+                    Err(why) => why.to_owned(),
+                }
+            );
+        }
+    }
     let transport = match (o.ipc, shm, o.device_gpu) {
+        _ if o.verbs && o.device_gpu => "verbs-gpu",
+        _ if o.verbs => "verbs",
         (true, _, _) => "ipc",
         (false, true, false) => "shm",
         (false, true, true) => "shm-gpu",

@@ -21,10 +21,16 @@ pub fn run(a: Args) -> Result<()> {
     println!("  tcp           usable: kernel TCP, the default network path");
     let wanted = cfg.as_ref().ok().and_then(|c| c.rdma_dev.clone());
     match ferry::verbs::status(None, wanted.as_deref()) {
-        Ok(nics) => println!(
-            "  verbs (rdma)  usable: {} (first is used; peers with verbs get RDMA queue pairs)",
-            nics.join(", ")
-        ),
+        Ok(nics) => {
+            println!(
+                "  verbs (rdma)  usable: {} (best first; peers with verbs get RDMA queue pairs)",
+                nics.join(", ")
+            );
+            let vc = cfg.as_ref().map(|c| c.verbs()).unwrap_or_default();
+            for line in nic_lines(&nics, &vc) {
+                println!("    {line}");
+            }
+        }
         Err(why) => println!("  verbs (rdma)  not usable: {why}; connections use tcp"),
     }
     match ferry::gpu::driver::status() {
@@ -67,4 +73,33 @@ pub fn run(a: Args) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// One line per NIC: port state, link layer, and the GID the endpoint
+/// would use and why (FERRY_RDMA_GID_INDEX, or the best of the table).
+fn nic_lines(nics: &[String], vc: &ferry::verbs::VerbsConfig) -> Vec<String> {
+    use ferry::verbs::nic;
+    let sysfs = ferry::verbs::sysfs_root();
+    nics.iter()
+        .map(|name| {
+            let (state, link) = nic::port_facts(&sysfs, name, vc.port);
+            let gid = match (vc.gid_index, nic::best_gid_choice(&sysfs, name, vc.port)) {
+                (Some(i), _) => format!("GID index {i} (FERRY_RDMA_GID_INDEX)"),
+                (None, Some(c)) => format!(
+                    "GID index {} {} ({}: {})",
+                    c.index,
+                    c.text(),
+                    if c.kind.is_empty() { "IB" } else { &c.kind },
+                    c.reason()
+                ),
+                (None, None) => "GID index 0 (no GID table in sysfs)".to_owned(),
+            };
+            format!(
+                "{name} port {}: {}, {}, {gid}",
+                vc.port,
+                state.as_deref().unwrap_or("state unknown"),
+                link.as_deref().unwrap_or("link layer unknown"),
+            )
+        })
+        .collect()
 }

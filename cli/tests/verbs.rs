@@ -247,3 +247,96 @@ fn a_registration_the_nic_refuses_moves_that_memory_over_tcp() {
         ferry_cli::testkit::fnv64(&pattern(16 * MIB, 9))
     );
 }
+
+/// The software NIC's count of work requests this process's queue pairs on
+/// `dev` executed; `None` on a real libibverbs.
+fn softverbs_wrs(dev: &str) -> Option<u64> {
+    let name = std::ffi::CString::new(dev).unwrap();
+    // SAFETY: RTLD_NOLOAD only finds the library rdma-mummy-sys already
+    // loaded; the symbol, when present, has the C signature
+    // `uint64_t softverbs_device_wrs(const char *)`.
+    unsafe {
+        let h = libc::dlopen(
+            c"libibverbs.so.1".as_ptr(),
+            libc::RTLD_NOW | libc::RTLD_NOLOAD,
+        );
+        if h.is_null() {
+            return None;
+        }
+        let f = libc::dlsym(h, c"softverbs_device_wrs".as_ptr());
+        if f.is_null() {
+            return None;
+        }
+        let f: extern "C" fn(*const libc::c_char) -> u64 = std::mem::transmute(f);
+        Some(f(name.as_ptr()))
+    }
+}
+
+#[test]
+#[ignore = "needs an RDMA NIC or the software NIC (tools/softverbs/test)"]
+fn queue_pairs_are_striped_over_every_nic() {
+    let (t, ep, conn) = verbs_pair(64 * MIB, &[]);
+    let nics = ep.verbs_status().expect("verbs is on").to_vec();
+    if nics.len() < 2 {
+        panic!("this test needs two NICs (tools/softverbs/test gives two): {nics:?}");
+    }
+    assert!(ep.uses_verbs(conn));
+    let before: Vec<Option<u64>> = nics.iter().map(|n| softverbs_wrs(n)).collect();
+    let src = ep.register(pattern(64 * MIB, 5)).unwrap();
+    ep.write(conn, &src, 0, 64 * MIB, &t.served.rbuf).unwrap();
+    assert_eq!(
+        common::remote_hash(&ep, conn, 0, 64 * MIB),
+        ferry_cli::testkit::fnv64(&pattern(64 * MIB, 5))
+    );
+    let back = ep.alloc(64 * MIB).unwrap();
+    ep.read(conn, &back, 0, 64 * MIB, &t.served.rbuf).unwrap();
+    let mut got = vec![0u8; 64 * MIB];
+    back.read_at(0, &mut got).unwrap();
+    assert!(got == pattern(64 * MIB, 5), "READ over every NIC");
+    // Where the NIC is the software one, each NIC carried a share.
+    for (n, b) in nics.iter().zip(before) {
+        if let (Some(b), Some(a)) = (b, softverbs_wrs(n)) {
+            println!("{n}: {} work requests", a - b);
+            assert!(a > b, "{n} carried none of the connection's work requests");
+        }
+    }
+    // FERRY_RDMA_MAX_NICS=1 keeps an endpoint on its best NIC.
+    let mut cfg = common::path_config(Path::Verbs);
+    cfg.rdma_max_nics = 1;
+    let one = Endpoint::builder().config(cfg).build().unwrap();
+    let c1 = one.add_remote(&t.served.meta).unwrap();
+    assert!(one.uses_verbs(c1));
+    let second = softverbs_wrs(&nics[1]);
+    let src1 = one.register(pattern(8 * MIB, 6)).unwrap();
+    one.write(c1, &src1, 0, 8 * MIB, &t.served.rbuf).unwrap();
+    assert_eq!(
+        common::remote_hash(&one, c1, 0, 8 * MIB),
+        ferry_cli::testkit::fnv64(&pattern(8 * MIB, 6))
+    );
+    assert_eq!(softverbs_wrs(&nics[1]), second, "one NIC only");
+}
+
+#[test]
+#[ignore = "needs an RDMA NIC or the software NIC (tools/softverbs/test)"]
+fn info_lists_each_nic_with_its_port_and_gid() {
+    Path::Verbs.require();
+    let out = std::process::Command::new(common::ferry_bin())
+        .arg("info")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    println!("{text}");
+    let nics = ferry::verbs::status(None, None).unwrap();
+    for n in &nics {
+        let line = text
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{n} port 1:")))
+            .unwrap_or_else(|| panic!("no line for {n}"));
+        assert!(line.contains("GID index"), "{line}");
+    }
+    if softverbs_wrs(&nics[0]).is_some() {
+        // The software NIC's RoCE table: index 3 is RoCE v2, IPv4-mapped.
+        assert!(text.contains("ACTIVE, Ethernet, GID index 3"), "{text}");
+        assert!(text.contains("RoCE v2, IPv4-mapped: routable"), "{text}");
+    }
+}

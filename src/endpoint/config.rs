@@ -166,6 +166,10 @@ pub struct Config {
     pub rdma_gid_index: Option<u32>,
     /// Data queue pairs per connection (`FERRY_RDMA_QPS`, default 4, at most 64).
     pub rdma_qps: usize,
+    /// NICs an endpoint opens and stripes each connection's queue pairs
+    /// over (`FERRY_RDMA_MAX_NICS`, default 4, 1..=4): the ones nearest its
+    /// GPU, or those `FERRY_RDMA_DEV` names.
+    pub rdma_max_nics: usize,
     /// Outstanding RDMA READs per queue pair (`FERRY_RDMA_MAX_RD_ATOMIC`, default 16).
     pub rdma_max_rd_atomic: u8,
     /// Service level and traffic class (`FERRY_RDMA_SL`, `FERRY_RDMA_TC`, default 0).
@@ -210,6 +214,7 @@ impl Default for Config {
             rdma_dev: None,
             rdma_gid_index: None,
             rdma_qps: 4,
+            rdma_max_nics: 4,
             rdma_max_rd_atomic: 16,
             rdma_sl: 0,
             rdma_tc: 0,
@@ -252,6 +257,7 @@ impl Config {
         crate::verbs::VerbsConfig {
             gid_index: self.rdma_gid_index,
             n_qps: self.rdma_qps,
+            max_nics: self.rdma_max_nics,
             max_rd_atomic: self.rdma_max_rd_atomic,
             service_level: self.rdma_sl,
             traffic_class: self.rdma_tc,
@@ -348,6 +354,12 @@ impl Config {
             within("rdma_gid_index (FERRY_RDMA_GID_INDEX)", g, 0, 255)?;
         }
         within(
+            "rdma_max_nics (FERRY_RDMA_MAX_NICS)",
+            self.rdma_max_nics,
+            1,
+            crate::wire::MAX_NICS,
+        )?;
+        within(
             "rdma_qps (FERRY_RDMA_QPS)",
             self.rdma_qps,
             1,
@@ -427,6 +439,7 @@ impl Config {
             "FERRY_GPU_STREAMS" => gpu_streams,
             "FERRY_GPU_BOUNCE_BYTES" => gpu_bounce_bytes,
             "FERRY_RDMA_QPS" => rdma_qps,
+            "FERRY_RDMA_MAX_NICS" => rdma_max_nics,
             "FERRY_RDMA_MAX_RD_ATOMIC" => rdma_max_rd_atomic,
             "FERRY_RDMA_SL" => rdma_sl,
             "FERRY_RDMA_TC" => rdma_tc,

@@ -217,18 +217,18 @@ impl MemoryRegion {
         }
         let ep = self.ep.upgrade();
         let nic = ep.as_ref().and_then(|ep| ep.nic.as_ref());
-        if let Some(rkey) = crate::verbs::remote_key(nic, &self.inner) {
-            reserved[8] |= crate::wire::REMOTE_FLAG_NIC_KEY;
-            reserved[12..16].copy_from_slice(&rkey.to_le_bytes());
-        }
-        Ok(RemoteBuf {
+        let mut rb = RemoteBuf {
             addr: self.addr() + offset as u64,
             size,
             rkey: self.rkey(),
             nmsgs: 1,
             reserved,
             ..Default::default()
-        })
+        };
+        if let Some(keys) = crate::verbs::remote_keys(nic, &self.inner) {
+            rb.set_nic_rkeys(&keys);
+        }
+        Ok(rb)
     }
 
     /// Removes the registration from every shard and waits (up to `timeout`)

@@ -304,7 +304,7 @@ impl Endpoint {
             Ok((nics, nic)) => {
                 info!(
                     "RDMA verbs on {}: peers with verbs get queue pairs",
-                    nics[0]
+                    nics.join(", ")
                 );
                 (Ok(nics), nic)
             }
@@ -814,7 +814,7 @@ pub(super) fn desc(
         rkey: remote.rkey,
         tag: remote.key_tag(),
         remote_device: remote.is_device(),
-        nic_rkey: remote.nic_rkey(),
+        nic_rkeys: remote.nic_rkeys(),
     })
 }
 
@@ -1129,7 +1129,7 @@ impl Inner {
         // With a NIC, register it there now, on the caller's thread: the
         // pinning stays out of the shard loop, and a refusal (MEMLOCK) is
         // found once — the region's ops then go over tcp.
-        let _ = crate::verbs::remote_key(self.nic.as_ref(), &r);
+        let _ = crate::verbs::remote_keys(self.nic.as_ref(), &r);
         for s in &self.shards {
             s.region(RegionCmd::Add(r.clone()))?;
         }

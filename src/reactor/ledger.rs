@@ -169,7 +169,7 @@ mod tests {
                 rkey: 1,
                 tag: 0,
                 remote_device: false,
-                nic_rkey: Some(9),
+                nic_rkeys: crate::wire::NicKeys::new(&[9]),
             }),
             at: Default::default(),
             counted: true,

@@ -19,8 +19,9 @@ pub(crate) struct OpDesc {
     pub tag: u64,
     /// The advertiser marked the window as GPU memory.
     pub remote_device: bool,
-    /// The window's RDMA rkey, when the advertiser's NIC registered it.
-    pub nic_rkey: Option<u32>,
+    /// The window's RDMA rkeys (one per NIC of the advertiser), when its
+    /// NICs registered it.
+    pub nic_rkeys: Option<crate::wire::NicKeys>,
 }
 
 impl OpDesc {
@@ -41,7 +42,7 @@ impl OpDesc {
             rkey: self.rkey,
             tag: self.tag,
             remote_device: self.remote_device,
-            nic_rkey: self.nic_rkey,
+            nic_rkeys: self.nic_rkeys,
         }
     }
 }

@@ -664,15 +664,15 @@ impl Shard {
                     let descs = op.parts.as_slice();
                     // Every local region registered with the NIC (a
                     // refusal, remembered on the region, means tcp).
-                    descs
-                        .iter()
-                        .all(|d| d.nic_rkey.is_some() && link.lkey(d.local.region()).is_ok())
-                        && link.fits(
-                            descs
-                                .iter()
-                                .map(|d| link.pieces(d.local.len() as u64))
-                                .sum(),
-                        )
+                    descs.iter().all(|d| {
+                        d.nic_rkeys.is_some_and(|k| link.takes(&k))
+                            && link.lkeys(d.local.region()).is_ok()
+                    }) && link.fits(
+                        descs
+                            .iter()
+                            .map(|d| link.pieces(d.local.len() as u64))
+                            .sum(),
+                    )
                 }
                 None => false,
             },
@@ -829,11 +829,11 @@ impl Shard {
             return Some(op);
         }
         for d in descs {
-            match link.lkey(d.local.region()) {
-                Ok(lkey) => link.add(
-                    lkey,
+            match link.lkeys(d.local.region()) {
+                Ok(lkeys) => link.add(
+                    lkeys,
                     d.local.addr(),
-                    d.nic_rkey.expect("checked by the caller"),
+                    d.nic_rkeys.expect("checked by the caller"),
                     d.remote_addr,
                     d.local.len() as u64,
                 ),

@@ -1,13 +1,15 @@
-//! The verbs objects of one endpoint (feature `rdma`): the opened NIC, its
-//! protection domain, memory registrations, and per peer a set of RC data
-//! queue pairs sharing one completion queue, connected from the peer's
-//! `VerbsInfo` (INIT → RTR → RTS) and driven by `plan`: striped WRs posted
-//! as linked lists (one doorbell per post), completions polled, never
-//! waited for.
+//! The verbs objects of one endpoint (feature `rdma`): the opened NICs
+//! (up to four), each with its protection domain, memory registrations on
+//! every NIC, and per peer a set of RC data queue pairs striped over the
+//! NICs (queue pair `i` on NIC `i % n`, one completion queue per NIC),
+//! connected from the peer's `VerbsInfo` (INIT → RTR → RTS, then both
+//! sides confirm) and driven by `plan`: striped WRs posted as linked lists
+//! (one doorbell per post), completions polled, never waited for.
 //!
-//! This layer has not run against a NIC: the machines this project has
-//! carry none (see the issue notes). It is compiled and clippy-checked in
-//! CI, and its inputs (NIC choice, plans, the exchanged info) are tested.
+//! In CI this layer runs against the software NIC of `tools/softverbs`
+//! (the real libibverbs ABI, RC semantics between processes); it has not
+//! yet run against a hardware NIC (ARCHITECTURE.md: "first run on
+//! hardware").
 
 use std::sync::Arc;
 
@@ -26,7 +28,116 @@ use sideway::ibverbs::AccessFlags;
 use super::plan::{self, Piece, Post, WcOutcome};
 use super::VerbsConfig;
 use crate::error::{Error, Result};
-use crate::wire::{VerbsInfo, LINK_ETHERNET, LINK_INFINIBAND};
+use crate::wire::{NicAddr, NicKeys, VerbsInfo, LINK_ETHERNET, LINK_INFINIBAND};
+
+/// Tells libibverbs the process may fork (registered pages are then kept
+/// out of children: `madvise(MADV_DONTFORK)`), once, before the first
+/// device opens: later it is refused. A libibverbs without it (or the
+/// software NIC) answers harmlessly.
+pub(crate) fn fork_init() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: no arguments; called before any device is opened by us.
+        let r = unsafe { rdma_mummy_sys::ibv_fork_init() };
+        if r != 0 {
+            tracing::debug!(
+                "ibv_fork_init: {}",
+                std::io::Error::from_raw_os_error(r.abs())
+            );
+        }
+    });
+}
+
+/// The NICs an endpoint uses, best first (1..=`MAX_NICS`).
+pub struct NicSet {
+    pub nics: Vec<Nic>,
+}
+
+impl NicSet {
+    pub fn new(nics: Vec<Nic>) -> NicSet {
+        assert!(
+            (1..=crate::wire::MAX_NICS).contains(&nics.len()),
+            "1..=MAX_NICS NICs"
+        );
+        NicSet { nics }
+    }
+
+    /// NICs a connection with `n_qps` queue pairs stripes over.
+    fn used(&self, n_qps: usize) -> usize {
+        self.nics.len().min(n_qps.max(1))
+    }
+
+    /// Creates `cfg.n_qps` RC queue pairs, queue pair `i` on NIC
+    /// `i % used`, each NIC's on a completion queue of its own.
+    pub fn data_qps(&self, cfg: &VerbsConfig) -> Result<DataQps> {
+        let depth = cfg.qp_depth;
+        let used = self.used(cfg.n_qps);
+        let per_nic = cfg.n_qps.div_ceil(used) as u32;
+        let mut cqs = Vec::with_capacity(used);
+        for nic in &self.nics[..used] {
+            let cq = nic
+                .ctx
+                .create_cq_builder()
+                .setup_cqe(depth * per_nic)
+                .build_ex()
+                .map_err(|e| verbs_err("ibv_create_cq_ex", e))?;
+            cqs.push(GenericCompletionQueue::from(cq));
+        }
+        let mut qps = Vec::with_capacity(cfg.n_qps);
+        for i in 0..cfg.n_qps {
+            let (nic, cq) = (&self.nics[i % used], &cqs[i % used]);
+            let qp = nic
+                .pd
+                .create_qp_builder()
+                .setup_max_send_wr(depth)
+                .setup_max_recv_wr(1)
+                .setup_max_send_sge(1)
+                .setup_send_cq(cq.clone())
+                .setup_recv_cq(cq.clone())
+                .build_ex()
+                .map_err(|e| verbs_err("ibv_create_qp_ex", e))?;
+            qps.push(qp);
+        }
+        let psns = qps
+            .iter()
+            .map(|_| crate::sys::random_u32() & 0xff_ffff)
+            .collect();
+        Ok(DataQps {
+            qps,
+            cqs,
+            psns,
+            pieces: Vec::new(),
+            wrs: Vec::new(),
+            signaled: Vec::new(),
+            posts: Vec::new(),
+        })
+    }
+
+    /// What the peer needs to connect to `qps`.
+    pub fn info(&self, qps: &DataQps, cfg: &VerbsConfig) -> VerbsInfo {
+        let used = &self.nics[..qps.cqs.len()];
+        VerbsInfo {
+            nics: used.iter().map(Nic::addr).collect(),
+            sl: cfg.service_level,
+            traffic_class: cfg.traffic_class,
+            // What we accept: the peer sends at most this many READs
+            // (the least any of our NICs takes).
+            max_rd_atomic: used
+                .iter()
+                .map(|n| {
+                    super::plan::read_depths(cfg.max_rd_atomic, n.rd_atom.0, n.rd_atom.1, u8::MAX).0
+                })
+                .min()
+                .unwrap_or(1),
+            qps: qps
+                .qps
+                .iter()
+                .zip(&qps.psns)
+                .map(|(q, &psn)| (q.qp_number(), psn))
+                .collect(),
+        }
+    }
+}
 
 /// The verbs flags of a registration's access rights.
 fn access_flags(a: crate::region::Access) -> AccessFlags {
@@ -173,77 +284,23 @@ impl Nic {
             .map_err(|e| verbs_err("ibv_reg_dmabuf_mr", e))
     }
 
-    /// Creates `n` RC queue pairs on one completion queue.
-    pub fn data_qps(&self, cfg: &VerbsConfig) -> Result<DataQps> {
-        let depth = cfg.qp_depth;
-        let cq = self
-            .ctx
-            .create_cq_builder()
-            .setup_cqe(depth * cfg.n_qps as u32)
-            .build_ex()
-            .map_err(|e| verbs_err("ibv_create_cq_ex", e))?;
-        let cq = GenericCompletionQueue::from(cq);
-        let mut qps = Vec::with_capacity(cfg.n_qps);
-        for _ in 0..cfg.n_qps {
-            let qp = self
-                .pd
-                .create_qp_builder()
-                .setup_max_send_wr(depth)
-                .setup_max_recv_wr(1)
-                .setup_max_send_sge(1)
-                .setup_send_cq(cq.clone())
-                .setup_recv_cq(cq.clone())
-                .build_ex()
-                .map_err(|e| verbs_err("ibv_create_qp_ex", e))?;
-            qps.push(qp);
-        }
-        let psns = qps
-            .iter()
-            .map(|_| crate::sys::random_u32() & 0xff_ffff)
-            .collect();
-        Ok(DataQps {
-            qps,
-            cq,
-            psns,
-            pieces: Vec::new(),
-            wrs: Vec::new(),
-            signaled: Vec::new(),
-            posts: Vec::new(),
-        })
-    }
-
-    /// What the peer needs to connect to `qps`.
-    pub fn info(&self, qps: &DataQps, cfg: &VerbsConfig) -> VerbsInfo {
-        VerbsInfo {
+    /// Where this NIC's port is reached.
+    fn addr(&self) -> NicAddr {
+        NicAddr {
             gid: self.gid,
             lid: self.lid,
             port: self.port,
             mtu: self.mtu,
             link_layer: self.link_layer,
-            sl: cfg.service_level,
-            traffic_class: cfg.traffic_class,
-            // What we accept: the peer sends at most this many READs.
-            max_rd_atomic: super::plan::read_depths(
-                cfg.max_rd_atomic,
-                self.rd_atom.0,
-                self.rd_atom.1,
-                u8::MAX,
-            )
-            .0,
-            qps: qps
-                .qps
-                .iter()
-                .zip(&qps.psns)
-                .map(|(q, &psn)| (q.qp_number(), psn))
-                .collect(),
         }
     }
 }
 
-/// One peer's data queue pairs.
+/// One peer's data queue pairs (`i` on NIC `i % cqs.len()`).
 pub struct DataQps {
     qps: Vec<ExtendedQueuePair>,
-    cq: GenericCompletionQueue,
+    /// One completion queue per NIC used.
+    cqs: Vec<GenericCompletionQueue>,
     psns: Vec<u32>,
     // Reused plan buffers: posting allocates nothing once warm.
     pieces: Vec<Piece>,
@@ -252,17 +309,20 @@ pub struct DataQps {
     posts: Vec<Post>,
 }
 
-/// One local slice and the remote window of a one-sided op.
+/// One local slice and the remote window of a one-sided op, with the
+/// keys of every NIC on both sides (a WR on queue pair `i` uses key
+/// `i % n` of each).
 pub struct Sge {
-    pub lkey: u32,
+    pub lkeys: NicKeys,
     pub laddr: u64,
-    pub rkey: u32,
+    pub rkeys: NicKeys,
     pub raddr: u64,
 }
 
 impl DataQps {
-    /// INIT → RTR → RTS against the peer's queue pairs.
-    pub fn connect(&mut self, nic: &Nic, remote: &VerbsInfo, cfg: &VerbsConfig) -> Result<()> {
+    /// INIT → RTR → RTS against the peer's queue pairs: ours `i` (on our
+    /// NIC `i % ours`) to theirs `i` (on their NIC `i % theirs`).
+    pub fn connect(&mut self, set: &NicSet, remote: &VerbsInfo, cfg: &VerbsConfig) -> Result<()> {
         if remote.qps.len() != self.qps.len() {
             return Err(verbs_err(
                 "connecting queue pairs",
@@ -273,19 +333,22 @@ impl DataQps {
                 ),
             ));
         }
-        let grh = super::plan::address_plan(
-            (nic.link_layer, nic.gid),
-            (remote.link_layer, remote.gid, remote.lid),
-        )
-        .map_err(|e| verbs_err("connecting queue pairs", e))?;
-        let mtu = Mtu::from(remote.mtu.min(nic.mtu) as u32);
-        let (dest_rd, init_rd) = super::plan::read_depths(
-            cfg.max_rd_atomic,
-            nic.rd_atom.0,
-            nic.rd_atom.1,
-            remote.max_rd_atomic,
-        );
+        let used = self.cqs.len();
         for (i, qp) in self.qps.iter_mut().enumerate() {
+            let nic = &set.nics[i % used];
+            let peer = remote.nic_of(i);
+            let grh = super::plan::address_plan(
+                (nic.link_layer, nic.gid),
+                (peer.link_layer, peer.gid, peer.lid),
+            )
+            .map_err(|e| verbs_err("connecting queue pairs", e))?;
+            let mtu = Mtu::from(peer.mtu.min(nic.mtu) as u32);
+            let (dest_rd, init_rd) = super::plan::read_depths(
+                cfg.max_rd_atomic,
+                nic.rd_atom.0,
+                nic.rd_atom.1,
+                remote.max_rd_atomic,
+            );
             let (rqpn, rpsn) = remote.qps[i];
             let mut a = QueuePairAttribute::new();
             a.setup_state(QueuePairState::Init)
@@ -297,12 +360,12 @@ impl DataQps {
             qp.modify(&a).map_err(|e| verbs_err("QP to INIT", e))?;
             let mut ah = AddressHandleAttribute::new();
             ah.setup_port(nic.port)
-                .setup_dest_lid(remote.lid)
+                .setup_dest_lid(peer.lid)
                 // Our own service level: the fabric's QoS is configured per
                 // host, and a peer must not pick our lane.
                 .setup_service_level(cfg.service_level);
             if grh {
-                let gid = sideway::ibverbs::address::Gid { raw: remote.gid };
+                let gid = sideway::ibverbs::address::Gid { raw: peer.gid };
                 // Our own traffic class (RoCE QoS: DSCP/ECN), flow label 0.
                 ah.setup_grh(&gid, 0, nic.gid_index as u8, 64, cfg.traffic_class);
             }
@@ -335,18 +398,20 @@ impl DataQps {
         &self,
         mut out: impl FnMut(u64, WcOutcome, &'static str),
     ) -> std::result::Result<usize, String> {
-        let poller = match self.cq.start_poll() {
-            Ok(p) => p,
-            Err(sideway::ibverbs::completion::PollCompletionQueueError::CompletionQueueEmpty) => {
-                return Ok(0)
-            }
-            Err(e) => return Err(format!("polling the completion queue: {e:?}")),
-        };
         let mut n = 0;
-        for wc in poller {
-            let st = wc.status();
-            out(wc.wr_id(), plan::wc_outcome(st), plan::wc_status_name(st));
-            n += 1;
+        for cq in &self.cqs {
+            let poller = match cq.start_poll() {
+                Ok(p) => p,
+                Err(
+                    sideway::ibverbs::completion::PollCompletionQueueError::CompletionQueueEmpty,
+                ) => continue,
+                Err(e) => return Err(format!("polling the completion queue: {e:?}")),
+            };
+            for wc in poller {
+                let st = wc.status();
+                out(wc.wr_id(), plan::wc_outcome(st), plan::wc_status_name(st));
+                n += 1;
+            }
         }
         Ok(n)
     }
@@ -355,7 +420,9 @@ impl DataQps {
 /// The verbs side of one connection: its data QPs and what is in flight
 /// on them. Lives in the shard that owns the connection.
 pub(crate) struct Link {
-    nic: Arc<Nic>,
+    nic: Arc<NicSet>,
+    /// NICs the peer's queue pairs are on.
+    remote_nics: usize,
     qps: DataQps,
     cfg: VerbsConfig,
     chunk: u32,
@@ -397,16 +464,21 @@ impl super::QpLink for Link {
         }
     }
 
-    /// The local registration's key, registering `r` with the NIC on first
-    /// use (the registration cache: one MR per registration, dropped with it).
-    fn lkey(&self, r: &crate::region::Region) -> Result<u32> {
-        super::mr_of(&self.nic, r).map(|mr| mr.lkey())
+    /// The local registration's keys, registering `r` with the NICs on
+    /// first use (the registration cache: one MR per NIC per registration,
+    /// dropped with it).
+    fn lkeys(&self, r: &crate::region::Region) -> Result<NicKeys> {
+        super::mrs_of(&self.nic, r).map(|mrs| mrs.lkeys())
     }
 
-    /// Adds one part of an op (`len` bytes between `laddr` under `lkey`
-    /// and the peer's `raddr` under `rkey`) to the op being built; `post`
+    fn takes(&self, rkeys: &NicKeys) -> bool {
+        rkeys.len() >= self.remote_nics
+    }
+
+    /// Adds one part of an op (`len` bytes between `laddr` under `lkeys`
+    /// and the peer's `raddr` under `rkeys`) to the op being built; `post`
     /// sends them all.
-    fn add(&mut self, lkey: u32, laddr: u64, rkey: u32, raddr: u64, len: u64) {
+    fn add(&mut self, lkeys: NicKeys, laddr: u64, rkeys: NicKeys, raddr: u64, len: u64) {
         let n_qps = self.wr_out.len();
         let item = self.items.len() as u32;
         let first = self.next_qp;
@@ -415,9 +487,9 @@ impl super::QpLink for Link {
             .pieces
             .extend(plan::stripe_item(item, len, self.chunk, n_qps, first));
         self.items.push(Sge {
-            lkey,
+            lkeys,
             laddr,
-            rkey,
+            rkeys,
             raddr,
         });
     }
@@ -460,14 +532,17 @@ impl super::QpLink for Link {
                     WorkRequestFlags::none()
                 };
                 let h = g.construct_wr(id, flags);
+                // Queue pair p is on our NIC p % ours and their NIC
+                // p % theirs: each side's key of that NIC.
+                let (lkey, rkey) = (it.lkeys.for_qp(p.qp), it.rkeys.for_qp(p.qp));
                 let h = if write {
-                    h.setup_write(it.rkey, it.raddr + w.off)
+                    h.setup_write(rkey, it.raddr + w.off)
                 } else {
-                    h.setup_read(it.rkey, it.raddr + w.off)
+                    h.setup_read(rkey, it.raddr + w.off)
                 };
                 // SAFETY: the local range lies in a registration the op
                 // holds (its OpCmd) until its completions arrive.
-                unsafe { h.setup_sge(it.lkey, it.laddr + w.off, w.len) };
+                unsafe { h.setup_sge(lkey, it.laddr + w.off, w.len) };
             }
             if let Err(e) = g.post() {
                 // Nothing of this list went out; earlier lists did, and
@@ -553,7 +628,7 @@ impl super::QpLink for Link {
 /// whose setup failed never leaves the other on verbs. Any failure leaves
 /// the connection on tcp (`None`) on both sides.
 pub(crate) fn exchange(
-    nic: &Arc<Nic>,
+    nic: &Arc<NicSet>,
     cfg: &VerbsConfig,
     chunk: u32,
     send: impl Fn(&crate::wire::ControlFrame) -> Result<()>,
@@ -604,6 +679,7 @@ pub(crate) fn exchange(
     let n = qps.qps.len();
     Ok(Some(Link {
         nic: nic.clone(),
+        remote_nics: theirs.nics.len(),
         qps,
         cfg: cfg.clone(),
         chunk,

@@ -17,17 +17,30 @@ pub mod plan;
 #[cfg(feature = "rdma")]
 pub mod device;
 
-/// The endpoint's opened NIC (none in a build without `rdma`).
+/// The endpoint's opened NICs (none in a build without `rdma`).
 #[cfg(feature = "rdma")]
-pub(crate) type NicHandle = std::sync::Arc<device::Nic>;
+pub(crate) type NicHandle = std::sync::Arc<device::NicSet>;
 #[cfg(not(feature = "rdma"))]
 pub(crate) type NicHandle = std::convert::Infallible;
 
-/// A registration's memory region on the NIC (the registration cache is
-/// one of these per `Region`, hung on its `nic_attach` on first use,
-/// dropped with it).
+/// A registration's memory regions, one per NIC of the endpoint (the
+/// registration cache: one of these per `Region`, hung on its
+/// `nic_attach` when it is made, dropped with it).
 #[cfg(feature = "rdma")]
-pub(crate) type Mr = std::sync::Arc<sideway::ibverbs::memory_region::MemoryRegion>;
+pub(crate) struct NicMrs(Vec<std::sync::Arc<sideway::ibverbs::memory_region::MemoryRegion>>);
+
+#[cfg(feature = "rdma")]
+impl NicMrs {
+    pub(crate) fn lkeys(&self) -> crate::wire::NicKeys {
+        let k: Vec<u32> = self.0.iter().map(|m| m.lkey()).collect();
+        crate::wire::NicKeys::new(&k).expect("1..=MAX_NICS NICs")
+    }
+
+    pub(crate) fn rkeys(&self) -> crate::wire::NicKeys {
+        let k: Vec<u32> = self.0.iter().map(|m| m.rkey()).collect();
+        crate::wire::NicKeys::new(&k).expect("1..=MAX_NICS NICs")
+    }
+}
 
 /// A connection's RDMA queue pairs as the shard drives them: the one seam
 /// between builds with and without verbs. Only the `rdma` build implements
@@ -43,11 +56,20 @@ pub(crate) trait QpLink: Send {
     fn busy(&self) -> bool;
     /// Work requests an op part of `len` bytes becomes.
     fn pieces(&self, len: u64) -> usize;
-    /// The local registration's key, registering it with the NIC on first
-    /// use.
-    fn lkey(&self, r: &crate::region::Region) -> crate::error::Result<u32>;
+    /// The local registration's keys (one per NIC), registering it with
+    /// the NICs on first use.
+    fn lkeys(&self, r: &crate::region::Region) -> crate::error::Result<crate::wire::NicKeys>;
+    /// Whether a window's keys reach every NIC the peer's queue pairs use.
+    fn takes(&self, rkeys: &crate::wire::NicKeys) -> bool;
     /// Adds one part of the op being built.
-    fn add(&mut self, lkey: u32, laddr: u64, rkey: u32, raddr: u64, len: u64);
+    fn add(
+        &mut self,
+        lkeys: crate::wire::NicKeys,
+        laddr: u64,
+        rkeys: crate::wire::NicKeys,
+        raddr: u64,
+        len: u64,
+    );
     /// Drops the parts gathered so far (posting none).
     fn discard(&mut self);
     /// Posts the gathered parts as op `slot`; all or nothing.
@@ -72,7 +94,8 @@ pub(crate) trait QpLink: Send {
 /// What a connection holds for its queue pairs.
 pub(crate) type Link = dyn QpLink;
 
-/// Opens the first usable NIC, or says why verbs is off.
+/// Opens the NICs to use (up to `cfg.max_nics`, best first), or says why
+/// verbs is off. Returns every usable NIC's name, the opened ones first.
 pub(crate) fn open_nic(
     gpu_bdf: Option<&str>,
     wanted: Option<&str>,
@@ -81,25 +104,37 @@ pub(crate) fn open_nic(
     let nics = status(gpu_bdf, wanted)?;
     #[cfg(feature = "rdma")]
     {
-        // The best NIC that opens: one that fails (a VF without
+        // The best NICs that open: one that fails (a VF without
         // resources, a port gone) is skipped, and the reasons are kept.
+        // libibverbs forks safely only when told so before the first
+        // device opens (registrations are then kept out of children).
+        device::fork_init();
         let mut why = Vec::new();
-        for (i, name) in nics.iter().enumerate() {
+        let mut opened = Vec::new();
+        for name in &nics {
+            if opened.len() >= cfg.max_nics.clamp(1, crate::wire::MAX_NICS) {
+                break;
+            }
             match device::Nic::open(name, cfg) {
-                Ok(nic) => {
-                    if !why.is_empty() {
-                        tracing::warn!("RDMA: skipped {}", why.join("; "));
-                    }
-                    let mut order = nics.clone();
-                    order.rotate_left(i);
-                    return Ok((order, Some(std::sync::Arc::new(nic))));
-                }
+                Ok(nic) => opened.push(nic),
                 Err(e) => why.push(format!("{name}: {e}")),
             }
         }
-        Err(format!(
-            "no RDMA device could be opened: {}",
-            why.join("; ")
+        if opened.is_empty() {
+            return Err(format!(
+                "no RDMA device could be opened: {}",
+                why.join("; ")
+            ));
+        }
+        if !why.is_empty() {
+            tracing::warn!("RDMA: skipped {}", why.join("; "));
+        }
+        let mut order: Vec<String> = opened.iter().map(|n| n.name.clone()).collect();
+        let rest: Vec<String> = nics.into_iter().filter(|n| !order.contains(n)).collect();
+        order.extend(rest);
+        Ok((
+            order,
+            Some(std::sync::Arc::new(device::NicSet::new(opened))),
         ))
     }
     #[cfg(not(feature = "rdma"))]
@@ -109,18 +144,20 @@ pub(crate) fn open_nic(
     }
 }
 
-/// `r`'s memory region on `nic`: registered on first use (host memory with
-/// `ibv_reg_mr`, GPU memory through a dma-buf of its allocation).
+/// `r`'s memory regions on the endpoint's NICs: registered on first use
+/// (host memory with `ibv_reg_mr`, GPU memory through a dma-buf of its
+/// allocation). A refusal by any NIC is remembered on the region: its ops
+/// then go over tcp, and registration is not tried again.
 #[cfg(feature = "rdma")]
-pub(crate) fn mr_of(nic: &device::Nic, r: &crate::region::Region) -> crate::error::Result<Mr> {
-    let attached = |a: &std::sync::Arc<dyn std::any::Any + Send + Sync>| {
-        a.clone()
-            .downcast::<sideway::ibverbs::memory_region::MemoryRegion>()
-            .ok()
-    };
+pub(crate) fn mrs_of(
+    set: &device::NicSet,
+    r: &crate::region::Region,
+) -> crate::error::Result<std::sync::Arc<NicMrs>> {
+    let attached =
+        |a: &std::sync::Arc<dyn std::any::Any + Send + Sync>| a.clone().downcast::<NicMrs>().ok();
     if let Some(a) = r.nic_attach.get() {
-        if let Some(mr) = attached(a) {
-            return Ok(mr);
+        if let Some(mrs) = attached(a) {
+            return Ok(mrs);
         }
         // It failed before (RLIMIT_MEMLOCK, no dma-buf, …): not retried on
         // every op; the region's ops go over tcp.
@@ -131,11 +168,14 @@ pub(crate) fn mr_of(nic: &device::Nic, r: &crate::region::Region) -> crate::erro
             });
         }
     }
-    match register_now(nic, r) {
-        Ok(mr) => {
-            let mr: std::sync::Arc<dyn std::any::Any + Send + Sync> = mr;
-            let mr = r.nic_attach.get_or_init(|| mr);
-            attached(mr).ok_or_else(|| crate::error::Error::Unsupported {
+    let all: crate::error::Result<Vec<_>> =
+        set.nics.iter().map(|nic| register_now(nic, r)).collect();
+    match all {
+        Ok(mrs) => {
+            let mrs: std::sync::Arc<dyn std::any::Any + Send + Sync> =
+                std::sync::Arc::new(NicMrs(mrs));
+            let mrs = r.nic_attach.get_or_init(|| mrs);
+            attached(mrs).ok_or_else(|| crate::error::Error::Unsupported {
                 what: "RDMA registration",
                 reason: format!("region {:#x} carries a failed NIC attachment", r.addr()),
             })
@@ -154,7 +194,10 @@ pub(crate) fn mr_of(nic: &device::Nic, r: &crate::region::Region) -> crate::erro
 struct NicRegFailed(String);
 
 #[cfg(feature = "rdma")]
-fn register_now(nic: &device::Nic, r: &crate::region::Region) -> crate::error::Result<Mr> {
+fn register_now(
+    nic: &device::Nic,
+    r: &crate::region::Region,
+) -> crate::error::Result<std::sync::Arc<sideway::ibverbs::memory_region::MemoryRegion>> {
     Ok(match r.mem {
         crate::gpu::MemKind::Device {
             ordinal,
@@ -192,15 +235,18 @@ fn register_now(nic: &device::Nic, r: &crate::region::Region) -> crate::error::R
     })
 }
 
-/// The NIC rkey of `r` for a `RemoteBuf`, registering it if needed; `None`
-/// without a NIC (or when registration fails: the window then works over
-/// tcp only, which the log says).
-pub(crate) fn remote_key(nic: Option<&NicHandle>, r: &crate::region::Region) -> Option<u32> {
+/// The NIC rkeys of `r` for a `RemoteBuf` (one per NIC), registering it if
+/// needed; `None` without a NIC (or when registration fails: the window
+/// then works over tcp only, which the log says).
+pub(crate) fn remote_keys(
+    nic: Option<&NicHandle>,
+    r: &crate::region::Region,
+) -> Option<crate::wire::NicKeys> {
     #[cfg(feature = "rdma")]
     {
-        let nic = nic?;
-        match mr_of(nic, r) {
-            Ok(mr) => Some(mr.rkey()),
+        let set = nic?;
+        match mrs_of(set, r) {
+            Ok(mrs) => Some(mrs.rkeys()),
             Err(e) => {
                 tracing::warn!("RDMA registration of {:#x} failed; tcp only: {e}", r.addr());
                 None
@@ -244,6 +290,8 @@ pub struct VerbsConfig {
     /// `FERRY_RDMA_GID_INDEX`; `None`: `nic::best_gid` picks one.
     pub gid_index: Option<u32>,
     pub n_qps: usize,
+    /// `FERRY_RDMA_MAX_NICS`: NICs opened and striped over (1..=4).
+    pub max_nics: usize,
     pub qp_depth: u32,
     pub service_level: u8,
     pub traffic_class: u8,
@@ -261,6 +309,7 @@ impl Default for VerbsConfig {
             port: 1,
             gid_index: None,
             n_qps: 4,
+            max_nics: 4,
             qp_depth: 1024,
             service_level: 0,
             traffic_class: 0,

@@ -163,12 +163,49 @@ fn gid_score(gid: &[u8; 16], kind: &str) -> Option<u8> {
     })
 }
 
+/// A GID table entry as sysfs shows it, and how good it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GidChoice {
+    pub index: u32,
+    pub gid: [u8; 16],
+    /// `gid_attrs/types/<i>` ("RoCE v2", "IB/RoCE v1"; empty on IB ports
+    /// of older kernels).
+    pub kind: String,
+    score: u8,
+}
+
+impl GidChoice {
+    /// Why this GID (for `ferry info` and the log).
+    pub fn reason(&self) -> &'static str {
+        match self.score {
+            3 => "RoCE v2, IPv4-mapped: routable",
+            2 => "RoCE v2, global address",
+            1 => "RoCE v2, link-local only: not routable",
+            _ => "InfiniBand or RoCE v1 (the only kind on this port)",
+        }
+    }
+
+    /// The GID as sysfs writes it.
+    pub fn text(&self) -> String {
+        self.gid
+            .chunks(2)
+            .map(|c| format!("{:02x}{:02x}", c[0], c[1]))
+            .collect::<Vec<_>>()
+            .join(":")
+    }
+}
+
 /// The best GID index of `dev`'s `port` by its sysfs GID table (`gids/<i>`
 /// and `gid_attrs/types/<i>`): the lowest index of the best score
 /// (`gid_score`). `None` when the table cannot be read (the caller uses 0).
 pub fn best_gid(sysfs: &Path, dev: &str, port: u8) -> Option<u32> {
+    best_gid_choice(sysfs, dev, port).map(|c| c.index)
+}
+
+/// `best_gid` with the entry it picked.
+pub fn best_gid_choice(sysfs: &Path, dev: &str, port: u8) -> Option<GidChoice> {
     let base = sysfs.join(format!("class/infiniband/{dev}/ports/{port}"));
-    let mut best: Option<(u8, u32)> = None;
+    let mut best: Option<GidChoice> = None;
     for e in std::fs::read_dir(base.join("gids")).ok()?.flatten() {
         let Ok(idx) = e.file_name().to_string_lossy().parse::<u32>() else {
             continue;
@@ -183,16 +220,33 @@ pub fn best_gid(sysfs: &Path, dev: &str, port: u8) -> Option<u32> {
         let kind = std::fs::read_to_string(base.join(format!("gid_attrs/types/{idx}")))
             .unwrap_or_default();
         if let Some(score) = gid_score(&gid, &kind) {
-            let better = match best {
+            let better = match &best {
                 None => true,
-                Some((s, i)) => score > s || (score == s && idx < i),
+                Some(b) => score > b.score || (score == b.score && idx < b.index),
             };
             if better {
-                best = Some((score, idx));
+                best = Some(GidChoice {
+                    index: idx,
+                    gid,
+                    kind: kind.trim().to_owned(),
+                    score,
+                });
             }
         }
     }
-    best.map(|(_, i)| i)
+    best
+}
+
+/// A port's sysfs facts for `ferry info`: (state, link layer), each as
+/// sysfs words it ("4: ACTIVE", "Ethernet"), `None` where unreadable.
+pub fn port_facts(sysfs: &Path, dev: &str, port: u8) -> (Option<String>, Option<String>) {
+    let base = sysfs.join(format!("class/infiniband/{dev}/ports/{port}"));
+    let read = |f: &str| {
+        std::fs::read_to_string(base.join(f))
+            .ok()
+            .map(|s| s.trim().to_owned())
+    };
+    (read("state"), read("link_layer"))
 }
 
 /// Whether `dev`'s `port` is ACTIVE by sysfs (`ports/<p>/state`, e.g.

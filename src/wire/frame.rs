@@ -328,20 +328,7 @@ mod tests {
                 0 => ControlFrame::Hello(hello(&mut rng)),
                 7 => ControlFrame::VerbsReady(rng.next() & 1 == 1),
                 5 => ControlFrame::Verbs(None),
-                6 => ControlFrame::Verbs(Some(crate::wire::VerbsInfo {
-                    gid: rng.bytes(16).try_into().unwrap(),
-                    lid: rng.next() as u16,
-                    port: 1,
-                    mtu: 5,
-                    link_layer: crate::wire::LINK_ETHERNET,
-                    sl: 0,
-                    traffic_class: 0,
-                    max_rd_atomic: 16,
-                    qps: vec![
-                        (rng.below(1 << 24) as u32, rng.below(1 << 24) as u32);
-                        1 + rng.below(64) as usize
-                    ],
-                })),
+                6 => ControlFrame::Verbs(Some(crate::wire::verbs_sample(&mut rng))),
                 1 => ControlFrame::HelloAck(hello(&mut rng)),
                 3 => ControlFrame::Auth(rng.bytes(32).try_into().unwrap()),
                 4 => ControlFrame::AuthOk,

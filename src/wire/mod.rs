@@ -25,12 +25,14 @@ pub use frame::{
 };
 pub use ipc::{IpcBuf, IpcRef, IPC_BUF_LEN};
 pub use metadata::{normalize_bus_id, EndpointMetadata, MAX_BDF_LEN};
-pub use remote_buf::{RemoteBuf, REMOTE_BUF_LEN, REMOTE_FLAG_DEVICE, REMOTE_FLAG_NIC_KEY};
+pub use remote_buf::{NicKeys, RemoteBuf, REMOTE_BUF_LEN, REMOTE_FLAG_DEVICE, REMOTE_FLAG_NIC_KEY};
 pub use shm_msg::{
     Msg as ShmMsg, MsgKind as ShmMsgKind, MAX_INLINE as SHM_MAX_INLINE,
     SLOT_PAYLOAD as SHM_SLOT_PAYLOAD,
 };
-pub use verbs::{VerbsInfo, LINK_ETHERNET, LINK_INFINIBAND, MAX_DATA_QPS};
+#[cfg(test)]
+pub(crate) use verbs::tests::sample as verbs_sample;
+pub use verbs::{NicAddr, VerbsInfo, LINK_ETHERNET, LINK_INFINIBAND, MAX_DATA_QPS, MAX_NICS};
 
 #[cfg(test)]
 pub(crate) mod testrng {

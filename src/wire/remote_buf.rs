@@ -14,9 +14,51 @@ use super::cursor::{DecodeError, Reader};
 pub const REMOTE_BUF_LEN: usize = 64;
 /// `reserved[8]` bit: the window is GPU memory.
 pub const REMOTE_FLAG_DEVICE: u8 = 1;
-/// `reserved[8]` bit: `reserved[12..16]` holds the registration's RDMA
-/// rkey (the NIC's key; `rkey` stays ferry's own for tcp and shm).
+/// `reserved[8]` bit: the window carries the registration's RDMA rkeys
+/// (the NICs' keys; `rkey` stays ferry's own for tcp and shm): one per NIC
+/// of the advertiser, `reserved[9] + 1` of them (1..=4), the first in
+/// `reserved[12..16]`, the others in `reserved[16..28]`.
 pub const REMOTE_FLAG_NIC_KEY: u8 = 2;
+
+/// A window's RDMA rkeys, one per NIC of its advertiser; queue pair `i` of
+/// a connection (on the advertiser's NIC `i % len`) uses key `i % len`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct NicKeys {
+    keys: [u32; super::MAX_NICS],
+    n: u8,
+}
+
+impl NicKeys {
+    /// `None` unless 1..=`MAX_NICS` keys.
+    pub fn new(keys: &[u32]) -> Option<NicKeys> {
+        if keys.is_empty() || keys.len() > super::MAX_NICS {
+            return None;
+        }
+        let mut k = NicKeys {
+            keys: [0; super::MAX_NICS],
+            n: keys.len() as u8,
+        };
+        k.keys[..keys.len()].copy_from_slice(keys);
+        Some(k)
+    }
+
+    pub fn len(&self) -> usize {
+        self.n as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+
+    /// The key for queue pair `qp`.
+    pub fn for_qp(&self, qp: usize) -> u32 {
+        self.keys[qp % self.len().max(1)]
+    }
+
+    pub fn as_slice(&self) -> &[u32] {
+        &self.keys[..self.len()]
+    }
+}
 
 /// A window of a peer's registered memory that the peer advertised to us.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -82,10 +124,38 @@ impl RemoteBuf {
         self.reserved[8] & REMOTE_FLAG_DEVICE != 0
     }
 
-    /// The RDMA rkey the advertiser's NIC honours for this window, if any.
+    /// The RDMA rkey the advertiser's (first) NIC honours for this window,
+    /// if any.
     pub fn nic_rkey(&self) -> Option<u32> {
-        (self.reserved[8] & REMOTE_FLAG_NIC_KEY != 0)
-            .then(|| u32::from_le_bytes(self.reserved[12..16].try_into().expect("4 bytes")))
+        self.nic_rkeys().map(|k| k.for_qp(0))
+    }
+
+    /// The RDMA rkeys of every NIC of the advertiser, if it registered the
+    /// window with them.
+    pub fn nic_rkeys(&self) -> Option<NicKeys> {
+        if self.reserved[8] & REMOTE_FLAG_NIC_KEY == 0 {
+            return None;
+        }
+        let n = (self.reserved[9] as usize & 3) + 1;
+        let mut keys = [0u32; super::MAX_NICS];
+        keys[0] = u32::from_le_bytes(self.reserved[12..16].try_into().expect("4 bytes"));
+        for (i, k) in keys.iter_mut().enumerate().take(n).skip(1) {
+            let at = 16 + 4 * (i - 1);
+            *k = u32::from_le_bytes(self.reserved[at..at + 4].try_into().expect("4 bytes"));
+        }
+        NicKeys::new(&keys[..n])
+    }
+
+    /// Marks the window as reachable through the advertiser's NICs with
+    /// `keys`.
+    pub fn set_nic_rkeys(&mut self, keys: &NicKeys) {
+        self.reserved[8] |= REMOTE_FLAG_NIC_KEY;
+        self.reserved[9] = (keys.len() as u8).saturating_sub(1) & 3;
+        self.reserved[12..16].copy_from_slice(&keys.for_qp(0).to_le_bytes());
+        for (i, k) in keys.as_slice().iter().enumerate().skip(1) {
+            let at = 16 + 4 * (i - 1);
+            self.reserved[at..at + 4].copy_from_slice(&k.to_le_bytes());
+        }
     }
 
     /// The sub-window `[offset, offset + len)` of this buffer, or `None` if it
@@ -107,6 +177,24 @@ impl RemoteBuf {
 mod tests {
     use super::*;
     use crate::wire::testrng::Rng;
+
+    #[test]
+    fn nic_keys_round_trip_one_to_four() {
+        for n in 1..=4usize {
+            let keys: Vec<u32> = (0..n as u32).map(|i| 0x1000 + i).collect();
+            let k = NicKeys::new(&keys).unwrap();
+            let mut rb = RemoteBuf::default();
+            assert_eq!(rb.nic_rkeys(), None);
+            rb.set_nic_rkeys(&k);
+            let back = RemoteBuf::decode(&rb.encode()).unwrap();
+            assert_eq!(back.nic_rkeys(), Some(k));
+            assert_eq!(back.nic_rkey(), Some(0x1000));
+            assert_eq!(k.for_qp(n), 0x1000, "queue pair n wraps to NIC 0");
+            assert_eq!(back.key_tag(), 0, "the tag is untouched");
+        }
+        assert_eq!(NicKeys::new(&[]), None);
+        assert_eq!(NicKeys::new(&[1; 5]), None);
+    }
 
     #[test]
     fn layout_is_the_seed_fifo_item() {

@@ -49,6 +49,10 @@
  *    RoCE v2 fabric); SOFTVERBS_MAX_QP_RD_ATOM sets the device's READ
  *    depth caps; SOFTVERBS_RETRY_MS caps the retry window.
  *
+ * Test hooks (not libibverbs; found with dlsym on the loaded library):
+ * softverbs_device_wrs(name) counts the work requests this process's
+ * queue pairs on device `name` executed successfully.
+ *
  * Not modelled: SEND/RECV, atomics, inline data, memory windows, UD/UC,
  * completion channels and events, dma-buf registration (EOPNOTSUPP, as on
  * a NIC without it).
@@ -135,6 +139,7 @@ struct sv_device {
 };
 
 static struct sv_device g_devs[SV_MAX_DEVICES];
+static _Atomic uint64_t g_dev_wrs[SV_MAX_DEVICES];
 static int g_ndevs;
 static char g_sysfs[256];
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
@@ -742,6 +747,7 @@ static enum outcome run_wr(struct sv_qp *q, const struct sv_wr *w, enum ibv_wc_s
 	}
 	*byte_len = (uint32_t)total;
 	*st = IBV_WC_SUCCESS;
+	atomic_fetch_add(&g_dev_wrs[q->ctx->dev->idx], 1);
 	return RUN_OK;
 }
 
@@ -1973,4 +1979,12 @@ SV_EXPORT const char *ibv_wc_status_str(enum ibv_wc_status status)
 	if ((unsigned)status < sizeof(s) / sizeof(s[0]) && s[status])
 		return s[status];
 	return "unknown";
+}
+
+/* Test hook: work requests executed by this process's QPs on `name`. */
+SV_EXPORT uint64_t softverbs_device_wrs(const char *name)
+{
+	init();
+	struct sv_device *d = device_named(name);
+	return d ? atomic_load(&g_dev_wrs[d->idx]) : 0;
 }
