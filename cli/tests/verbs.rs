@@ -340,3 +340,70 @@ fn info_lists_each_nic_with_its_port_and_gid() {
         assert!(text.contains("RoCE v2, IPv4-mapped: routable"), "{text}");
     }
 }
+
+#[test]
+#[ignore = "needs an RDMA NIC or the software NIC (tools/softverbs/test)"]
+fn bench_runs_over_verbs_and_refuses_a_connection_without_queue_pairs() {
+    Path::Verbs.require();
+    let run = |env: &[(&str, &str)]| {
+        let mut cmd = std::process::Command::new(common::ferry_bin());
+        cmd.args([
+            "bench",
+            "--transport",
+            "verbs",
+            "--sizes",
+            "4K,1M",
+            "--seconds",
+            "0.2",
+            "--json",
+        ]);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd.output().unwrap()
+    };
+    let out = run(&[]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("\"transport\":\"verbs\""))
+        .collect();
+    assert_eq!(rows.len(), 4, "write and read at two sizes: {text}");
+    // Both processes fail QP setup: the bench says so instead of measuring tcp.
+    let out = run(&[("SOFTVERBS_FAIL", "rtr")]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("has no RDMA queue pairs"), "{err}");
+}
+
+#[test]
+#[ignore = "needs an RDMA NIC or the software NIC (tools/softverbs/test)"]
+fn a_nic_refusing_to_destroy_queue_pairs_does_not_take_the_target_down() {
+    // The target's NIC refuses every destroy: closing a connection must
+    // not panic its shard (sideway asserts on a failed destroy).
+    let (t, ep, conn) = verbs_pair(8 * MIB, &[("SOFTVERBS_FAIL", "destroy_qp,destroy_cq")]);
+    assert!(ep.uses_verbs(conn));
+    let src = ep.register(pattern(8 * MIB, 1)).unwrap();
+    for round in 0..3u8 {
+        let c = if round == 0 {
+            conn
+        } else {
+            ep.add_remote(&t.served.meta).unwrap()
+        };
+        assert!(ep.uses_verbs(c), "round {round}");
+        ep.write(c, &src, 0, 8 * MIB, &t.served.rbuf).unwrap();
+        assert_eq!(
+            common::remote_hash(&ep, c, 0, 8 * MIB),
+            ferry_cli::testkit::fnv64(&pattern(8 * MIB, 1)),
+            "round {round}"
+        );
+        ep.remove_remote(c).unwrap();
+        // Let the target drop its side of the connection.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}

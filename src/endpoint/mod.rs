@@ -790,16 +790,21 @@ impl Endpoint {
     }
 }
 
+/// One part of an op on a window. `same_host` says whether the
+/// connection is a same-host one (asked only for GPU memory).
 pub(super) fn desc(
     mr: &MemoryRegion,
     offset: usize,
     len: usize,
     remote: &RemoteBuf,
+    same_host: &dyn Fn() -> bool,
 ) -> Result<OpDesc> {
     let local = mr.slice(offset, len)?;
-    if mr.inner.mem.is_device() {
+    if mr.inner.mem.is_device() && same_host() {
         // A same-host target reaches GPU memory through its IPC handle;
-        // export it now so that a failure is this call's error.
+        // export it now so that a failure is this call's error. Over tcp
+        // and verbs nothing is exported: memory that cannot be (VMM,
+        // cudaMallocAsync pools) still moves there.
         mr.inner.export_ipc()?;
     }
     if len > remote.size as usize {

@@ -53,13 +53,14 @@ mod sealed {
             locals: &[(&MemoryRegion, usize, usize)],
             remotes: &[Self],
         ) -> Result<Transfer> {
+            let same_host = || matches!(ep.peer(conn), Some(crate::endpoint::Peer::Local { .. }));
             let parts = match (locals, remotes) {
-                ([(mr, off, len)], [r]) => OpParts::One(desc(mr, *off, *len, r)?),
+                ([(mr, off, len)], [r]) => OpParts::One(desc(mr, *off, *len, r, &same_host)?),
                 _ => {
                     check_pairs(locals, remotes)?;
                     let v = locals.iter().zip(remotes);
                     OpParts::Many(
-                        v.map(|((m, o, l), r)| desc(m, *o, *l, r))
+                        v.map(|((m, o, l), r)| desc(m, *o, *l, r, &same_host))
                             .collect::<Result<_>>()?,
                     )
                 }

@@ -17,6 +17,9 @@ pub struct DeviceInfo {
     /// Normalised PCI bus id, `dddd:bb:dd.f` in lower case (the seed's form).
     pub bus_id: String,
     pub name: String,
+    /// `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`: its memory can be exported
+    /// as a dma-buf (for `ibv_reg_dmabuf_mr`).
+    pub dma_buf: bool,
     pub(crate) ctx: CtxPtr,
 }
 
@@ -136,6 +139,17 @@ fn describe(ordinal: i32) -> Result<DeviceInfo> {
     let name = unsafe { CStr::from_ptr(name.as_ptr()) }
         .to_string_lossy()
         .into_owned();
+    let mut dma_buf: c_int = 0;
+    // SAFETY: writes one int for a valid device; an old driver that does
+    // not know the attribute answers an error, read as "no".
+    let dma_buf = unsafe {
+        cu::cuDeviceGetAttribute(
+            &mut dma_buf,
+            cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED,
+            dev,
+        )
+    } == cu::CUresult::CUDA_SUCCESS
+        && dma_buf != 0;
     let mut ctx: cu::CUcontext = std::ptr::null_mut();
     // SAFETY: retains the primary context; it is kept for the process's life.
     check("cuDevicePrimaryCtxRetain", unsafe {
@@ -145,6 +159,7 @@ fn describe(ordinal: i32) -> Result<DeviceInfo> {
         ordinal,
         bus_id: normalize_bus_id(&bus),
         name,
+        dma_buf,
         ctx: CtxPtr(ctx),
     })
 }

@@ -215,8 +215,17 @@ pub unsafe fn copy_throughput(
 
 /// A dma-buf file descriptor for the GPU allocation `[alloc_base,
 /// alloc_base + alloc_len)` (for `ibv_reg_dmabuf_mr`). The caller closes it.
+/// A GPU without dma-buf support (`CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`
+/// 0: an older driver or kernel) is refused before the call, so the caller
+/// falls back to registering the device pointer (nvidia-peermem).
 pub fn dmabuf_fd(ordinal: i32, alloc_base: u64, alloc_len: usize) -> Result<i32> {
     let c = cuda()?;
+    if !c.device(ordinal as usize)?.dma_buf {
+        return Err(crate::error::Error::Unsupported {
+            what: "dma-buf export of GPU memory",
+            reason: format!("GPU {ordinal} reports CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 0"),
+        });
+    }
     c.make_current(ordinal)?;
     let mut fd: i32 = -1;
     // SAFETY: writes one int (the fd) for a live allocation's whole range.

@@ -319,6 +319,29 @@ pub struct Sge {
     pub raddr: u64,
 }
 
+/// sideway's `Drop` for queue pairs and completion queues asserts that
+/// the destroy call succeeded: a NIC that refuses one (a driver bug, a
+/// device gone) would panic the shard that drops a connection's link. Each
+/// is dropped on its own here, a refusal logged and its resources left to
+/// the process's exit, and the shard goes on.
+impl Drop for DataQps {
+    fn drop(&mut self) {
+        fn quietly<T>(what: &str, v: T) {
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(v))).is_err() {
+                tracing::error!(
+                    "RDMA: destroying a {what} failed; it is left to the process's exit"
+                );
+            }
+        }
+        for qp in self.qps.drain(..) {
+            quietly("queue pair", qp);
+        }
+        for cq in self.cqs.drain(..) {
+            quietly("completion queue", cq);
+        }
+    }
+}
+
 impl DataQps {
     /// INIT → RTR → RTS against the peer's queue pairs: ours `i` (on our
     /// NIC `i % ours`) to theirs `i` (on their NIC `i % theirs`).

@@ -42,7 +42,8 @@
  *  - modify_qp's RC state machine with rdma-core's required and optional
  *    attribute masks; EINVAL for anything else.
  *  - fault injection: SOFTVERBS_FAIL=point[,point...] with points open,
- *    reg_mr, create_cq, create_qp, init, rtr, rts, post;
+ *    reg_mr, create_cq, create_qp, init, rtr, rts, post, destroy_qp,
+ *    destroy_cq (EBUSY; the object is leaked);
  *    SOFTVERBS_MEMLOCK_BYTES caps the bytes a process may register
  *    (ENOMEM beyond, as RLIMIT_MEMLOCK does); SOFTVERBS_ROUTED=1 makes
  *    link-local and RoCE v1 GIDs unreachable between devices (a routed
@@ -1056,6 +1057,8 @@ SV_EXPORT struct ibv_cq *ibv_create_cq(struct ibv_context *context, int cqe, voi
 SV_EXPORT int ibv_destroy_cq(struct ibv_cq *c)
 {
 	struct sv_cq *cq = (struct sv_cq *)c;
+	if (fail_at("destroy_cq"))
+		return EBUSY;
 	pthread_mutex_lock(&g_lock);
 	int users = cq->users;
 	pthread_mutex_unlock(&g_lock);
@@ -1387,6 +1390,8 @@ SV_EXPORT struct ibv_qp_ex *ibv_qp_to_qp_ex(struct ibv_qp *qp)
 SV_EXPORT int ibv_destroy_qp(struct ibv_qp *qp)
 {
 	struct sv_qp *q = qp_of(qp);
+	if (fail_at("destroy_qp"))
+		return EBUSY;
 	pthread_mutex_lock(&g_lock);
 	while (q->busy)
 		pthread_cond_wait(&g_idle, &g_lock);
