@@ -407,3 +407,73 @@ fn a_nic_refusing_to_destroy_queue_pairs_does_not_take_the_target_down() {
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
 }
+
+/// Calls the software NIC's `softverbs_set_port`; `false` on a real
+/// libibverbs (no such hook).
+fn softverbs_set_port(dev: &str, up: bool) -> bool {
+    let name = std::ffi::CString::new(dev).unwrap();
+    // SAFETY: as in `softverbs_wrs`; the hook's C signature is
+    // `int softverbs_set_port(const char *, int)`.
+    unsafe {
+        let h = libc::dlopen(
+            c"libibverbs.so.1".as_ptr(),
+            libc::RTLD_NOW | libc::RTLD_NOLOAD,
+        );
+        if h.is_null() {
+            return false;
+        }
+        let f = libc::dlsym(h, c"softverbs_set_port".as_ptr());
+        if f.is_null() {
+            return false;
+        }
+        let f: extern "C" fn(*const libc::c_char, libc::c_int) -> libc::c_int =
+            std::mem::transmute(f);
+        f(name.as_ptr(), up as libc::c_int) == 0
+    }
+}
+
+/// Takes the port down for every process of the host, so other verbs
+/// tests must not run beside it: `tools/softverbs/test` runs it alone.
+#[test]
+#[ignore = "needs the software NIC, alone (tools/softverbs/test runs it so)"]
+fn port_down_fails_idle_connections_through_async_events() {
+    Path::Verbs.require();
+    let (t, ep, conn) = verbs_pair(8 * MIB, &[]);
+    assert!(ep.uses_verbs(conn));
+    let nics = ep.verbs_status().unwrap().to_vec();
+    let dev = nics.last().unwrap().clone();
+    struct Up(String);
+    impl Drop for Up {
+        fn drop(&mut self) {
+            softverbs_set_port(&self.0, true);
+        }
+    }
+    assert!(
+        softverbs_set_port(&dev, false),
+        "this test needs the software NIC's port hook"
+    );
+    let _up = Up(dev.clone());
+    // Nothing is in flight: only the NIC's event can fail the connection.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while ep.conn_count() > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the port of {dev} went down 10 s ago and the idle connection is still open"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let src = ep.alloc(MIB).unwrap();
+    // Whichever side saw the event first closed it (the port is down for
+    // both processes of this host).
+    let e = ep.write(conn, &src, 0, MIB, &t.served.rbuf).unwrap_err();
+    assert!(
+        format!("{e}").contains("down") || format!("{e}").contains("peer closed"),
+        "the connection's error: {e}"
+    );
+    // The port comes back: new connections get queue pairs again.
+    softverbs_set_port(&dev, true);
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let c2 = ep.add_remote(&t.served.meta).unwrap();
+    assert!(ep.uses_verbs(c2));
+    ep.write(c2, &src, 0, MIB, &t.served.rbuf).unwrap();
+}

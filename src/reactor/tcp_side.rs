@@ -80,6 +80,8 @@ pub(crate) struct TcpSide {
     /// Connections with RDMA queue pairs (their completion queues are
     /// polled, not signalled).
     verbs_conns: usize,
+    /// The NIC event epoch this side last checked its links against.
+    nic_epoch: u64,
     /// Connections the last pass visited (what a pass costs).
     pub visited: usize,
     /// Connections tried directly each pass: (slab index, until which pass).
@@ -92,6 +94,31 @@ pub(crate) struct TcpSide {
 }
 
 impl TcpSide {
+    /// Links an asynchronous NIC event broke, with the reason: asked of
+    /// every link only when the NICs' event epoch moved (so an idle link
+    /// whose port went down fails too, which no completion would do).
+    pub fn broken_links(&mut self, out: &mut Vec<(ConnRef, String)>) {
+        if self.verbs_conns == 0 {
+            return;
+        }
+        let Some(epoch) = self
+            .conns
+            .iter()
+            .find_map(|(_, c)| c.verbs.as_ref().map(|v| v.nic_events()))
+        else {
+            return;
+        };
+        if epoch == self.nic_epoch {
+            return;
+        }
+        self.nic_epoch = epoch;
+        for (i, c) in self.conns.iter() {
+            if let Some(why) = c.verbs.as_ref().and_then(|v| v.broken()) {
+                out.push((ConnRef::Tcp(i), why));
+            }
+        }
+    }
+
     /// The source and the waker submitters ring to end the shard's sleep.
     pub fn new(shard: usize, user_timeout: Duration) -> Result<(TcpSide, Waker)> {
         let epoll = Poll::new().map_err(|e| Error::io("epoll_create", e))?;
@@ -104,6 +131,7 @@ impl TcpSide {
             ready: Vec::new(),
             visiting: Vec::new(),
             verbs_conns: 0,
+            nic_epoch: 0,
             visited: 0,
             hot: Vec::with_capacity(HOT_CONNS),
             passes: 0,

@@ -51,7 +51,34 @@ pub(crate) fn fork_init() {
 /// The NICs an endpoint uses, best first (1..=`MAX_NICS`).
 pub struct NicSet {
     pub nics: Vec<Nic>,
+    events: NicEvents,
 }
+
+/// The NICs' asynchronous events (a port going down, a queue pair the NIC
+/// moved to the error state — the responder's side of a bad request — a
+/// device gone): drained by whichever shard asks first, at most every
+/// `EVENTS_EVERY_MS`, without blocking. A fatal one advances `epoch`;
+/// shards that see it move ask each of their links whether it is named
+/// (`Link::broken`), even links with nothing in flight, which no
+/// completion would ever fail.
+struct NicEvents {
+    epoch: std::sync::atomic::AtomicU64,
+    next_ms: std::sync::atomic::AtomicU64,
+    since: std::time::Instant,
+    state: std::sync::Mutex<EventState>,
+}
+
+#[derive(Default)]
+struct EventState {
+    /// Queue pairs in error (bounded: cleared past `MAX_FATAL_QPS`, and of
+    /// each link's QPs when that link fails).
+    fatal_qps: std::collections::HashSet<u32>,
+    /// Per NIC (bit k): its port (or the device) is down.
+    down: u32,
+}
+
+const EVENTS_EVERY_MS: u64 = 50;
+const MAX_FATAL_QPS: usize = 4096;
 
 impl NicSet {
     pub fn new(nics: Vec<Nic>) -> NicSet {
@@ -59,7 +86,116 @@ impl NicSet {
             (1..=crate::wire::MAX_NICS).contains(&nics.len()),
             "1..=MAX_NICS NICs"
         );
-        NicSet { nics }
+        for nic in &nics {
+            // SAFETY: the context is open for the NicSet's life; its
+            // async_fd is libibverbs' descriptor, which we only make
+            // non-blocking (ibv_get_async_event then answers EAGAIN).
+            unsafe {
+                let fd = (*nic.ctx.context().as_ptr()).async_fd;
+                let fl = libc::fcntl(fd, libc::F_GETFL);
+                if fl >= 0 {
+                    libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
+                }
+            }
+        }
+        NicSet {
+            nics,
+            events: NicEvents {
+                epoch: Default::default(),
+                next_ms: Default::default(),
+                since: std::time::Instant::now(),
+                state: Default::default(),
+            },
+        }
+    }
+
+    /// Drains the NICs' asynchronous events when due; returns the epoch
+    /// (it moves when an event may have broken a link).
+    pub fn poll_events(&self) -> u64 {
+        use std::sync::atomic::Ordering;
+        let ev = &self.events;
+        let now = ev.since.elapsed().as_millis() as u64;
+        let due = ev.next_ms.load(Ordering::Relaxed);
+        if now < due
+            || ev
+                .next_ms
+                .compare_exchange(
+                    due,
+                    now + EVENTS_EVERY_MS,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_err()
+        {
+            return ev.epoch.load(Ordering::Acquire);
+        }
+        let Ok(mut st) = ev.state.try_lock() else {
+            return ev.epoch.load(Ordering::Acquire);
+        };
+        let mut fatal = false;
+        for (k, nic) in self.nics.iter().enumerate() {
+            // Bounded: a NIC cannot hold us here forever.
+            for _ in 0..64 {
+                // SAFETY: a zeroed event is a valid out-parameter; the
+                // context is open.
+                let mut e: rdma_mummy_sys::ibv_async_event = unsafe { std::mem::zeroed() };
+                // SAFETY: as above.
+                if unsafe {
+                    rdma_mummy_sys::ibv_get_async_event(nic.ctx.context().as_ptr(), &mut e)
+                } != 0
+                {
+                    break;
+                }
+                // Read as an integer: a libibverbs newer than our headers
+                // may send a type our enum lacks.
+                // SAFETY: the field is a C enum (an int) written by
+                // libibverbs.
+                let kind = unsafe { std::ptr::addr_of!(e.event_type).cast::<u32>().read() };
+                match kind {
+                    // QP_FATAL, QP_REQ_ERR, QP_ACCESS_ERR.
+                    1..=3 => {
+                        // SAFETY: these events carry the QP.
+                        let qp = unsafe { e.element.qp };
+                        if !qp.is_null() {
+                            // SAFETY: libibverbs' QP, alive until we
+                            // destroy it (not before acking).
+                            let qpn = unsafe { (*qp).qp_num };
+                            tracing::warn!(
+                                "RDMA {}: queue pair {qpn} in error (event {kind})",
+                                nic.name
+                            );
+                            if st.fatal_qps.len() >= MAX_FATAL_QPS {
+                                st.fatal_qps.clear();
+                            }
+                            st.fatal_qps.insert(qpn);
+                            fatal = true;
+                        }
+                    }
+                    // DEVICE_FATAL, PORT_ERR.
+                    8 | 10 => {
+                        tracing::warn!(
+                            "RDMA {}: port down or device gone (event {kind})",
+                            nic.name
+                        );
+                        st.down |= 1 << k;
+                        fatal = true;
+                    }
+                    // PORT_ACTIVE.
+                    9 => {
+                        tracing::info!("RDMA {}: port active again", nic.name);
+                        st.down &= !(1 << k);
+                    }
+                    _ => tracing::debug!("RDMA {}: async event {kind}", nic.name),
+                }
+                // SAFETY: the event came from ibv_get_async_event.
+                unsafe { rdma_mummy_sys::ibv_ack_async_event(&mut e) };
+            }
+        }
+        drop(st);
+        if fatal {
+            ev.epoch.fetch_add(1, Ordering::AcqRel);
+        }
+        ev.epoch.load(Ordering::Acquire)
     }
 
     /// NICs a connection with `n_qps` queue pairs stripes over.
@@ -260,8 +396,18 @@ impl Nic {
         access: crate::region::Access,
     ) -> Result<Arc<MemoryRegion>> {
         let access = access_flags(access);
+        // Relaxed ordering first (PCIe writes may pass each other: what
+        // GPU memory and busy root complexes need for full rate; a NIC or
+        // kernel without it masks the optional bit, an older one refuses
+        // it, and then the plain flags are used).
         // SAFETY: the caller's contract.
-        unsafe { self.pd.reg_mr(ptr as usize, len, access) }.map_err(|e| verbs_err("ibv_reg_mr", e))
+        unsafe {
+            self.pd
+                .reg_mr(ptr as usize, len, access | AccessFlags::RelaxedOrdering)
+        }
+        // SAFETY: as above.
+        .or_else(|_| unsafe { self.pd.reg_mr(ptr as usize, len, access) })
+        .map_err(|e| verbs_err("ibv_reg_mr", e))
     }
 
     /// Registers GPU memory through a dma-buf file descriptor of its
@@ -279,9 +425,15 @@ impl Nic {
         access: crate::region::Access,
     ) -> Result<Arc<MemoryRegion>> {
         let access = access_flags(access);
+        // Relaxed ordering first, as in `reg_host`.
         // SAFETY: the caller's contract.
-        unsafe { self.pd.reg_dmabuf_mr(offset, len, iova, fd, access) }
-            .map_err(|e| verbs_err("ibv_reg_dmabuf_mr", e))
+        unsafe {
+            self.pd
+                .reg_dmabuf_mr(offset, len, iova, fd, access | AccessFlags::RelaxedOrdering)
+        }
+        // SAFETY: as above.
+        .or_else(|_| unsafe { self.pd.reg_dmabuf_mr(offset, len, iova, fd, access) })
+        .map_err(|e| verbs_err("ibv_reg_dmabuf_mr", e))
     }
 
     /// Where this NIC's port is reached.
@@ -496,6 +648,37 @@ impl super::QpLink for Link {
 
     fn takes(&self, rkeys: &NicKeys) -> bool {
         rkeys.len() >= self.remote_nics
+    }
+
+    fn nic_events(&self) -> u64 {
+        self.nic.poll_events()
+    }
+
+    fn broken(&self) -> Option<String> {
+        let mut st = self
+            .nic
+            .events
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let used = self.qps.cqs.len();
+        for k in 0..used {
+            if st.down & (1 << k) != 0 {
+                return Some(format!(
+                    "the port of RDMA device {} is down (async event)",
+                    self.nic.nics[k].name
+                ));
+            }
+        }
+        let mine: Vec<u32> = self.qps.qps.iter().map(|q| q.qp_number()).collect();
+        if let Some(q) = mine.iter().find(|q| st.fatal_qps.contains(q)) {
+            let why = format!("the NIC moved queue pair {q} to the error state (async event)");
+            for q in &mine {
+                st.fatal_qps.remove(q);
+            }
+            return Some(why);
+        }
+        None
     }
 
     /// Adds one part of an op (`len` bytes between `laddr` under `lkeys`

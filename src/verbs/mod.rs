@@ -61,6 +61,13 @@ pub(crate) trait QpLink: Send {
     fn lkeys(&self, r: &crate::region::Region) -> crate::error::Result<crate::wire::NicKeys>;
     /// Whether a window's keys reach every NIC the peer's queue pairs use.
     fn takes(&self, rkeys: &crate::wire::NicKeys) -> bool;
+    /// Drains the NICs' asynchronous events when due (every link of an
+    /// endpoint shares them); the epoch moves when one may have broken a
+    /// link.
+    fn nic_events(&self) -> u64;
+    /// Why an asynchronous event broke this link (its port went down, the
+    /// NIC moved one of its queue pairs to error), if one did.
+    fn broken(&self) -> Option<String>;
     /// Adds one part of the op being built.
     fn add(
         &mut self,

@@ -50,9 +50,16 @@
  *    RoCE v2 fabric); SOFTVERBS_MAX_QP_RD_ATOM sets the device's READ
  *    depth caps; SOFTVERBS_RETRY_MS caps the retry window.
  *
+ * Asynchronous events (ibv_get_async_event; non-blocking when the
+ * context's async_fd is O_NONBLOCK): IBV_EVENT_QP_ACCESS_ERR for a QP a
+ * peer's request moved to the error state (the responder's side), and
+ * IBV_EVENT_PORT_ERR / IBV_EVENT_PORT_ACTIVE when a port's state changes.
+ *
  * Test hooks (not libibverbs; found with dlsym on the loaded library):
  * softverbs_device_wrs(name) counts the work requests this process's
- * queue pairs on device `name` executed successfully.
+ * queue pairs on device `name` executed successfully;
+ * softverbs_set_port(name, up) takes a port down or up for every process
+ * of the host (work requests through it then fail as on a dead link).
  *
  * Not modelled: SEND/RECV, atomics, inline data, memory windows, UD/UC,
  * completion channels and events, dma-buf registration (EOPNOTSUPP, as on
@@ -140,6 +147,7 @@ struct sv_device {
 };
 
 static struct sv_device g_devs[SV_MAX_DEVICES];
+static int port_is_down(const struct sv_device *d);
 static _Atomic uint64_t g_dev_wrs[SV_MAX_DEVICES];
 static int g_ndevs;
 static char g_sysfs[256];
@@ -273,7 +281,7 @@ static void make_sysfs(void)
 		if (symlink(p, q) != 0 && errno != EEXIST)
 			perror("softverbs: sysfs link");
 		snprintf(q, sizeof(q), "%s/class/infiniband/%s/ports/1/state", g_sysfs, d->dev.name);
-		write_file(q, d->port_down ? "1: DOWN\n" : "4: ACTIVE\n");
+		write_file(q, port_is_down(d) ? "1: DOWN\n" : "4: ACTIVE\n");
 		snprintf(q, sizeof(q), "%s/class/infiniband/%s/ports/1/link_layer", g_sysfs,
 			 d->dev.name);
 		write_file(q, d->infiniband ? "InfiniBand\n" : "Ethernet\n");
@@ -367,10 +375,17 @@ struct sv_mr_slot {
 struct sv_registry {
 	struct sv_qp_slot qps[SV_QP_SLOTS];
 	struct sv_mr_slot mrs[SV_MR_SLOTS];
+	/* Ports taken down by softverbs_set_port, per device index. */
+	_Atomic uint32_t port_down[SV_MAX_DEVICES];
 };
 
 static struct sv_registry *g_reg;
 static uint32_t g_pid;
+
+static int port_is_down(const struct sv_device *d)
+{
+	return d->port_down || (g_reg && atomic_load(&g_reg->port_down[d->idx]));
+}
 
 static int pid_alive(uint32_t pid)
 {
@@ -409,8 +424,8 @@ static void open_registry(void)
 static void init_once(void)
 {
 	g_pid = (uint32_t)getpid();
-	setup_devices();
 	open_registry();
+	setup_devices();
 }
 
 static void init(void)
@@ -438,6 +453,7 @@ static int claim(_Atomic uint32_t *owner0, size_t stride, uint32_t n, uint32_t h
 struct sv_context {
 	struct verbs_context vctx;
 	struct sv_device *dev;
+	int port_reported_down;
 };
 
 struct sv_pd {
@@ -517,6 +533,7 @@ struct sv_qp {
 	uint64_t head, tail, retired;
 	uint64_t retry_deadline_ns, next_try_ns;
 	int psn_in_step;
+	int err_seen; /* the error state has been seen locally (or reported) */
 	int busy;
 	struct sv_qp *next;
 	/* posting (the caller's thread) */
@@ -555,6 +572,7 @@ static void set_state(struct sv_qp *q, enum ibv_qp_state s)
 {
 	atomic_store(&g_reg->qps[q->slot].state, (uint32_t)s);
 	q->ex.qp_base.state = s;
+	q->err_seen = s == IBV_QPS_ERR;
 }
 
 /* Under g_lock. A full CQ is an overrun: the QP goes to error (the
@@ -668,6 +686,8 @@ static enum outcome run_wr(struct sv_qp *q, const struct sv_wr *w, enum ibv_wc_s
 		return RUN_RETRY;
 	if (p->dev_idx >= g_ndevs || !gid_reaches(q, &g_devs[p->dev_idx], pslot))
 		return RUN_RETRY;
+	if (port_is_down(q->ctx->dev) || port_is_down(&g_devs[p->dev_idx]))
+		return RUN_RETRY; /* no link: nothing gets through */
 	if (!q->psn_in_step) {
 		/* The first packet carries sq_psn; a responder expecting another
 		 * PSN drops it (a sequence NAK, then retries). */
@@ -1620,7 +1640,7 @@ static int fill_port(struct ibv_context *c, uint8_t port, struct ibv_port_attr *
 	if (port != 1)
 		return EINVAL;
 	memset(a, 0, sizeof(*a));
-	a->state = d->port_down ? IBV_PORT_DOWN : IBV_PORT_ACTIVE;
+	a->state = port_is_down(d) ? IBV_PORT_DOWN : IBV_PORT_ACTIVE;
 	a->max_mtu = IBV_MTU_4096;
 	a->active_mtu = IBV_MTU_4096;
 	a->gid_tbl_len = d->ngids;
@@ -1631,7 +1651,7 @@ static int fill_port(struct ibv_context *c, uint8_t port, struct ibv_port_attr *
 	a->max_vl_num = 4;
 	a->active_width = 2;
 	a->active_speed = 32;
-	a->phys_state = d->port_down ? 3 : 5;
+	a->phys_state = port_is_down(d) ? 3 : 5;
 	a->link_layer = d->infiniband ? IBV_LINK_LAYER_INFINIBAND : IBV_LINK_LAYER_ETHERNET;
 	return 0;
 }
@@ -1776,7 +1796,9 @@ SV_EXPORT struct ibv_context *ibv_open_device(struct ibv_device *device)
 	struct ibv_context *ctx = &c->vctx.context;
 	ctx->device = &d->dev;
 	ctx->cmd_fd = -1;
-	ctx->async_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+	/* Blocking, as libibverbs opens it; callers set O_NONBLOCK. */
+	ctx->async_fd = eventfd(0, EFD_CLOEXEC);
+	c->port_reported_down = port_is_down(d);
 	ctx->num_comp_vectors = 1;
 	pthread_mutex_init(&ctx->mutex, NULL);
 	ctx->abi_compat = __VERBS_ABI_IS_EXTENDED;
@@ -1847,6 +1869,17 @@ SV_EXPORT struct ibv_mr *ibv_reg_mr_iova2(struct ibv_pd *pd, void *addr, size_t 
 	}
 	if (fail_at("reg_mr")) {
 		errno = ENOMEM;
+		return NULL;
+	}
+	/* Optional bits (relaxed ordering, …) are honoured or ignored, as
+	 * rdma-core does; any other unknown bit is refused. */
+	access &= ~(unsigned)IBV_ACCESS_OPTIONAL_RANGE;
+	const unsigned known = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
+			       IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC |
+			       IBV_ACCESS_MW_BIND | IBV_ACCESS_ZERO_BASED |
+			       IBV_ACCESS_ON_DEMAND | IBV_ACCESS_HUGETLB;
+	if (access & ~known) {
+		errno = EINVAL;
 		return NULL;
 	}
 	/* Remote write (and atomics) need local write, as on every NIC. */
@@ -1950,12 +1983,46 @@ SV_EXPORT enum ibv_fork_status ibv_is_fork_initialized(void)
 	return IBV_FORK_ENABLED;
 }
 
+/* The next event of `ctx`, if any: a port whose state changed since it
+ * was last reported, or a QP of this context that a peer's request moved
+ * to the error state. */
+static int next_event(struct ibv_context *ctx, struct ibv_async_event *event)
+{
+	struct sv_context *c = ctx_of(ctx);
+	int down = port_is_down(c->dev);
+	if (down != c->port_reported_down) {
+		c->port_reported_down = down;
+		event->element.port_num = 1;
+		event->event_type = down ? IBV_EVENT_PORT_ERR : IBV_EVENT_PORT_ACTIVE;
+		return 1;
+	}
+	int found = 0;
+	pthread_mutex_lock(&g_lock);
+	for (struct sv_qp *q = g_qps; q && !found; q = q->next) {
+		if (q->ctx != c || q->err_seen || qp_state(q) != IBV_QPS_ERR)
+			continue;
+		q->err_seen = 1;
+		q->ex.qp_base.state = IBV_QPS_ERR;
+		event->element.qp = &q->ex.qp_base;
+		event->event_type = IBV_EVENT_QP_ACCESS_ERR;
+		found = 1;
+	}
+	pthread_mutex_unlock(&g_lock);
+	return found;
+}
+
 SV_EXPORT int ibv_get_async_event(struct ibv_context *ctx, struct ibv_async_event *event)
 {
-	(void)ctx;
-	(void)event;
-	errno = EAGAIN;
-	return -1;
+	int nonblocking = (fcntl(ctx->async_fd, F_GETFL) & O_NONBLOCK) != 0;
+	for (;;) {
+		if (next_event(ctx, event))
+			return 0;
+		if (nonblocking) {
+			errno = EAGAIN;
+			return -1;
+		}
+		usleep(10000);
+	}
 }
 
 SV_EXPORT void ibv_ack_async_event(struct ibv_async_event *event)
@@ -1992,4 +2059,19 @@ SV_EXPORT uint64_t softverbs_device_wrs(const char *name)
 	init();
 	struct sv_device *d = device_named(name);
 	return d ? atomic_load(&g_dev_wrs[d->idx]) : 0;
+}
+
+/* Test hook: takes `name`'s port down (up = 0) or up, host-wide, and says
+ * so in the sysfs tree too. */
+SV_EXPORT int softverbs_set_port(const char *name, int up)
+{
+	init();
+	struct sv_device *d = device_named(name);
+	if (!d || !g_reg)
+		return ENODEV;
+	atomic_store(&g_reg->port_down[d->idx], up ? 0u : 1u);
+	char q[512];
+	snprintf(q, sizeof(q), "%s/class/infiniband/%s/ports/1/state", g_sysfs, d->dev.name);
+	write_file(q, port_is_down(d) ? "1: DOWN\n" : "4: ACTIVE\n");
+	return 0;
 }
