@@ -643,3 +643,71 @@ fn gpu_allocation_says_why_without_a_driver() {
         }
     }
 }
+
+/// GPU memory that CUDA cannot export over IPC (a stream-ordered pool's,
+/// `cuMemAllocAsync`) still moves over tcp: nothing is exported for a
+/// connection that is not same-host.
+#[test]
+#[ignore = "needs an NVIDIA GPU (cargo test --test gpu -- --ignored)"]
+fn pool_memory_that_cannot_be_exported_moves_over_tcp() {
+    use cudarc::driver::sys as cu;
+    let n = gpus();
+    let g = peer_gpu(n).to_string();
+    let target = Target::start_with(
+        Path::TcpEpoll,
+        8 << 20,
+        &[("FERRY_TRANSPORT", "tcp")],
+        &["--gpu", &g],
+    );
+    let mut c = cfg(0);
+    c.transport = Transport::Tcp;
+    let ep = Endpoint::builder().config(c).build().unwrap();
+    let conn = ep.add_remote(&target.served.meta).unwrap();
+    let len = 8usize << 20;
+    let dev = &ferry::gpu::cuda().unwrap().devices[0];
+    let mut ptr: cu::CUdeviceptr = 0;
+    // SAFETY: plain driver calls on device 0's primary context (retained
+    // by ferry); the pointer is freed below, after its deregistration.
+    unsafe {
+        let mut d: cu::CUdevice = 0;
+        assert_eq!(
+            cu::cuDeviceGet(&mut d, dev.ordinal),
+            cu::CUresult::CUDA_SUCCESS
+        );
+        let mut ctx = std::ptr::null_mut();
+        assert_eq!(
+            cu::cuDevicePrimaryCtxRetain(&mut ctx, d),
+            cu::CUresult::CUDA_SUCCESS
+        );
+        assert_eq!(cu::cuCtxSetCurrent(ctx), cu::CUresult::CUDA_SUCCESS);
+        assert_eq!(
+            cu::cuMemAllocAsync(&mut ptr, len, std::ptr::null_mut()),
+            cu::CUresult::CUDA_SUCCESS
+        );
+        assert_eq!(
+            cu::cuStreamSynchronize(std::ptr::null_mut()),
+            cu::CUresult::CUDA_SUCCESS
+        );
+        // What the old code demanded, and CUDA refuses for pool memory.
+        let mut h: cu::CUipcMemHandle = std::mem::zeroed();
+        assert_ne!(
+            cu::cuIpcGetMemHandle(&mut h, ptr),
+            cu::CUresult::CUDA_SUCCESS,
+            "this driver exports pool memory; the test proves nothing here"
+        );
+    }
+    // SAFETY: the allocation outlives the registration (freed after it).
+    let mr = unsafe { ep.register_raw(ptr as *mut u8, len, ferry::Access::all()) }.unwrap();
+    assert!(matches!(ep.mem_kind(&mr), MemKind::Device { .. }));
+    let grb = target.served.gpu_rbuf.expect("GRBUF");
+    gpu_fill(&mr, 0, len, 61);
+    ep.write(conn, &mr, 0, len, &grb.slice(0, len as u32).unwrap())
+        .unwrap();
+    assert_eq!(ghash(&ep, conn, 0, len), pattern_hash(0, len, 61));
+    ep.deregister(mr).unwrap();
+    // SAFETY: deregistered above; nothing uses the memory any more.
+    unsafe {
+        cu::cuMemFreeAsync(ptr, std::ptr::null_mut());
+        cu::cuStreamSynchronize(std::ptr::null_mut());
+    }
+}

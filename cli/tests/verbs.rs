@@ -195,8 +195,9 @@ fn a_remote_access_error_fails_the_connection_and_ends_every_op_once() {
 }
 
 #[test]
-#[ignore = "needs an RDMA NIC or the software NIC (tools/softverbs/test)"]
+#[ignore = "needs the software NIC, whose faults it injects (tools/softverbs/test)"]
 fn a_side_whose_queue_pairs_fail_to_connect_leaves_both_on_tcp() {
+    require_softverbs();
     for point in ["rtr", "rts", "create_qp"] {
         let (t, ep, conn) = verbs_pair(8 * MIB, &[("SOFTVERBS_FAIL", point)]);
         assert!(
@@ -214,8 +215,9 @@ fn a_side_whose_queue_pairs_fail_to_connect_leaves_both_on_tcp() {
 }
 
 #[test]
-#[ignore = "needs an RDMA NIC or the software NIC (tools/softverbs/test)"]
+#[ignore = "needs the software NIC, whose faults it injects (tools/softverbs/test)"]
 fn read_depth_is_clamped_to_the_peers() {
+    require_softverbs();
     // The target's NIC takes 2 READs in flight per QP; ours 16. Asking for
     // more than the responder has is a remote invalid-request error.
     let (t, ep, conn) = verbs_pair(64 * MIB, &[("SOFTVERBS_MAX_QP_RD_ATOM", "2")]);
@@ -229,8 +231,9 @@ fn read_depth_is_clamped_to_the_peers() {
 }
 
 #[test]
-#[ignore = "needs an RDMA NIC or the software NIC (tools/softverbs/test)"]
+#[ignore = "needs the software NIC, whose faults it injects (tools/softverbs/test)"]
 fn a_registration_the_nic_refuses_moves_that_memory_over_tcp() {
+    require_softverbs();
     // The target may pin 1 MiB (RLIMIT_MEMLOCK): its 16 MiB window gets
     // no NIC key, and ops on it go over tcp; the connection keeps verbs.
     let (t, ep, conn) = verbs_pair(16 * MIB, &[("SOFTVERBS_MEMLOCK_BYTES", "1048576")]);
@@ -245,6 +248,17 @@ fn a_registration_the_nic_refuses_moves_that_memory_over_tcp() {
     assert_eq!(
         common::remote_hash(&ep, conn, 0, 16 * MIB),
         ferry_cli::testkit::fnv64(&pattern(16 * MIB, 9))
+    );
+}
+
+/// Fails the calling test unless libibverbs is the software NIC (the test
+/// injects faults only it has).
+fn require_softverbs() {
+    Path::Verbs.require();
+    let nics = ferry::verbs::status(None, None).unwrap();
+    assert!(
+        softverbs_wrs(&nics[0]).is_some(),
+        "this test injects the software NIC's faults: run it with tools/softverbs/test"
     );
 }
 
@@ -342,8 +356,9 @@ fn info_lists_each_nic_with_its_port_and_gid() {
 }
 
 #[test]
-#[ignore = "needs an RDMA NIC or the software NIC (tools/softverbs/test)"]
+#[ignore = "needs the software NIC, whose faults it injects (tools/softverbs/test)"]
 fn bench_runs_over_verbs_and_refuses_a_connection_without_queue_pairs() {
+    require_softverbs();
     Path::Verbs.require();
     let run = |env: &[(&str, &str)]| {
         let mut cmd = std::process::Command::new(common::ferry_bin());
@@ -382,8 +397,9 @@ fn bench_runs_over_verbs_and_refuses_a_connection_without_queue_pairs() {
 }
 
 #[test]
-#[ignore = "needs an RDMA NIC or the software NIC (tools/softverbs/test)"]
+#[ignore = "needs the software NIC, whose faults it injects (tools/softverbs/test)"]
 fn a_nic_refusing_to_destroy_queue_pairs_does_not_take_the_target_down() {
+    require_softverbs();
     // The target's NIC refuses every destroy: closing a connection must
     // not panic its shard (sideway asserts on a failed destroy).
     let (t, ep, conn) = verbs_pair(8 * MIB, &[("SOFTVERBS_FAIL", "destroy_qp,destroy_cq")]);
@@ -476,4 +492,54 @@ fn port_down_fails_idle_connections_through_async_events() {
     let c2 = ep.add_remote(&t.served.meta).unwrap();
     assert!(ep.uses_verbs(c2));
     ep.write(c2, &src, 0, MIB, &t.served.rbuf).unwrap();
+}
+
+/// The software NIC's count of inline WRITEs executed by this process.
+fn softverbs_inline_wrs() -> Option<u64> {
+    // SAFETY: as in `softverbs_wrs`; `uint64_t softverbs_inline_wrs(void)`.
+    unsafe {
+        let h = libc::dlopen(
+            c"libibverbs.so.1".as_ptr(),
+            libc::RTLD_NOW | libc::RTLD_NOLOAD,
+        );
+        if h.is_null() {
+            return None;
+        }
+        let f = libc::dlsym(h, c"softverbs_inline_wrs".as_ptr());
+        if f.is_null() {
+            return None;
+        }
+        let f: extern "C" fn() -> u64 = std::mem::transmute(f);
+        Some(f())
+    }
+}
+
+#[test]
+#[ignore = "needs the software NIC, which counts inline WRITEs (tools/softverbs/test)"]
+fn small_host_writes_go_inline_and_arrive_intact() {
+    require_softverbs();
+    let (t, ep, conn) = verbs_pair(MIB, &[]);
+    assert!(ep.uses_verbs(conn));
+    let src = ep.register(pattern(MIB, 8)).unwrap();
+    let before = softverbs_inline_wrs().unwrap();
+    for (off, len) in [
+        (0usize, 1usize),
+        (100, 8),
+        (4096, 64),
+        (9000, 65),
+        (20000, 4096),
+    ] {
+        let w = t.served.rbuf.slice(off as u32, len as u32).unwrap();
+        ep.write(conn, &src, off, len, &w).unwrap();
+        assert_eq!(
+            common::remote_hash(&ep, conn, off, len),
+            ferry_cli::testkit::fnv64(&pattern(MIB, 8)[off..off + len]),
+            "{len} B at {off}"
+        );
+    }
+    let inline = softverbs_inline_wrs().unwrap() - before;
+    assert!(
+        inline >= 3,
+        "1, 8 and 64 B went inline ({inline} inline WRITEs)"
+    );
 }

@@ -166,6 +166,10 @@ pub struct Config {
     pub rdma_gid_index: Option<u32>,
     /// Data queue pairs per connection (`FERRY_RDMA_QPS`, default 4, at most 64).
     pub rdma_qps: usize,
+    /// Work requests each data queue pair holds (`FERRY_RDMA_QP_DEPTH`,
+    /// default 256, 16..=32768): what a connection pins on the NIC grows
+    /// with it (256: about 128 KiB per connection with 4 queue pairs).
+    pub rdma_qp_depth: u32,
     /// NICs an endpoint opens and stripes each connection's queue pairs
     /// over (`FERRY_RDMA_MAX_NICS`, default 4, 1..=4): the ones nearest its
     /// GPU, or those `FERRY_RDMA_DEV` names.
@@ -215,6 +219,7 @@ impl Default for Config {
             rdma_gid_index: None,
             rdma_qps: 4,
             rdma_max_nics: 4,
+            rdma_qp_depth: 256,
             rdma_max_rd_atomic: 16,
             rdma_sl: 0,
             rdma_tc: 0,
@@ -258,6 +263,7 @@ impl Config {
             gid_index: self.rdma_gid_index,
             n_qps: self.rdma_qps,
             max_nics: self.rdma_max_nics,
+            qp_depth: self.rdma_qp_depth,
             max_rd_atomic: self.rdma_max_rd_atomic,
             service_level: self.rdma_sl,
             traffic_class: self.rdma_tc,
@@ -354,6 +360,12 @@ impl Config {
             within("rdma_gid_index (FERRY_RDMA_GID_INDEX)", g, 0, 255)?;
         }
         within(
+            "rdma_qp_depth (FERRY_RDMA_QP_DEPTH)",
+            self.rdma_qp_depth,
+            16,
+            32768,
+        )?;
+        within(
             "rdma_max_nics (FERRY_RDMA_MAX_NICS)",
             self.rdma_max_nics,
             1,
@@ -440,6 +452,7 @@ impl Config {
             "FERRY_GPU_BOUNCE_BYTES" => gpu_bounce_bytes,
             "FERRY_RDMA_QPS" => rdma_qps,
             "FERRY_RDMA_MAX_NICS" => rdma_max_nics,
+            "FERRY_RDMA_QP_DEPTH" => rdma_qp_depth,
             "FERRY_RDMA_MAX_RD_ATOMIC" => rdma_max_rd_atomic,
             "FERRY_RDMA_SL" => rdma_sl,
             "FERRY_RDMA_TC" => rdma_tc,

@@ -836,6 +836,7 @@ impl Shard {
                     d.nic_rkeys.expect("checked by the caller"),
                     d.remote_addr,
                     d.local.len() as u64,
+                    !d.local.region().mem.is_device(),
                 ),
                 Err(e) => {
                     // Nothing of this op has been posted yet: drop the

@@ -20,7 +20,7 @@ use sideway::ibverbs::device_context::{DeviceContext, LinkLayer, Mtu};
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::queue_pair::{
-    ExtendedQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState,
+    ExtendedQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState, SetInlineData,
     SetScatterGatherEntry, WorkRequestFlags,
 };
 use sideway::ibverbs::AccessFlags;
@@ -78,6 +78,8 @@ struct EventState {
 }
 
 const EVENTS_EVERY_MS: u64 = 50;
+/// WRITEs of at most this many bytes of host memory are posted inline.
+const INLINE_MAX: u32 = 64;
 const MAX_FATAL_QPS: usize = 4096;
 
 impl NicSet {
@@ -220,19 +222,33 @@ impl NicSet {
             cqs.push(GenericCompletionQueue::from(cq));
         }
         let mut qps = Vec::with_capacity(cfg.n_qps);
-        for i in 0..cfg.n_qps {
-            let (nic, cq) = (&self.nics[i % used], &cqs[i % used]);
-            let qp = nic
-                .pd
-                .create_qp_builder()
-                .setup_max_send_wr(depth)
-                .setup_max_recv_wr(1)
-                .setup_max_send_sge(1)
-                .setup_send_cq(cq.clone())
-                .setup_recv_cq(cq.clone())
-                .build_ex()
-                .map_err(|e| verbs_err("ibv_create_qp_ex", e))?;
-            qps.push(qp);
+        // Inline data if every NIC takes it; a NIC that refuses the QP
+        // with it gets all of them again without.
+        let mut inline_max = INLINE_MAX;
+        'attempt: loop {
+            qps.clear();
+            for i in 0..cfg.n_qps {
+                let (nic, cq) = (&self.nics[i % used], &cqs[i % used]);
+                let qp = nic
+                    .pd
+                    .create_qp_builder()
+                    .setup_max_send_wr(depth)
+                    .setup_max_recv_wr(1)
+                    .setup_max_send_sge(1)
+                    .setup_max_inline_data(inline_max)
+                    .setup_send_cq(cq.clone())
+                    .setup_recv_cq(cq.clone())
+                    .build_ex();
+                match qp {
+                    Ok(qp) => qps.push(qp),
+                    Err(_) if inline_max > 0 => {
+                        inline_max = 0;
+                        continue 'attempt;
+                    }
+                    Err(e) => return Err(verbs_err("ibv_create_qp_ex", e)),
+                }
+            }
+            break;
         }
         let psns = qps
             .iter()
@@ -240,6 +256,7 @@ impl NicSet {
             .collect();
         Ok(DataQps {
             qps,
+            inline_max,
             cqs,
             psns,
             pieces: Vec::new(),
@@ -451,6 +468,8 @@ impl Nic {
 /// One peer's data queue pairs (`i` on NIC `i % cqs.len()`).
 pub struct DataQps {
     qps: Vec<ExtendedQueuePair>,
+    /// WRITEs up to this many bytes go inline (0: the NICs took none).
+    inline_max: u32,
     /// One completion queue per NIC used.
     cqs: Vec<GenericCompletionQueue>,
     psns: Vec<u32>,
@@ -469,6 +488,8 @@ pub struct Sge {
     pub laddr: u64,
     pub rkeys: NicKeys,
     pub raddr: u64,
+    /// The local memory is host memory (the CPU may read it: inline).
+    pub host: bool,
 }
 
 /// sideway's `Drop` for queue pairs and completion queues asserts that
@@ -684,7 +705,15 @@ impl super::QpLink for Link {
     /// Adds one part of an op (`len` bytes between `laddr` under `lkeys`
     /// and the peer's `raddr` under `rkeys`) to the op being built; `post`
     /// sends them all.
-    fn add(&mut self, lkeys: NicKeys, laddr: u64, rkeys: NicKeys, raddr: u64, len: u64) {
+    fn add(
+        &mut self,
+        lkeys: NicKeys,
+        laddr: u64,
+        rkeys: NicKeys,
+        raddr: u64,
+        len: u64,
+        host: bool,
+    ) {
         let n_qps = self.wr_out.len();
         let item = self.items.len() as u32;
         let first = self.next_qp;
@@ -697,6 +726,7 @@ impl super::QpLink for Link {
             laddr,
             rkeys,
             raddr,
+            host,
         });
     }
 
@@ -741,14 +771,33 @@ impl super::QpLink for Link {
                 // Queue pair p is on our NIC p % ours and their NIC
                 // p % theirs: each side's key of that NIC.
                 let (lkey, rkey) = (it.lkeys.for_qp(p.qp), it.rkeys.for_qp(p.qp));
-                let h = if write {
+                if write && it.host && w.len > 0 && w.len <= self.qps.inline_max {
+                    // Small host-memory WRITEs go inline: the NIC takes the
+                    // bytes with the WR (no DMA read of our memory, no
+                    // lkey), which is most of an 8-byte op's latency.
+                    let mut buf = [0u8; INLINE_MAX as usize];
+                    let n = w.len as usize;
+                    // SAFETY: the range lies in a live host registration
+                    // the op holds; n <= INLINE_MAX bytes are copied.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            (it.laddr + w.off) as *const u8,
+                            buf.as_mut_ptr(),
+                            n,
+                        )
+                    };
                     h.setup_write(rkey, it.raddr + w.off)
+                        .setup_inline_data(&buf[..n]);
                 } else {
-                    h.setup_read(rkey, it.raddr + w.off)
-                };
-                // SAFETY: the local range lies in a registration the op
-                // holds (its OpCmd) until its completions arrive.
-                unsafe { h.setup_sge(lkey, it.laddr + w.off, w.len) };
+                    let h = if write {
+                        h.setup_write(rkey, it.raddr + w.off)
+                    } else {
+                        h.setup_read(rkey, it.raddr + w.off)
+                    };
+                    // SAFETY: the local range lies in a registration the op
+                    // holds (its OpCmd) until its completions arrive.
+                    unsafe { h.setup_sge(lkey, it.laddr + w.off, w.len) };
+                }
             }
             if let Err(e) = g.post() {
                 // Nothing of this list went out; earlier lists did, and

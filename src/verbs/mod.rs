@@ -68,7 +68,8 @@ pub(crate) trait QpLink: Send {
     /// Why an asynchronous event broke this link (its port went down, the
     /// NIC moved one of its queue pairs to error), if one did.
     fn broken(&self) -> Option<String>;
-    /// Adds one part of the op being built.
+    /// Adds one part of the op being built (`host`: the local memory is
+    /// host memory, which small WRITEs may send inline).
     fn add(
         &mut self,
         lkeys: crate::wire::NicKeys,
@@ -76,6 +77,7 @@ pub(crate) trait QpLink: Send {
         rkeys: crate::wire::NicKeys,
         raddr: u64,
         len: u64,
+        host: bool,
     );
     /// Drops the parts gathered so far (posting none).
     fn discard(&mut self);
@@ -317,7 +319,7 @@ impl Default for VerbsConfig {
             gid_index: None,
             n_qps: 4,
             max_nics: 4,
-            qp_depth: 1024,
+            qp_depth: 256,
             service_level: 0,
             traffic_class: 0,
             max_rd_atomic: 16,

@@ -18,8 +18,10 @@ pub const CONTROL_MAGIC: u32 = u32::from_le_bytes(*b"FRY1");
 /// 2: each side keeps at most min(its own, the peer's) requests in flight
 /// per stream (1 let the peer's declaration size our queues). 3: the
 /// client sends every stream's Hello before reading an ack; the server
-/// acknowledges a connection only once all its streams have arrived.
-pub const PROTOCOL_VERSION: u16 = 3;
+/// acknowledges a connection only once all its streams have arrived. 4: the
+/// verbs exchange ends with `VerbsReady` from both sides, and `VerbsInfo`
+/// carries a NIC table (queue pairs striped over several NICs).
+pub const PROTOCOL_VERSION: u16 = 4;
 pub const CONTROL_HEADER_LEN: usize = 12;
 /// No control frame body is longer; a peer claiming more is refused before
 /// any of it is read.

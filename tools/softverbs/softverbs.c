@@ -61,7 +61,10 @@
  * softverbs_set_port(name, up) takes a port down or up for every process
  * of the host (work requests through it then fail as on a dead link).
  *
- * Not modelled: SEND/RECV, atomics, inline data, memory windows, UD/UC,
+ * Inline data: up to 64 bytes per WRITE (cap.max_inline_data), copied at
+ * post time; softverbs_inline_wrs() counts the inline WRITEs executed.
+ *
+ * Not modelled: SEND/RECV, atomics, memory windows, UD/UC,
  * completion channels and events, dma-buf registration (EOPNOTSUPP, as on
  * a NIC without it).
  */
@@ -100,6 +103,7 @@
 #define SV_MAX_QP_WR 32768
 #define SV_MAX_CQE (1 << 22)
 #define SV_MAX_MSG (1u << 31)
+#define SV_MAX_INLINE 64
 
 /* ---------------------------------------------------------------- config */
 
@@ -149,6 +153,7 @@ struct sv_device {
 static struct sv_device g_devs[SV_MAX_DEVICES];
 static int port_is_down(const struct sv_device *d);
 static _Atomic uint64_t g_dev_wrs[SV_MAX_DEVICES];
+static _Atomic uint64_t g_inline_wrs;
 static int g_ndevs;
 static char g_sysfs[256];
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
@@ -508,7 +513,9 @@ struct sv_wr {
 	uint32_t opcode; /* IBV_WR_RDMA_WRITE / IBV_WR_RDMA_READ, else unsupported */
 	uint32_t rkey;
 	uint32_t num_sge;
+	uint32_t inline_len; /* > 0: the payload is inline_data, no SGE */
 	struct ibv_sge sge[SV_MAX_SGE];
+	uint8_t inline_data[SV_MAX_INLINE];
 };
 
 struct sv_qp {
@@ -519,6 +526,7 @@ struct sv_qp {
 	uint32_t slot;
 	uint32_t max_send_wr;
 	uint32_t max_send_sge;
+	uint32_t max_inline;
 	/* from modify_qp */
 	uint8_t port;
 	uint32_t access;
@@ -662,7 +670,11 @@ static enum outcome run_wr(struct sv_qp *q, const struct sv_wr *w, enum ibv_wc_s
 		*st = IBV_WC_LOC_QP_OP_ERR;
 		return RUN_FAIL;
 	}
-	uint64_t total = 0;
+	uint64_t total = w->inline_len;
+	if (w->inline_len && read) {
+		*st = IBV_WC_LOC_QP_OP_ERR; /* a READ has nowhere inline to land */
+		return RUN_FAIL;
+	}
 	for (uint32_t i = 0; i < w->num_sge; i++) {
 		const struct ibv_sge *s = &w->sge[i];
 		if (!lookup_mr(s->lkey, g_pid, q->pd->key, s->addr, s->length,
@@ -716,13 +728,20 @@ static enum outcome run_wr(struct sv_qp *q, const struct sv_wr *w, enum ibv_wc_s
 		return RUN_FAIL;
 	}
 	struct iovec liov[SV_MAX_SGE];
-	sge_iov(w, liov);
+	uint32_t nl = w->num_sge;
+	if (w->inline_len) {
+		liov[0].iov_base = (void *)w->inline_data;
+		liov[0].iov_len = w->inline_len;
+		nl = 1;
+	} else {
+		sge_iov(w, liov);
+	}
 	uint64_t done = 0;
 	while (done < total) {
 		if (ppid == g_pid) {
 			/* Our own memory: copy directly. */
 			uint64_t off = 0;
-			for (uint32_t i = 0; i < w->num_sge; i++) {
+			for (uint32_t i = 0; i < nl; i++) {
 				char *l = liov[i].iov_base;
 				char *r = (char *)(uintptr_t)(w->raddr + off);
 				if (read)
@@ -738,7 +757,7 @@ static enum outcome run_wr(struct sv_qp *q, const struct sv_wr *w, enum ibv_wc_s
 		struct iovec l2[SV_MAX_SGE];
 		uint32_t n = 0;
 		uint64_t skip = done;
-		for (uint32_t i = 0; i < w->num_sge; i++) {
+		for (uint32_t i = 0; i < nl; i++) {
 			if (skip >= liov[i].iov_len) {
 				skip -= liov[i].iov_len;
 				continue;
@@ -769,6 +788,8 @@ static enum outcome run_wr(struct sv_qp *q, const struct sv_wr *w, enum ibv_wc_s
 	*byte_len = (uint32_t)total;
 	*st = IBV_WC_SUCCESS;
 	atomic_fetch_add(&g_dev_wrs[q->ctx->dev->idx], 1);
+	if (w->inline_len)
+		atomic_fetch_add(&g_inline_wrs, 1);
 	return RUN_OK;
 }
 
@@ -1111,6 +1132,7 @@ static struct sv_wr *new_wr(struct sv_qp *q, uint32_t opcode, uint32_t rkey, uin
 	w->rkey = rkey;
 	w->raddr = raddr;
 	w->num_sge = 0;
+	w->inline_len = 0;
 	return w;
 }
 
@@ -1185,17 +1207,41 @@ static void sv_wr_atomic_fetch_add(struct ibv_qp_ex *x, uint32_t rkey, uint64_t 
 
 static void sv_wr_set_inline_data(struct ibv_qp_ex *x, void *addr, size_t len)
 {
-	(void)addr;
-	(void)len;
-	sv_wr_unsupported(qpx_of(x));
+	struct sv_qp *q = qpx_of(x);
+	struct sv_wr *w = last_wr(q);
+	if (!w)
+		return;
+	if (len == 0 || len > q->max_inline) {
+		q->stage_err = EINVAL;
+		return;
+	}
+	memcpy(w->inline_data, addr, len);
+	w->inline_len = (uint32_t)len;
+	w->num_sge = 0;
 }
 
 static void sv_wr_set_inline_data_list(struct ibv_qp_ex *x, size_t n,
 				       const struct ibv_data_buf *l)
 {
-	(void)n;
-	(void)l;
-	sv_wr_unsupported(qpx_of(x));
+	struct sv_qp *q = qpx_of(x);
+	struct sv_wr *w = last_wr(q);
+	if (!w)
+		return;
+	size_t total = 0;
+	for (size_t i = 0; i < n; i++) {
+		if (total + l[i].length > q->max_inline) {
+			q->stage_err = EINVAL;
+			return;
+		}
+		memcpy(w->inline_data + total, l[i].addr, l[i].length);
+		total += l[i].length;
+	}
+	if (total == 0) {
+		q->stage_err = EINVAL;
+		return;
+	}
+	w->inline_len = (uint32_t)total;
+	w->num_sge = 0;
 }
 
 static void sv_wr_set_sge(struct ibv_qp_ex *x, uint32_t lkey, uint64_t addr, uint32_t length)
@@ -1233,8 +1279,8 @@ static int sv_wr_complete(struct ibv_qp_ex *x)
 	if (!err && s != IBV_QPS_RTS && s != IBV_QPS_ERR && s != IBV_QPS_SQD)
 		err = EINVAL;
 	for (uint32_t i = 0; !err && i < q->nstage; i++)
-		if (q->stage[i].num_sge == 0)
-			err = EINVAL; /* a WR without its SGE */
+		if (q->stage[i].num_sge == 0 && q->stage[i].inline_len == 0)
+			err = EINVAL; /* a WR without its data */
 	if (err) {
 		q->nstage = 0;
 		q->stage_err = 0;
@@ -1311,7 +1357,7 @@ static struct ibv_qp *sv_create_qp_ex(struct ibv_context *context,
 	if (!(a->comp_mask & IBV_QP_INIT_ATTR_PD) || !a->pd || a->qp_type != IBV_QPT_RC ||
 	    !a->send_cq || !a->recv_cq || a->srq || a->cap.max_send_wr == 0 ||
 	    a->cap.max_send_wr > SV_MAX_QP_WR || a->cap.max_send_sge > SV_MAX_SGE ||
-	    a->cap.max_inline_data > 0) {
+	    a->cap.max_inline_data > SV_MAX_INLINE) {
 		errno = EINVAL;
 		return NULL;
 	}
@@ -1320,6 +1366,7 @@ static struct ibv_qp *sv_create_qp_ex(struct ibv_context *context,
 		return NULL;
 	q->max_send_wr = a->cap.max_send_wr;
 	q->max_send_sge = a->cap.max_send_sge ? a->cap.max_send_sge : 1;
+	q->max_inline = a->cap.max_inline_data;
 	q->ring = calloc(q->max_send_wr, sizeof(struct sv_wr));
 	q->stage = calloc(q->max_send_wr, sizeof(struct sv_wr));
 	int slot = claim(&g_reg->qps[0].owner, sizeof(struct sv_qp_slot), SV_QP_SLOTS,
@@ -1375,8 +1422,6 @@ static struct ibv_qp *sv_create_qp_ex(struct ibv_context *context,
 	q->ex.wr_start = sv_wr_start;
 	q->ex.wr_complete = sv_wr_complete;
 	q->ex.wr_abort = sv_wr_abort;
-	a->cap.max_inline_data = 0;
-
 	atomic_fetch_add(&q->pd->users, 1);
 	pthread_mutex_lock(&g_lock);
 	q->scq->users++;
@@ -2074,4 +2119,10 @@ SV_EXPORT int softverbs_set_port(const char *name, int up)
 	snprintf(q, sizeof(q), "%s/class/infiniband/%s/ports/1/state", g_sysfs, d->dev.name);
 	write_file(q, port_is_down(d) ? "1: DOWN\n" : "4: ACTIVE\n");
 	return 0;
+}
+
+/* Test hook: inline WRITEs this process's QPs executed. */
+SV_EXPORT uint64_t softverbs_inline_wrs(void)
+{
+	return atomic_load(&g_inline_wrs);
 }
