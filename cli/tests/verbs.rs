@@ -262,13 +262,11 @@ fn require_softverbs() {
     );
 }
 
-/// The software NIC's count of work requests this process's queue pairs on
-/// `dev` executed; `None` on a real libibverbs.
-fn softverbs_wrs(dev: &str) -> Option<u64> {
-    let name = std::ffi::CString::new(dev).unwrap();
-    // SAFETY: RTLD_NOLOAD only finds the library rdma-mummy-sys already
-    // loaded; the symbol, when present, has the C signature
-    // `uint64_t softverbs_device_wrs(const char *)`.
+/// A function of the software NIC's test hooks (a symbol of the
+/// libibverbs.so.1 rdma-mummy-sys loaded); `None` on a real libibverbs.
+fn softverbs_hook(name: &std::ffi::CStr) -> Option<*mut libc::c_void> {
+    // SAFETY: RTLD_NOLOAD only finds the library already loaded; dlsym
+    // only looks a name up.
     unsafe {
         let h = libc::dlopen(
             c"libibverbs.so.1".as_ptr(),
@@ -277,13 +275,19 @@ fn softverbs_wrs(dev: &str) -> Option<u64> {
         if h.is_null() {
             return None;
         }
-        let f = libc::dlsym(h, c"softverbs_device_wrs".as_ptr());
-        if f.is_null() {
-            return None;
-        }
-        let f: extern "C" fn(*const libc::c_char) -> u64 = std::mem::transmute(f);
-        Some(f(name.as_ptr()))
+        let f = libc::dlsym(h, name.as_ptr());
+        (!f.is_null()).then_some(f)
     }
+}
+
+/// The software NIC's count of work requests this process's queue pairs on
+/// `dev` executed; `None` on a real libibverbs.
+fn softverbs_wrs(dev: &str) -> Option<u64> {
+    let name = std::ffi::CString::new(dev).unwrap();
+    let f = softverbs_hook(c"softverbs_device_wrs")?;
+    // SAFETY: the hook's C signature is `uint64_t (const char *)`.
+    let f: extern "C" fn(*const libc::c_char) -> u64 = unsafe { std::mem::transmute(f) };
+    Some(f(name.as_ptr()))
 }
 
 #[test]
@@ -428,24 +432,13 @@ fn a_nic_refusing_to_destroy_queue_pairs_does_not_take_the_target_down() {
 /// libibverbs (no such hook).
 fn softverbs_set_port(dev: &str, up: bool) -> bool {
     let name = std::ffi::CString::new(dev).unwrap();
-    // SAFETY: as in `softverbs_wrs`; the hook's C signature is
-    // `int softverbs_set_port(const char *, int)`.
-    unsafe {
-        let h = libc::dlopen(
-            c"libibverbs.so.1".as_ptr(),
-            libc::RTLD_NOW | libc::RTLD_NOLOAD,
-        );
-        if h.is_null() {
-            return false;
-        }
-        let f = libc::dlsym(h, c"softverbs_set_port".as_ptr());
-        if f.is_null() {
-            return false;
-        }
-        let f: extern "C" fn(*const libc::c_char, libc::c_int) -> libc::c_int =
-            std::mem::transmute(f);
-        f(name.as_ptr(), up as libc::c_int) == 0
-    }
+    let Some(f) = softverbs_hook(c"softverbs_set_port") else {
+        return false;
+    };
+    // SAFETY: the hook's C signature is `int (const char *, int)`.
+    let f: extern "C" fn(*const libc::c_char, libc::c_int) -> libc::c_int =
+        unsafe { std::mem::transmute(f) };
+    f(name.as_ptr(), up as libc::c_int) == 0
 }
 
 /// Takes the port down for every process of the host, so other verbs
@@ -496,22 +489,10 @@ fn port_down_fails_idle_connections_through_async_events() {
 
 /// The software NIC's count of inline WRITEs executed by this process.
 fn softverbs_inline_wrs() -> Option<u64> {
-    // SAFETY: as in `softverbs_wrs`; `uint64_t softverbs_inline_wrs(void)`.
-    unsafe {
-        let h = libc::dlopen(
-            c"libibverbs.so.1".as_ptr(),
-            libc::RTLD_NOW | libc::RTLD_NOLOAD,
-        );
-        if h.is_null() {
-            return None;
-        }
-        let f = libc::dlsym(h, c"softverbs_inline_wrs".as_ptr());
-        if f.is_null() {
-            return None;
-        }
-        let f: extern "C" fn() -> u64 = std::mem::transmute(f);
-        Some(f())
-    }
+    let f = softverbs_hook(c"softverbs_inline_wrs")?;
+    // SAFETY: the hook's C signature is `uint64_t (void)`.
+    let f: extern "C" fn() -> u64 = unsafe { std::mem::transmute(f) };
+    Some(f())
 }
 
 #[test]

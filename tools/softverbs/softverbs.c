@@ -107,18 +107,11 @@
 
 /* ---------------------------------------------------------------- config */
 
+static int listed(const char *list, const char *name);
+
 static int fail_at(const char *point)
 {
-	const char *s = getenv("SOFTVERBS_FAIL");
-	size_t n = strlen(point);
-	while (s && *s) {
-		const char *e = strchr(s, ',');
-		size_t len = e ? (size_t)(e - s) : strlen(s);
-		if (len == n && memcmp(s, point, n) == 0)
-			return 1;
-		s = e ? e + 1 : NULL;
-	}
-	return 0;
+	return listed(getenv("SOFTVERBS_FAIL"), point);
 }
 
 static long env_long(const char *name, long dflt)
