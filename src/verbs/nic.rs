@@ -399,6 +399,23 @@ mod tests {
     }
 
     #[test]
+    fn every_nic_at_the_gpus_distance_is_chosen_in_name_order() {
+        // A second NIC under the GPU's own switch (as on an 8-GPU HGX
+        // board with two NICs per switch): both, by name; the others not.
+        let s = fake();
+        let n3 = s.join("devices/pci0000:00/0000:00:01.0/0000:10:00.0/0000:1b:00.0");
+        std::fs::create_dir_all(&n3).unwrap();
+        let c = s.join("class/infiniband/mlx5_3");
+        std::fs::create_dir_all(&c).unwrap();
+        symlink(&n3, c.join("device")).unwrap();
+        assert_eq!(
+            names(&choose(&s, Some("0000:19:00.0"), None).unwrap()),
+            ["mlx5_0", "mlx5_3"]
+        );
+        std::fs::remove_dir_all(&s).unwrap();
+    }
+
+    #[test]
     fn distances_follow_the_tree() {
         let s = fake();
         let gpu = pci_path(&s, "0000:19:00.0").unwrap();
