@@ -90,6 +90,12 @@ Flags:
   --conns N              measure over N connections to the target, each
                          op on the next in turn (each connection on the
                          next shard: with --shards, the work of many peers)
+  --threads N            submit from N threads (default 1), each keeping
+                         --batch ops in flight on its own connection
+                         (thread i on connection i mod --conns) and its own
+                         share of the windows: the work of N independent
+                         requesters. Needs managed shards (--shards > 1);
+                         the rate is all threads' completions together
   --contend N            measure each point quiet and then with N busy
                          processes (`ferry busy`, one spinning thread each)
                          running beside the benchmark, alternating per
@@ -137,6 +143,8 @@ struct Opts {
     streams_list: Option<Vec<usize>>,
     shards: Option<usize>,
     conns: usize,
+    /// `--threads`: submitting threads, each with its own batch.
+    threads: usize,
     contend: usize,
     plot: Option<String>,
     /// `--directory URL --peer NAME [--cluster C]`: measure against a
@@ -263,6 +271,16 @@ fn parse(mut a: Args) -> Result<Opts> {
     if conns == 0 || conns > 1024 {
         bail!("--conns {conns}: must be 1..=1024");
     }
+    let threads: usize = a.parsed("threads", 1)?;
+    if threads == 0 || threads > 256 {
+        bail!("--threads {threads}: must be 1..=256");
+    }
+    if threads > 1 && shards.unwrap_or(1) < 2 {
+        bail!(
+            "--threads {threads}: needs managed shards (--shards 2 or more); one \
+             embedded shard is driven by the one benchmark thread"
+        );
+    }
     let directory = match (a.value("directory"), a.value("peer")) {
         (Some(url), Some(peer)) => {
             let cluster = a.value("cluster").unwrap_or_else(|| "ferry".into());
@@ -281,6 +299,7 @@ fn parse(mut a: Args) -> Result<Opts> {
         directory,
         streams_list,
         conns,
+        threads,
         streams,
         shards,
         plot: a.value("plot"),
@@ -584,6 +603,8 @@ struct Bench<'a> {
     remote: Remote,
     /// Bytes per one-op latency round trip.
     latency_bytes: usize,
+    /// Submitting threads (`--threads`; > 1 only with managed shards).
+    threads: usize,
 }
 
 impl Bench<'_> {
@@ -625,6 +646,9 @@ impl Bench<'_> {
         batch: usize,
         secs: f64,
     ) -> Result<(f64, f64, Vec<f64>, usize)> {
+        if self.threads > 1 && self.shard.is_none() {
+            return self.threaded(op, size, batch, secs);
+        }
         let slots = self.slots(size);
         let batch = batch.min(slots);
         // The pipeline is kept full from start to `end`; throughput counts
@@ -696,6 +720,126 @@ impl Bench<'_> {
         let ops = (done_in_window - 1) as f64;
         let bytes = ops * size as f64;
         Ok((bytes / window / 1e9, ops / window, lat, batch))
+    }
+
+    /// `throughput` from `self.threads` threads (managed shards): thread
+    /// `i` keeps `batch` ops in flight on connection `i mod conns`, over its
+    /// own share of the windows; the rate counts every thread's
+    /// completions inside the common window.
+    fn threaded(
+        &mut self,
+        op: OpKind,
+        size: usize,
+        batch: usize,
+        secs: f64,
+    ) -> Result<(f64, f64, Vec<f64>, usize)> {
+        let n = self.threads;
+        let per = (self.slots(size) / n).max(1);
+        let batch = batch.min(per);
+        let warm = Duration::from_secs_f64((secs * 0.15).max(0.05));
+        let warm_end = Instant::now() + warm;
+        let end = warm_end + Duration::from_secs_f64(secs);
+        let (ep, local, remote, conns) = (self.ep, &self.local, &self.remote, &self.conns);
+        type Done = (Option<Instant>, Instant, u64, Vec<f64>);
+        let results: Vec<Result<Done>> = std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..n)
+                .map(|i| {
+                    sc.spawn(move || -> Result<Done> {
+                        let c = conns[i % conns.len()];
+                        let base = i * per;
+                        let submit = |k: usize| -> Result<Transfer> {
+                            let off = (base + k % per) * size;
+                            Ok(match remote {
+                                Remote::Key(r) => {
+                                    let rb = r.slice(off as u32, size as u32).context("window")?;
+                                    match op {
+                                        OpKind::Write => {
+                                            ep.write_async(c, local, off, size, &rb)?
+                                        }
+                                        OpKind::Read => ep.read_async(c, local, off, size, &rb)?,
+                                    }
+                                }
+                                Remote::Ipc(r) => {
+                                    let rb = r.slice(off as u64, size as u64).context("window")?;
+                                    match op {
+                                        OpKind::Write => {
+                                            ep.write_async(c, local, off, size, &rb)?
+                                        }
+                                        OpKind::Read => ep.read_async(c, local, off, size, &rb)?,
+                                    }
+                                }
+                            })
+                        };
+                        let mut inflight: VecDeque<(Transfer, Instant)> =
+                            VecDeque::with_capacity(batch);
+                        let mut lat = Vec::with_capacity(1 << 16);
+                        let (mut k, mut first, mut last, mut count) =
+                            (0usize, None, warm_end, 0u64);
+                        loop {
+                            let now = Instant::now();
+                            if now < end {
+                                while inflight.len() < batch {
+                                    inflight.push_back((submit(k)?, now));
+                                    k += 1;
+                                }
+                            } else if inflight.is_empty() {
+                                break;
+                            }
+                            if let Some((t, _)) = inflight.front_mut() {
+                                let _ = t.wait_timeout(Duration::from_millis(1));
+                            }
+                            let mut done_now = None;
+                            while let Some((t, _)) = inflight.front_mut() {
+                                let Some(r) = t.poll() else { break };
+                                r.with_context(|| format!("{op} of {size} bytes"))?;
+                                let (_, started) = inflight.pop_front().expect("front");
+                                let done = *done_now.get_or_insert_with(Instant::now);
+                                if done >= warm_end && done < end {
+                                    if lat.len() < lat.capacity() {
+                                        lat.push((done - started).as_secs_f64() * 1e6);
+                                    }
+                                    first.get_or_insert(done);
+                                    last = last.max(done);
+                                    count += 1;
+                                }
+                            }
+                        }
+                        Ok((first, last, count, lat))
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow::anyhow!("a thread panicked")))
+                })
+                .collect()
+        });
+        let (mut first, mut last, mut count, mut lat) =
+            (None::<Instant>, warm_end, 0u64, Vec::new());
+        for r in results {
+            let (f, l, c, mut v) = r?;
+            if let Some(f) = f {
+                first = Some(first.map_or(f, |x| x.min(f)));
+            }
+            last = last.max(l);
+            count += c;
+            lat.append(&mut v);
+        }
+        let Some(first) = first.filter(|_| count >= 2) else {
+            bail!(
+                "{op} of {}: fewer than 2 operations completed in {secs} s; use a longer --seconds",
+                fmt_size(size)
+            );
+        };
+        let window = (last - first).as_secs_f64().max(1e-9);
+        let ops = (count - 1) as f64;
+        Ok((
+            ops * size as f64 / window / 1e9,
+            ops / window,
+            lat,
+            batch * n,
+        ))
     }
 
     /// Leaves the connections idle for `secs` (the initiator parks like a
@@ -827,7 +971,9 @@ pub fn run(a: Args) -> Result<()> {
         return scaling(&o, list);
     }
     let max = *o.sizes.iter().max().expect("at least one size");
-    let bytes = (max.saturating_mul(o.batch)).clamp(max, (1usize << 30).max(max));
+    // Every submitting thread gets its own `batch` windows.
+    let bytes =
+        (max.saturating_mul(o.batch).saturating_mul(o.threads)).clamp(max, (1usize << 30).max(max));
     eprintln!(
         "ferry bench: starting target process ({} registered)",
         fmt_size(bytes)
@@ -999,6 +1145,7 @@ pub fn run(a: Args) -> Result<()> {
         local,
         remote,
         latency_bytes: if o.ipc { 4096 } else { 8 },
+        threads: o.threads,
     };
 
     let mut reference = match (o.baseline, o.ipc, shm) {
@@ -1161,6 +1308,7 @@ pub fn run(a: Args) -> Result<()> {
             ("streams", o.streams.unwrap_or(1)),
             ("shards", o.shards.unwrap_or(1)),
             ("conns", o.conns),
+            ("threads", o.threads),
             ("contend", o.contend),
         ] {
             if v > usize::from(flag != "contend") {
