@@ -531,3 +531,72 @@ fn small_host_writes_go_inline_and_arrive_intact() {
         "1, 8 and 64 B went inline ({inline} inline WRITEs)"
     );
 }
+
+#[test]
+#[ignore = "needs the software NIC, which counts completion queues (tools/softverbs/test)"]
+fn a_shards_connections_share_its_completion_queues() {
+    require_softverbs();
+    let live = || -> i64 {
+        let f = softverbs_hook(c"softverbs_live_cqs").expect("the software NIC");
+        // SAFETY: the hook's C signature is `int64_t (void)`.
+        let f: extern "C" fn() -> i64 = unsafe { std::mem::transmute(f) };
+        f()
+    };
+    let t = Target::start_on(Path::Verbs, 16 * MIB, &[]);
+    let mut cfg = common::path_config(Path::Verbs);
+    cfg.shards = 2;
+    let ep = Endpoint::builder().config(cfg).build().unwrap();
+    let nics = ep.verbs_status().unwrap().len().min(4);
+    let before = live();
+    let conns: Vec<_> = (0..10)
+        .map(|_| {
+            ep.connect(
+                ferry::EndpointMetadata::decode(&t.served.meta)
+                    .unwrap()
+                    .socket_addr(),
+            )
+            .unwrap()
+        })
+        .collect();
+    assert!(conns.iter().all(|&c| ep.uses_verbs(c)));
+    let made = live() - before;
+    assert!(
+        made <= (2 * nics) as i64,
+        "10 connections on 2 shards made {made} completion queues (at most one per shard per NIC)"
+    );
+    // Ops on every connection at once: completions find their links.
+    let src = ep.register(pattern(16 * MIB, 4)).unwrap();
+    let win = |i: usize| {
+        t.served
+            .rbuf
+            .slice(((i % 16) * MIB) as u32, MIB as u32)
+            .unwrap()
+    };
+    let writes: Vec<_> = (0..160)
+        .map(|i| {
+            ep.write_async(conns[i % conns.len()], &src, (i % 16) * MIB, MIB, &win(i))
+                .unwrap()
+        })
+        .collect();
+    for mut tr in writes {
+        tr.wait_timeout(std::time::Duration::from_secs(10)).unwrap();
+    }
+    assert_eq!(
+        common::remote_hash(&ep, conns[0], 0, 16 * MIB),
+        ferry_cli::testkit::fnv64(&pattern(16 * MIB, 4))
+    );
+    let back = ep.alloc(16 * MIB).unwrap();
+    let reads: Vec<_> = (0..160)
+        .map(|i| {
+            ep.read_async(conns[i % conns.len()], &back, (i % 16) * MIB, MIB, &win(i))
+                .unwrap()
+        })
+        .collect();
+    for mut tr in reads {
+        tr.wait_timeout(std::time::Duration::from_secs(10)).unwrap();
+    }
+    let mut got = vec![0u8; 16 * MIB];
+    back.read_at(0, &mut got).unwrap();
+    assert!(got == pattern(16 * MIB, 4), "READs over 10 connections");
+    assert!(conns.iter().all(|&c| ep.uses_verbs(c)));
+}

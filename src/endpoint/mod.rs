@@ -1264,6 +1264,7 @@ impl Inner {
         s: &std::net::TcpStream,
         (ours, peer): (&Hello, &Hello),
         deadline: Instant,
+        shard: usize,
     ) -> Result<Option<Box<crate::verbs::Link>>> {
         #[cfg(feature = "rdma")]
         {
@@ -1282,6 +1283,7 @@ impl Inner {
                 nic,
                 &self.cfg.verbs(),
                 chunk,
+                shard,
                 |f| ctl.borrow_mut().send_all(s, &f.encode(), deadline),
                 || handshake::read_frame(&mut ctl.borrow_mut(), s, deadline),
             )?;
@@ -1289,7 +1291,7 @@ impl Inner {
         }
         #[cfg(not(feature = "rdma"))]
         {
-            let _ = (s, ours, peer, deadline);
+            let _ = (s, ours, peer, deadline, shard);
             Ok(None)
         }
     }
@@ -1346,16 +1348,22 @@ impl Inner {
             peer_max: agreed,
         };
         let deadline = Instant::now() + self.cfg.connect_timeout();
-        let mut verbs = self.verbs_link(&streams[0], (&hellos[0].0, &peer_hello), deadline)?;
         // Each side spreads its streams over its own shards: a stream's
         // requests are answered on that stream, so the two sides need not
-        // split alike. Verbs connections stay whole (one set of QPs).
-        let k = if verbs.is_some() {
+        // split alike. A connection that may get queue pairs stays whole
+        // (one set of QPs, one lane), and its id — so its shard — is known
+        // first: its QPs post to that shard's shared completion queues.
+        let may_verbs =
+            self.nic.is_some() && hellos[0].0.both_offer(&peer_hello, crate::wire::CAP_VERBS);
+        let k = if may_verbs {
             1
         } else {
             self.lanes_for(streams.len())
         };
         let base = self.alloc_conn_ids(k);
+        let shard = (base % self.shards.len() as u64) as usize;
+        let mut verbs =
+            self.verbs_link(&streams[0], (&hellos[0].0, &peer_hello), deadline, shard)?;
         let conn = if k > 1 {
             ConnId(base | (k as u64) << LANES_SHIFT)
         } else {

@@ -82,6 +82,9 @@ pub(crate) struct TcpSide {
     verbs_conns: usize,
     /// The NIC event epoch this side last checked its links against.
     nic_epoch: u64,
+    /// The completion queues this shard's links share (one per NIC),
+    /// polled once per pass for all of them.
+    cqs: Vec<std::sync::Arc<dyn crate::verbs::CqPoll>>,
     /// Connections the last pass visited (what a pass costs).
     pub visited: usize,
     /// Connections tried directly each pass: (slab index, until which pass).
@@ -94,6 +97,36 @@ pub(crate) struct TcpSide {
 }
 
 impl TcpSide {
+    /// Polls the shard's shared completion queues once and hands each
+    /// completion to the link its `wr_id` names (a link that is gone had
+    /// its QPs' completions removed with them; one that is not is logged).
+    fn poll_cqs(&mut self, cx: &mut Cx<'_>) -> usize {
+        let mut work = 0;
+        for cq in &self.cqs {
+            let conns = &mut self.conns;
+            let r = cq.poll(&mut |id, outcome, name| {
+                let (_, link, _, _) = crate::verbs::plan::split_wr_id(id);
+                match conns.get_mut(link as usize).and_then(|c| c.verbs.as_mut()) {
+                    Some(v) => v.on_wc(id, outcome, name, cx.done),
+                    None => tracing::debug!(link, "a completion for a link that is gone"),
+                }
+            });
+            match r {
+                Ok(n) => work += n,
+                Err(reason) => {
+                    // The queue is unusable: every link on it is done.
+                    warn!(shard = self.shard, "{reason}");
+                    for (i, c) in self.conns.iter() {
+                        if c.verbs.is_some() {
+                            cx.to_fail.push((ConnRef::Tcp(i), reason.clone()));
+                        }
+                    }
+                }
+            }
+        }
+        work
+    }
+
     /// Links an asynchronous NIC event broke, with the reason: asked of
     /// every link only when the NICs' event epoch moved (so an idle link
     /// whose port went down fails too, which no completion would do).
@@ -132,6 +165,7 @@ impl TcpSide {
             visiting: Vec::new(),
             verbs_conns: 0,
             nic_epoch: 0,
+            cqs: Vec::new(),
             visited: 0,
             hot: Vec::with_capacity(HOT_CONNS),
             passes: 0,
@@ -257,6 +291,21 @@ impl TcpSide {
         }
         self.stream_count += out.len();
         self.verbs_conns += verbs.is_some() as usize;
+        let mut verbs = verbs;
+        if let Some(v) = &mut verbs {
+            if key >= crate::verbs::plan::MAX_LINKS {
+                return Err(Error::Unsupported {
+                    what: "an RDMA connection",
+                    reason: format!("the shard holds {key} connections; a wr_id names 2^20"),
+                });
+            }
+            v.attach(key as u32);
+            for cq in v.shared_cqs() {
+                if !self.cqs.iter().any(|c| std::sync::Arc::ptr_eq(c, &cq)) {
+                    self.cqs.push(cq);
+                }
+            }
+        }
         entry.insert(Conn {
             id: conn,
             group,
@@ -317,6 +366,9 @@ impl Source for TcpSide {
             }
         }
         let mut work = 0;
+        if self.verbs_conns > 0 {
+            work += self.poll_cqs(cx);
+        }
         let mut clock = crate::sys::LazyClock::default();
         let mut visiting = std::mem::take(&mut self.visiting);
         std::mem::swap(&mut visiting, &mut self.ready);

@@ -1,7 +1,8 @@
 //! The verbs objects of one endpoint (feature `rdma`): the opened NICs
 //! (up to four), each with its protection domain, memory registrations on
 //! every NIC, and per peer a set of RC data queue pairs striped over the
-//! NICs (queue pair `i` on NIC `i % n`, one completion queue per NIC),
+//! NICs (queue pair `i` on NIC `i % n`) posting to completion queues each
+//! shard shares among its connections (one per NIC),
 //! connected from the peer's `VerbsInfo` (INIT → RTR → RTS, then both
 //! sides confirm) and driven by `plan`: striped WRs posted as linked lists
 //! (one doorbell per post), completions polled, never waited for.
@@ -50,8 +51,53 @@ pub(crate) fn fork_init() {
 
 /// The NICs an endpoint uses, best first (1..=`MAX_NICS`).
 pub struct NicSet {
+    /// One completion queue per (shard, NIC), shared by every connection
+    /// of that shard: the shard polls it once per pass, however many
+    /// connections it carries. (First: dropped before the NICs.)
+    shared: std::sync::Mutex<std::collections::HashMap<(usize, usize), Arc<SharedCq>>>,
     pub nics: Vec<Nic>,
     events: NicEvents,
+}
+
+/// A completion queue shared by one shard's connections on one NIC.
+pub(crate) struct SharedCq {
+    cq: GenericCompletionQueue,
+    /// Entries it holds.
+    cap: u32,
+    /// Signalled WRs posted whose completion has not been polled: posting
+    /// waits while another op could overrun the queue.
+    owed: std::sync::atomic::AtomicU32,
+}
+
+/// Entries of a shared completion queue (what one shard's connections on
+/// one NIC may have signalled and not yet reaped).
+const SHARED_CQ_ENTRIES: u32 = 1 << 16;
+
+impl super::CqPoll for SharedCq {
+    fn poll(
+        &self,
+        out: &mut dyn FnMut(u64, WcOutcome, &'static str),
+    ) -> std::result::Result<usize, String> {
+        let poller = match self.cq.start_poll() {
+            Ok(p) => p,
+            Err(sideway::ibverbs::completion::PollCompletionQueueError::CompletionQueueEmpty) => {
+                return Ok(0)
+            }
+            Err(e) => return Err(format!("polling the completion queue: {e:?}")),
+        };
+        let mut n = 0;
+        for wc in poller {
+            let st = wc.status();
+            out(wc.wr_id(), plan::wc_outcome(st), plan::wc_status_name(st));
+            n += 1;
+        }
+        // Flushed unsignalled WRs complete too (uncounted): never below 0.
+        // One thread (the shard) posts and polls, so load-then-sub is exact.
+        use std::sync::atomic::Ordering::Relaxed;
+        let owed = self.owed.load(Relaxed);
+        self.owed.store(owed.saturating_sub(n as u32), Relaxed);
+        Ok(n)
+    }
 }
 
 /// The NICs' asynchronous events (a port going down, a queue pair the NIC
@@ -102,6 +148,7 @@ impl NicSet {
         }
         NicSet {
             nics,
+            shared: Default::default(),
             events: NicEvents {
                 epoch: Default::default(),
                 next_ms: Default::default(),
@@ -205,22 +252,35 @@ impl NicSet {
         self.nics.len().min(n_qps.max(1))
     }
 
+    /// The completion queue `shard` shares on NIC `k` (made on first use).
+    fn shared_cq(&self, shard: usize, k: usize) -> Result<Arc<SharedCq>> {
+        let mut m = self.shared.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(cq) = m.get(&(shard, k)) {
+            return Ok(cq.clone());
+        }
+        let cq = self.nics[k]
+            .ctx
+            .create_cq_builder()
+            .setup_cqe(SHARED_CQ_ENTRIES)
+            .build_ex()
+            .map_err(|e| verbs_err("ibv_create_cq_ex", e))?;
+        let cq = Arc::new(SharedCq {
+            cq: GenericCompletionQueue::from(cq),
+            cap: SHARED_CQ_ENTRIES,
+            owed: Default::default(),
+        });
+        m.insert((shard, k), cq.clone());
+        Ok(cq)
+    }
+
     /// Creates `cfg.n_qps` RC queue pairs, queue pair `i` on NIC
-    /// `i % used`, each NIC's on a completion queue of its own.
-    pub fn data_qps(&self, cfg: &VerbsConfig) -> Result<DataQps> {
+    /// `i % used`, on the completion queues `shard` shares.
+    pub fn data_qps(&self, cfg: &VerbsConfig, shard: usize) -> Result<DataQps> {
         let depth = cfg.qp_depth;
         let used = self.used(cfg.n_qps);
-        let per_nic = cfg.n_qps.div_ceil(used) as u32;
-        let mut cqs = Vec::with_capacity(used);
-        for nic in &self.nics[..used] {
-            let cq = nic
-                .ctx
-                .create_cq_builder()
-                .setup_cqe(depth * per_nic)
-                .build_ex()
-                .map_err(|e| verbs_err("ibv_create_cq_ex", e))?;
-            cqs.push(GenericCompletionQueue::from(cq));
-        }
+        let cqs = (0..used)
+            .map(|k| self.shared_cq(shard, k))
+            .collect::<Result<Vec<_>>>()?;
         let mut qps = Vec::with_capacity(cfg.n_qps);
         // Inline data if every NIC takes it; a NIC that refuses the QP
         // with it gets all of them again without.
@@ -228,7 +288,7 @@ impl NicSet {
         'attempt: loop {
             qps.clear();
             for i in 0..cfg.n_qps {
-                let (nic, cq) = (&self.nics[i % used], &cqs[i % used]);
+                let (nic, cq) = (&self.nics[i % used], &cqs[i % used].cq);
                 let qp = nic
                     .pd
                     .create_qp_builder()
@@ -470,8 +530,8 @@ pub struct DataQps {
     qps: Vec<ExtendedQueuePair>,
     /// WRITEs up to this many bytes go inline (0: the NICs took none).
     inline_max: u32,
-    /// One completion queue per NIC used.
-    cqs: Vec<GenericCompletionQueue>,
+    /// The shard's shared completion queue on each NIC used.
+    cqs: Vec<Arc<SharedCq>>,
     psns: Vec<u32>,
     // Reused plan buffers: posting allocates nothing once warm.
     pieces: Vec<Piece>,
@@ -492,11 +552,12 @@ pub struct Sge {
     pub host: bool,
 }
 
-/// sideway's `Drop` for queue pairs and completion queues asserts that
-/// the destroy call succeeded: a NIC that refuses one (a driver bug, a
-/// device gone) would panic the shard that drops a connection's link. Each
-/// is dropped on its own here, a refusal logged and its resources left to
-/// the process's exit, and the shard goes on.
+/// sideway's `Drop` for queue pairs asserts that the destroy call
+/// succeeded: a NIC that refuses one (a driver bug, a device gone) would
+/// panic the shard that drops a connection's link. Each is dropped on its
+/// own here, a refusal logged and its resources left to the process's
+/// exit, and the shard goes on. (The shared completion queues live as long
+/// as the endpoint's NICs.)
 impl Drop for DataQps {
     fn drop(&mut self) {
         fn quietly<T>(what: &str, v: T) {
@@ -508,9 +569,6 @@ impl Drop for DataQps {
         }
         for qp in self.qps.drain(..) {
             quietly("queue pair", qp);
-        }
-        for cq in self.cqs.drain(..) {
-            quietly("completion queue", cq);
         }
     }
 }
@@ -585,32 +643,6 @@ impl DataQps {
         }
         Ok(())
     }
-
-    /// Hands each completion's (wr_id, outcome, status name) to `out`;
-    /// returns how many there were. Never blocks.
-    /// `Err` when polling itself fails (the CQ is unusable: the link is
-    /// done); an empty CQ is 0 completions.
-    pub fn poll(
-        &self,
-        mut out: impl FnMut(u64, WcOutcome, &'static str),
-    ) -> std::result::Result<usize, String> {
-        let mut n = 0;
-        for cq in &self.cqs {
-            let poller = match cq.start_poll() {
-                Ok(p) => p,
-                Err(
-                    sideway::ibverbs::completion::PollCompletionQueueError::CompletionQueueEmpty,
-                ) => continue,
-                Err(e) => return Err(format!("polling the completion queue: {e:?}")),
-            };
-            for wc in poller {
-                let st = wc.status();
-                out(wc.wr_id(), plan::wc_outcome(st), plan::wc_status_name(st));
-                n += 1;
-            }
-        }
-        Ok(n)
-    }
 }
 
 /// The verbs side of one connection: its data QPs and what is in flight
@@ -630,6 +662,11 @@ pub(crate) struct Link {
     owed: plan::Owed,
     /// The parts of the op being built (reused).
     items: Vec<Sge>,
+    /// Its index in its shard (`attach`), carried in every `wr_id` so that
+    /// the shard routes completions of its shared queues here.
+    id: u32,
+    /// Set by the first error completion: the link is done.
+    broken: Option<String>,
 }
 
 // SAFETY: the verbs objects are used by one shard at a time (they move with
@@ -640,7 +677,13 @@ impl super::QpLink for Link {
     /// Can `n_pieces` more WRs go out without overrunning a send queue?
     fn has_room(&self, n_pieces: usize) -> bool {
         let per_qp = n_pieces.div_ceil(self.wr_out.len()) as u32 + 1;
+        // The send queues, and the shared completion queues (at most one
+        // completion per WR).
         self.wr_out.iter().all(|&o| o + per_qp <= self.cfg.qp_depth)
+            && self.qps.cqs.iter().all(|c| {
+                c.owed.load(std::sync::atomic::Ordering::Relaxed) as usize + n_pieces
+                    <= c.cap as usize
+            })
     }
 
     fn fits(&self, n_pieces: usize) -> bool {
@@ -760,7 +803,7 @@ impl super::QpLink for Link {
                 let w = self.qps.wrs[k];
                 let it = &self.items[w.item as usize];
                 let n = retires.next().expect("one per WR");
-                let id = plan::wr_id(slot, p.qp, n);
+                let id = plan::wr_id(slot, self.id, p.qp, n);
                 let flags = if self.qps.signaled[k] {
                     in_post += 1;
                     WorkRequestFlags::Signaled
@@ -807,6 +850,9 @@ impl super::QpLink for Link {
             }
             signaled += in_post;
             self.wr_out[p.qp] += p.count as u32;
+            self.qps.cqs[p.qp % self.qps.cqs.len()]
+                .owed
+                .fetch_add(in_post, std::sync::atomic::Ordering::Relaxed);
         }
         self.items.clear();
         if signaled > 0 {
@@ -833,40 +879,57 @@ impl super::QpLink for Link {
     /// error completion: the QPs are in the error state and every later WR
     /// would be flushed; the caller fails the link (`fail_all`), which
     /// ends every op still owed once.
-    fn poll(&mut self, done: &mut Vec<(u32, Result<()>)>) -> std::result::Result<usize, String> {
-        let mut broken = None;
-        let (wr_out, owed) = (&mut self.wr_out, &mut self.owed);
-        let n = self.qps.poll(|id, outcome, name| {
-            let (slot, qp, retires) = plan::split_wr_id(id);
-            if let Some(o) = wr_out.get_mut(qp) {
-                *o = o.saturating_sub(retires);
-            }
-            let r = match outcome {
-                WcOutcome::Ok => Ok(()),
-                WcOutcome::RemoteRefused => Err(Error::Verbs {
-                    what: "RDMA operation",
-                    reason: format!(
-                        "{name}: the target's NIC refused it (unknown key, outside the registration, or not permitted)"
-                    ),
-                }),
-                WcOutcome::ConnBroken => Err(Error::Verbs {
-                    what: "RDMA operation",
-                    reason: name.to_owned(),
-                }),
-            };
-            // Any error completion leaves an RC queue pair in error: the
-            // link is done, and its ops end through `fail_all`.
-            if r.is_err() {
-                broken.get_or_insert_with(|| format!("RDMA completion {name}"));
-            }
-            plan::settle(owed, slot, r, done);
-        });
-        // A failed poll is as final as an error completion.
-        let n = n?;
-        match broken {
-            Some(reason) => Err(reason),
-            None => Ok(n),
+    fn poll(&mut self, _done: &mut Vec<(u32, Result<()>)>) -> std::result::Result<usize, String> {
+        match &self.broken {
+            Some(reason) => Err(reason.clone()),
+            None => Ok(0),
         }
+    }
+
+    fn attach(&mut self, id: u32) {
+        self.id = id;
+    }
+
+    fn shared_cqs(&self) -> Vec<Arc<dyn super::CqPoll>> {
+        self.qps
+            .cqs
+            .iter()
+            .map(|c| c.clone() as Arc<dyn super::CqPoll>)
+            .collect()
+    }
+
+    /// One completion the shard routed here (its `wr_id` names this link).
+    fn on_wc(
+        &mut self,
+        id: u64,
+        outcome: WcOutcome,
+        name: &'static str,
+        done: &mut Vec<(u32, Result<()>)>,
+    ) {
+        let (slot, _, qp, retires) = plan::split_wr_id(id);
+        if let Some(o) = self.wr_out.get_mut(qp) {
+            *o = o.saturating_sub(retires);
+        }
+        let r = match outcome {
+            WcOutcome::Ok => Ok(()),
+            WcOutcome::RemoteRefused => Err(Error::Verbs {
+                what: "RDMA operation",
+                reason: format!(
+                    "{name}: the target's NIC refused it (unknown key, outside the registration, or not permitted)"
+                ),
+            }),
+            WcOutcome::ConnBroken => Err(Error::Verbs {
+                what: "RDMA operation",
+                reason: name.to_owned(),
+            }),
+        };
+        // Any error completion leaves an RC queue pair in error: the
+        // link is done, and its ops end through `fail_all`.
+        if r.is_err() {
+            self.broken
+                .get_or_insert_with(|| format!("RDMA completion {name}"));
+        }
+        plan::settle(&mut self.owed, slot, r, done);
     }
 
     /// The link is going away: every completion still owed fails with `err`.
@@ -886,11 +949,12 @@ pub(crate) fn exchange(
     nic: &Arc<NicSet>,
     cfg: &VerbsConfig,
     chunk: u32,
+    shard: usize,
     send: impl Fn(&crate::wire::ControlFrame) -> Result<()>,
     recv: impl Fn() -> Result<crate::wire::ControlFrame>,
 ) -> Result<Option<Link>> {
     use crate::wire::ControlFrame;
-    let mine = nic.data_qps(cfg);
+    let mine = nic.data_qps(cfg, shard);
     let frame = match &mine {
         Ok(q) => ControlFrame::Verbs(Some(nic.info(q, cfg))),
         Err(e) => {
@@ -942,5 +1006,7 @@ pub(crate) fn exchange(
         wr_out: vec![0; n],
         owed: Default::default(),
         items: Vec::new(),
+        id: 0,
+        broken: None,
     }))
 }

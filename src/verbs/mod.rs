@@ -90,8 +90,22 @@ pub(crate) trait QpLink: Send {
         err: crate::error::Error,
         done: &mut Vec<(u32, crate::error::Result<()>)>,
     );
-    /// Reaps completions; `Err` means the queue pairs are dead.
+    /// `Err` once a completion (or an event) said the queue pairs are
+    /// dead. Completions themselves arrive through the shard's shared
+    /// queues (`shared_cqs`, `on_wc`).
     fn poll(&mut self, done: &mut Vec<(u32, crate::error::Result<()>)>) -> Result<usize, String>;
+    /// Its index in its shard, carried in its `wr_id`s.
+    fn attach(&mut self, id: u32);
+    /// The completion queues it posts to (shared by the shard's links).
+    fn shared_cqs(&self) -> Vec<std::sync::Arc<dyn CqPoll>>;
+    /// One completion of its (from a shared queue).
+    fn on_wc(
+        &mut self,
+        wr_id: u64,
+        outcome: plan::WcOutcome,
+        name: &'static str,
+        done: &mut Vec<(u32, crate::error::Result<()>)>,
+    );
     /// Fails every op in flight.
     fn fail_all(
         &mut self,
@@ -102,6 +116,15 @@ pub(crate) trait QpLink: Send {
 
 /// What a connection holds for its queue pairs.
 pub(crate) type Link = dyn QpLink;
+
+/// A completion queue a shard polls once per pass for all its links:
+/// hands each completion's (`wr_id`, outcome, status name) to `out`.
+pub(crate) trait CqPoll: Send + Sync {
+    fn poll(
+        &self,
+        out: &mut dyn FnMut(u64, plan::WcOutcome, &'static str),
+    ) -> Result<usize, String>;
+}
 
 /// Opens the NICs to use (up to `cfg.max_nics`, best first), or says why
 /// verbs is off. Returns every usable NIC's name, the opened ones first.

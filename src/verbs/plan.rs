@@ -92,21 +92,31 @@ pub fn batch(
     }
 }
 
-/// A WR's `wr_id`: op slot (32 bits) | queue pair (8 bits) | how many WRs
-/// of that QP its completion retires (24 bits; 0 for unsignalled WRs).
-pub fn wr_id(slot: u32, qp: usize, retires: u32) -> u64 {
-    debug_assert!(qp < 256 && retires < 1 << 24);
-    ((slot as u64) << 32) | ((qp as u64 & 0xff) << 24) | (retires as u64 & 0xff_ffff)
+/// A WR's `wr_id`: op slot (20 bits: the ledger holds at most 2^20 ops)
+/// | link (20 bits: the connection's index in its shard, which routes a
+/// completion of the shard's shared completion queue to its link) | queue
+/// pair (8 bits) | how many WRs of that QP its completion retires (16 bits;
+/// 0 for unsignalled WRs; a QP holds at most 32768).
+pub fn wr_id(slot: u32, link: u32, qp: usize, retires: u32) -> u64 {
+    debug_assert!(slot < 1 << 20 && link < 1 << 20 && qp < 256 && retires < 1 << 16);
+    ((slot as u64 & 0xf_ffff) << 44)
+        | ((link as u64 & 0xf_ffff) << 24)
+        | ((qp as u64 & 0xff) << 16)
+        | (retires as u64 & 0xffff)
 }
 
-/// The fields `wr_id` packed: (slot, qp, retires).
-pub fn split_wr_id(id: u64) -> (u32, usize, u32) {
+/// The fields `wr_id` packed: (slot, link, qp, retires).
+pub fn split_wr_id(id: u64) -> (u32, u32, usize, u32) {
     (
-        (id >> 32) as u32,
-        ((id >> 24) & 0xff) as usize,
-        (id & 0xff_ffff) as u32,
+        (id >> 44) as u32,
+        ((id >> 24) & 0xf_ffff) as u32,
+        ((id >> 16) & 0xff) as usize,
+        (id & 0xffff) as u32,
     )
 }
+
+/// Links (connections) one shard can address in a `wr_id`.
+pub const MAX_LINKS: usize = 1 << 20;
 
 /// For each WR of `posts`, how many WRs its completion retires: a
 /// signalled WR retires itself and the unsignalled ones before it in its
@@ -589,8 +599,12 @@ mod tests {
 
     #[test]
     fn wr_ids_pack_and_retire_counts_add_up() {
-        for (slot, qp, r) in [(0, 0, 0), (u32::MAX, 255, (1 << 24) - 1), (77, 3, 16)] {
-            assert_eq!(split_wr_id(wr_id(slot, qp, r)), (slot, qp, r));
+        for (slot, link, qp, r) in [
+            (0, 0, 0, 0),
+            ((1 << 20) - 1, (1 << 20) - 1, 255, (1 << 16) - 1),
+            (77, 5, 3, 16),
+        ] {
+            assert_eq!(split_wr_id(wr_id(slot, link, qp, r)), (slot, link, qp, r));
         }
         let pieces: Vec<Piece> = stripe(37 * 4096, 4096, 4, 1).collect();
         let (mut wrs, mut sig, mut posts) = (vec![], vec![], vec![]);

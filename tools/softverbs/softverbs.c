@@ -62,7 +62,8 @@
  * of the host (work requests through it then fail as on a dead link).
  *
  * Inline data: up to 64 bytes per WRITE (cap.max_inline_data), copied at
- * post time; softverbs_inline_wrs() counts the inline WRITEs executed.
+ * post time; softverbs_inline_wrs() counts the inline WRITEs executed,
+ * softverbs_live_cqs() the completion queues this process holds.
  *
  * Not modelled: SEND/RECV, atomics, memory windows, UD/UC,
  * completion channels and events, dma-buf registration (EOPNOTSUPP, as on
@@ -147,6 +148,7 @@ static struct sv_device g_devs[SV_MAX_DEVICES];
 static int port_is_down(const struct sv_device *d);
 static _Atomic uint64_t g_dev_wrs[SV_MAX_DEVICES];
 static _Atomic uint64_t g_inline_wrs;
+static _Atomic int64_t g_live_cqs;
 static int g_ndevs;
 static char g_sysfs[256];
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
@@ -1072,6 +1074,7 @@ static struct ibv_cq_ex *sv_create_cq_ex(struct ibv_context *context,
 	cq->ex.read_qp_num = sv_read_qp_num;
 	cq->ex.read_wc_flags = sv_read_wc_flags;
 	cq->ex.read_completion_ts = sv_read_completion_ts;
+	atomic_fetch_add(&g_live_cqs, 1);
 	return &cq->ex;
 }
 
@@ -1100,6 +1103,7 @@ SV_EXPORT int ibv_destroy_cq(struct ibv_cq *c)
 		return EBUSY;
 	free(cq->ring);
 	free(cq);
+	atomic_fetch_sub(&g_live_cqs, 1);
 	return 0;
 }
 
@@ -2118,4 +2122,10 @@ SV_EXPORT int softverbs_set_port(const char *name, int up)
 SV_EXPORT uint64_t softverbs_inline_wrs(void)
 {
 	return atomic_load(&g_inline_wrs);
+}
+
+/* Test hook: completion queues this process holds. */
+SV_EXPORT int64_t softverbs_live_cqs(void)
+{
+	return atomic_load(&g_live_cqs);
 }
