@@ -591,6 +591,113 @@ impl Remote {
     }
 }
 
+/// The completions one measuring loop counts: those that end inside
+/// [`warm_end`, `end`) (the pipeline is kept full from start to `end`, so
+/// bytes queued before the window or drained after it never skew the rate).
+struct Window {
+    warm_end: Instant,
+    end: Instant,
+    first: Option<Instant>,
+    last: Instant,
+    count: u64,
+    /// Per-op latencies in µs (at most the capacity given).
+    lat: Vec<f64>,
+}
+
+impl Window {
+    fn new(warm_end: Instant, end: Instant, lat_cap: usize) -> Window {
+        Window {
+            warm_end,
+            end,
+            first: None,
+            last: warm_end,
+            count: 0,
+            lat: Vec::with_capacity(lat_cap),
+        }
+    }
+
+    /// Pops the finished ops at the front of `inflight` (they finish in
+    /// order), counting those that ended inside the window.
+    fn reap(
+        &mut self,
+        inflight: &mut VecDeque<(Transfer, Instant)>,
+        op: OpKind,
+        size: usize,
+    ) -> Result<()> {
+        let mut done_now = None;
+        while let Some((t, _)) = inflight.front_mut() {
+            let Some(r) = t.poll() else { break };
+            r.with_context(|| format!("{op} of {size} bytes"))?;
+            let (_, started) = inflight.pop_front().expect("front");
+            // One clock read per loop pass: reading it per op costs the
+            // initiator a visible share of its time.
+            let done = *done_now.get_or_insert_with(Instant::now);
+            if done >= self.warm_end && done < self.end {
+                if self.lat.len() < self.lat.capacity() {
+                    self.lat.push((done - started).as_secs_f64() * 1e6);
+                }
+                self.first.get_or_insert(done);
+                self.last = self.last.max(done);
+                self.count += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Another loop's count, over the same window.
+    fn merge(&mut self, mut o: Window) {
+        if let Some(f) = o.first {
+            self.first = Some(self.first.map_or(f, |x| x.min(f)));
+        }
+        self.last = self.last.max(o.last);
+        self.count += o.count;
+        self.lat.append(&mut o.lat);
+    }
+
+    /// (GB/s, ops/s) between the first and the last completion: the bytes
+    /// of the ops completed after the first one, over that time.
+    fn rate(&self, op: OpKind, size: usize, secs: f64) -> Result<(f64, f64)> {
+        let Some(first) = self.first.filter(|_| self.count >= 2) else {
+            bail!(
+                "{op} of {}: fewer than 2 operations completed in {secs} s; use a longer --seconds",
+                fmt_size(size)
+            );
+        };
+        let window = (self.last - first).as_secs_f64().max(1e-9);
+        let ops = (self.count - 1) as f64;
+        Ok((ops * size as f64 / window / 1e9, ops / window))
+    }
+}
+
+/// Starts one op of `size` bytes at `off` of both the local region and
+/// the remote window, on connection `c`.
+fn submit_on(
+    ep: &Endpoint,
+    c: ConnId,
+    local: &MemoryRegion,
+    remote: &Remote,
+    op: OpKind,
+    off: usize,
+    size: usize,
+) -> Result<Transfer> {
+    Ok(match remote {
+        Remote::Key(r) => {
+            let rb = r.slice(off as u32, size as u32).context("remote window")?;
+            match op {
+                OpKind::Write => ep.write_async(c, local, off, size, &rb)?,
+                OpKind::Read => ep.read_async(c, local, off, size, &rb)?,
+            }
+        }
+        Remote::Ipc(r) => {
+            let rb = r.slice(off as u64, size as u64).context("remote window")?;
+            match op {
+                OpKind::Write => ep.write_async(c, local, off, size, &rb)?,
+                OpKind::Read => ep.read_async(c, local, off, size, &rb)?,
+            }
+        }
+    })
+}
+
 struct Bench<'a> {
     ep: &'a Endpoint,
     /// The initiator's one embedded shard (None: managed shards, with
@@ -612,23 +719,7 @@ impl Bench<'_> {
         let t = self.turn.get();
         self.turn.set(t.wrapping_add(1));
         let c = self.conns[t % self.conns.len()];
-        let (ep, l) = (self.ep, &self.local);
-        Ok(match &self.remote {
-            Remote::Key(r) => {
-                let rb = r.slice(off as u32, size as u32).context("remote window")?;
-                match op {
-                    OpKind::Write => ep.write_async(c, l, off, size, &rb)?,
-                    OpKind::Read => ep.read_async(c, l, off, size, &rb)?,
-                }
-            }
-            Remote::Ipc(r) => {
-                let rb = r.slice(off as u64, size as u64).context("remote window")?;
-                match op {
-                    OpKind::Write => ep.write_async(c, l, off, size, &rb)?,
-                    OpKind::Read => ep.read_async(c, l, off, size, &rb)?,
-                }
-            }
-        })
+        submit_on(self.ep, c, &self.local, &self.remote, op, off, size)
     }
 
     /// Distinct `size`-byte windows the run cycles through.
@@ -659,9 +750,8 @@ impl Bench<'_> {
         let warm_end = t0 + warm;
         let end = warm_end + Duration::from_secs_f64(secs);
         let mut inflight: VecDeque<(Transfer, Instant)> = VecDeque::with_capacity(batch);
-        let mut lat = Vec::with_capacity(1 << 20);
+        let mut w = Window::new(warm_end, end, 1 << 20);
         let mut k = 0usize;
-        let (mut first_done, mut last_done, mut done_in_window) = (None, warm_end, 0u64);
         loop {
             let now = Instant::now();
             if now < end {
@@ -686,40 +776,10 @@ impl Bench<'_> {
                 }
                 (None, None) => {}
             }
-            let mut done_now = None;
-            while let Some((t, _)) = inflight.front_mut() {
-                match t.poll() {
-                    None => break,
-                    Some(r) => {
-                        r.with_context(|| format!("{op} of {size} bytes"))?;
-                        let (_, started) = inflight.pop_front().expect("front");
-                        // One clock read per loop pass: reading it per op
-                        // costs the initiator a visible share of its time.
-                        let done = *done_now.get_or_insert_with(Instant::now);
-                        if done >= warm_end && done < end {
-                            if lat.len() < lat.capacity() {
-                                lat.push((done - started).as_secs_f64() * 1e6);
-                            }
-                            first_done.get_or_insert(done);
-                            last_done = done;
-                            done_in_window += 1;
-                        }
-                    }
-                }
-            }
+            w.reap(&mut inflight, op, size)?;
         }
-        // Rate between the first and last completion in the window: the
-        // bytes of the ops completed after the first one, over that time.
-        let Some(first) = first_done.filter(|_| done_in_window >= 2) else {
-            bail!(
-                "{op} of {}: fewer than 2 operations completed in {secs} s; use a longer --seconds",
-                fmt_size(size)
-            );
-        };
-        let window = (last_done - first).as_secs_f64().max(1e-9);
-        let ops = (done_in_window - 1) as f64;
-        let bytes = ops * size as f64;
-        Ok((bytes / window / 1e9, ops / window, lat, batch))
+        let (gbps, ops) = w.rate(op, size, secs)?;
+        Ok((gbps, ops, w.lat, batch))
     }
 
     /// `throughput` from `self.threads` threads (managed shards): thread
@@ -740,41 +800,19 @@ impl Bench<'_> {
         let warm_end = Instant::now() + warm;
         let end = warm_end + Duration::from_secs_f64(secs);
         let (ep, local, remote, conns) = (self.ep, &self.local, &self.remote, &self.conns);
-        type Done = (Option<Instant>, Instant, u64, Vec<f64>);
-        let results: Vec<Result<Done>> = std::thread::scope(|sc| {
+        let results: Vec<Result<Window>> = std::thread::scope(|sc| {
             let hs: Vec<_> = (0..n)
                 .map(|i| {
-                    sc.spawn(move || -> Result<Done> {
+                    sc.spawn(move || -> Result<Window> {
                         let c = conns[i % conns.len()];
                         let base = i * per;
-                        let submit = |k: usize| -> Result<Transfer> {
-                            let off = (base + k % per) * size;
-                            Ok(match remote {
-                                Remote::Key(r) => {
-                                    let rb = r.slice(off as u32, size as u32).context("window")?;
-                                    match op {
-                                        OpKind::Write => {
-                                            ep.write_async(c, local, off, size, &rb)?
-                                        }
-                                        OpKind::Read => ep.read_async(c, local, off, size, &rb)?,
-                                    }
-                                }
-                                Remote::Ipc(r) => {
-                                    let rb = r.slice(off as u64, size as u64).context("window")?;
-                                    match op {
-                                        OpKind::Write => {
-                                            ep.write_async(c, local, off, size, &rb)?
-                                        }
-                                        OpKind::Read => ep.read_async(c, local, off, size, &rb)?,
-                                    }
-                                }
-                            })
+                        let submit = |k: usize| {
+                            submit_on(ep, c, local, remote, op, (base + k % per) * size, size)
                         };
                         let mut inflight: VecDeque<(Transfer, Instant)> =
                             VecDeque::with_capacity(batch);
-                        let mut lat = Vec::with_capacity(1 << 16);
-                        let (mut k, mut first, mut last, mut count) =
-                            (0usize, None, warm_end, 0u64);
+                        let mut w = Window::new(warm_end, end, 1 << 16);
+                        let mut k = 0usize;
                         loop {
                             let now = Instant::now();
                             if now < end {
@@ -788,23 +826,9 @@ impl Bench<'_> {
                             if let Some((t, _)) = inflight.front_mut() {
                                 let _ = t.wait_timeout(Duration::from_millis(1));
                             }
-                            let mut done_now = None;
-                            while let Some((t, _)) = inflight.front_mut() {
-                                let Some(r) = t.poll() else { break };
-                                r.with_context(|| format!("{op} of {size} bytes"))?;
-                                let (_, started) = inflight.pop_front().expect("front");
-                                let done = *done_now.get_or_insert_with(Instant::now);
-                                if done >= warm_end && done < end {
-                                    if lat.len() < lat.capacity() {
-                                        lat.push((done - started).as_secs_f64() * 1e6);
-                                    }
-                                    first.get_or_insert(done);
-                                    last = last.max(done);
-                                    count += 1;
-                                }
-                            }
+                            w.reap(&mut inflight, op, size)?;
                         }
-                        Ok((first, last, count, lat))
+                        Ok(w)
                     })
                 })
                 .collect();
@@ -815,31 +839,12 @@ impl Bench<'_> {
                 })
                 .collect()
         });
-        let (mut first, mut last, mut count, mut lat) =
-            (None::<Instant>, warm_end, 0u64, Vec::new());
+        let mut all = Window::new(warm_end, end, 0);
         for r in results {
-            let (f, l, c, mut v) = r?;
-            if let Some(f) = f {
-                first = Some(first.map_or(f, |x| x.min(f)));
-            }
-            last = last.max(l);
-            count += c;
-            lat.append(&mut v);
+            all.merge(r?);
         }
-        let Some(first) = first.filter(|_| count >= 2) else {
-            bail!(
-                "{op} of {}: fewer than 2 operations completed in {secs} s; use a longer --seconds",
-                fmt_size(size)
-            );
-        };
-        let window = (last - first).as_secs_f64().max(1e-9);
-        let ops = (count - 1) as f64;
-        Ok((
-            ops * size as f64 / window / 1e9,
-            ops / window,
-            lat,
-            batch * n,
-        ))
+        let (gbps, ops) = all.rate(op, size, secs)?;
+        Ok((gbps, ops, all.lat, batch * n))
     }
 
     /// Leaves the connections idle for `secs` (the initiator parks like a
