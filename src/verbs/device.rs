@@ -707,7 +707,7 @@ impl super::QpLink for Link {
     /// first use (the registration cache: one MR per NIC per registration,
     /// dropped with it).
     fn lkeys(&self, r: &crate::region::Region) -> Result<NicKeys> {
-        super::mrs_of(&self.nic, r).map(|mrs| mrs.lkeys())
+        super::keys_of(&self.nic, r).map(|(lkeys, _)| lkeys)
     }
 
     fn takes(&self, rkeys: &NicKeys) -> bool {

@@ -25,20 +25,31 @@ pub(crate) type NicHandle = std::convert::Infallible;
 
 /// A registration's memory regions, one per NIC of the endpoint (the
 /// registration cache: one of these per `Region`, hung on its
-/// `nic_attach` when it is made, dropped with it).
+/// `nic_attach` when it is made, dropped with it), and their keys, read
+/// once: ops copy them, allocating nothing.
 #[cfg(feature = "rdma")]
-pub(crate) struct NicMrs(Vec<std::sync::Arc<sideway::ibverbs::memory_region::MemoryRegion>>);
+pub(crate) struct NicMrs {
+    _mrs: Vec<std::sync::Arc<sideway::ibverbs::memory_region::MemoryRegion>>,
+    lkeys: crate::wire::NicKeys,
+    rkeys: crate::wire::NicKeys,
+}
 
 #[cfg(feature = "rdma")]
 impl NicMrs {
-    pub(crate) fn lkeys(&self) -> crate::wire::NicKeys {
-        let k: Vec<u32> = self.0.iter().map(|m| m.lkey()).collect();
-        crate::wire::NicKeys::new(&k).expect("1..=MAX_NICS NICs")
-    }
-
-    pub(crate) fn rkeys(&self) -> crate::wire::NicKeys {
-        let k: Vec<u32> = self.0.iter().map(|m| m.rkey()).collect();
-        crate::wire::NicKeys::new(&k).expect("1..=MAX_NICS NICs")
+    fn new(mrs: Vec<std::sync::Arc<sideway::ibverbs::memory_region::MemoryRegion>>) -> NicMrs {
+        let keys = |f: fn(&sideway::ibverbs::memory_region::MemoryRegion) -> u32| {
+            let mut k = [0u32; crate::wire::MAX_NICS];
+            for (slot, m) in k.iter_mut().zip(&mrs) {
+                *slot = f(m);
+            }
+            crate::wire::NicKeys::new(&k[..mrs.len()]).expect("1..=MAX_NICS NICs")
+        };
+        let (lkeys, rkeys) = (keys(|m| m.lkey()), keys(|m| m.rkey()));
+        NicMrs {
+            _mrs: mrs,
+            lkeys,
+            rkeys,
+        }
     }
 }
 
@@ -176,49 +187,41 @@ pub(crate) fn open_nic(
     }
 }
 
-/// `r`'s memory regions on the endpoint's NICs: registered on first use
-/// (host memory with `ibv_reg_mr`, GPU memory through a dma-buf of its
-/// allocation). A refusal by any NIC is remembered on the region: its ops
-/// then go over tcp, and registration is not tried again.
+/// `r`'s keys on the endpoint's NICs, (lkeys, rkeys): registered on first
+/// use (host memory with `ibv_reg_mr`, GPU memory through a dma-buf of its
+/// allocation), then read from the region's attachment. A refusal by any
+/// NIC is remembered on the region: its ops then go over tcp, and
+/// registration is not tried again.
 #[cfg(feature = "rdma")]
-pub(crate) fn mrs_of(
+pub(crate) fn keys_of(
     set: &device::NicSet,
     r: &crate::region::Region,
-) -> crate::error::Result<std::sync::Arc<NicMrs>> {
-    let attached =
-        |a: &std::sync::Arc<dyn std::any::Any + Send + Sync>| a.clone().downcast::<NicMrs>().ok();
-    if let Some(a) = r.nic_attach.get() {
-        if let Some(mrs) = attached(a) {
-            return Ok(mrs);
+) -> crate::error::Result<(crate::wire::NicKeys, crate::wire::NicKeys)> {
+    let attached = |a: &std::sync::Arc<dyn std::any::Any + Send + Sync>| {
+        if let Some(m) = a.downcast_ref::<NicMrs>() {
+            return Ok((m.lkeys, m.rkeys));
         }
         // It failed before (RLIMIT_MEMLOCK, no dma-buf, …): not retried on
         // every op; the region's ops go over tcp.
-        if let Some(f) = a.downcast_ref::<NicRegFailed>() {
-            return Err(crate::error::Error::Unsupported {
-                what: "RDMA registration",
-                reason: f.0.clone(),
-            });
-        }
+        let reason = a.downcast_ref::<NicRegFailed>().map_or_else(
+            || format!("region {:#x} carries an unknown NIC attachment", r.addr()),
+            |f| f.0.clone(),
+        );
+        Err(crate::error::Error::Unsupported {
+            what: "RDMA registration",
+            reason,
+        })
+    };
+    if let Some(a) = r.nic_attach.get() {
+        return attached(a);
     }
     let all: crate::error::Result<Vec<_>> =
         set.nics.iter().map(|nic| register_now(nic, r)).collect();
-    match all {
-        Ok(mrs) => {
-            let mrs: std::sync::Arc<dyn std::any::Any + Send + Sync> =
-                std::sync::Arc::new(NicMrs(mrs));
-            let mrs = r.nic_attach.get_or_init(|| mrs);
-            attached(mrs).ok_or_else(|| crate::error::Error::Unsupported {
-                what: "RDMA registration",
-                reason: format!("region {:#x} carries a failed NIC attachment", r.addr()),
-            })
-        }
-        Err(e) => {
-            let _ = r
-                .nic_attach
-                .set(std::sync::Arc::new(NicRegFailed(e.to_string())));
-            Err(e)
-        }
-    }
+    let attach: std::sync::Arc<dyn std::any::Any + Send + Sync> = match all {
+        Ok(mrs) => std::sync::Arc::new(NicMrs::new(mrs)),
+        Err(e) => std::sync::Arc::new(NicRegFailed(e.to_string())),
+    };
+    attached(r.nic_attach.get_or_init(|| attach))
 }
 
 /// A registration the NIC refused, remembered on the region.
@@ -277,8 +280,8 @@ pub(crate) fn remote_keys(
     #[cfg(feature = "rdma")]
     {
         let set = nic?;
-        match mrs_of(set, r) {
-            Ok(mrs) => Some(mrs.rkeys()),
+        match keys_of(set, r) {
+            Ok((_, rkeys)) => Some(rkeys),
             Err(e) => {
                 tracing::warn!("RDMA registration of {:#x} failed; tcp only: {e}", r.addr());
                 None
