@@ -533,7 +533,7 @@ fn small_host_writes_go_inline_and_arrive_intact() {
 }
 
 #[test]
-#[ignore = "needs the software NIC, which counts completion queues (tools/softverbs/test)"]
+#[ignore = "needs the software NIC, which counts completion queues; alone (tools/softverbs/test)"]
 fn a_shards_connections_share_its_completion_queues() {
     require_softverbs();
     let live = || -> i64 {
