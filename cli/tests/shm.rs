@@ -312,3 +312,100 @@ fn connect_local_and_accept_local() {
         Err(Error::AcceptTimeout { timeout_ms: 50 })
     ));
 }
+
+/// Same-host connections spread over the shards like tcp ones (ids in
+/// turn): an op on a connection completes when its own shard is polled and
+/// never by another shard alone; each shard has its own doorbell, so a
+/// shard other than 0 sleeps through idle time (no 1 ms wake-ups) and is
+/// woken by the reply to its request.
+#[test]
+fn same_host_connections_spread_over_shards_and_each_shard_wakes_by_its_doorbell() {
+    let t = Target::start_on(Path::Shm, MIB, &[("FERRY_SHARDS", "2")]);
+    let mut c = path_config(Path::Shm);
+    c.shards = 2;
+    c.mode = ferry::Mode::Embedded;
+    let ep = ferry::Endpoint::builder().config(c).build().unwrap();
+    let mut shards = ep.take_shards();
+    let me = format!("{:016x}", ep.id());
+    for i in 0..2 {
+        let files = shm_files_with(&me);
+        assert!(
+            files.contains(&format!("ferry-{me}-bell{i}.fifo")),
+            "no doorbell for shard {i}: {files:?}"
+        );
+    }
+    let addr = ferry::EndpointMetadata::decode(&t.served.meta)
+        .unwrap()
+        .socket_addr();
+    let conns: Vec<_> = (0..4).map(|_| ep.connect(addr).unwrap()).collect();
+    assert!(conns
+        .iter()
+        .all(|&c| matches!(ep.peer(c), Some(Peer::Local { .. }))));
+    let src = ep.alloc_host(4096).unwrap();
+    let win = t.served.rbuf.slice(0, 4096).unwrap();
+    let mut owners = Vec::new();
+    for &conn in &conns {
+        let mut tr = ep.write_async(conn, &src, 0, 4096, &win).unwrap();
+        // Polled alone, one shard completes it; the other never does.
+        let mut owner = None;
+        for (i, other) in [(0usize, 1usize), (1, 0)] {
+            let until = Instant::now() + Duration::from_millis(200);
+            while Instant::now() < until && tr.poll().is_none() {
+                shards[i].poll();
+            }
+            if let Some(r) = tr.poll() {
+                r.unwrap();
+                owner = Some(i);
+                // The other shard alone completes nothing of the next op.
+                let mut t2 = ep.write_async(conn, &src, 0, 4096, &win).unwrap();
+                let until = Instant::now() + Duration::from_millis(200);
+                while Instant::now() < until {
+                    shards[other].poll();
+                }
+                assert!(t2.poll().is_none(), "{conn} completed on shard {other} too");
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while t2.poll().is_none() {
+                    shards[i].poll();
+                    assert!(Instant::now() < deadline, "never completed");
+                }
+                break;
+            }
+        }
+        owners.push(owner.unwrap_or_else(|| panic!("{conn} never completed")));
+    }
+    assert!(
+        owners.contains(&0) && owners.contains(&1),
+        "4 same-host connections all on one shard: {owners:?}"
+    );
+    // Shard 1's connections go quiet (cold rings: their peer rings the
+    // doorbell from now on); an idle park then lasts its whole length ...
+    let (s1, conn1) = (1, conns[owners.iter().position(|&o| o == 1).unwrap()]);
+    let until = Instant::now() + Duration::from_millis(100);
+    while Instant::now() < until {
+        shards[s1].poll();
+    }
+    let t0 = Instant::now();
+    shards[s1].park(Duration::from_millis(400));
+    let idle = t0.elapsed();
+    assert!(
+        idle >= Duration::from_millis(300),
+        "an idle shard with same-host connections woke after {idle:?}"
+    );
+    // ... and a reply to a request wakes it.
+    let mut tr = ep.write_async(conn1, &src, 0, 4096, &win).unwrap();
+    shards[s1].poll();
+    let t0 = Instant::now();
+    let deadline = t0 + Duration::from_secs(10);
+    while tr.poll().is_none() {
+        shards[s1].park(Duration::from_secs(5));
+        shards[s1].poll();
+        assert!(Instant::now() < deadline, "never completed");
+    }
+    tr.poll().unwrap().unwrap();
+    // (Unwoken, a park lasts a quarter of the op timeout: 2.5 s.)
+    assert!(
+        t0.elapsed() < Duration::from_secs(2),
+        "the reply did not wake the parked shard ({:?})",
+        t0.elapsed()
+    );
+}

@@ -4,6 +4,8 @@
 
 use std::sync::Arc;
 
+use tracing::warn;
+
 use super::{Endpoint, Inner, MemoryRegion, Peer};
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::gpu::memory::{DeviceBuf, PinnedBuf};
@@ -208,8 +210,15 @@ impl Inner {
     /// their mappings of its allocation.
     pub(crate) fn revoke_ipc(self: &Arc<Self>, mem: MemKind) {
         if let MemKind::Device { alloc_base, .. } = mem {
-            // Same-host connections live on shard 0.
-            let _ = self.shards[0].submit(Command::RevokeIpc { alloc_base });
+            // Same-host connections live on every shard: each tells its own.
+            for s in &self.shards {
+                if s.submit(Command::RevokeIpc { alloc_base }).is_err() {
+                    warn!(
+                        shard = s.id,
+                        "IPC revocation not sent: the shard's queue is full"
+                    );
+                }
+            }
         }
     }
 }

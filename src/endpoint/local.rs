@@ -48,11 +48,13 @@ impl Inner {
         self.shm_note.is_none()
     }
 
-    /// Creates a ring we consume, naming our doorbell in its header.
-    fn create_ring(&self, name: &str) -> Result<ShmRing> {
+    /// Creates a ring that connection `conn`'s shard consumes, naming that
+    /// shard's doorbell in its header.
+    fn create_ring(&self, name: &str, conn: ConnId) -> Result<ShmRing> {
         let rx = ShmRing::create(name, PAIR_RING_SLOTS, random_u64())?;
-        if self.local_bell {
-            rx.ring.set_bell_home(self.id, 0);
+        let shard = self.shard_of(conn).id;
+        if self.local_bell.get(shard).copied().unwrap_or(false) {
+            rx.ring.set_bell_home(self.id, shard as u32);
         }
         Ok(rx)
     }
@@ -88,12 +90,16 @@ impl Inner {
         Ok(ring)
     }
 
-    /// A connection id served by shard 0, which owns same-host connections.
+    /// A same-host connection's id, on the next shard in turn: same-host
+    /// connections are dealt over the shards by a count of their own (a
+    /// same-host connect also spends ids on its tcp handshake, so ids
+    /// alone would fall on the same shard every time).
     fn local_conn_id(&self) -> ConnId {
         let n = self.shards.len() as u64;
+        let shard = self.next_local_shard.fetch_add(1, Ordering::Relaxed) % n;
         loop {
             let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
-            if id % n == 0 {
+            if id % n == shard {
                 return ConnId(id);
             }
         }
@@ -160,7 +166,7 @@ impl Inner {
         }
         let deadline = Instant::now() + self.cfg.connect_timeout();
         let conn = self.local_conn_id();
-        let rx = self.create_ring(&pair_ring_name(peer_id, self.id, conn.0 as u32))?;
+        let rx = self.create_ring(&pair_ring_name(peer_id, self.id, conn.0 as u32), conn)?;
         let accept = self.open_ring(&accept_ring_name(peer_id), peer_id)?;
         if !pid_alive(accept.owner_pid()) {
             return Err(refuse(
@@ -260,7 +266,16 @@ impl Inner {
                 },
             },
         );
-        self.shards[0].submit_blocking(Command::AddLocal(Box::new(lc)), deadline)?;
+        // Known before adopted: the peer may share its memory as soon as
+        // its first request could arrive.
+        self.shares.conn_up(peer_id, pid);
+        if let Err(e) = self
+            .shard_of(conn)
+            .submit_blocking(Command::AddLocal(Box::new(lc)), deadline)
+        {
+            self.shares.conn_down(peer_id, pid);
+            return Err(e);
+        }
         info!(%conn, peer = format_args!("{peer_id:016x}"), pid, "same-host connection up");
         Ok(())
     }
@@ -308,7 +323,7 @@ impl Inner {
             return Err(refuse("a same-host connection", why));
         }
         let conn = self.local_conn_id();
-        let rx = self.create_ring(&pair_ring_name(peer_id, self.id, m.conn))?;
+        let rx = self.create_ring(&pair_ring_name(peer_id, self.id, m.conn), conn)?;
         ack.conn = conn.0 as u32;
         ack.src_key = self.cfg.stream_inflight as u32;
         ack.src_addr = &CMA_CANARY as *const u64 as u64;

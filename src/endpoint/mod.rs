@@ -152,8 +152,13 @@ pub(crate) struct Inner {
     /// Turn of the lanes handed to threads for their small ops
     /// (`thread_lane`).
     next_lane: AtomicU64,
-    /// Whether shard 0 has a doorbell (our rings name it in their header).
-    local_bell: bool,
+    /// The shard the next same-host connection goes to (mod the shards).
+    next_local_shard: AtomicU64,
+    /// Which shards have a doorbell (our rings into them name it in their
+    /// header).
+    local_bell: Vec<bool>,
+    /// Same-host peers and their mapped memory, for every shard.
+    shares: Arc<crate::shm::peers::PeerShares>,
     /// Local peers' doorbells we ring, shared by the rings into one shard.
     bells: Mutex<HashMap<(u64, u32), std::sync::Weak<crate::shm::bell::RemoteBell>>>,
     /// Connections the shards saw die; forgotten on the next control call.
@@ -256,7 +261,7 @@ impl Endpoint {
         }
         let (connects_tx, connects_rx) = mpsc::sync_channel(64);
         let mut local_setup = None;
-        let mut local_bell = false;
+        let mut local_bells = Vec::new();
         let shm_note = if cfg.transport == Transport::Tcp {
             Some("FERRY_TRANSPORT=tcp".to_owned())
         } else {
@@ -269,26 +274,32 @@ impl Endpoint {
                 crate::shm::fdpass::FdListener::bind(id),
             ) {
                 (Ok(accept_ring), Ok(fd_listener)) => {
-                    let bell = crate::shm::bell::Bell::create(id, 0)
-                        .map_err(|e| {
-                            warn!("no doorbell for same-host rings ({e}): quiet rings are polled")
-                        })
-                        .ok();
-                    if bell.is_some() {
+                    // A doorbell per shard: same-host connections live on
+                    // every shard.
+                    for i in 0..cfg.shards {
+                        let bell = crate::shm::bell::Bell::create(id, i as u32)
+                            .map_err(|e| {
+                                warn!(
+                                    shard = i,
+                                    "no doorbell for same-host rings ({e}): quiet rings are polled"
+                                )
+                            })
+                            .ok();
+                        local_bells.push(bell);
+                    }
+                    if local_bells[0].is_some() {
                         // CONNECT messages always ring: the accept ring is
                         // polled, but a parked shard must wake for them.
                         accept_ring.ring.set_bell_home(id, 0);
                         accept_ring
                             .ring
                             .set_bell(crate::shm::bell::ACCEPT_BIT, true);
-                        local_bell = true;
                     }
                     local_setup = Some(crate::reactor::LocalSetup {
                         accept_ring,
                         fd_listener,
                         connects: connects_tx,
                         wake_accept: gate.waker(),
-                        bell,
                     });
                     None
                 }
@@ -318,14 +329,23 @@ impl Endpoint {
         }
         let mut shards = Vec::new();
         let mut handles = Vec::new();
+        let shares = Arc::new(crate::shm::peers::PeerShares::default());
+        let local_bell: Vec<bool> = (0..cfg.shards)
+            .map(|i| local_bells.get(i).is_some_and(Option::is_some))
+            .collect();
+        let mut local_bells = local_bells.into_iter();
         for i in 0..cfg.shards {
-            let setup = if i == 0 { local_setup.take() } else { None };
+            let init = crate::reactor::LocalInit {
+                setup: if i == 0 { local_setup.take() } else { None },
+                bell: local_bells.next().flatten(),
+                shares: shares.clone(),
+            };
             let (s, h) = Shard::new(
                 i,
                 scfg.clone(),
                 table.clone(),
                 inbox_tx.clone(),
-                setup,
+                init,
                 closed_tx.clone(),
                 ipc_counters.clone(),
             )?;
@@ -354,7 +374,9 @@ impl Endpoint {
             memfd_regions: Mutex::new(HashMap::new()),
             local_peers: Mutex::new(std::collections::HashSet::new()),
             local_bell,
+            shares,
             next_lane: AtomicU64::new(0),
+            next_local_shard: AtomicU64::new(0),
             bells: Mutex::new(HashMap::new()),
             backend,
             backend_note: note,

@@ -1,7 +1,7 @@
 //! A shard's same-host connections as an event source: each connection's
 //! pair of shared-memory rings, the endpoint's accept ring and fd-passing
-//! socket (on the shard that owns them), and the peers' memfd memory mapped
-//! here. Rings cannot wake an epoll wait, so this source bounds how long
+//! socket (on shard 0, which owns them), and this shard's copy of the
+//! peers' memfd memory mapped here (`shm/peers.rs`). Rings cannot wake an epoll wait, so this source bounds how long
 //! the shard may sleep.
 //!
 //! Rings are polled, so a pass would cost every connection something;
@@ -19,6 +19,7 @@
 //! same-host connections wakes every `LOCAL_PARK`.
 
 use std::sync::mpsc::SyncSender;
+use std::sync::Arc;
 use std::time::Duration;
 
 use slab::Slab;
@@ -27,9 +28,10 @@ use tracing::warn;
 use super::source::{ConnRef, Cx, LiveRegions, Park, ShardSink, Source};
 use crate::shm::bell::{Bell, ACCEPT_BIT, BELL_BITS};
 use crate::shm::cma::Cma;
-use crate::shm::fdpass::{FdListener, Sender};
+use crate::shm::fdpass::FdListener;
 use crate::shm::local::{LocalConn, PeerMaps};
 use crate::shm::object::ShmRing;
+use crate::shm::peers::PeerShares;
 use crate::shm::ring::SLOT_PAYLOAD;
 use crate::wire::shm_msg::{Msg, MsgKind};
 
@@ -65,14 +67,39 @@ pub(crate) struct LocalSetup {
     pub connects: SyncSender<(Msg, Vec<u8>)>,
     /// ... and wakes the thread running it.
     pub wake_accept: std::sync::Arc<mio::Waker>,
+}
+
+/// What a shard's same-host side starts with.
+pub(crate) struct LocalInit {
+    /// On the shard that owns them (shard 0): the accept ring and the
+    /// fd-passing socket.
+    pub setup: Option<LocalSetup>,
     /// The shard's doorbell (None: quiet rings are polled in turn).
     pub bell: Option<Bell>,
+    /// The endpoint's same-host peers and their mapped memory.
+    pub shares: Arc<PeerShares>,
+}
+
+#[cfg(test)]
+impl LocalInit {
+    /// A shard of its own: no accept ring, its own peer view.
+    pub fn bare(bell: Option<Bell>) -> Self {
+        Self {
+            setup: None,
+            bell,
+            shares: Arc::default(),
+        }
+    }
 }
 
 pub(crate) struct LocalSide {
     pub conns: Slab<LocalConn>,
     setup: Option<LocalSetup>,
+    /// Every shard's view of the peers (written on the control path) ...
+    shares: Arc<PeerShares>,
+    /// ... and this shard's copy of their maps, of generation `maps_gen`.
     pub peer_maps: PeerMaps,
+    maps_gen: u64,
     polls: u32,
     shard: usize,
     /// Connections polled every pass.
@@ -87,27 +114,26 @@ pub(crate) struct LocalSide {
 }
 
 impl LocalSide {
-    pub fn new(shard: usize, mut setup: Option<LocalSetup>) -> Self {
-        let bell = setup.as_mut().and_then(|s| s.bell.take());
+    pub fn new(shard: usize, init: LocalInit) -> Self {
+        let LocalInit {
+            setup,
+            bell,
+            shares,
+        } = init;
         Self {
             conns: Slab::new(),
             setup,
             bell,
             rung: Vec::new(),
+            shares,
             peer_maps: PeerMaps::default(),
+            maps_gen: 0,
             polls: 0,
             shard,
             hot: Vec::new(),
             cursor: 0,
             visited: 0,
         }
-    }
-
-    /// Uses `bell` as the shard's doorbell (for connections added later).
-    #[cfg(test)]
-    pub fn with_bell(mut self, bell: Bell) -> Self {
-        self.bell = Some(bell);
-        self
     }
 
     /// The doorbell's FIFO and the fd-passing socket: the shard's epoll set
@@ -192,30 +218,30 @@ impl LocalSide {
     }
 
     /// Takes in the fds local peers sent (memfd regions to map).
+    /// Only a peer with an established connection (on any shard) from that
+    /// very process may share memory with us.
     pub fn poll_fd_listener(&mut self) -> usize {
-        let conns = &self.conns;
-        // Only a peer with an established connection from that very
-        // process may share memory with us.
-        let known = |s: Sender| {
-            conns
-                .iter()
-                .any(|(_, c)| c.peer_id == s.id && c.peer_pid == s.pid)
-        };
         match &mut self.setup {
-            Some(ls) => ls.fd_listener.poll(&mut self.peer_maps, known),
+            Some(ls) => self.shares.poll_listener(&mut ls.fd_listener),
             None => 0,
         }
     }
 
-    /// Forgets a peer's mapped memory once no connection to it is left;
-    /// returns whether it did.
-    pub fn forget_peer_if_unused(&mut self, peer: u64) -> bool {
-        if self.conns.iter().any(|(_, c)| c.peer_id == peer) {
-            return false;
+    /// Refreshes this shard's copy of the peers' maps if they changed.
+    fn refresh_maps(&mut self) {
+        if self.shares.generation() != self.maps_gen {
+            self.maps_gen = self.shares.copy_maps(&mut self.peer_maps);
         }
-        // Copies in flight hold their own reference to a mapping.
-        self.peer_maps.retain(|(p, _), _| *p != peer);
-        true
+    }
+
+    /// A connection of `peer` (process `pid`) on this shard ended: the
+    /// endpoint forgets the peer's mapped memory once no connection to it
+    /// is left on any shard (copies in flight hold their own reference to
+    /// a mapping). Returns whether this shard has none left to it.
+    pub fn conn_ended(&mut self, peer: u64, pid: u32) -> bool {
+        self.shares.conn_down(peer, pid);
+        self.refresh_maps();
+        !self.conns.iter().any(|(_, c)| c.peer_id == peer)
     }
 
     fn poll_accept_ring(&mut self) -> usize {
@@ -250,6 +276,7 @@ impl Source for LocalSide {
     fn poll(&mut self, cx: &mut Cx<'_>) -> usize {
         let mut work = self.poll_accept_ring() + self.take_rung();
         self.polls = self.polls.wrapping_add(1);
+        self.refresh_maps();
         let senders_waiting = self.setup.as_ref().is_some_and(|ls| ls.fd_listener.busy());
         if senders_waiting || self.polls % FD_CHECK_EVERY == 0 {
             work += self.poll_fd_listener();
@@ -440,7 +467,7 @@ mod tests {
     /// still found (in turn) and makes it hot again.
     #[test]
     fn quiet_rings_are_polled_in_turn_and_wake_on_traffic() {
-        let mut side = LocalSide::new(0, None);
+        let mut side = LocalSide::new(0, LocalInit::bare(None));
         let mut peers = connect_pairs(&mut side, "coldhot", 40, None);
         let (mut parts, notes) = CxParts::new(16);
         let mut cx = parts.cx();
@@ -483,7 +510,7 @@ mod tests {
     #[test]
     fn rung_rings_are_found_at_once_and_wake_a_sleeper() {
         let id = (u64::from(std::process::id()) << 16) | 0xbe11;
-        let mut side = LocalSide::new(0, None).with_bell(Bell::create(id, 0).unwrap());
+        let mut side = LocalSide::new(0, LocalInit::bare(Some(Bell::create(id, 0).unwrap())));
         let mut peers = connect_pairs(&mut side, "rung", 40, Some(id));
         let (mut parts, notes) = CxParts::new(16);
         let mut cx = parts.cx();
@@ -525,5 +552,41 @@ mod tests {
             assert!(!readable(side.wake_fds()[0].unwrap(), 0), "drained");
         }
         assert!(cx.to_fail.is_empty());
+    }
+
+    /// Every shard's copy of the peers' maps follows the endpoint's: a
+    /// region a peer shared (through shard 0's socket) is in the copy after
+    /// the next pass, and goes with the peer's last connection.
+    #[test]
+    fn a_shards_copy_of_peer_maps_follows_the_endpoints() {
+        let shares: Arc<PeerShares> = Arc::default();
+        let mut side = LocalSide::new(
+            1,
+            LocalInit {
+                setup: None,
+                bell: None,
+                shares: shares.clone(),
+            },
+        );
+        let (mut parts, _notes) = CxParts::new(16);
+        let mut cx = parts.cx();
+        shares.conn_up(9, 77);
+        side.poll(&mut cx);
+        assert!(side.peer_maps.is_empty());
+        let map = crate::sys::Mapping::map_fd(-1, 0).unwrap();
+        shares.insert_for_test(
+            9,
+            5,
+            crate::shm::local::PeerMap {
+                map: Arc::new(map),
+                base: 0x1000,
+            },
+        );
+        side.poll(&mut cx);
+        assert_eq!(side.peer_maps.get(&(9, 5)).map(|m| m.base), Some(0x1000));
+        // Its last connection (on another shard) ends: gone here too.
+        shares.conn_down(9, 77);
+        side.poll(&mut cx);
+        assert!(side.peer_maps.is_empty());
     }
 }

@@ -33,4 +33,4 @@ pub(crate) use queue::{
     Command, IpcCmd, IpcDesc, IpcParts, OpCmd, OpDesc, OpParts, RegionCmd, ShardHandle,
 };
 pub use shard::Shard;
-pub(crate) use shard::{LocalSetup, ShardConfig};
+pub(crate) use shard::{LocalInit, LocalSetup, ShardConfig};

@@ -28,8 +28,8 @@ use super::completion::CompletionTable;
 use super::directory::Directory;
 use super::gpu::GpuWork;
 use super::ledger::OpLedger;
-pub(crate) use super::local_side::LocalSetup;
 use super::local_side::LocalSide;
+pub(crate) use super::local_side::{LocalInit, LocalSetup};
 use super::plan::{self, Route};
 use super::queue::{
     Command, CopyJoin, CopySlice, OpCmd, RegionCmd, ShardHandle, SliceKind, WakeState,
@@ -152,12 +152,12 @@ impl Shard {
         cfg: ShardConfig,
         table: Arc<CompletionTable>,
         inbox: SyncSender<(ConnId, Vec<u8>)>,
-        local_setup: Option<LocalSetup>,
+        local_init: LocalInit,
         closed: mpsc::Sender<ConnId>,
         ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
     ) -> Result<(Shard, ShardHandle)> {
         let (tcp, waker) = TcpSide::new(id, cfg.op_timeout)?;
-        let local = LocalSide::new(id, local_setup);
+        let local = LocalSide::new(id, local_init);
         for fd in local.wake_fds().into_iter().flatten() {
             tcp.watch_wake_fd(fd)?;
         }
@@ -1006,11 +1006,12 @@ impl Shard {
             gpu: None,
         };
         lc.fail_pending(&err, &mut sink);
-        let peer = lc.peer_id;
+        let (peer, pid) = (lc.peer_id, lc.peer_pid);
         let id = lc.id;
         drop(lc);
-        // Forget the peer's shared memory once no connection to it is left.
-        if self.local.forget_peer_if_unused(peer) {
+        // The peer's shared memory is forgotten once no connection to it is
+        // left; its IPC mappings on this shard once none is left here.
+        if self.local.conn_ended(peer, pid) {
             if let Some(g) = &mut self.gpu {
                 g.revoke_owner(peer);
             }

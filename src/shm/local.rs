@@ -31,6 +31,7 @@ use crate::xfer::{GpuReq, HostCopy, PeerBytes, PendingOp, Sink, Theirs};
 pub(crate) const SPREAD_COPY_MIN: usize = 1 << 20;
 
 /// A peer's memfd region mapped into this process.
+#[derive(Clone)]
 pub(crate) struct PeerMap {
     /// Shared with CUDA copies in flight, which hold it until they end.
     pub map: Arc<Mapping>,

@@ -14,6 +14,7 @@ pub(crate) mod cma;
 pub(crate) mod fdpass;
 pub(crate) mod local;
 pub(crate) mod object;
+pub(crate) mod peers;
 pub(crate) mod ring;
 
 /// Whether same-host connections can work here: a ring can be created in
