@@ -711,3 +711,19 @@ fn pool_memory_that_cannot_be_exported_moves_over_tcp() {
         cu::cuStreamSynchronize(std::ptr::null_mut());
     }
 }
+
+/// `flush_rdma_writes` is a real driver call on each GPU with registered
+/// memory (`cuFlushGPUDirectRDMAWrites`, owner scope): it succeeds on this
+/// GPU once device memory is registered, and is a no-op before; data
+/// written to the memory stays as it was.
+#[test]
+#[ignore = "needs an NVIDIA GPU (cargo test --test gpu -- --ignored)"]
+fn rdma_write_flush_runs_on_registered_gpus() {
+    gpus();
+    let ep = Endpoint::builder().config(cfg(0)).build().unwrap();
+    ep.flush_rdma_writes().unwrap();
+    let mr = ep.alloc_gpu(1 << 20).unwrap();
+    gpu_fill(&mr, 0, 65536, 3);
+    ep.flush_rdma_writes().unwrap();
+    assert_eq!(check_pattern(&gpu_bytes(&mr, 0, 65536), 0, 3), None);
+}

@@ -154,6 +154,10 @@ pub(crate) struct Inner {
     next_lane: AtomicU64,
     /// The shard the next same-host connection goes to (mod the shards).
     next_local_shard: AtomicU64,
+    /// GPUs (bit = ordinal, < 64) with memory registered here: an RDMA
+    /// peer may write into them, so a notification from a verbs connection
+    /// flushes them first (`flush_rdma_writes`).
+    gpus_registered: AtomicU64,
     /// Which shards have a doorbell (our rings into them name it in their
     /// header).
     local_bell: Vec<bool>,
@@ -377,6 +381,7 @@ impl Endpoint {
             shares,
             next_lane: AtomicU64::new(0),
             next_local_shard: AtomicU64::new(0),
+            gpus_registered: AtomicU64::new(0),
             bells: Mutex::new(HashMap::new()),
             backend,
             backend_note: note,
@@ -795,9 +800,20 @@ impl Endpoint {
     }
 
     /// Waits up to `timeout` for a notification from any peer.
+    ///
+    /// A notification from a connection that uses RDMA verbs first flushes
+    /// the RDMA WRITEs into this endpoint's GPU memory
+    /// ([`flush_rdma_writes`](Self::flush_rdma_writes)), so a kernel
+    /// launched after it sees what the peer wrote before notifying (the
+    /// peer must notify after its WRITE completed: notifications travel on
+    /// tcp, not behind the WRITEs).
     pub fn recv_notification(&self, timeout: Duration) -> Result<(ConnId, Vec<u8>)> {
-        match self.inner.inbox.lock().expect("lock").recv_timeout(timeout) {
-            Ok(n) => Ok(n),
+        let got = self.inner.inbox.lock().expect("lock").recv_timeout(timeout);
+        match got {
+            Ok(n) => {
+                self.inner.flush_for_notification(n.0);
+                Ok(n)
+            }
             Err(RecvTimeoutError::Timeout) => Err(Error::Timeout {
                 what: "a notification",
                 timeout_ms: timeout.as_millis() as u64,
@@ -806,9 +822,22 @@ impl Endpoint {
         }
     }
 
-    /// A notification if one is waiting.
+    /// A notification if one is waiting (flushed as by `recv_notification`).
     pub fn try_recv_notification(&self) -> Option<(ConnId, Vec<u8>)> {
-        self.inner.inbox.lock().expect("lock").try_recv().ok()
+        let n = self.inner.inbox.lock().expect("lock").try_recv().ok()?;
+        self.inner.flush_for_notification(n.0);
+        Some(n)
+    }
+
+    /// Makes the RDMA WRITEs that NICs have completed into this endpoint's
+    /// registered GPU memory visible to GPU work launched afterwards
+    /// (`cuFlushGPUDirectRDMAWrites` on each GPU with registered memory).
+    /// A verbs completion at the initiator says the target's NIC placed
+    /// the bytes, not that the target's GPU sees them; call this before
+    /// using data that arrived by RDMA without a notification (e.g. a
+    /// polled flag). A no-op without registered GPU memory.
+    pub fn flush_rdma_writes(&self) -> Result<()> {
+        self.inner.flush_gpus()
     }
 }
 
@@ -861,6 +890,41 @@ fn lanes_of(conn: ConnId) -> (u64, usize) {
 }
 
 impl Inner {
+    /// Before a notification from `conn` reaches the application: if
+    /// `conn` uses verbs and GPU memory is registered here, flush the RDMA
+    /// WRITEs into it (what the peer wrote before notifying is then
+    /// visible to GPU work). A failed flush is logged: the notification
+    /// itself is still delivered.
+    fn flush_for_notification(&self, conn: ConnId) {
+        if self.gpus_registered.load(Ordering::Relaxed) == 0 || self.nic.is_none() {
+            return;
+        }
+        let verbs = self
+            .conns
+            .lock()
+            .expect("lock")
+            .get(&conn)
+            .is_some_and(|c| c.verbs);
+        if !verbs {
+            return;
+        }
+        if let Err(e) = self.flush_gpus() {
+            warn!(%conn, "flushing RDMA writes into GPU memory before a notification: {e}");
+        }
+    }
+
+    /// `cuFlushGPUDirectRDMAWrites` on every GPU with registered memory.
+    fn flush_gpus(&self) -> Result<()> {
+        let mask = self.gpus_registered.load(Ordering::Relaxed);
+        if mask == 0 {
+            return Ok(());
+        }
+        let cuda = crate::gpu::cuda()?;
+        (0..64)
+            .filter(|i| mask & (1u64 << i) != 0)
+            .try_for_each(|i| cuda.flush_rdma_writes(i))
+    }
+
     /// Requests in flight per stream, both ways: the smaller of ours and
     /// the peer's declaration (both sides compute the same). Queues are
     /// sized by it, so a peer declaring 2^20 reserves nothing beyond our
@@ -1139,6 +1203,10 @@ impl Inner {
         if let crate::gpu::MemKind::Device { ordinal, .. } = mem {
             // Lazy mode: the first GPU pointer picks the endpoint's GPU.
             let _ = self.gpu.set(ordinal);
+            if (0..64).contains(&ordinal) {
+                self.gpus_registered
+                    .fetch_or(1 << ordinal, Ordering::Relaxed);
+            }
         }
         let rkey = self.next_rkey.fetch_add(1, Ordering::Relaxed);
         let r = Arc::new(Region {

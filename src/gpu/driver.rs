@@ -188,6 +188,22 @@ impl Cuda {
         check("cuCtxSetCurrent", unsafe { cu::cuCtxSetCurrent(dev.ctx.0) })
     }
 
+    /// Makes the RDMA WRITEs a NIC completed into device `ordinal`'s
+    /// memory so far visible to work launched on it afterwards
+    /// (`cuFlushGPUDirectRDMAWrites`, owner scope): a completion says the
+    /// NIC placed the bytes, not that the GPU sees them. Blocks until the
+    /// flush is done (microseconds); call it off the data path.
+    pub(crate) fn flush_rdma_writes(&self, ordinal: i32) -> Result<()> {
+        self.make_current(ordinal)?;
+        // SAFETY: plain enum arguments; the device's context is current.
+        check("cuFlushGPUDirectRDMAWrites", unsafe {
+            cu::cuFlushGPUDirectRDMAWrites(
+                cu::CUflushGPUDirectRDMAWritesTarget::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
+                cu::CUflushGPUDirectRDMAWritesScope::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TO_OWNER,
+            )
+        })
+    }
+
     /// Lets every device reach every other's memory (NVLink or PCIe P2P),
     /// where the hardware allows. Failures only cost speed (copies then
     /// stage through the host), so they are logged, not returned.
