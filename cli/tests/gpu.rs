@@ -727,3 +727,101 @@ fn rdma_write_flush_runs_on_registered_gpus() {
     ep.flush_rdma_writes().unwrap();
     assert_eq!(check_pattern(&gpu_bytes(&mr, 0, 65536), 0, 3), None);
 }
+
+/// Many small GPU-memory ops in flight over tcp at once: their staging
+/// copies go out in batches (the gather kernel, where it loads), both the
+/// 16-byte word path (aligned) and the byte path (odd offsets and
+/// lengths), WRITE and READ, each op's bytes exact and nothing beside
+/// them touched.
+#[test]
+#[ignore = "needs an NVIDIA GPU (cargo test --test gpu -- --ignored)"]
+fn many_small_gpu_ops_over_tcp_are_byte_exact_at_odd_offsets() {
+    let n = gpus();
+    let g = peer_gpu(n).to_string();
+    let target = Target::start_with(
+        Path::TcpEpoll,
+        64 << 20,
+        &[("FERRY_TRANSPORT", "tcp")],
+        &["--gpu", &g],
+    );
+    let mut c = cfg(0);
+    c.transport = Transport::Tcp;
+    let ep = Endpoint::builder().config(c).build().unwrap();
+    let conn = ep.add_remote(&target.served.meta).unwrap();
+    let grb = target.served.gpu_rbuf.expect("GRBUF");
+    let gpu = ep.alloc_gpu(16 << 20).unwrap();
+    let lens = [
+        1usize, 3, 16, 17, 255, 4095, 4096, 4097, 8192, 65_535, 65_536, 65_537,
+    ];
+    let mut ops = Vec::new();
+    let mut off = 0usize;
+    for k in 0..240usize {
+        let len = lens[k % lens.len()];
+        // Every third op at an odd offset: the byte path.
+        if k % 3 == 1 {
+            off += 5;
+        }
+        ops.push((off, len));
+        off = (off + len + 31) & !15;
+    }
+    assert!(off < 16 << 20);
+    // WRITE: the peer's bytes outside the ops keep its fill.
+    assert_eq!(ask(&ep, conn, &format!("gfill 0 {} 77", 16 << 20)), "ok");
+    gpu_fill(&gpu, 0, 16 << 20, 5);
+    let ts: Vec<_> = ops
+        .iter()
+        .map(|&(o, l)| {
+            let w = grb.slice(o as u32, l as u32).unwrap();
+            ep.write_async(conn, &gpu, o, l, &w).unwrap()
+        })
+        .collect();
+    for t in ts {
+        t.wait().unwrap();
+    }
+    let mut at = 0;
+    for &(o, l) in &ops {
+        assert_eq!(
+            ghash(&ep, conn, o, l),
+            pattern_hash(o, l, 5),
+            "WRITE of {l} at {o}"
+        );
+        if o > at {
+            assert_eq!(
+                ghash(&ep, conn, at, o - at),
+                pattern_hash(at, o - at, 77),
+                "gap at {at}"
+            );
+        }
+        at = o + l;
+    }
+    // READ into a region whose other bytes must stay as they were.
+    assert_eq!(ask(&ep, conn, &format!("gfill 0 {} 91", 16 << 20)), "ok");
+    gpu_fill(&gpu, 0, 16 << 20, 6);
+    let ts: Vec<_> = ops
+        .iter()
+        .map(|&(o, l)| {
+            let w = grb.slice(o as u32, l as u32).unwrap();
+            ep.read_async(conn, &gpu, o, l, &w).unwrap()
+        })
+        .collect();
+    for t in ts {
+        t.wait().unwrap();
+    }
+    let got = gpu_bytes(&gpu, 0, off);
+    let mut at = 0;
+    for &(o, l) in &ops {
+        assert_eq!(
+            check_pattern(&got[o..o + l], o as u64, 91),
+            None,
+            "READ of {l} at {o}"
+        );
+        if o > at {
+            assert_eq!(
+                check_pattern(&got[at..o], at as u64, 6),
+                None,
+                "gap at {at}"
+            );
+        }
+        at = o + l;
+    }
+}

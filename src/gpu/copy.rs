@@ -5,15 +5,21 @@
 //! Small copies are staged while the shard drains its queue and issued
 //! together by `flush` — one `cuMemcpyBatchAsync` and one event for the
 //! whole group where the driver has it (CUDA 12.8+), since the per-call
-//! cost of `cuMemcpyAsync` (~2 µs) otherwise caps small transfers. Large
-//! copies are split across the stream pool so several copy engines work on
-//! one transfer.
+//! cost of `cuMemcpyAsync` (~2 µs) otherwise caps small transfers. A busy
+//! shard finds one or two new copies a pass, so a flush per pass would
+//! still pay a launch and an event per copy: at most `BATCHES_IN_FLIGHT`
+//! batches run at once, and copies staged meanwhile wait for the next
+//! flush after one ends, so batches grow with the load (an idle copier
+//! issues at once: no added latency). Large copies are split across the
+//! stream pool so several copy engines work on one transfer.
 
 use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys as cu;
 
 use super::driver::{check, cuda};
+use super::gather::{Gather, KERNEL_MAX_BYTES};
 use crate::error::{Error, Result};
 
 /// Pieces one copy is split into at most (one per stream).
@@ -22,6 +28,8 @@ pub(crate) const MAX_SPLIT: usize = 8;
 pub(crate) const SPLIT_MIN_BYTES: usize = 8 << 20;
 /// Staged copies issued in one batch at most.
 pub(crate) const MAX_BATCH: usize = 256;
+/// Batches of small copies in flight at once (see the module doc).
+pub(crate) const BATCHES_IN_FLIGHT: usize = 2;
 
 /// A staging outcome: on failure, the error and every entry it took down.
 pub(crate) type Staged<E> = std::result::Result<(), (Error, Vec<E>)>;
@@ -31,6 +39,13 @@ struct InFlight<E> {
     events: [cu::CUevent; MAX_SPLIT],
     n: usize,
     entries: Vec<E>,
+    /// A batch of small copies (counted in `batches`), not a split one.
+    batch: bool,
+    /// The gather kernel's descriptor slot it holds, if it ran there.
+    slot: Option<usize>,
+    /// For `Choice`: when a batch of `count` eligible copies was issued, and
+    /// which way (None: not measured).
+    timed: Option<(Instant, usize, Way)>,
 }
 
 /// A device's stream pool, staged copies and copies in flight. Owned by
@@ -47,9 +62,19 @@ pub(crate) struct Copier<E> {
     dsts: Vec<u64>,
     srcs: Vec<u64>,
     sizes: Vec<usize>,
+    /// Whether every staged copy may run in the gather kernel.
+    all_kernel_ok: bool,
+    /// The gather kernel, loaded on first use (None after a failed load:
+    /// `gather_failed`).
+    gather: Option<Gather>,
+    gather_failed: bool,
     inflight: VecDeque<InFlight<E>>,
+    /// Batches of small copies among `inflight`.
+    batches: usize,
     /// Emptied entry vectors, reused so steady state allocates nothing.
     spare: Vec<Vec<E>>,
+    /// Which way batches of kernel-eligible copies go (see `Choice`).
+    choice: Choice,
 }
 
 // SAFETY: streams and events are driver handles usable from any thread; a
@@ -83,8 +108,13 @@ impl<E> Copier<E> {
             dsts: Vec::with_capacity(MAX_BATCH),
             srcs: Vec::with_capacity(MAX_BATCH),
             sizes: Vec::with_capacity(MAX_BATCH),
+            all_kernel_ok: true,
+            gather: None,
+            gather_failed: false,
             inflight: VecDeque::with_capacity(64),
+            batches: 0,
             spare: Vec::new(),
+            choice: Choice::default(),
         })
     }
 
@@ -121,18 +151,29 @@ impl<E> Copier<E> {
 
     /// Queues a copy of `len` bytes from `src` to `dst` (any addresses the
     /// driver can reach: device, mapped IPC, pinned or pageable host).
-    /// Large copies start now; small ones wait for `flush`.
+    /// Large copies start now; small ones wait for `flush`. `kernel_ok`:
+    /// both ranges are device memory of this copier's GPU or
+    /// `cuMemHostAlloc` memory, so a batch of them may run in the gather
+    /// kernel (`gather.rs`).
     ///
     /// # Safety
     /// `[dst, dst + len)` and `[src, src + len)` must stay valid (mapped,
     /// not freed) until `entry` comes back from `poll`, or with an error
     /// from here or `flush`: the DMA engine reads and writes them until then.
     /// Holding what keeps them alive inside `entry` meets this.
-    pub unsafe fn stage(&mut self, entry: E, dst: u64, src: u64, len: usize) -> Staged<E> {
+    pub unsafe fn stage(
+        &mut self,
+        entry: E,
+        dst: u64,
+        src: u64,
+        len: usize,
+        kernel_ok: bool,
+    ) -> Staged<E> {
         if len >= SPLIT_MIN_BYTES {
             // SAFETY: the caller's promise, passed on.
             return unsafe { self.start_split(entry, dst, src, len) };
         }
+        self.all_kernel_ok &= kernel_ok && len <= KERNEL_MAX_BYTES;
         self.staged.push(entry);
         self.dsts.push(dst);
         self.srcs.push(src);
@@ -157,6 +198,9 @@ impl<E> Copier<E> {
             events: [std::ptr::null_mut(); MAX_SPLIT],
             n: 0,
             entries,
+            batch: false,
+            slot: None,
+            timed: None,
         };
         let mut off = 0;
         let r = (|| {
@@ -182,23 +226,52 @@ impl<E> Copier<E> {
     }
 
     /// Issues every staged copy: one batch call (or one cuMemcpyAsync per
-    /// copy without batch support) and one event, on the next stream.
+    /// copy without batch support) and one event, on the next stream —
+    /// unless `BATCHES_IN_FLIGHT` batches are running: the staged copies
+    /// then go with a later flush, after one of them ends (the copier
+    /// stays `busy` until they do, so its owner keeps polling).
     pub fn flush(&mut self) -> Staged<E> {
-        if self.staged.is_empty() {
+        if self.staged.is_empty()
+            || (self.batches >= BATCHES_IN_FLIGHT && self.staged.len() < MAX_BATCH)
+        {
             return Ok(());
         }
+        self.issue()
+    }
+
+    fn issue(&mut self) -> Staged<E> {
         let mut entries = self.entries_vec();
         std::mem::swap(&mut entries, &mut self.staged);
         let mut f = InFlight {
             events: [std::ptr::null_mut(); MAX_SPLIT],
             n: 0,
             entries,
+            batch: true,
+            slot: None,
+            timed: None,
         };
         let stream = self.next_stream();
         let r = (|| {
             cuda()?.make_current(self.ordinal)?;
             let count = self.sizes.len();
-            if count > 1 && self.has_batch {
+            let way = (count > 1 && self.all_kernel_ok).then(|| self.choice.pick());
+            let slot = match way {
+                Some(Way::Kernel) => self.gather_slot(),
+                _ => None,
+            };
+            f.timed = match (way, slot) {
+                (Some(Way::Kernel), Some(_)) => Some((Instant::now(), count, Way::Kernel)),
+                (Some(_), _) => Some((Instant::now(), count, Way::Engine)),
+                (None, _) => None,
+            };
+            if let Some(slot) = slot {
+                f.slot = Some(slot);
+                let g = self.gather.as_mut().expect("a slot came from it");
+                // SAFETY: every range is device or cuMemHostAlloc memory
+                // (`kernel_ok` at staging) valid until its entry returns;
+                // the slot stays taken until this launch's event fires.
+                unsafe { g.launch(slot, &self.dsts, &self.srcs, &self.sizes, stream) }?;
+            } else if count > 1 && self.has_batch {
                 // SAFETY: zero is a valid value for this plain C struct
                 // (location hints "invalid": no hint).
                 let mut attr: cu::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
@@ -235,12 +308,40 @@ impl<E> Copier<E> {
         self.dsts.clear();
         self.srcs.clear();
         self.sizes.clear();
+        self.all_kernel_ok = true;
         self.launched(f, r)
+    }
+
+    /// A descriptor slot of the gather kernel, loading it on first use in
+    /// the current context (this copier's); None if it cannot load here
+    /// (said once) or every slot is in use.
+    fn gather_slot(&mut self) -> Option<usize> {
+        if self.gather.is_none() && !self.gather_failed {
+            // Never tried again after a failure: `Choice` stays on the
+            // copy engine.
+            match Gather::load(BATCHES_IN_FLIGHT + 2, MAX_BATCH) {
+                Ok(g) => self.gather = Some(g),
+                Err(e) => {
+                    self.gather_failed = true;
+                    self.choice.no_kernel();
+                    tracing::warn!(
+                        gpu = self.ordinal,
+                        "the gather kernel did not load ({e}): small copies stay on the copy engine"
+                    );
+                }
+            }
+        }
+        let g = self.gather.as_mut()?;
+        if self.sizes.len() > g.per_slot() {
+            return None;
+        }
+        g.take_slot()
     }
 
     fn launched(&mut self, mut f: InFlight<E>, r: Result<()>) -> Staged<E> {
         match r {
             Ok(()) => {
+                self.batches += usize::from(f.batch);
                 self.inflight.push_back(f);
                 Ok(())
             }
@@ -252,6 +353,9 @@ impl<E> Copier<E> {
                     unsafe { cu::cuEventSynchronize(ev) };
                 }
                 self.free_events.extend_from_slice(&f.events[..f.n]);
+                if let (Some(s), Some(g)) = (f.slot, self.gather.as_mut()) {
+                    g.free_slot(s);
+                }
                 Err((e, std::mem::take(&mut f.entries)))
             }
         }
@@ -284,6 +388,13 @@ impl<E> Copier<E> {
                 continue;
             }
             let mut f = self.inflight.remove(i).expect("index in range");
+            self.batches -= usize::from(f.batch);
+            if let (Some((t0, count, way)), Ok(())) = (f.timed, &result) {
+                self.choice.took(way, t0.elapsed(), count);
+            }
+            if let (Some(s), Some(g)) = (f.slot, self.gather.as_mut()) {
+                g.free_slot(s);
+            }
             for e in f.entries.drain(..) {
                 out(e, result.as_ref().map(|_| ()).map_err(Error::duplicate));
                 n += 1;
@@ -311,5 +422,116 @@ impl<E> Drop for Copier<E> {
             // SAFETY: an event this copier created; its stream is idle.
             unsafe { cu::cuEventDestroy_v2(e) };
         }
+    }
+}
+
+/// The two ways a batch of small eligible copies can go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Way {
+    /// `cuMemcpyBatchAsync` (or one `cuMemcpyAsync` per copy).
+    Engine,
+    /// The gather kernel.
+    Kernel,
+}
+
+/// Which way is faster here, learnt from the batches themselves. The
+/// kernel wins by far where the GPU runs this process's work alone (one
+/// launch for the batch, every copy in parallel); where another process's
+/// context shares the GPU without MPS, every kernel waits for a context
+/// switch and the copy engine wins (measured on one H200 shared by the
+/// two processes of `ferry bench`: 0.32 against 0.64 GB/s at 4 KiB; with
+/// MPS the kernel gave 1.03). So each way keeps a moving average of the
+/// time from issue to completion per copy, the faster one takes the
+/// batches, and every `EXPLORE_EVERY`-th batch goes the other way so a
+/// change (a neighbour that comes or goes) is seen.
+#[derive(Debug, Default)]
+struct Choice {
+    /// Nanoseconds per copy, per way (index `Way as usize`); None: no
+    /// sample yet.
+    ns_per_copy: [Option<f64>; 2],
+    batches: u64,
+    kernel_off: bool,
+}
+
+/// One batch in this many goes the way that is not the faster one.
+const EXPLORE_EVERY: u64 = 32;
+/// Weight of a new sample in the moving average.
+const SAMPLE_WEIGHT: f64 = 0.25;
+
+
+impl Choice {
+    fn pick(&mut self) -> Way {
+        self.batches += 1;
+        if self.kernel_off {
+            return Way::Engine;
+        }
+        let [engine, kernel] = self.ns_per_copy;
+        let (Some(e), Some(k)) = (engine, kernel) else {
+            // Each way is tried before either is trusted.
+            return if kernel.is_none() {
+                Way::Kernel
+            } else {
+                Way::Engine
+            };
+        };
+        let best = if k <= e { Way::Kernel } else { Way::Engine };
+        if self.batches % EXPLORE_EVERY == 0 {
+            match best {
+                Way::Kernel => Way::Engine,
+                Way::Engine => Way::Kernel,
+            }
+        } else {
+            best
+        }
+    }
+
+    /// A batch of `count` copies that went `way` took `took`.
+    fn took(&mut self, way: Way, took: Duration, count: usize) {
+        let sample = took.as_nanos() as f64 / count.max(1) as f64;
+        let avg = &mut self.ns_per_copy[way as usize];
+        *avg = Some(match *avg {
+            Some(a) => a + SAMPLE_WEIGHT * (sample - a),
+            None => sample,
+        });
+    }
+
+    /// The kernel cannot load here: always the engine.
+    fn no_kernel(&mut self) {
+        self.kernel_off = true;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_faster_way_takes_the_batches_and_the_other_is_still_tried() {
+        let mut c = Choice::default();
+        // Both tried first.
+        assert_eq!(c.pick(), Way::Kernel);
+        c.took(Way::Kernel, Duration::from_micros(64), 32);
+        assert_eq!(c.pick(), Way::Engine);
+        c.took(Way::Engine, Duration::from_micros(32), 32);
+        // The engine is faster (1 µs a copy against 2): most batches go there.
+        let picks: Vec<Way> = (0..64).map(|_| c.pick()).collect();
+        let kernel = picks.iter().filter(|&&w| w == Way::Kernel).count();
+        assert!(
+            (1..=3).contains(&kernel),
+            "{kernel} of 64 explored the kernel"
+        );
+        // The kernel gets faster (the neighbour left): it takes over.
+        for _ in 0..8 {
+            c.took(Way::Kernel, Duration::from_micros(8), 32);
+        }
+        let picks: Vec<Way> = (0..64).map(|_| c.pick()).collect();
+        let engine = picks.iter().filter(|&&w| w == Way::Engine).count();
+        assert!(
+            (1..=3).contains(&engine),
+            "{engine} of 64 explored the engine"
+        );
+        // Without a kernel, always the engine.
+        c.no_kernel();
+        assert!((0..100).all(|_| c.pick() == Way::Engine));
     }
 }

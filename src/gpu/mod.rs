@@ -9,6 +9,7 @@
 
 pub(crate) mod copy;
 pub mod driver;
+pub(crate) mod gather;
 pub(crate) mod ipc;
 mod kinds;
 pub mod memory;

@@ -179,7 +179,8 @@ impl GpuWork {
             keep_map: None,
         };
         match self.copier(ordinal) {
-            Ok(ci) => self.stage(ci, entry, dst, src, len),
+            // A pinned bounce buffer and a region of this GPU.
+            Ok(ci) => self.stage(ci, entry, dst, src, len, true),
             Err(e) => self.fail_all(e, vec![entry]),
         }
     }
@@ -198,7 +199,8 @@ impl GpuWork {
             keep_map: None,
         };
         match self.copier(ordinal) {
-            Ok(ci) => self.stage(ci, entry, dst, src, len),
+            // A pinned bounce buffer and a region of this GPU.
+            Ok(ci) => self.stage(ci, entry, dst, src, len, true),
             Err(e) => self.fail_all(e, vec![entry]),
         }
     }
@@ -247,10 +249,13 @@ impl GpuWork {
     /// Stages one copy on copier `ci`. Every caller puts in `entry` the
     /// regions, the IPC mapping (counted in the cache until released) or
     /// the peer's memfd mapping that hold `dst` and `src`.
-    fn stage(&mut self, ci: usize, entry: Entry, dst: u64, src: u64, len: usize) {
+    /// `kernel_ok`: both sides are device memory or our pinned bounce
+    /// buffers (see `Copier::stage`).
+    fn stage(&mut self, ci: usize, entry: Entry, dst: u64, src: u64, len: usize, kernel_ok: bool) {
         // SAFETY: both ranges stay valid until the entry returns (see above);
         // the copier returns it only once the copy has ended or failed.
-        if let Err((e, failed)) = unsafe { self.copiers[ci].stage(entry, dst, src, len) } {
+        if let Err((e, failed)) = unsafe { self.copiers[ci].stage(entry, dst, src, len, kernel_ok) }
+        {
             self.fail_all(e, failed);
         }
     }
@@ -301,7 +306,9 @@ impl GpuWork {
             keep2: None,
             keep_map: None,
         };
-        self.stage(ci, entry, dst, src, len);
+        // IPC mappings of another GPU, and host memory that may be
+        // pageable: the copy engine's.
+        self.stage(ci, entry, dst, src, len, false);
     }
 
     /// Stages the copy a same-host peer's request needs: its GPU memory
@@ -354,7 +361,7 @@ impl GpuWork {
             keep2: None,
             keep_map,
         };
-        self.stage(ci, entry, dst, src, len);
+        self.stage(ci, entry, dst, src, len, false);
     }
 
     /// Issues the copies staged since the last flush (once per drain).
@@ -388,6 +395,8 @@ impl GpuWork {
         let deadline = Instant::now() + max;
         while self.busy() && Instant::now() < deadline {
             self.poll_events();
+            // Copies held back while batches ran go out as those end.
+            self.flush();
             std::thread::yield_now();
         }
     }

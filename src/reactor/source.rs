@@ -198,6 +198,10 @@ impl Sink for ShardSink<'_> {
 impl Source for GpuWork {
     fn poll(&mut self, cx: &mut Cx<'_>) -> usize {
         let n = if self.busy() { self.poll_events() } else { 0 };
+        if n > 0 {
+            // Copies held back while the batches that just ended ran.
+            self.flush();
+        }
         self.drain_into(cx.done, cx.gpu_replies);
         n
     }

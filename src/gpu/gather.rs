@@ -1,0 +1,243 @@
+//! Many small copies in one kernel launch.
+//!
+//! `cuMemcpyBatchAsync` still costs the calling thread about a microsecond
+//! per copy, and the copy engine runs the copies of one batch one after
+//! another (about a microsecond each at 4 KiB, measured on an H200 with
+//! `benches/cuda_call_cost.py`). For GPU memory over tcp every small op
+//! pays one such copy on each side, so a window of 32 ops moved as a wave
+//! that took ~30 µs to issue and ~30 µs to run per side. This kernel copies
+//! a whole batch at once instead: one launch (a few microseconds whatever
+//! the count), one thread block per copy, all blocks in parallel.
+//!
+//! The kernel is PTX, loaded by the driver's JIT (no toolkit at build time,
+//! no fat binary): `ferry_gather(descs, count)` where `descs` points to
+//! `count` descriptors `{dst: u64, src: u64, len: u64}` in pinned host
+//! memory, which under unified addressing kernels read at the host
+//! pointer's own address. A block copies 16-byte words when all three are
+//! 16-byte aligned, else bytes.
+//!
+//! Only memory that kernels may touch goes through it: device memory and
+//! pinned buffers made by `cuMemHostAlloc` (every such allocation is
+//! reachable from every device at its host address under unified
+//! addressing). Pageable host memory, whose pages a kernel cannot reach,
+//! stays with the copy engine. Callers say which is which.
+
+use cudarc::driver::sys as cu;
+
+use super::driver::check;
+use super::memory::PinnedBuf;
+use crate::error::Result;
+
+/// Copies longer than this go to the copy engine: one block of
+/// `THREADS` threads moves 4 KiB a step, so long copies run faster there.
+pub(crate) const KERNEL_MAX_BYTES: usize = 64 << 10;
+/// Threads per block (one block per copy).
+const THREADS: u32 = 256;
+/// Bytes of one descriptor.
+const DESC_BYTES: usize = 24;
+
+/// The kernel, in PTX (ISA 7.0, sm_70 and later: the driver compiles it
+/// for the GPU at load). NUL-terminated, as `cuModuleLoadData` reads it.
+const PTX: &str = concat!(
+    r#"
+.version 7.0
+.target sm_70
+.address_size 64
+
+.visible .entry ferry_gather(
+    .param .u64 descs,
+    .param .u32 count
+)
+{
+    .reg .pred %p<6>;
+    .reg .b16 %rs<2>;
+    .reg .b32 %r<12>;
+    .reg .b64 %rd<20>;
+
+    ld.param.u64 %rd1, [descs];
+    ld.param.u32 %r1, [count];
+    mov.u32 %r2, %ctaid.x;
+    setp.ge.u32 %p1, %r2, %r1;
+    @%p1 bra DONE;
+    cvta.to.global.u64 %rd2, %rd1;
+    mul.wide.u32 %rd3, %r2, 24;
+    add.s64 %rd4, %rd2, %rd3;
+    ld.global.u64 %rd5, [%rd4];
+    ld.global.u64 %rd6, [%rd4+8];
+    ld.global.u64 %rd7, [%rd4+16];
+    cvta.to.global.u64 %rd5, %rd5;
+    cvta.to.global.u64 %rd6, %rd6;
+    mov.u32 %r3, %tid.x;
+    mov.u32 %r4, %ntid.x;
+    cvt.u64.u32 %rd8, %r3;
+    cvt.u64.u32 %rd9, %r4;
+    or.b64 %rd10, %rd5, %rd6;
+    or.b64 %rd10, %rd10, %rd7;
+    and.b64 %rd10, %rd10, 15;
+    setp.ne.u64 %p2, %rd10, 0;
+    @%p2 bra BYTES;
+    shr.u64 %rd11, %rd7, 4;
+WORDS:
+    setp.ge.u64 %p3, %rd8, %rd11;
+    @%p3 bra DONE;
+    shl.b64 %rd12, %rd8, 4;
+    add.s64 %rd13, %rd6, %rd12;
+    add.s64 %rd14, %rd5, %rd12;
+    ld.global.v4.u32 {%r5, %r6, %r7, %r8}, [%rd13];
+    st.global.v4.u32 [%rd14], {%r5, %r6, %r7, %r8};
+    add.s64 %rd8, %rd8, %rd9;
+    bra WORDS;
+BYTES:
+    setp.ge.u64 %p4, %rd8, %rd7;
+    @%p4 bra DONE;
+    add.s64 %rd13, %rd6, %rd8;
+    add.s64 %rd14, %rd5, %rd8;
+    ld.global.u8 %rs1, [%rd13];
+    st.global.u8 [%rd14], %rs1;
+    add.s64 %rd8, %rd8, %rd9;
+    bra BYTES;
+DONE:
+    ret;
+}
+"#,
+    "\0"
+);
+
+/// The loaded kernel of one device and its descriptor slots: `slots`
+/// batches of up to `per_slot` copies can be in flight at once, each
+/// holding its slot until its event has fired.
+pub(crate) struct Gather {
+    module: cu::CUmodule,
+    func: cu::CUfunction,
+    descs: PinnedBuf,
+    per_slot: usize,
+    /// Bit i set: slot i is free.
+    free: u32,
+}
+
+// SAFETY: module and function are driver handles usable from any thread;
+// a Gather is used by the one shard that owns its copier.
+unsafe impl Send for Gather {}
+
+impl Gather {
+    /// Loads the kernel into the current context (the caller makes its
+    /// device's context current) with `slots` (≤ 32) slots of `per_slot`
+    /// descriptors.
+    pub fn load(slots: usize, per_slot: usize) -> Result<Self> {
+        let slots = slots.clamp(1, 32);
+        // Allocated first: PinnedBuf::new makes device 0's context current,
+        // so the caller's context is made current again below.
+        let mut cur: cu::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one context pointer.
+        check("cuCtxGetCurrent", unsafe { cu::cuCtxGetCurrent(&mut cur) })?;
+        let descs = PinnedBuf::new(slots * per_slot * DESC_BYTES)?;
+        // SAFETY: the context current on entry, still alive (retained by
+        // the driver wrapper for the process's lifetime).
+        check("cuCtxSetCurrent", unsafe { cu::cuCtxSetCurrent(cur) })?;
+        let mut module: cu::CUmodule = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated PTX image, read during the call.
+        check("cuModuleLoadData", unsafe {
+            cu::cuModuleLoadData(&mut module, PTX.as_ptr().cast())
+        })?;
+        let mut func: cu::CUfunction = std::ptr::null_mut();
+        // SAFETY: a function of the module just loaded, by a C string name.
+        let r = unsafe { cu::cuModuleGetFunction(&mut func, module, c"ferry_gather".as_ptr()) };
+        if let Err(e) = check("cuModuleGetFunction", r) {
+            // SAFETY: the module loaded above, unused.
+            unsafe { cu::cuModuleUnload(module) };
+            return Err(e);
+        }
+        Ok(Self {
+            module,
+            func,
+            descs,
+            per_slot,
+            free: if slots == 32 {
+                u32::MAX
+            } else {
+                (1u32 << slots) - 1
+            },
+        })
+    }
+
+    /// Copies that fit one launch.
+    pub fn per_slot(&self) -> usize {
+        self.per_slot
+    }
+
+    /// A free slot, if any.
+    pub fn take_slot(&mut self) -> Option<usize> {
+        if self.free == 0 {
+            return None;
+        }
+        let s = self.free.trailing_zeros() as usize;
+        self.free &= !(1 << s);
+        Some(s)
+    }
+
+    /// Gives `slot` back once the launch that used it has ended.
+    pub fn free_slot(&mut self, slot: usize) {
+        self.free |= 1 << slot;
+    }
+
+    /// Writes the descriptors of `dsts[i] <- srcs[i]` (`sizes[i]` bytes)
+    /// into `slot` and launches the kernel on `stream` (in the current
+    /// context, the module's).
+    ///
+    /// # Safety
+    /// Every range must be device memory or `cuMemHostAlloc` memory and
+    /// stay valid until the launch has ended on `stream`; `slot` must be
+    /// taken, and stays so until then.
+    pub unsafe fn launch(
+        &mut self,
+        slot: usize,
+        dsts: &[u64],
+        srcs: &[u64],
+        sizes: &[usize],
+        stream: cu::CUstream,
+    ) -> Result<()> {
+        let n = sizes.len().min(self.per_slot);
+        let base = (slot * self.per_slot * DESC_BYTES) as u64;
+        // SAFETY: the slot's part of our pinned buffer; no launch reads it
+        // now (the slot was free: its last launch ended).
+        let d = unsafe { self.descs.ptr.add(base as usize).cast::<u64>() };
+        for i in 0..n {
+            // SAFETY: inside the slot: i < per_slot descriptors of 3 words.
+            unsafe {
+                d.add(3 * i).write(dsts[i]);
+                d.add(3 * i + 1).write(srcs[i]);
+                d.add(3 * i + 2).write(sizes[i] as u64);
+            }
+        }
+        let mut descs = self.descs.ptr as u64 + base;
+        let mut count = n as u32;
+        let mut params = [
+            (&mut descs as *mut u64).cast::<std::ffi::c_void>(),
+            (&mut count as *mut u32).cast::<std::ffi::c_void>(),
+        ];
+        // SAFETY: the kernel's two parameters, read during the call; the
+        // ranges are valid until the launch ends (the caller's promise).
+        check("cuLaunchKernel", unsafe {
+            cu::cuLaunchKernel(
+                self.func,
+                count,
+                1,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+}
+
+impl Drop for Gather {
+    fn drop(&mut self) {
+        // SAFETY: our module; the owning copier synchronised its streams.
+        unsafe { cu::cuModuleUnload(self.module) };
+    }
+}
