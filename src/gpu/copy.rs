@@ -458,7 +458,6 @@ const EXPLORE_EVERY: u64 = 32;
 /// Weight of a new sample in the moving average.
 const SAMPLE_WEIGHT: f64 = 0.25;
 
-
 impl Choice {
     fn pick(&mut self) -> Way {
         self.batches += 1;

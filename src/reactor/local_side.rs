@@ -158,6 +158,17 @@ impl LocalSide {
         idx
     }
 
+    /// At the end of a pass: rings the doorbells of the peers that the
+    /// pass pushed to quietly (hot connections push quietly; see
+    /// `LocalConn::tx_push`).
+    pub fn ring_due(&mut self) {
+        for &i in &self.hot {
+            if let Some(lc) = self.conns.get_mut(i) {
+                lc.ring_if_due();
+            }
+        }
+    }
+
     /// Before a sleep: the doorbell is told, and every ring polled until
     /// now is marked cold for its length. The caller then polls once more
     /// (messages that came before the marks were seen) before sleeping.
@@ -288,6 +299,9 @@ impl Source for LocalSide {
         while i < self.hot.len() {
             let idx = self.hot[i];
             let Some(lc) = self.conns.get_mut(idx).filter(|lc| lc.hot) else {
+                if let Some(lc) = self.conns.get_mut(idx) {
+                    lc.ring_if_due();
+                }
                 self.hot.swap_remove(i);
                 continue;
             };
@@ -309,6 +323,8 @@ impl Source for LocalSide {
                     lc.set_cold(true);
                     let w = poll_one(idx, lc, &self.peer_maps, cx, &mut clock);
                     if w == 0 {
+                        // Leaves the list `ring_due` walks: ring now.
+                        lc.ring_if_due();
                         lc.hot = false;
                         self.hot.swap_remove(i);
                         continue;
@@ -552,6 +568,47 @@ mod tests {
             assert!(!readable(side.wake_fds()[0].unwrap(), 0), "drained");
         }
         assert!(cx.to_fail.is_empty());
+    }
+
+    /// A connection its shard polls every pass (hot) pushes without
+    /// ringing and rings a sleeping peer once at the end of the pass
+    /// (`ring_if_due`, which `Shard::poll` calls through `ring_due`): the
+    /// peer wakes to all of the pass's messages, not at the first.
+    #[test]
+    fn a_hot_connection_wakes_a_sleeping_peer_at_the_end_of_its_pass() {
+        let id = (u64::from(std::process::id()) << 16) | 0xbe12;
+        let mut side = LocalSide::new(0, LocalInit::bare(Some(Bell::create(id, 0).unwrap())));
+        let mut peers = connect_pairs(&mut side, "quiet", 2, Some(id));
+        let (mut parts, notes) = CxParts::new(16);
+        let mut cx = parts.cx();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !side.hot.is_empty() {
+            side.poll(&mut cx);
+            assert!(std::time::Instant::now() < deadline, "never cooled");
+        }
+        let fd = side.wake_fds()[0].unwrap();
+        side.park_begin();
+        assert_eq!(side.poll(&mut cx), 0);
+        peers[1].hot = true;
+        for k in 0..3u8 {
+            assert!(peers[1].push_notify(&[k]));
+        }
+        assert!(!readable(fd, 20), "woken before the end of the pass");
+        peers[1].ring_if_due();
+        assert!(readable(fd, 5000), "the end of the pass did not wake the sleeper");
+        side.park_end();
+        side.poll(&mut cx);
+        for k in 0..3u8 {
+            assert_eq!(notes.try_recv().unwrap(), (ConnId(1), vec![k]));
+        }
+        // A connection that is not polled every pass rings at once.
+        side.park_begin();
+        while side.poll(&mut cx) > 0 {}
+        assert!(peers[0].push_notify(b"now"));
+        assert!(readable(fd, 5000), "a cold connection's push did not ring");
+        side.park_end();
+        side.poll(&mut cx);
+        assert_eq!(notes.try_recv().unwrap(), (ConnId(0), b"now".to_vec()));
     }
 
     /// Every shard's copy of the peers' maps follows the endpoint's: a

@@ -329,6 +329,8 @@ impl Shard {
             g.drain_into(&mut self.ledger.done, &mut self.gpu_replies);
         }
         work += self.poll_sources();
+        // One doorbell ring per peer for all this pass pushed to it.
+        self.local.ring_due();
         self.iter = self.iter.wrapping_add(1);
         if self.iter % TIMEOUT_CLOCK_EVERY == 0 {
             self.check_timeouts(Instant::now());

@@ -80,6 +80,8 @@ pub(crate) struct LocalConn {
     /// Our ring's bit on the shard's doorbell (None: no doorbell, or past
     /// its bits; such a connection is never left unpolled).
     pub bell_bit: Option<u32>,
+    /// Pushed quietly since the last `ring_if_due`.
+    ring_due: bool,
 }
 
 // SAFETY: the raw pointers in `pending` point into regions kept alive by the
@@ -156,6 +158,29 @@ impl LocalConn {
             hot: false,
             quiet_passes: 0,
             bell_bit: None,
+            ring_due: false,
+        }
+    }
+
+    /// Pushes into the peer's ring. While the shard polls this connection
+    /// every pass (`hot`), the peer's doorbell is rung once at the end of
+    /// the pass (`ring_if_due`, for all that the pass pushed): a sleeping
+    /// peer then wakes once to a batch of replies, not once per reply.
+    fn tx_push(&mut self, msg: &[u8]) -> Result<(), crate::shm::ring::RingError> {
+        if self.hot {
+            self.tx.push_quiet(msg)?;
+            self.ring_due = true;
+            Ok(())
+        } else {
+            self.tx.push(msg)
+        }
+    }
+
+    /// Rings the peer's doorbell for what was pushed quietly, if it sleeps.
+    pub fn ring_if_due(&mut self) {
+        if self.ring_due {
+            self.ring_due = false;
+            self.tx.ring_if_wanted();
         }
     }
 
@@ -199,7 +224,7 @@ impl LocalConn {
     fn send(&mut self, m: &Msg, inline: &[u8]) -> bool {
         let mut buf = [0u8; SLOT_PAYLOAD];
         let n = m.encode(inline, &mut buf);
-        self.tx.push(&buf[..n]).is_ok()
+        self.tx_push(&buf[..n]).is_ok()
     }
 
     /// Queues one request; `false` if there is no room now (retry later).
@@ -265,9 +290,16 @@ impl LocalConn {
         };
         let mut buf = [0u8; SLOT_PAYLOAD];
         let n = m.encode(inline, &mut buf);
-        if self.tx.push(&buf[..n]).is_err() {
+        // (tx_push's work, by field: `entry` holds `pending` borrowed.)
+        let pushed = if self.hot {
+            self.tx.push_quiet(&buf[..n])
+        } else {
+            self.tx.push(&buf[..n])
+        };
+        if pushed.is_err() {
             return false;
         }
+        self.ring_due |= self.hot;
         entry.insert(Pending {
             slot,
             kind,
@@ -335,6 +367,8 @@ impl LocalConn {
         let mut m = Msg::new(MsgKind::Close);
         m.conn = self.peer_conn;
         let _ = self.send(&m, &[]);
+        // The connection goes now: no end of pass rings for it.
+        self.ring_if_due();
     }
 
     pub fn fail_pending(&mut self, err: &Error, sink: &mut impl Sink) {
@@ -353,10 +387,17 @@ impl LocalConn {
         sink: &mut impl Sink,
     ) -> Result<usize, String> {
         let mut work = 0;
+        let hot = self.hot;
         while let Some((buf, n)) = self.outbox.front() {
-            if self.tx.push(&buf[..*n]).is_err() {
+            let pushed = if hot {
+                self.tx.push_quiet(&buf[..*n])
+            } else {
+                self.tx.push(&buf[..*n])
+            };
+            if pushed.is_err() {
                 break;
             }
+            self.ring_due |= hot;
             self.outbox.pop_front();
             work += 1;
         }
@@ -387,7 +428,7 @@ impl LocalConn {
         self.peer_owed -= 1;
         let mut buf = [0u8; SLOT_PAYLOAD];
         let n = m.encode(inline, &mut buf);
-        if self.outbox.is_empty() && self.tx.push(&buf[..n]).is_ok() {
+        if self.outbox.is_empty() && self.tx_push(&buf[..n]).is_ok() {
             return;
         }
         // Room is guaranteed: the peer keeps at most peer_max requests out.

@@ -239,6 +239,23 @@ impl ShmRing {
         Ok(())
     }
 
+    /// Appends one message without ringing: the caller rings with
+    /// `ring_if_wanted` once it has pushed what it has (one wake-up for a
+    /// pass's messages instead of one at the first of them).
+    pub fn push_quiet(&self, msg: &[u8]) -> std::result::Result<(), RingError> {
+        self.ring.push(msg)
+    }
+
+    /// Rings the consumer's doorbell if it stopped polling the ring (after
+    /// `push_quiet`; a look at one flag when it polls).
+    pub fn ring_if_wanted(&self) {
+        if let Some(b) = &self.bell {
+            if let Some(bit) = self.ring.bell_wanted() {
+                b.ring(bit);
+            }
+        }
+    }
+
     pub fn owner_pid(&self) -> u32 {
         self.ring
             .header()
