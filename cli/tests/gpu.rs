@@ -644,18 +644,14 @@ fn gpu_allocation_says_why_without_a_driver() {
     }
 }
 
-/// GPU memory that CUDA cannot export over IPC (a stream-ordered pool's,
-/// `cuMemAllocAsync`) still moves over tcp: nothing is exported for a
-/// connection that is not same-host.
-#[test]
-#[ignore = "needs an NVIDIA GPU (cargo test --test gpu -- --ignored)"]
-fn pool_memory_that_cannot_be_exported_moves_over_tcp() {
-    use cudarc::driver::sys as cu;
+/// A target serving `bytes` of GPU memory (its GPU: the peer GPU) over
+/// tcp only, and a client endpoint on GPU 0 connected to it.
+fn tcp_gpu_pair(bytes: usize) -> (Target, Endpoint, ConnId) {
     let n = gpus();
     let g = peer_gpu(n).to_string();
     let target = Target::start_with(
         Path::TcpEpoll,
-        8 << 20,
+        bytes,
         &[("FERRY_TRANSPORT", "tcp")],
         &["--gpu", &g],
     );
@@ -663,6 +659,17 @@ fn pool_memory_that_cannot_be_exported_moves_over_tcp() {
     c.transport = Transport::Tcp;
     let ep = Endpoint::builder().config(c).build().unwrap();
     let conn = ep.add_remote(&target.served.meta).unwrap();
+    (target, ep, conn)
+}
+
+/// GPU memory that CUDA cannot export over IPC (a stream-ordered pool's,
+/// `cuMemAllocAsync`) still moves over tcp: nothing is exported for a
+/// connection that is not same-host.
+#[test]
+#[ignore = "needs an NVIDIA GPU (cargo test --test gpu -- --ignored)"]
+fn pool_memory_that_cannot_be_exported_moves_over_tcp() {
+    use cudarc::driver::sys as cu;
+    let (target, ep, conn) = tcp_gpu_pair(8 << 20);
     let len = 8usize << 20;
     let dev = &ferry::gpu::cuda().unwrap().devices[0];
     let mut ptr: cu::CUdeviceptr = 0;
@@ -736,18 +743,7 @@ fn rdma_write_flush_runs_on_registered_gpus() {
 #[test]
 #[ignore = "needs an NVIDIA GPU (cargo test --test gpu -- --ignored)"]
 fn many_small_gpu_ops_over_tcp_are_byte_exact_at_odd_offsets() {
-    let n = gpus();
-    let g = peer_gpu(n).to_string();
-    let target = Target::start_with(
-        Path::TcpEpoll,
-        64 << 20,
-        &[("FERRY_TRANSPORT", "tcp")],
-        &["--gpu", &g],
-    );
-    let mut c = cfg(0);
-    c.transport = Transport::Tcp;
-    let ep = Endpoint::builder().config(c).build().unwrap();
-    let conn = ep.add_remote(&target.served.meta).unwrap();
+    let (target, ep, conn) = tcp_gpu_pair(64 << 20);
     let grb = target.served.gpu_rbuf.expect("GRBUF");
     let gpu = ep.alloc_gpu(16 << 20).unwrap();
     let lens = [

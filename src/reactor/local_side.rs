@@ -595,7 +595,10 @@ mod tests {
         }
         assert!(!readable(fd, 20), "woken before the end of the pass");
         peers[1].ring_if_due();
-        assert!(readable(fd, 5000), "the end of the pass did not wake the sleeper");
+        assert!(
+            readable(fd, 5000),
+            "the end of the pass did not wake the sleeper"
+        );
         side.park_end();
         side.poll(&mut cx);
         for k in 0..3u8 {
