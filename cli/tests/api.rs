@@ -417,13 +417,16 @@ fn a_peer_declaring_huge_limits_gets_ours() {
     use ferry::wire::{DataHeader, DataKind};
     let (addr, server) = raw_peer(1 << 20, |mut s| {
         // Nine READs of 8 bytes under a key that does not exist, and never
-        // a read of the answers.
+        // a read of the answers. One write: the nine arrive together, so
+        // the shard holds all of them at once however busy the machine is
+        // (written one by one, a slow shard could answer each before the
+        // next came, and the limit was never crossed).
+        let mut all = Vec::new();
         for op in 0..9u64 {
             let h = DataHeader::request(DataKind::ReadReq, 1, 0, op, 0x1000, 8);
-            if s.write_all(&h.encode()).is_err() {
-                break;
-            }
+            all.extend_from_slice(&h.encode());
         }
+        let _ = s.write_all(&all);
         std::thread::sleep(Duration::from_secs(2));
     });
     let ep = Endpoint::builder()
