@@ -334,9 +334,8 @@ impl Endpoint {
         let mut shards = Vec::new();
         let mut handles = Vec::new();
         let shares = Arc::new(crate::shm::peers::PeerShares::default());
-        let local_bell: Vec<bool> = (0..cfg.shards)
-            .map(|i| local_bells.get(i).is_some_and(Option::is_some))
-            .collect();
+        // Empty without same-host support: no shard has a doorbell.
+        let local_bell: Vec<bool> = local_bells.iter().map(Option::is_some).collect();
         let mut local_bells = local_bells.into_iter();
         for i in 0..cfg.shards {
             let init = crate::reactor::LocalInit {

@@ -64,10 +64,9 @@ pub(crate) struct Copier<E> {
     sizes: Vec<usize>,
     /// Whether every staged copy may run in the gather kernel.
     all_kernel_ok: bool,
-    /// The gather kernel, loaded on first use (None after a failed load:
-    /// `gather_failed`).
+    /// The gather kernel, loaded on first use (after a failed load `choice`
+    /// never picks it again).
     gather: Option<Gather>,
-    gather_failed: bool,
     inflight: VecDeque<InFlight<E>>,
     /// Batches of small copies among `inflight`.
     batches: usize,
@@ -110,7 +109,6 @@ impl<E> Copier<E> {
             sizes: Vec::with_capacity(MAX_BATCH),
             all_kernel_ok: true,
             gather: None,
-            gather_failed: false,
             inflight: VecDeque::with_capacity(64),
             batches: 0,
             spare: Vec::new(),
@@ -259,13 +257,15 @@ impl<E> Copier<E> {
                 Some(Way::Kernel) => self.gather_slot(),
                 _ => None,
             };
-            f.timed = match (way, slot) {
-                (Some(Way::Kernel), Some(_)) => Some((Instant::now(), count, Way::Kernel)),
-                (Some(_), _) => Some((Instant::now(), count, Way::Engine)),
-                (None, _) => None,
+            // Measured the way it really went (no slot: the engine).
+            let went = if slot.is_some() {
+                Way::Kernel
+            } else {
+                Way::Engine
             };
+            f.timed = way.map(|_| (Instant::now(), count, went));
+            f.slot = slot;
             if let Some(slot) = slot {
-                f.slot = Some(slot);
                 let g = self.gather.as_mut().expect("a slot came from it");
                 // SAFETY: every range is device or cuMemHostAlloc memory
                 // (`kernel_ok` at staging) valid until its entry returns;
@@ -312,17 +312,14 @@ impl<E> Copier<E> {
         self.launched(f, r)
     }
 
-    /// A descriptor slot of the gather kernel, loading it on first use in
-    /// the current context (this copier's); None if it cannot load here
-    /// (said once) or every slot is in use.
+    /// A descriptor slot of the gather kernel, loading it on first use on
+    /// this copier's device; None if it cannot load here (said once; then
+    /// `choice` never asks again) or every slot is in use.
     fn gather_slot(&mut self) -> Option<usize> {
-        if self.gather.is_none() && !self.gather_failed {
-            // Never tried again after a failure: `Choice` stays on the
-            // copy engine.
-            match Gather::load(BATCHES_IN_FLIGHT + 2, MAX_BATCH) {
+        if self.gather.is_none() {
+            match Gather::load(self.ordinal, BATCHES_IN_FLIGHT + 2, MAX_BATCH) {
                 Ok(g) => self.gather = Some(g),
                 Err(e) => {
-                    self.gather_failed = true;
                     self.choice.no_kernel();
                     tracing::warn!(
                         gpu = self.ordinal,

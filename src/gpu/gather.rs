@@ -24,7 +24,7 @@
 
 use cudarc::driver::sys as cu;
 
-use super::driver::check;
+use super::driver::{check, cuda};
 use super::memory::PinnedBuf;
 use crate::error::Result;
 
@@ -120,20 +120,13 @@ pub(crate) struct Gather {
 unsafe impl Send for Gather {}
 
 impl Gather {
-    /// Loads the kernel into the current context (the caller makes its
-    /// device's context current) with `slots` (≤ 32) slots of `per_slot`
-    /// descriptors.
-    pub fn load(slots: usize, per_slot: usize) -> Result<Self> {
+    /// Loads the kernel into device `ordinal`'s context (left current)
+    /// with `slots` (≤ 32) slots of `per_slot` descriptors.
+    pub fn load(ordinal: i32, slots: usize, per_slot: usize) -> Result<Self> {
         let slots = slots.clamp(1, 32);
-        // Allocated first: PinnedBuf::new makes device 0's context current,
-        // so the caller's context is made current again below.
-        let mut cur: cu::CUcontext = std::ptr::null_mut();
-        // SAFETY: writes one context pointer.
-        check("cuCtxGetCurrent", unsafe { cu::cuCtxGetCurrent(&mut cur) })?;
+        // Allocated first: PinnedBuf::new makes device 0's context current.
         let descs = PinnedBuf::new(slots * per_slot * DESC_BYTES)?;
-        // SAFETY: the context current on entry, still alive (retained by
-        // the driver wrapper for the process's lifetime).
-        check("cuCtxSetCurrent", unsafe { cu::cuCtxSetCurrent(cur) })?;
+        cuda()?.make_current(ordinal)?;
         let mut module: cu::CUmodule = std::ptr::null_mut();
         // SAFETY: a NUL-terminated PTX image, read during the call.
         check("cuModuleLoadData", unsafe {
@@ -196,6 +189,7 @@ impl Gather {
         sizes: &[usize],
         stream: cu::CUstream,
     ) -> Result<()> {
+        debug_assert!(sizes.len() <= self.per_slot, "the caller checks the count");
         let n = sizes.len().min(self.per_slot);
         let base = (slot * self.per_slot * DESC_BYTES) as u64;
         // SAFETY: the slot's part of our pinned buffer; no launch reads it

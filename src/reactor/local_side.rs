@@ -1,8 +1,8 @@
 //! A shard's same-host connections as an event source: each connection's
 //! pair of shared-memory rings, the endpoint's accept ring and fd-passing
 //! socket (on shard 0, which owns them), and this shard's copy of the
-//! peers' memfd memory mapped here (`shm/peers.rs`). Rings cannot wake an epoll wait, so this source bounds how long
-//! the shard may sleep.
+//! peers' memfd memory mapped here (`shm/peers.rs`). Rings cannot wake an
+//! epoll wait, so this source bounds how long the shard may sleep.
 //!
 //! Rings are polled, so a pass would cost every connection something;
 //! instead only the hot ones (with anything under way, or traffic in the

@@ -119,6 +119,26 @@ pub(crate) unsafe fn copy_bytes(dst: *mut u8, src: *const u8, len: usize) {
     unsafe { std::ptr::copy_nonoverlapping(src.add(off), dst.add(off), len - off) };
 }
 
+/// Pushes `msg` into the peer's ring `tx`. While the shard polls the
+/// connection every pass (`hot`), the peer's doorbell is rung once at the
+/// end of the pass (`LocalConn::ring_if_due`, for all the pass pushed;
+/// `due` records that one is owed): a sleeping peer then wakes once to a
+/// batch of replies, not once per reply. Otherwise it rings now.
+fn push_to(
+    tx: &ShmRing,
+    hot: bool,
+    due: &mut bool,
+    msg: &[u8],
+) -> Result<(), crate::shm::ring::RingError> {
+    if hot {
+        tx.push_quiet(msg)?;
+        *due = true;
+        Ok(())
+    } else {
+        tx.push(msg)
+    }
+}
+
 /// How the protocol reaches a peer process's memory that is not mapped
 /// here. The driver's is `Cma` (`process_vm_readv/writev`, a syscall); a
 /// test can stand in for it, so the protocol runs without one.
@@ -162,18 +182,8 @@ impl LocalConn {
         }
     }
 
-    /// Pushes into the peer's ring. While the shard polls this connection
-    /// every pass (`hot`), the peer's doorbell is rung once at the end of
-    /// the pass (`ring_if_due`, for all that the pass pushed): a sleeping
-    /// peer then wakes once to a batch of replies, not once per reply.
     fn tx_push(&mut self, msg: &[u8]) -> Result<(), crate::shm::ring::RingError> {
-        if self.hot {
-            self.tx.push_quiet(msg)?;
-            self.ring_due = true;
-            Ok(())
-        } else {
-            self.tx.push(msg)
-        }
+        push_to(&self.tx, self.hot, &mut self.ring_due, msg)
     }
 
     /// Rings the peer's doorbell for what was pushed quietly, if it sleeps.
@@ -290,16 +300,10 @@ impl LocalConn {
         };
         let mut buf = [0u8; SLOT_PAYLOAD];
         let n = m.encode(inline, &mut buf);
-        // (tx_push's work, by field: `entry` holds `pending` borrowed.)
-        let pushed = if self.hot {
-            self.tx.push_quiet(&buf[..n])
-        } else {
-            self.tx.push(&buf[..n])
-        };
-        if pushed.is_err() {
+        // By field, not `tx_push`: `entry` holds `pending` borrowed.
+        if push_to(&self.tx, self.hot, &mut self.ring_due, &buf[..n]).is_err() {
             return false;
         }
-        self.ring_due |= self.hot;
         entry.insert(Pending {
             slot,
             kind,
@@ -387,17 +391,10 @@ impl LocalConn {
         sink: &mut impl Sink,
     ) -> Result<usize, String> {
         let mut work = 0;
-        let hot = self.hot;
         while let Some((buf, n)) = self.outbox.front() {
-            let pushed = if hot {
-                self.tx.push_quiet(&buf[..*n])
-            } else {
-                self.tx.push(&buf[..*n])
-            };
-            if pushed.is_err() {
+            if push_to(&self.tx, self.hot, &mut self.ring_due, &buf[..*n]).is_err() {
                 break;
             }
-            self.ring_due |= hot;
             self.outbox.pop_front();
             work += 1;
         }

@@ -230,12 +230,8 @@ impl ShmRing {
     /// Appends one message and, if the consumer stopped polling the ring,
     /// rings its doorbell.
     pub fn push(&self, msg: &[u8]) -> std::result::Result<(), RingError> {
-        self.ring.push(msg)?;
-        if let Some(b) = &self.bell {
-            if let Some(bit) = self.ring.bell_wanted() {
-                b.ring(bit);
-            }
-        }
+        self.push_quiet(msg)?;
+        self.ring_if_wanted();
         Ok(())
     }
 
