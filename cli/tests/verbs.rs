@@ -290,8 +290,10 @@ fn softverbs_wrs(dev: &str) -> Option<u64> {
     Some(f(name.as_ptr()))
 }
 
+/// Counts the work requests the whole process posts per NIC: run alone
+/// (tools/softverbs/test does), or tests beside it add to the counts.
 #[test]
-#[ignore = "needs an RDMA NIC or the software NIC (tools/softverbs/test)"]
+#[ignore = "needs an RDMA NIC or the software NIC; alone (tools/softverbs/test)"]
 fn queue_pairs_are_striped_over_every_nic() {
     let (t, ep, conn) = verbs_pair(64 * MIB, &[]);
     let nics = ep.verbs_status().expect("verbs is on").to_vec();
