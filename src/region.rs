@@ -241,6 +241,10 @@ impl Grant {
 #[derive(Default)]
 pub(crate) struct RegionTable {
     by_key: IntMap<u32, Grant>,
+    /// Allocations of IPC-exported GPU memory this endpoint deregistered,
+    /// which the shard has yet to tell its same-host peers about (filled
+    /// by `RegionCmd::RevokeIpc`, drained by the shard after each update).
+    pub ipc_revoked: Vec<u64>,
 }
 
 impl RegionTable {

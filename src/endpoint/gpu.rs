@@ -4,13 +4,11 @@
 
 use std::sync::Arc;
 
-use tracing::warn;
-
 use super::{Endpoint, Inner, MemoryRegion, Peer};
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::gpu::memory::{DeviceBuf, PinnedBuf};
 use crate::gpu::{IpcStats, MemKind};
-use crate::reactor::{Command, IpcCmd, IpcDesc, IpcParts, Transfer};
+use crate::reactor::{Command, IpcCmd, IpcDesc, IpcParts, RegionCmd, Transfer};
 use crate::region::{Access, Backing};
 use crate::wire::IpcBuf;
 
@@ -211,13 +209,9 @@ impl Inner {
     pub(crate) fn revoke_ipc(self: &Arc<Self>, mem: MemKind) {
         if let MemKind::Device { alloc_base, .. } = mem {
             // Same-host connections live on every shard: each tells its own.
+            // (A shard that is gone has no connections left to tell.)
             for s in &self.shards {
-                if s.submit(Command::RevokeIpc { alloc_base }).is_err() {
-                    warn!(
-                        shard = s.id,
-                        "IPC revocation not sent: the shard's queue is full"
-                    );
-                }
+                let _ = s.region(RegionCmd::RevokeIpc(alloc_base));
             }
         }
     }

@@ -38,21 +38,86 @@ struct Mapping {
     base: u64,
     /// Copies using it now.
     users: u32,
-    /// The owner revoked it: close once `users` is 0.
-    revoked: bool,
+    /// The handle it was opened from. An owner may free an allocation and
+    /// get a new one at the same base; if its revocation never reached us
+    /// (a ring that stayed full), the handle differs, and the old mapping
+    /// must not serve the new allocation.
+    handle: [u8; 64],
+    /// Tells this mapping from a later one of the same key.
+    id: u64,
+}
+
+/// What a copy holds while it uses a mapping: release it when it ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct MapTicket {
+    key: MapKey,
+    id: u64,
+}
+
+/// Opens and closes other processes' handles: the CUDA driver (`Driver`),
+/// or, in the cache's own tests, a record of the calls.
+pub(crate) trait Handles {
+    /// Maps the allocation behind `handle`; its base in this process.
+    fn open(&mut self, handle: &[u8; 64]) -> Result<u64>;
+    fn close(&mut self, base: u64);
+}
+
+/// The CUDA driver's IPC calls (the current context's device).
+pub(crate) struct Driver;
+
+impl Handles for Driver {
+    fn open(&mut self, handle: &[u8; 64]) -> Result<u64> {
+        let h = cu::CUipcMemHandle {
+            reserved: handle.map(|x| x as _),
+        };
+        let mut base: cu::CUdeviceptr = 0;
+        // SAFETY: opens a handle another process exported; the cache
+        // closes the mapping exactly once (revoke/retire/drop).
+        check("cuIpcOpenMemHandle", unsafe {
+            cu::cuIpcOpenMemHandle_v2(
+                &mut base,
+                h,
+                cu::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        })?;
+        Ok(base)
+    }
+
+    fn close(&mut self, base: u64) {
+        // SAFETY: `base` came from cuIpcOpenMemHandle and no copy uses it.
+        let r = unsafe { cu::cuIpcCloseMemHandle(base) };
+        if let Err(e) = check("cuIpcCloseMemHandle", r) {
+            tracing::warn!("closing IPC mapping {base:#x}: {e}");
+        }
+    }
 }
 
 /// One shard's opened handles.
-pub(crate) struct IpcCache {
+pub(crate) struct IpcCache<H: Handles = Driver> {
+    handles: H,
     maps: HashMap<MapKey, Mapping>,
+    /// Mappings replaced while copies still used them (revoked, or their
+    /// key found with a new handle): closed when their last copy ends.
+    /// At most one per copy in flight.
+    retired: Vec<Mapping>,
+    next_id: u64,
     counters: std::sync::Arc<IpcCounters>,
     my_pid: u32,
 }
 
-impl IpcCache {
+impl IpcCache<Driver> {
     pub fn new(counters: std::sync::Arc<IpcCounters>) -> Self {
+        Self::with_handles(Driver, counters)
+    }
+}
+
+impl<H: Handles> IpcCache<H> {
+    pub fn with_handles(handles: H, counters: std::sync::Arc<IpcCounters>) -> Self {
         Self {
+            handles,
             maps: HashMap::new(),
+            retired: Vec::new(),
+            next_id: 0,
             counters,
             my_pid: std::process::id(),
         }
@@ -62,58 +127,49 @@ impl IpcCache {
     /// release after the copy (`None` for memory of this same process,
     /// which needs no handle: CUDA refuses to open a process's own handles).
     /// `ordinal`'s context must be current.
-    pub fn acquire(&mut self, b: &IpcBuf) -> Result<(u64, Option<MapKey>)> {
+    pub fn acquire(&mut self, b: &IpcBuf) -> Result<(u64, Option<MapTicket>)> {
         if b.owner_pid == self.my_pid {
             self.counters.same_process.fetch_add(1, Ordering::Relaxed);
             return Ok((b.alloc_base + b.offset, None));
         }
         let key = (b.owner_id, b.alloc_base);
         if let Some(m) = self.maps.get_mut(&key) {
-            if !m.revoked {
+            if m.handle == b.handle {
                 m.users += 1;
                 self.counters.hits.fetch_add(1, Ordering::Relaxed);
-                return Ok((m.base + b.offset, Some(key)));
+                return Ok((m.base + b.offset, Some(MapTicket { key, id: m.id })));
             }
+            // Revoked, or a new allocation at the same base: retire the old
+            // mapping before opening the new one.
+            let old = self.maps.remove(&key).expect("present");
+            self.retire(old);
         }
-        let h = cu::CUipcMemHandle {
-            reserved: b.handle.map(|x| x as _),
-        };
-        let mut base: cu::CUdeviceptr = 0;
-        // SAFETY: opens a handle another process exported; the mapping is
-        // closed exactly once (release/revoke/drop).
-        check("cuIpcOpenMemHandle", unsafe {
-            cu::cuIpcOpenMemHandle_v2(
-                &mut base,
-                h,
-                cu::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-            )
-        })?;
+        let base = self.handles.open(&b.handle)?;
         self.counters.opens.fetch_add(1, Ordering::Relaxed);
-        if let Some(old) = self.maps.insert(
+        let id = self.next_id;
+        self.next_id += 1;
+        self.maps.insert(
             key,
             Mapping {
                 base,
                 users: 1,
-                revoked: false,
+                handle: b.handle,
+                id,
             },
-        ) {
-            // A revoked mapping still in use: it is closed when its last
-            // copy ends, and must not be found again, so close it now if
-            // idle. (Busy revoked mappings of the same key cannot occur
-            // twice: keys are owner allocations.)
-            if old.users == 0 {
-                self.close(old.base);
-            }
-        }
-        Ok((base + b.offset, Some(key)))
+        );
+        Ok((base + b.offset, Some(MapTicket { key, id })))
     }
 
-    /// A copy that used `key` ended.
-    pub fn release(&mut self, key: MapKey) {
-        if let Some(m) = self.maps.get_mut(&key) {
+    /// A copy that used `t` ended.
+    pub fn release(&mut self, t: MapTicket) {
+        if let Some(m) = self.maps.get_mut(&t.key).filter(|m| m.id == t.id) {
+            // Kept open for the next copy until revoked.
             m.users = m.users.saturating_sub(1);
-            if m.revoked && m.users == 0 {
-                let m = self.maps.remove(&key).expect("present");
+        } else if let Some(i) = self.retired.iter().position(|m| m.id == t.id) {
+            let m = &mut self.retired[i];
+            m.users = m.users.saturating_sub(1);
+            if m.users == 0 {
+                let m = self.retired.swap_remove(i);
                 self.close(m.base);
             }
         }
@@ -132,30 +188,155 @@ impl IpcCache {
     fn revoke_where(&mut self, pred: impl Fn(&MapKey) -> bool) {
         let keys: Vec<MapKey> = self.maps.keys().filter(|k| pred(k)).copied().collect();
         for k in keys {
-            let m = self.maps.get_mut(&k).expect("present");
-            m.revoked = true;
-            if m.users == 0 {
-                let m = self.maps.remove(&k).expect("present");
-                self.close(m.base);
-            }
+            let m = self.maps.remove(&k).expect("present");
+            self.retire(m);
         }
     }
 
-    fn close(&self, base: u64) {
-        // SAFETY: `base` came from cuIpcOpenMemHandle and no copy uses it.
-        let r = unsafe { cu::cuIpcCloseMemHandle(base) };
-        if let Err(e) = check("cuIpcCloseMemHandle", r) {
-            tracing::warn!("closing IPC mapping {base:#x}: {e}");
+    /// Closes a mapping no new copy may use: now if idle, else when its
+    /// last copy ends.
+    fn retire(&mut self, m: Mapping) {
+        if m.users == 0 {
+            self.close(m.base);
+        } else {
+            self.retired.push(m);
         }
+    }
+
+    /// Mappings open now (current and retired-but-busy).
+    #[cfg(test)]
+    fn open_count(&self) -> usize {
+        self.maps.len() + self.retired.len()
+    }
+
+    fn close(&mut self, base: u64) {
+        self.handles.close(base);
         self.counters.closes.fetch_add(1, Ordering::Relaxed);
     }
 }
 
-impl Drop for IpcCache {
+impl<H: Handles> Drop for IpcCache<H> {
     fn drop(&mut self) {
-        let bases: Vec<u64> = self.maps.drain().map(|(_, m)| m.base).collect();
+        let mut bases: Vec<u64> = self.maps.drain().map(|(_, m)| m.base).collect();
+        bases.extend(self.retired.drain(..).map(|m| m.base));
         for b in bases {
             self.close(b);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records what the cache opens and closes; each open maps a new base.
+    #[derive(Default)]
+    struct Record {
+        open: Vec<(u64, [u8; 64])>,
+        closed: Vec<u64>,
+        next: u64,
+    }
+
+    impl Handles for &mut Record {
+        fn open(&mut self, handle: &[u8; 64]) -> Result<u64> {
+            self.next += 0x1_0000;
+            self.open.push((self.next, *handle));
+            Ok(self.next)
+        }
+        fn close(&mut self, base: u64) {
+            assert!(
+                self.open.iter().any(|(b, _)| *b == base),
+                "closed {base:#x}, never opened"
+            );
+            assert!(!self.closed.contains(&base), "closed {base:#x} twice");
+            self.closed.push(base);
+        }
+    }
+
+    fn buf(owner: u64, base: u64, offset: u64, handle_byte: u8) -> IpcBuf {
+        IpcBuf {
+            owner_id: owner,
+            owner_pid: std::process::id() + 1,
+            alloc_base: base,
+            offset,
+            len: 8,
+            handle: [handle_byte; 64],
+            device: 0,
+            host_token: 0,
+            alloc_id: 0,
+            alloc_len: 0,
+        }
+    }
+
+    #[test]
+    fn a_mapping_is_reused_until_revoked_and_closed_once_idle() {
+        let mut rec = Record::default();
+        let mut c = IpcCache::with_handles(&mut rec, Default::default());
+        let (a, ta) = c.acquire(&buf(1, 0x7000, 16, 1)).unwrap();
+        let (b, tb) = c.acquire(&buf(1, 0x7000, 32, 1)).unwrap();
+        assert_eq!(b - a, 16, "one mapping serves both offsets");
+        c.release(ta.unwrap());
+        c.revoke(1, 0x7000);
+        assert_eq!(c.open_count(), 1, "still used by the second copy");
+        c.release(tb.unwrap());
+        assert_eq!(c.open_count(), 0);
+        // A revoked key opens afresh.
+        let (_, t) = c.acquire(&buf(1, 0x7000, 0, 1)).unwrap();
+        c.release(t.unwrap());
+        drop(c);
+        assert_eq!(rec.open.len(), 2);
+        assert_eq!(rec.closed.len(), 2, "drop closes the cached mapping");
+    }
+
+    #[test]
+    fn a_new_allocation_at_the_same_base_is_never_served_by_the_old_mapping() {
+        // The owner freed its allocation and got a new one at the same
+        // base, and its revocation was lost: the handle tells them apart.
+        let mut rec = Record::default();
+        let mut c = IpcCache::with_handles(&mut rec, Default::default());
+        let (old, t_old) = c.acquire(&buf(1, 0x7000, 0, 1)).unwrap();
+        let (new, t_new) = c.acquire(&buf(1, 0x7000, 0, 2)).unwrap();
+        assert_ne!(old, new, "the new handle got its own mapping");
+        assert_eq!(c.open_count(), 2, "the old one waits for its copy");
+        // Releasing the old copy closes the old mapping, not the new one.
+        c.release(t_old.unwrap());
+        assert_eq!(c.open_count(), 1);
+        let (again, t) = c.acquire(&buf(1, 0x7000, 0, 2)).unwrap();
+        assert_eq!(again, new);
+        c.release(t.unwrap());
+        c.release(t_new.unwrap());
+        drop(c);
+        assert_eq!(rec.closed, vec![old, new]);
+    }
+
+    #[test]
+    fn a_revoked_busy_mapping_replaced_by_a_new_one_keeps_both_counts_apart() {
+        let mut rec = Record::default();
+        let mut c = IpcCache::with_handles(&mut rec, Default::default());
+        let (old, t_old) = c.acquire(&buf(1, 0x7000, 0, 1)).unwrap();
+        c.revoke(1, 0x7000);
+        let (new, t_new) = c.acquire(&buf(1, 0x7000, 0, 1)).unwrap();
+        assert_ne!(old, new);
+        // The new mapping stays open after the old copy's release, and the
+        // old one closes then.
+        c.release(t_old.unwrap());
+        assert_eq!(c.open_count(), 1);
+        c.revoke_owner(1);
+        assert_eq!(c.open_count(), 1, "the new copy still runs");
+        c.release(t_new.unwrap());
+        assert_eq!(c.open_count(), 0);
+        drop(c);
+        assert_eq!(rec.closed, vec![old, new]);
+    }
+
+    #[test]
+    fn own_process_memory_needs_no_handle() {
+        let mut rec = Record::default();
+        let mut c = IpcCache::with_handles(&mut rec, Default::default());
+        let mut b = buf(1, 0x7000, 8, 1);
+        b.owner_pid = std::process::id();
+        assert_eq!(c.acquire(&b).unwrap(), (0x7008, None));
+        drop(c);
+        assert!(rec.open.is_empty());
     }
 }

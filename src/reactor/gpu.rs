@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use super::queue::{IpcCmd, IpcDesc, IpcParts};
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::gpu::copy::Copier;
-use crate::gpu::ipc::{IpcCache, IpcCounters, MapKey};
+use crate::gpu::ipc::{IpcCache, IpcCounters, MapTicket};
 use crate::gpu::MemKind;
 use crate::region::{KeyRef, Region, RegionSlice};
 use crate::wire::{IpcBuf, Status};
@@ -28,7 +28,7 @@ pub(crate) type Replies = Vec<(ConnId, u64, bool, Status)>;
 /// back untouched).
 pub(crate) struct Entry {
     pub then: Then,
-    pub mapping: Option<MapKey>,
+    pub mapping: Option<MapTicket>,
     /// Alive until the copy ends (deregistration waits for it).
     pub keep: Option<Arc<Region>>,
     /// The copy's other side, when it is a region too; held, never read.
@@ -283,7 +283,7 @@ impl GpuWork {
         }
     }
 
-    fn acquire(&mut self, ordinal: i32, b: &IpcBuf) -> Result<(u64, Option<MapKey>)> {
+    fn acquire(&mut self, ordinal: i32, b: &IpcBuf) -> Result<(u64, Option<MapTicket>)> {
         crate::gpu::cuda()?.make_current(ordinal)?;
         self.cache.acquire(b)
     }

@@ -217,6 +217,22 @@ impl LocalSide {
 
     /// Polls connection `idx` every pass from now on (the shard calls it
     /// after queueing messages on it).
+    /// Tells every connection's peer to close its mappings of our
+    /// allocation at `alloc_base`; one that must wait for ring room is
+    /// kept hot (polled) until it sent it.
+    pub fn revoke_ipc(&mut self, alloc_base: u64) {
+        let mut owing = Vec::new();
+        for (i, lc) in self.conns.iter_mut() {
+            lc.push_ipc_revoke(alloc_base);
+            if lc.owes_revokes() {
+                owing.push(i);
+            }
+        }
+        for i in owing {
+            self.heat(i);
+        }
+    }
+
     pub fn heat(&mut self, idx: usize) {
         if let Some(lc) = self.conns.get_mut(idx) {
             lc.quiet_passes = 0;
@@ -373,6 +389,9 @@ impl Source for LocalSide {
                 if lc.needs_polling() {
                     return Park::No;
                 }
+                if lc.owes_revokes() {
+                    park = park.and(Park::Within(LOCAL_PARK));
+                }
                 if lc.bell_bit.is_none() {
                     park = Park::Within(LOCAL_PARK);
                 }
@@ -386,7 +405,7 @@ impl Source for LocalSide {
         if self
             .hot
             .iter()
-            .any(|&i| self.conns.get(i).is_some_and(|c| c.busy()))
+            .any(|&i| self.conns.get(i).is_some_and(|c| c.busy_with_ops()))
         {
             // Replies arrive on rings, which cannot wake an epoll wait.
             Park::No

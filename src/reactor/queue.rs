@@ -107,11 +107,6 @@ pub(crate) struct IpcCmd {
 pub(crate) enum Command {
     Op(OpCmd),
     Ipc(IpcCmd),
-    /// This endpoint deregistered IPC-exported GPU memory: tell every
-    /// same-host peer to close its mapping of that allocation.
-    RevokeIpc {
-        alloc_base: u64,
-    },
     AddConn {
         /// The shard's id for it ...
         conn: ConnId,
@@ -162,6 +157,11 @@ pub(crate) enum RegionCmd {
         grant: crate::region::Grant,
     },
     Remove(u32),
+    /// This endpoint deregistered IPC-exported GPU memory: same-host peers
+    /// must close their mappings of the allocation at this base. On this
+    /// channel, not the bounded command queue, so it is never refused:
+    /// one per deregistration, so the application's calls bound them.
+    RevokeIpc(u64),
 }
 
 /// Set by a shard before it sleeps, so submitters know to wake it.

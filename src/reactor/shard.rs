@@ -323,12 +323,19 @@ impl Shard {
     /// Runs one pass of the loop; returns how much work it found (0: idle).
     pub fn poll(&mut self) -> usize {
         let mut work = apply_region_updates(&mut self.regions, &self.region_rx);
+        if !self.regions.ipc_revoked.is_empty() {
+            self.send_ipc_revocations();
+        }
         work += self.drain_commands();
         if let Some(g) = &mut self.gpu {
             g.flush();
             g.drain_into(&mut self.ledger.done, &mut self.gpu_replies);
         }
         work += self.poll_sources();
+        // Revocations a lazy region lookup picked up during the pass.
+        if !self.regions.ipc_revoked.is_empty() {
+            self.send_ipc_revocations();
+        }
         // One doorbell ring per peer for all this pass pushed to it.
         self.local.ring_due();
         self.iter = self.iter.wrapping_add(1);
@@ -336,6 +343,14 @@ impl Shard {
             self.check_timeouts(Instant::now());
         }
         work + self.publish()
+    }
+
+    /// Tells every same-host peer of this shard to close its mappings of
+    /// the IPC-exported allocations this endpoint deregistered.
+    fn send_ipc_revocations(&mut self) {
+        for base in std::mem::take(&mut self.regions.ipc_revoked) {
+            self.local.revoke_ipc(base);
+        }
     }
 
     /// One pass over every event source, and the glue between them.
@@ -568,14 +583,6 @@ impl Shard {
             }
             Command::CopySlice(s) => {
                 s.run();
-                None
-            }
-            Command::RevokeIpc { alloc_base } => {
-                for (_, lc) in self.local.conns.iter_mut() {
-                    if !lc.push_ipc_revoke(alloc_base) {
-                        warn!(shard = self.id, conn = %lc.id, "IPC revocation dropped: ring full");
-                    }
-                }
                 None
             }
             Command::AddConn {

@@ -121,6 +121,7 @@ pub(crate) fn apply_region_updates(
             RegionCmd::Add(r) => table.insert(r.rkey, crate::region::Grant::whole(&r)),
             RegionCmd::Grant { rkey, grant } => table.insert(rkey, grant),
             RegionCmd::Remove(k) => table.remove(k),
+            RegionCmd::RevokeIpc(base) => table.ipc_revoked.push(base),
         }
     }
     n

@@ -30,6 +30,13 @@ use crate::xfer::{GpuReq, HostCopy, PeerBytes, PendingOp, Sink, Theirs};
 /// are several): below it one thread's copy is as fast as the hand-off.
 pub(crate) const SPREAD_COPY_MIN: usize = 1 << 20;
 
+/// IPC revocations one connection keeps for a peer whose ring is full.
+/// Past it the oldest is dropped: the peer's mapping then stays open (it
+/// keeps that GPU memory alive) until we go away, but it can never serve
+/// a new allocation at the same base, since the importer checks the handle
+/// (`gpu::ipc`).
+pub(crate) const MAX_REVOKES_OWED: usize = 256;
+
 /// A peer's memfd region mapped into this process.
 #[derive(Clone)]
 pub(crate) struct PeerMap {
@@ -62,6 +69,9 @@ pub(crate) struct LocalConn {
     tx: ShmRing,
     /// Replies that found the peer's ring full; bounded by `peer_max`.
     outbox: VecDeque<([u8; SLOT_PAYLOAD], usize)>,
+    /// IPC revocations that found the peer's ring full, sent as it makes
+    /// room; distinct bases, at most `MAX_REVOKES_OWED`.
+    revokes_owed: Vec<u64>,
     pending: Slab<Pending>,
     own_max: usize,
     peer_max: usize,
@@ -168,6 +178,7 @@ impl LocalConn {
             rx,
             tx,
             outbox: VecDeque::with_capacity(peer_max),
+            revokes_owed: Vec::new(),
             pending: Slab::with_capacity(own_max),
             own_max,
             peer_max,
@@ -213,10 +224,22 @@ impl LocalConn {
     /// Whether it has anything under way: requests of ours or the peer's,
     /// messages waiting for ring room, a notification held back.
     pub fn busy(&self) -> bool {
+        self.busy_with_ops() || self.owes_revokes()
+    }
+
+    /// As `busy`, leaving out owed revocations: only those make nobody
+    /// wait, so they are retried every `LOCAL_PARK`, not spun on.
+    pub fn busy_with_ops(&self) -> bool {
         !self.pending.is_empty()
             || !self.outbox.is_empty()
             || self.notify_blocked.is_some()
             || self.peer_owed > 0
+    }
+
+    /// Revocations wait for room in the peer's ring (the peer does not
+    /// ring us when it makes room).
+    pub fn owes_revokes(&self) -> bool {
+        !self.revokes_owed.is_empty()
     }
 
     pub fn can_request(&self) -> bool {
@@ -359,12 +382,36 @@ impl LocalConn {
     }
 
     /// Tells the peer to close its IPC mapping of the allocation at
-    /// `alloc_base`; `false` if the ring is full.
-    pub fn push_ipc_revoke(&mut self, alloc_base: u64) -> bool {
+    /// `alloc_base`: now, or once its ring has room (`poll`).
+    pub fn push_ipc_revoke(&mut self, alloc_base: u64) {
+        if self.revokes_owed.is_empty() && self.send_ipc_revoke(alloc_base) {
+            return;
+        }
+        if self.revokes_owed.contains(&alloc_base) {
+            return;
+        }
+        if self.revokes_owed.len() == MAX_REVOKES_OWED {
+            let lost = self.revokes_owed.remove(0);
+            tracing::warn!(
+                conn = %self.id,
+                "peer's ring full for {MAX_REVOKES_OWED} IPC revocations: \
+                 the one of {lost:#x} is dropped (its mapping there stays open)"
+            );
+        }
+        self.revokes_owed.push(alloc_base);
+    }
+
+    fn send_ipc_revoke(&mut self, alloc_base: u64) -> bool {
         let mut m = Msg::new(MsgKind::IpcRevoke);
         m.conn = self.peer_conn;
         m.addr = alloc_base;
         self.send(&m, &[])
+    }
+
+    /// Revocations waiting for room in the peer's ring.
+    #[cfg(test)]
+    pub fn revokes_owed(&self) -> usize {
+        self.revokes_owed.len()
     }
 
     pub fn send_close(&mut self) {
@@ -396,6 +443,17 @@ impl LocalConn {
                 break;
             }
             self.outbox.pop_front();
+            work += 1;
+        }
+        // Replies first: the peer waits on them; revocations only free memory.
+        while self.outbox.is_empty() {
+            let Some(&base) = self.revokes_owed.first() else {
+                break;
+            };
+            if !self.send_ipc_revoke(base) {
+                break;
+            }
+            self.revokes_owed.remove(0);
             work += 1;
         }
         if let Some(msg) = self.notify_blocked.take() {
@@ -830,6 +888,71 @@ mod tests {
         );
         mem.refuse = false;
         op(&mut a, &mut b, &mut mem, OpKind::Write, 0, 10_000).unwrap();
+    }
+
+    /// The IPC revocations `b` finds in its ring, in order (other
+    /// messages are skipped).
+    fn revokes_in_ring(b: &mut Side) -> Vec<u64> {
+        let mut out = Vec::new();
+        let mut buf = [0u8; SLOT_PAYLOAD];
+        while let Some(n) = b.conn.rx.ring.pop(&mut buf) {
+            let (m, _) = Msg::decode(&buf[..n]).unwrap();
+            if m.kind == MsgKind::IpcRevoke {
+                out.push(m.addr);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn revocations_wait_for_room_in_a_full_ring_and_are_never_refused() {
+        let (mut a, mut b) = pair("revoke");
+        let mut mem = SameProcess {
+            refuse: false,
+            calls: 0,
+        };
+        // The peer stops reading: its ring fills with notifications' worth
+        // of other messages.
+        let filler = Msg::new(MsgKind::Close);
+        let mut sent = 0;
+        while a.conn.send(&filler, &[]) {
+            sent += 1;
+        }
+        assert!(sent > 0);
+        a.conn.push_ipc_revoke(0xa000);
+        a.conn.push_ipc_revoke(0xb000);
+        a.conn.push_ipc_revoke(0xa000);
+        assert_eq!(a.conn.revokes_owed(), 2, "kept once each");
+        assert!(
+            a.conn.owes_revokes() && a.conn.busy(),
+            "kept hot: only polling sends them"
+        );
+        // Still full: polling sends nothing and loses nothing.
+        a.poll(&mut mem).unwrap();
+        assert_eq!(a.conn.revokes_owed(), 2);
+        // The peer reads; our next pass sends them, in order.
+        assert!(revokes_in_ring(&mut b).is_empty());
+        a.poll(&mut mem).unwrap();
+        assert_eq!(a.conn.revokes_owed(), 0);
+        assert!(!a.conn.busy());
+        assert_eq!(revokes_in_ring(&mut b), vec![0xa000, 0xb000]);
+        // With room, one goes at once.
+        a.conn.push_ipc_revoke(0xc000);
+        assert_eq!(a.conn.revokes_owed(), 0);
+        assert_eq!(revokes_in_ring(&mut b), vec![0xc000]);
+    }
+
+    #[test]
+    fn a_peer_that_never_reads_holds_at_most_the_cap_of_revocations() {
+        let (mut a, _b) = pair("revoke-cap");
+        let filler = Msg::new(MsgKind::Close);
+        while a.conn.send(&filler, &[]) {}
+        for i in 0..(MAX_REVOKES_OWED as u64 + 10) {
+            a.conn.push_ipc_revoke(0x1000 * (i + 1));
+        }
+        assert_eq!(a.conn.revokes_owed(), MAX_REVOKES_OWED);
+        // The oldest went first.
+        assert_eq!(a.conn.revokes_owed[0], 0x1000 * 11);
     }
 
     #[test]
