@@ -76,7 +76,11 @@ Flags:
                          and prints the resident memory they cost each side;
                          then leaves all of them idle for 1 s and prints the
                          CPU each side used meanwhile and the round trip of
-                         the first 8-byte WRITE after it
+                         the first 8-byte WRITE after it (--rounds times:
+                         the median); with --baseline also the time to wake
+                         a parked thread of this process after 1 s idle
+                         (what a wake-up costs on this machine, measured
+                         in the same run) and ferry's ratio to it
   --streams N            TCP streams per connection, both processes
                          (FERRY_STREAMS). A list (--streams 1,2,4,8) is a
                          scaling run: one run per count, each with as many
@@ -868,8 +872,9 @@ impl Bench<'_> {
         let t = Instant::now();
         let mut tr = self.submit(OpKind::Write, 0, 8)?;
         let r = loop {
+            // As the latency runs wait: the shard's own spin-then-park.
             if let Some(s) = &mut self.shard {
-                s.poll();
+                s.poll_or_park(Duration::from_millis(1));
             }
             if let Some(r) = tr.poll() {
                 break r;
@@ -1180,7 +1185,7 @@ pub fn run(a: Args) -> Result<()> {
             (true, true, _) if o.pinned => "   H2D GB/s  ratio",
             (true, true, _) => "  peer GB/s  ratio",
             (true, false, false) => "  raw GB/s   ratio",
-            (true, false, true) => "memcpy GB/s  ratio",
+            (true, false, true) => " memcpy GB/s  ratio",
         };
         println!(
             "transport {transport}, control path {}, {} round(s) of {} s per point{}{}",
@@ -1200,12 +1205,30 @@ pub fn run(a: Args) -> Result<()> {
         );
     }
     if let Some(c) = idle {
-        let (cpu_here, cpu_there, rtt_us) = b.idle_probe(target_pid, 1.0)?;
+        // Each round: 1 s idle, then one round trip; with --baseline, the
+        // machine's floor for waking a parked thread, measured the same way
+        // right after (raw::wake_after_idle_us).
+        let (mut cpu_here, mut cpu_there, mut rtts, mut floors) = (0.0, 0.0, vec![], vec![]);
+        for _ in 0..o.rounds {
+            let (h, t, rtt) = b.idle_probe(target_pid, 1.0)?;
+            cpu_here += h / o.rounds as f64;
+            cpu_there += t / o.rounds as f64;
+            rtts.push(rtt);
+            if o.baseline {
+                floors.push(crate::raw::wake_after_idle_us(Duration::from_secs(1))?);
+            }
+        }
+        let rtt_us = median(&rtts);
+        let floor_us = (!floors.is_empty()).then(|| median(&floors));
         if o.json {
+            let floor = floor_us.map_or(String::new(), |f| {
+                format!(",\"wake_floor_us\":{f:.1},\"ratio\":{:.3}", rtt_us / f)
+            });
             println!(
                 "{{\"idle_conns\":{},\"open_s\":{:.3},\"rss_kib_each\":{:.1},\"target_rss_kib_each\":{:.1},\
-                 \"idle_cpu_pct\":{cpu_here:.3},\"target_idle_cpu_pct\":{cpu_there:.3},\"rtt_after_idle_us\":{rtt_us:.1}}}",
-                c.n, c.open_s, c.here_kib_each, c.there_kib_each
+                 \"idle_cpu_pct\":{cpu_here:.3},\"target_idle_cpu_pct\":{cpu_there:.3},\"rtt_after_idle_us\":{rtt_us:.1},\
+                 \"rounds\":{}{floor}}}",
+                c.n, c.open_s, c.here_kib_each, c.there_kib_each, o.rounds
             );
         } else {
             println!(
@@ -1213,10 +1236,26 @@ pub fn run(a: Args) -> Result<()> {
                  {:.1} KiB each at the target",
                 c.n, c.open_s, c.here_kib_each, c.there_kib_each
             );
+            let list = |v: &[f64]| {
+                v.iter()
+                    .map(|x| format!("{x:.0}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
             println!(
                 "idle for 1 s: CPU {cpu_here:.2} % of a core here, {cpu_there:.2} % at the target; \
-                 then one 8-byte WRITE round trip took {rtt_us:.1} us"
+                 then one 8-byte WRITE round trip took {rtt_us:.1} us{} ({} us)",
+                if o.rounds > 1 { " (median)" } else { "" },
+                list(&rtts)
             );
+            if let Some(f) = floor_us {
+                println!(
+                    "waking a parked thread of this process after 1 s idle took {f:.1} us ({} us): \
+                     ferry {:.2}x that",
+                    list(&floors),
+                    rtt_us / f
+                );
+            }
         }
     }
     let ref_name = match (o.baseline, o.ipc, shm) {

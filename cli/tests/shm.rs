@@ -409,3 +409,31 @@ fn same_host_connections_spread_over_shards_and_each_shard_wakes_by_its_doorbell
         t0.elapsed()
     );
 }
+
+#[test]
+fn same_host_connects_to_a_passive_acceptor_are_answered_at_once() {
+    // The passive accept thread waits in its gate for up to 500 ms; a
+    // same-host CONNECT arrives on a ring, not a socket, and must wake it.
+    // Without that wake, 40 connections in a row take ~10 s on average.
+    let t = Target::start_on(Path::Shm, MIB, &[]);
+    let ep = path_client(Path::Shm);
+    let addr = ferry::EndpointMetadata::decode(&t.served.meta)
+        .unwrap()
+        .socket_addr();
+    let start = Instant::now();
+    let mut conns: Vec<_> = (0..40)
+        .map(|_| {
+            let c = ep.connect(addr).unwrap();
+            assert!(matches!(ep.peer(c), Some(Peer::Local { .. })));
+            c
+        })
+        .collect();
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_secs(4),
+        "40 same-host connects took {took:?}: the accept thread was not woken"
+    );
+    conns.sort();
+    conns.dedup();
+    assert_eq!(conns.len(), 40, "40 distinct connections");
+}

@@ -38,6 +38,9 @@ use crate::wire::{
 };
 
 /// Sockets in handshake at once (the gate evicts the oldest beyond it).
+/// How long the passive accept thread waits in the gate at most (it is
+/// woken earlier for anything that needs it).
+const PASSIVE_ACCEPT_WAIT: Duration = Duration::from_millis(500);
 const MAX_PENDING_HANDSHAKES: usize = 1024;
 /// Sockets in handshake from one address at once.
 const MAX_HANDSHAKES_PER_ADDR: usize = 512;
@@ -134,6 +137,9 @@ pub(crate) struct Inner {
     inbox: Mutex<Receiver<(ConnId, Vec<u8>)>>,
     /// Incoming handshakes, driven by whoever accepts.
     gate: Mutex<Gate<PeerSlot>>,
+    /// Ends the gate's wait early (a same-host CONNECT for the passive
+    /// accept thread, or `stop_accept`).
+    gate_waker: Arc<mio::Waker>,
     accepted: Mutex<VecDeque<(ConnId, Peer)>>,
     accepted_cv: Condvar,
     passive: Mutex<Option<(Arc<AtomicBool>, JoinHandle<()>)>>,
@@ -393,6 +399,7 @@ impl Endpoint {
             conns: Mutex::new(HashMap::new()),
             remotes: Mutex::new(HashMap::new()),
             inbox: Mutex::new(inbox_rx),
+            gate_waker: gate.waker(),
             gate: Mutex::new(gate),
             accepted: Mutex::new(VecDeque::new()),
             accepted_cv: Condvar::new(),
@@ -633,7 +640,10 @@ impl Endpoint {
             .spawn(move || {
                 while !stop2.load(Ordering::Relaxed) {
                     inner.accept_local_step();
-                    if let Err(e) = inner.accept_step(Duration::from_millis(10)) {
+                    // The gate's own deadlines end its wait when a handshake
+                    // is due; same-host CONNECTs and stop_accept wake it. So
+                    // an idle endpoint wakes this thread twice a second.
+                    if let Err(e) = inner.accept_step(PASSIVE_ACCEPT_WAIT) {
                         warn!("passive accept: {e}");
                         std::thread::sleep(Duration::from_millis(10));
                     }
@@ -648,6 +658,7 @@ impl Endpoint {
         let p = self.inner.passive.lock().expect("lock").take();
         if let Some((stop, t)) = p {
             stop.store(true, Ordering::Relaxed);
+            let _ = self.inner.gate_waker.wake();
             let _ = t.join();
         }
     }
