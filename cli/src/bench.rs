@@ -872,10 +872,13 @@ impl Bench<'_> {
         let t = Instant::now();
         let mut tr = self.submit(OpKind::Write, 0, 8)?;
         let r = loop {
-            // As the latency runs wait: the shard's own spin-then-park.
+            // A waiter that spins but yields its core (as a shard's spin
+            // does, and as the reference's waiter does): the peer we woke
+            // may need this core.
             if let Some(s) = &mut self.shard {
-                s.poll_or_park(Duration::from_millis(1));
+                s.poll();
             }
+            std::thread::yield_now();
             if let Some(r) = tr.poll() {
                 break r;
             }
