@@ -31,6 +31,9 @@ and accepts connections in the background. Notifications it answers:
   fill OFF LEN SEED -> refills with the pattern, \"ok\"
   ghash OFF LEN / gfill OFF LEN SEED: the same on the GPU region
   drop-gpu          -> deregisters the GPU region, \"ok\"
+  new-gpu           -> after drop-gpu: a new GPU region of --bytes (the
+                       driver often hands back the same base; its bytes
+                       are not set), \"ipcbuf <hex IpcBuf>\"
   echo TEXT         -> \"echo TEXT\"
 
 Flags:
@@ -154,6 +157,24 @@ pub fn run(mut a: Args) -> Result<()> {
                 None => Ok("error no GPU region".to_owned()),
             };
             let reply = r.unwrap_or_else(|e| format!("error {e}"));
+            let _ = ep.send_notification(conn, reply.as_bytes());
+            continue;
+        }
+        if msg == b"new-gpu" {
+            let reply = match (&gmr, gpu) {
+                (Some(_), _) => "error the GPU region is still there (drop-gpu first)".to_owned(),
+                (None, None) => "error no GPU (serve --gpu)".to_owned(),
+                (None, Some(_)) => match ep
+                    .alloc_gpu(bytes)
+                    .and_then(|g| Ok((g.advertise_ipc(0, g.len())?, g)))
+                {
+                    Ok((ipc, g)) => {
+                        gmr = Some(g);
+                        format!("ipcbuf {}", hex(&ipc.encode()))
+                    }
+                    Err(e) => format!("error {e}"),
+                },
+            };
             let _ = ep.send_notification(conn, reply.as_bytes());
             continue;
         }

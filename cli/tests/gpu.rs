@@ -310,6 +310,45 @@ fn deregistration_closes_peer_mappings() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU (cargo test --test gpu -- --ignored)"]
+fn a_new_allocation_after_deregistration_gets_a_fresh_mapping() {
+    // The owner frees its allocation and makes a new one (often at the same
+    // base): our writes must land in the new one, through a new mapping.
+    let n = gpus();
+    let mut p = pair(n, 1 << 20);
+    let local = p.ep.alloc_gpu(1 << 20).unwrap();
+    gpu_fill(&local, 0, 1 << 20, 41);
+    p.ep.write(p.conn, &local, 0, 4096, &p.remote).unwrap();
+    assert_eq!(p.ep.ipc_stats().opens, 1);
+    assert_eq!(ask(&p.ep, p.conn, "drop-gpu"), "ok");
+    let reply = ask(&p.ep, p.conn, "new-gpu");
+    let hex = reply
+        .strip_prefix("ipcbuf ")
+        .unwrap_or_else(|| panic!("{reply}"));
+    let fresh = IpcBuf::decode(&ferry_cli::testkit::unhex(hex).unwrap()).unwrap();
+    println!(
+        "old base {:#x}, new base {:#x} (same: {})",
+        p.remote.alloc_base,
+        fresh.alloc_base,
+        p.remote.alloc_base == fresh.alloc_base
+    );
+    p.remote = fresh;
+    for (off, len, seed) in [(0usize, 1usize << 20, 42u8), (4099, 5000, 43)] {
+        gpu_fill(&local, off, len, seed);
+        let w = p.remote.slice(off as u64, len as u64).unwrap();
+        p.ep.write(p.conn, &local, off, len, &w).unwrap();
+        assert_eq!(
+            ghash(&p.ep, p.conn, off, len),
+            pattern_hash(off, len, seed),
+            "write of {len} B at {off} into the new allocation"
+        );
+    }
+    let s = p.ep.ipc_stats();
+    assert_eq!(s.opens, 2, "the new allocation was opened afresh: {s:?}");
+    assert_eq!(s.open_now, 1, "the old mapping is closed: {s:?}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU (cargo test --test gpu -- --ignored)"]
 fn peer_removal_closes_its_mappings() {
     let n = gpus();
     let p = pair(n, 1 << 20);
