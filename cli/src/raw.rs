@@ -268,76 +268,67 @@ fn one_stream(
 /// machine now, with no engine in the way (it varies from run to run on a
 /// VM by 2x or more, hence the same-run reference).
 pub fn wake_after_idle_us(idle: Duration) -> Result<f64> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
-    // SAFETY: plain syscalls; the fds are owned here and closed below.
-    let efd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-    if efd < 0 {
-        bail!("eventfd: {}", std::io::Error::last_os_error());
-    }
+    let owned = |fd: i32, what: &str| -> Result<OwnedFd> {
+        if fd < 0 {
+            bail!("{what}: {}", std::io::Error::last_os_error());
+        }
+        // SAFETY: a descriptor just returned to us, owned by nobody else.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    };
+    // SAFETY: plain syscalls creating new descriptors.
+    let efd = owned(
+        unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) },
+        "eventfd",
+    )?;
     // SAFETY: as above.
-    let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-    if ep < 0 {
-        let e = std::io::Error::last_os_error();
-        // SAFETY: ours, once.
-        unsafe { libc::close(efd) };
-        bail!("epoll_create1: {e}");
-    }
+    let ep = owned(
+        unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) },
+        "epoll_create1",
+    )?;
+    let (efd_raw, ep_raw) = (efd.as_raw_fd(), ep.as_raw_fd());
     let mut ev = libc::epoll_event {
         events: libc::EPOLLIN as u32,
         u64: 0,
     };
     // SAFETY: live fds and a valid event.
-    let r = unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, efd, &mut ev) };
-    let answered = Arc::new(AtomicBool::new(false));
-    let result = (|| {
-        if r < 0 {
-            return Err(Some(anyhow::anyhow!(
-                "epoll_ctl: {}",
-                std::io::Error::last_os_error()
-            )));
-        }
-        let a = answered.clone();
-        let sleeper = std::thread::spawn(move || loop {
-            let mut out = libc::epoll_event { events: 0, u64: 0 };
-            // SAFETY: `ep` outlives this thread (joined before closing).
-            let n = unsafe { libc::epoll_wait(ep, &mut out, 1, 100) };
-            if n < 0 && std::io::Error::last_os_error().kind() != ErrorKind::Interrupted {
-                return;
-            }
-            if n > 0 {
-                let mut v = 0u64;
-                // SAFETY: reads 8 bytes into `v`.
-                unsafe { libc::read(efd, (&mut v as *mut u64).cast(), 8) };
-                a.store(true, Ordering::Release);
-                return;
-            }
-        });
-        std::thread::sleep(idle);
-        let t = Instant::now();
-        let one = 1u64;
-        // SAFETY: writes 8 bytes from `one`.
-        unsafe { libc::write(efd, (&one as *const u64).cast(), 8) };
-        while !answered.load(Ordering::Acquire) {
-            if t.elapsed() > Duration::from_secs(5) {
-                // The sleeper may still use the fds: they are left open.
-                return Err(None);
-            }
-            std::thread::yield_now();
-        }
-        let us = t.elapsed().as_secs_f64() * 1e6;
-        let _ = sleeper.join();
-        Ok(us)
-    })();
-    match result {
-        Err(None) => bail!("the parked thread did not answer within 5 s"),
-        r => {
-            // SAFETY: ours, once; the sleeper has exited (or never started).
-            unsafe {
-                libc::close(ep);
-                libc::close(efd);
-            }
-            r.map_err(|e| e.expect("set"))
-        }
+    if unsafe { libc::epoll_ctl(ep_raw, libc::EPOLL_CTL_ADD, efd_raw, &mut ev) } < 0 {
+        bail!("epoll_ctl: {}", std::io::Error::last_os_error());
     }
+    let answered = Arc::new(AtomicBool::new(false));
+    let a = answered.clone();
+    let sleeper = std::thread::spawn(move || loop {
+        let mut out = libc::epoll_event { events: 0, u64: 0 };
+        // SAFETY: the fds stay open while this thread may run (joined
+        // before they close, or leaked).
+        let n = unsafe { libc::epoll_wait(ep_raw, &mut out, 1, 100) };
+        if n < 0 && std::io::Error::last_os_error().kind() != ErrorKind::Interrupted {
+            return;
+        }
+        if n > 0 {
+            let mut v = 0u64;
+            // SAFETY: reads 8 bytes into `v`.
+            unsafe { libc::read(efd_raw, (&mut v as *mut u64).cast(), 8) };
+            a.store(true, Ordering::Release);
+            return;
+        }
+    });
+    std::thread::sleep(idle);
+    let t = Instant::now();
+    let one = 1u64;
+    // SAFETY: writes 8 bytes from `one`.
+    unsafe { libc::write(efd_raw, (&one as *const u64).cast(), 8) };
+    while !answered.load(Ordering::Acquire) {
+        if t.elapsed() > Duration::from_secs(5) {
+            // The sleeper may still use the fds: they stay open.
+            std::mem::forget((efd, ep));
+            bail!("the parked thread did not answer within 5 s");
+        }
+        std::thread::yield_now();
+    }
+    let us = t.elapsed().as_secs_f64() * 1e6;
+    let _ = sleeper.join();
+    Ok(us)
 }

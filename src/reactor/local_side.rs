@@ -215,8 +215,6 @@ impl LocalSide {
         &self.hot
     }
 
-    /// Polls connection `idx` every pass from now on (the shard calls it
-    /// after queueing messages on it).
     /// Tells every connection's peer to close its mappings of our
     /// allocation at `alloc_base`; one that must wait for ring room is
     /// kept hot (polled) until it sent it.
@@ -233,6 +231,8 @@ impl LocalSide {
         }
     }
 
+    /// Polls connection `idx` every pass from now on (the shard calls it
+    /// after queueing messages on it).
     pub fn heat(&mut self, idx: usize) {
         if let Some(lc) = self.conns.get_mut(idx) {
             lc.quiet_passes = 0;
