@@ -54,3 +54,41 @@ fn threads_without_managed_shards_is_refused_with_the_reason() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--threads 2: needs managed shards"), "{err}");
 }
+
+#[test]
+fn idle_probe_with_baseline_reports_each_round_and_the_wake_reference() {
+    let out = bench(&[
+        "--transport",
+        "shm",
+        "--sizes",
+        "4K",
+        "--idle-conns",
+        "3",
+        "--baseline",
+        "--rounds",
+        "2",
+        "--seconds",
+        "0.1",
+        "--op",
+        "write",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let idle = text
+        .lines()
+        .find(|l| l.contains("\"idle_conns\""))
+        .unwrap_or_else(|| panic!("no idle line in {text}"));
+    for field in [
+        "\"rounds\":2",
+        "\"rtt_after_idle_us\":",
+        "\"wake_floor_us\":",
+        "\"ratio\":",
+    ] {
+        assert!(idle.contains(field), "{field} missing from {idle}");
+    }
+}
