@@ -95,7 +95,7 @@ pub use endpoint::{
 };
 pub use error::{ConnId, Error, OpKind, Result};
 pub use gpu::{IpcStats, MemKind};
-pub use reactor::{Shard, Transfer};
+pub use reactor::{Shard, SpinStats, Transfer};
 pub use region::Access;
 pub use wire::{EndpointMetadata, IpcBuf, RemoteBuf};
 

@@ -351,6 +351,23 @@ impl LazyClock {
 
 /// Times the calling thread was preempted (involuntary context switches,
 /// `getrusage(RUSAGE_THREAD)`); 0 if unknown.
+/// Whether this host has more runnable threads than online cores right now
+/// (`/proc/loadavg`'s running count, which includes the caller): some
+/// thread is waiting for a core. None where it cannot be read.
+pub(crate) fn cores_oversubscribed() -> Option<bool> {
+    let text = std::fs::read_to_string("/proc/loadavg").ok()?;
+    let running = parse_loadavg_running(&text)?;
+    // SAFETY: sysconf has no preconditions.
+    let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    (online > 0).then_some(running > online as u64)
+}
+
+/// The running-thread count of a `/proc/loadavg` line ("0.1 0.2 0.3 R/T P").
+fn parse_loadavg_running(text: &str) -> Option<u64> {
+    let field = text.split_ascii_whitespace().nth(3)?;
+    field.split_once('/')?.0.parse().ok()
+}
+
 pub(crate) fn involuntary_switches() -> u64 {
     // SAFETY: a zeroed rusage filled in by the kernel.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
@@ -364,6 +381,17 @@ pub(crate) fn involuntary_switches() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn loadavg_running_count() {
+        assert_eq!(
+            parse_loadavg_running("0.36 0.27 0.11 3/345 6789\n"),
+            Some(3)
+        );
+        assert_eq!(parse_loadavg_running("0.36 0.27 0.11"), None);
+        assert_eq!(parse_loadavg_running("0.36 0.27 0.11 x/3 1"), None);
+        assert!(cores_oversubscribed().is_some(), "readable on Linux");
+    }
 
     #[test]
     fn cpulists_and_the_pin_order() {

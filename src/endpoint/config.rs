@@ -114,8 +114,12 @@ pub struct Config {
     /// A request with no response for this long fails its connection
     /// (`FERRY_OP_TIMEOUT_MS`, default 10000).
     pub op_timeout_ms: u64,
-    /// How long an idle managed shard spins before it parks (`FERRY_SPIN_US`, default 50).
+    /// How long an idle shard spins before it parks (`FERRY_SPIN_US`, default 50).
     pub spin_us: u64,
+    /// How much of that spin polls without giving up the core; the rest
+    /// yields the core on each idle pass (`FERRY_SPIN_YIELD_US`, default
+    /// 20; 0: yield on every idle pass).
+    pub spin_yield_us: u64,
     /// Control-path backend (`FERRY_IO=auto|uring|epoll`).
     pub io: IoPreference,
     /// Data path (`FERRY_TRANSPORT=auto|tcp|shm`).
@@ -201,6 +205,7 @@ impl Default for Config {
             connect_timeout_ms: 5000,
             op_timeout_ms: 10_000,
             spin_us: 50,
+            spin_yield_us: 20,
             io: IoPreference::Auto,
             transport: Transport::Auto,
             pin_cores: false,
@@ -315,6 +320,12 @@ impl Config {
             3_600_000,
         )?;
         within("spin_us (FERRY_SPIN_US)", self.spin_us, 0, 10_000_000)?;
+        within(
+            "spin_yield_us (FERRY_SPIN_YIELD_US)",
+            self.spin_yield_us,
+            0,
+            10_000_000,
+        )?;
         within(
             "inbox_depth (FERRY_INBOX_DEPTH)",
             self.inbox_depth,
@@ -442,6 +453,7 @@ impl Config {
             "FERRY_CONNECT_TIMEOUT_MS" => connect_timeout_ms,
             "FERRY_OP_TIMEOUT_MS" => op_timeout_ms,
             "FERRY_SPIN_US" => spin_us,
+            "FERRY_SPIN_YIELD_US" => spin_yield_us,
             "FERRY_INBOX_DEPTH" => inbox_depth,
             "FERRY_MAX_CONNS" => max_conns,
             "FERRY_MAX_CONNS_PER_PEER" => max_conns_per_peer,

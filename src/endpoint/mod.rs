@@ -255,6 +255,7 @@ impl Endpoint {
         let (inbox_tx, inbox_rx) = mpsc::sync_channel(cfg.inbox_depth);
         let scfg = ShardConfig {
             spin: Duration::from_micros(cfg.spin_us),
+            spin_yield: Duration::from_micros(cfg.spin_yield_us),
             op_timeout: cfg.op_timeout(),
             idle_timeout: (cfg.idle_timeout_ms > 0)
                 .then(|| Duration::from_millis(cfg.idle_timeout_ms)),

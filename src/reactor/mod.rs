@@ -7,8 +7,9 @@
 //! the loop takes a lock or allocates per operation.
 //!
 //! * **managed** mode: the endpoint starts one thread per shard that polls,
-//!   spins `spin_us` when idle (not at all for a while after it finds it
-//!   was preempted while spinning: `spin.rs`), then parks in `epoll_wait`
+//!   spins when idle (`spin.rs`: polls for `spin_yield_us`, then yields
+//!   its core each pass up to `spin_us`; parks at once for a while after
+//!   it finds its core shared), then parks in `epoll_wait`
 //!   until a socket, a doorbell or a submitter (through an eventfd
 //!   `Waker`) wakes it;
 //! * **embedded** mode: the caller owns each `Shard` and calls `poll()` (or
@@ -32,5 +33,5 @@ pub use completion::Transfer;
 pub(crate) use queue::{
     Command, IpcCmd, IpcDesc, IpcParts, OpCmd, OpDesc, OpParts, RegionCmd, ShardHandle,
 };
-pub use shard::Shard;
 pub(crate) use shard::{LocalInit, LocalSetup, ShardConfig};
+pub use shard::{Shard, SpinStats};

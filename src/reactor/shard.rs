@@ -35,6 +35,8 @@ use super::queue::{
     Command, CopyJoin, CopySlice, OpCmd, RegionCmd, ShardHandle, SliceKind, WakeState,
 };
 use super::source::{apply_region_updates, ConnRef, Cx, Park, ShardSink, Source};
+use super::spin::Next;
+pub use super::spin::SpinStats;
 use super::tcp_side::TcpSide;
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::region::{KeyRef, RegionSlice, RegionTable};
@@ -66,6 +68,8 @@ pub(crate) struct ShardConfig {
     /// Pinned bounce memory for GPU memory on tcp.
     pub gpu_bounce_bytes: usize,
     pub spin: Duration,
+    /// How much of the spin polls without yielding the core.
+    pub spin_yield: Duration,
     pub op_timeout: Duration,
     /// Connections idle this long are closed (None: never).
     pub idle_timeout: Option<Duration>,
@@ -184,7 +188,7 @@ impl Shard {
                 cfg.gpu_bounce_bytes,
             )
         });
-        let spin = super::spin::Spin::new(cfg.spin);
+        let spin = super::spin::Spin::new(cfg.spin, cfg.spin_yield);
         let shard = Shard {
             id,
             ledger: OpLedger::new(table, cfg.max_conn_inflight_ops),
@@ -442,37 +446,34 @@ impl Shard {
         self.check_timeouts(Instant::now());
     }
 
-    /// One step of a loop that owns a core: polls, and once the shard has
-    /// been idle for its spin time (at once, for a while after it found it
-    /// was preempted while spinning: `spin.rs`) parks for up to `max`.
-    /// Returns the work the poll found. The managed shard threads run this;
-    /// an embedded caller may too.
+    /// One step of a loop that owns a core: polls, and when the pass found
+    /// nothing does what the spin policy (`spin.rs`) says: poll again,
+    /// yield the core first, or park for up to `max`. Returns the work the
+    /// poll found. The managed shard threads run this; an embedded caller
+    /// may too.
     pub fn poll_or_park(&mut self, max: Duration) -> usize {
         let work = self.poll();
         if work > 0 {
             self.spin.busy();
             return work;
         }
-        let now = Instant::now();
-        if self.spin.idle(now) {
-            self.spin.parking(crate::sys::involuntary_switches(), now);
-            self.park(max);
-            self.spin.woke();
-        } else {
-            // Spinning, idle: let a thread waiting for this core run first.
-            // The one we wait for is often it: a peer we just woke is put
-            // on the waker's core (the kernel's wake-affine placement), and
-            // would otherwise wait there for the next tick (4 ms measured
-            // on the 2-core machine) while we spin for its reply. With the
-            // core to ourselves this returns at once (~1 us).
-            std::thread::yield_now();
+        let wanted = || crate::sys::cores_oversubscribed().unwrap_or(true);
+        match self.spin.idle_pass(Instant::now, wanted) {
+            Next::Spin => std::hint::spin_loop(),
+            Next::Yield => std::thread::yield_now(),
+            Next::Park => {
+                self.spin
+                    .parking(crate::sys::involuntary_switches(), Instant::now(), wanted);
+                self.park(max);
+                self.spin.woke();
+            }
         }
         work
     }
 
-    /// Preemptions seen while spinning (each stopped the spin for a while).
-    pub fn preemptions(&self) -> u64 {
-        self.spin.preemptions
+    /// What the spin did since the shard started.
+    pub fn spin_stats(&self) -> SpinStats {
+        self.spin.stats
     }
 
     /// Drives the shard until the endpoint shuts down (managed mode).
@@ -1235,6 +1236,7 @@ impl Shard {
 impl Drop for Shard {
     /// Fails whatever is still in flight or queued, so no waiter hangs.
     fn drop(&mut self) {
+        debug!(shard = self.id, stats = ?self.spin.stats, "shard ends; its spin");
         let keys: Vec<usize> = self.tcp.conns.iter().map(|(k, _)| k).collect();
         for k in keys {
             self.drop_conn(k, "the shard shut down".to_owned());

@@ -1,32 +1,60 @@
-//! When an idle shard stops spinning and parks.
+//! What an idle shard does next: spin, yield its core, or park. One policy,
+//! in one place.
 //!
 //! Spinning buys latency only while the spinning thread owns its core: a
-//! reply that lands during the spin is seen one pass later instead of one
-//! wake-up later. On a core shared with other busy threads the spin is
-//! what gets preempted: the kernel runs someone else for a time slice
-//! (milliseconds) while the reply waits, and the spin has burnt the share
-//! the thread needed to serve it. Each idle pass of a spin yields the core
-//! (`sched_yield`: ~1 us when nobody else wants it): a peer thread we just
-//! woke is usually queued on our own core (wake-affine placement) and
-//! would wait there for the next tick while we spin for its reply (4 ms
-//! measured on the 2-core machine: the idle round trip's whole cost before
-//! the yield). A sleeper, in contrast, is woken with
-//! priority (it used less than its share). Worse, the thread a spinner
-//! waits for may be waiting for the spinner's core. So a shard spins after
-//! its last work for at most `FERRY_SPIN_US`, and not at all for a while
-//! once it sees that its core is shared: the kernel preempted it since the
-//! last park (its involuntary context switches grew), or two idle passes
-//! in a row lie further apart than any idle pass takes (a pass with
-//! nothing to do costs microseconds; a pass that copies may take
-//! milliseconds, so only idle ones count).
+//! message that lands during the spin is seen one pass later instead of
+//! one wake-up later. So an idle shard, in order:
+//!
+//! 1. **spins** with a pause hint between passes (`spin_loop`) for
+//!    `FERRY_SPIN_YIELD_US`: a reply that lands now is seen in tens of
+//!    nanoseconds. A `sched_yield` here costs a syscall (~0.3–1 µs in a
+//!    VM), and a message that arrives during it waits for it: yielding on
+//!    every idle pass took the 2-core same-host round trip from 0.8 to
+//!    1.5 µs at p50 (A/B in BENCHMARKS.md);
+//! 2. then **yields** its core on each idle pass, up to `FERRY_SPIN_US`
+//!    after its last work: a peer thread we just woke is often queued on
+//!    our own core (the kernel's wake-affine placement) and would wait
+//!    there for the next tick (4 ms measured on the 2-core machine) while
+//!    we spin for its reply; now it waits at most the yield delay;
+//! 3. then **parks** (epoll, woken by sockets, submitters and doorbells).
+//!
+//! And it parks at once for a while ("calm") once it has evidence that its
+//! core is wanted by other busy threads: the kernel preempted it while it
+//! spun (two idle passes further apart than an idle pass takes, or
+//! involuntary context switches at a shared core's rate) *and* the host
+//! has more runnable threads than cores right now (`/proc/loadavg`, read
+//! at most every 10 ms, only on such a suspicion). Preemptions alone prove
+//! little: a virtual machine's host takes the core now and then, and the
+//! peer thread we serve, woken onto our core, preempts us too — parking
+//! then only adds a wake-up to its next message (the 2-core same-host
+//! round trip's p99 went from 2 to 50–350 µs that way: the switch-rate
+//! detector fired 40–100 times in a 3-second run, each calm parking every
+//! idle pass, and each park's wake-up preempting the other side in turn).
+//! A competing process, in contrast, keeps the run queue longer than the
+//! cores. The calm starts at 1 ms and doubles with each confirmed
+//! preemption that follows the last calm closely, up to 100 ms: a host
+//! that stays loaded gets the long calm within a few preemptions, a stray
+//! one costs 1 ms of parking.
 
 use std::time::{Duration, Instant};
 
 /// An idle pass ending this long after the previous idle pass means the
 /// thread did not run in between.
 const PREEMPTED_GAP: Duration = Duration::from_micros(200);
-/// After a preemption, no spinning for this long ...
-const CALM_AFTER_PREEMPTION: Duration = Duration::from_millis(100);
+/// The first calm after a preemption ...
+const CALM_MIN: Duration = Duration::from_millis(1);
+/// ... doubling up to this while preemptions keep coming ...
+const CALM_MAX: Duration = Duration::from_millis(100);
+/// ... where "keep coming" means within this many calms' lengths of the
+/// last calm's end; later than that, the next calm starts at `CALM_MIN`.
+const CALM_MEMORY: u32 = 4;
+/// Idle passes between looks at the clock: a pass with nothing to do costs
+/// ~0.2 µs on the 2-core machine and a clock read ~30 ns of it; every
+/// threshold here is tens of µs or more.
+const CLOCK_STRIDE: u32 = 4;
+/// The run queue is looked at at most this often; between, its last answer
+/// stands.
+const PROBE_EVERY: Duration = Duration::from_millis(10);
 /// Involuntary switches are counted over windows at least this long ...
 const SWITCH_WINDOW: Duration = Duration::from_millis(10);
 /// ... and this many per second mean a shared core. A thread that owns its
@@ -35,41 +63,91 @@ const SWITCH_WINDOW: Duration = Duration::from_millis(10);
 /// its core with a busy process sees ~30 000/s.
 const SHARED_CORE_SWITCHES_PER_S: u64 = 5000;
 
+/// What an idle shard does after a pass that found nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Next {
+    /// Poll again at once (after a pause hint).
+    Spin,
+    /// Yield the core, then poll again.
+    Yield,
+    /// Sleep until woken.
+    Park,
+}
+
+/// What the spin did, for `ferry bench` and tests (counts since start).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SpinStats {
+    /// Passes that found no work.
+    pub idle_passes: u64,
+    /// Idle passes that yielded the core.
+    pub yields: u64,
+    /// Times the shard decided to park (each may still find work in the
+    /// last pass before the sleep).
+    pub parks: u64,
+    /// Of those, parks at once because of a calm.
+    pub calm_parks: u64,
+    /// Preemptions seen: idle passes too far apart ...
+    pub gap_preemptions: u64,
+    /// ... and windows of involuntary switches at a shared core's rate
+    /// (both counted only when the run queue confirmed them).
+    pub switch_preemptions: u64,
+    /// Suspicions the run queue did not confirm (the host had a core for
+    /// every runnable thread).
+    pub unconfirmed: u64,
+}
+
 #[derive(Debug)]
 pub(crate) struct Spin {
-    /// The configured spin.
+    /// Spin, then yield, for this long after the last work ...
     max: Duration,
-    /// Until when the shard parks as soon as it is idle.
-    no_spin_until: Option<Instant>,
+    /// ... yielding only after this much of it.
+    yield_after: Duration,
+    /// Until when the shard parks as soon as it is idle, and how long that
+    /// calm was.
+    calm_until: Option<Instant>,
+    calm: Duration,
     /// When the passes stopped finding work (None: the last one found some).
     idle_since: Option<Instant>,
     /// When the last idle pass ended.
     last_idle_pass: Option<Instant>,
-    /// Preemptions seen (for tests and stats).
-    pub preemptions: u64,
     /// The thread's involuntary context switches when the current window
     /// began, and when it began.
     switches: u64,
     window_start: Option<Instant>,
+    /// Idle passes left before the clock is read again, and the answer
+    /// they repeat meanwhile (never `Park`).
+    unclocked: u32,
+    last: Next,
+    stride: u32,
+    /// When the run queue was last looked at, and what it said.
+    probed: Option<(Instant, bool)>,
+    pub stats: SpinStats,
 }
 
 impl Spin {
-    pub fn new(max: Duration) -> Self {
+    pub fn new(max: Duration, yield_after: Duration) -> Self {
         Self {
             max,
-            no_spin_until: None,
+            yield_after,
+            calm_until: None,
+            calm: Duration::ZERO,
             idle_since: None,
             last_idle_pass: None,
-            preemptions: 0,
             switches: 0,
             window_start: None,
+            unclocked: 0,
+            last: Next::Spin,
+            stride: CLOCK_STRIDE,
+            probed: None,
+            stats: SpinStats::default(),
         }
     }
 
     /// Before a park: `switches` is the thread's involuntary context switch
     /// count now; at a rate past `SHARED_CORE_SWITCHES_PER_S` over the
-    /// last window, the core is shared.
-    pub fn parking(&mut self, switches: u64, now: Instant) {
+    /// last window, the core may be shared (`wanted`: whether the host has
+    /// more runnable threads than cores).
+    pub fn parking(&mut self, switches: u64, now: Instant, wanted: impl FnOnce() -> bool) {
         let Some(start) = self.window_start else {
             self.window_start = Some(now);
             self.switches = switches;
@@ -80,38 +158,100 @@ impl Spin {
             return;
         }
         let per_s = switches.saturating_sub(self.switches) as f64 / span.as_secs_f64();
-        if per_s > SHARED_CORE_SWITCHES_PER_S as f64 {
+        if per_s > SHARED_CORE_SWITCHES_PER_S as f64 && self.confirmed(now, wanted) {
+            self.stats.switch_preemptions += 1;
             self.preempted(now);
         }
         self.window_start = Some(now);
         self.switches = switches;
     }
 
+    /// Whether a suspicion holds: the run queue is longer than the cores
+    /// (looked at, or its answer of the last `PROBE_EVERY`).
+    fn confirmed(&mut self, now: Instant, wanted: impl FnOnce() -> bool) -> bool {
+        let yes = match self.probed {
+            Some((at, yes)) if now.saturating_duration_since(at) < PROBE_EVERY => yes,
+            _ => {
+                let yes = wanted();
+                self.probed = Some((now, yes));
+                yes
+            }
+        };
+        if !yes {
+            self.stats.unconfirmed += 1;
+        }
+        yes
+    }
+
+    /// Starts a calm: twice the last one if that ended recently, else the
+    /// shortest.
     fn preempted(&mut self, now: Instant) {
-        self.preemptions += 1;
-        self.no_spin_until = Some(now + CALM_AFTER_PREEMPTION);
+        let recent = self
+            .calm_until
+            .is_some_and(|end| now < end + self.calm * CALM_MEMORY);
+        self.calm = if recent {
+            (self.calm * 2).clamp(CALM_MIN, CALM_MAX)
+        } else {
+            CALM_MIN
+        };
+        self.calm_until = Some(now + self.calm);
     }
 
     /// After a pass that found work.
     pub fn busy(&mut self) {
         self.idle_since = None;
         self.last_idle_pass = None;
+        self.unclocked = 0;
     }
 
-    /// After a pass that found nothing, ending at `now`: whether to park.
-    pub fn idle(&mut self, now: Instant) -> bool {
+    /// After a pass that found nothing: what to do next. Reads the clock
+    /// (`now`) only every few passes, repeating its last answer between;
+    /// `wanted` as for `parking`.
+    pub fn idle_pass(
+        &mut self,
+        now: impl FnOnce() -> Instant,
+        wanted: impl FnOnce() -> bool,
+    ) -> Next {
+        if self.unclocked > 0 {
+            self.unclocked -= 1;
+            self.stats.idle_passes += 1;
+            if self.last == Next::Yield {
+                self.stats.yields += 1;
+            }
+            return self.last;
+        }
+        let next = self.idle(now(), wanted);
+        if next != Next::Park {
+            self.unclocked = self.stride - 1;
+        }
+        self.last = next;
+        next
+    }
+
+    /// After a pass that found nothing, ending at `now`: what to do next.
+    fn idle(&mut self, now: Instant, wanted: impl FnOnce() -> bool) -> Next {
+        self.stats.idle_passes += 1;
         if let Some(prev) = self.last_idle_pass {
-            if now.saturating_duration_since(prev) > PREEMPTED_GAP {
+            if now.saturating_duration_since(prev) > PREEMPTED_GAP && self.confirmed(now, wanted) {
+                self.stats.gap_preemptions += 1;
                 self.preempted(now);
             }
         }
         self.last_idle_pass = Some(now);
-        let since = *self.idle_since.get_or_insert(now);
-        let spin = match self.no_spin_until {
-            Some(t) if now < t => Duration::ZERO,
-            _ => self.max,
-        };
-        now.saturating_duration_since(since) >= spin
+        let idle = now.saturating_duration_since(*self.idle_since.get_or_insert(now));
+        if self.calm_until.is_some_and(|t| now < t) {
+            self.stats.parks += 1;
+            self.stats.calm_parks += 1;
+            Next::Park
+        } else if idle >= self.max {
+            self.stats.parks += 1;
+            Next::Park
+        } else if idle >= self.yield_after {
+            self.stats.yields += 1;
+            Next::Yield
+        } else {
+            Next::Spin
+        }
     }
 
     /// The shard slept (a sleep is not a preemption); the next idle period
@@ -125,72 +265,183 @@ impl Spin {
 mod tests {
     use super::*;
 
+    const fn us(n: u64) -> Duration {
+        Duration::from_micros(n)
+    }
+
     impl Spin {
-        fn should_park(&mut self, work: usize, now: Instant) -> bool {
+        fn after(&mut self, work: usize, now: Instant) -> Option<Next> {
             if work > 0 {
                 self.busy();
-                return false;
+                return None;
             }
-            self.idle(now)
+            Some(self.idle(now, || true))
         }
     }
 
     #[test]
-    fn spins_while_idle_then_parks() {
+    fn the_clock_is_read_every_few_idle_passes() {
         let t0 = Instant::now();
-        let mut s = Spin::new(Duration::from_micros(50));
-        assert!(!s.should_park(3, t0));
-        assert!(!s.should_park(0, t0 + Duration::from_micros(1)));
-        assert!(!s.should_park(0, t0 + Duration::from_micros(40)));
-        assert!(
-            !s.should_park(1, t0 + Duration::from_micros(45)),
-            "work resets"
+        let mut s = Spin::new(us(50), us(10));
+        let mut reads = 0;
+        let mut at = |t| {
+            reads += 1;
+            t
+        };
+        assert_eq!(s.idle_pass(|| at(t0), || true), Next::Spin);
+        for _ in 1..CLOCK_STRIDE {
+            assert_eq!(
+                s.idle_pass(|| at(t0 + us(30)), || true),
+                Next::Spin,
+                "repeated"
+            );
+        }
+        assert_eq!(s.idle_pass(|| at(t0 + us(30)), || true), Next::Yield);
+        for _ in 1..CLOCK_STRIDE {
+            assert_eq!(
+                s.idle_pass(|| at(t0 + us(90)), || true),
+                Next::Yield,
+                "repeated"
+            );
+        }
+        assert_eq!(s.idle_pass(|| at(t0 + us(90)), || true), Next::Park);
+        assert_eq!(
+            s.idle_pass(|| at(t0 + us(91)), || true),
+            Next::Park,
+            "a park is never repeated unclocked"
         );
-        assert!(!s.should_park(0, t0 + Duration::from_micros(60)));
-        assert!(s.should_park(0, t0 + Duration::from_micros(111)));
-        s.woke();
-        assert!(!s.should_park(0, t0 + Duration::from_millis(5)));
-        assert_eq!(s.preemptions, 0, "a sleep is no preemption");
+        assert_eq!(s.stats.idle_passes, 2 + 2 * CLOCK_STRIDE as u64);
+        assert_eq!(s.stats.yields, CLOCK_STRIDE as u64);
+        s.busy();
+        assert_eq!(
+            s.idle_pass(|| at(t0 + us(200)), || true),
+            Next::Spin,
+            "work: the clock at once"
+        );
+        drop(at);
+        assert_eq!(reads, 5);
     }
 
     #[test]
-    fn a_preempted_spin_stops_spinning_for_a_while() {
+    fn spins_then_yields_then_parks() {
         let t0 = Instant::now();
-        let us = Duration::from_micros;
-        let mut s = Spin::new(us(50));
-        assert!(!s.should_park(0, t0));
+        let mut s = Spin::new(us(50), us(10));
+        assert_eq!(s.after(3, t0), None);
+        assert_eq!(s.after(0, t0 + us(1)), Some(Next::Spin));
+        assert_eq!(s.after(0, t0 + us(9)), Some(Next::Spin));
+        assert_eq!(s.after(0, t0 + us(12)), Some(Next::Yield));
+        assert_eq!(s.after(0, t0 + us(40)), Some(Next::Yield));
+        assert_eq!(s.after(1, t0 + us(45)), None, "work resets");
+        assert_eq!(s.after(0, t0 + us(46)), Some(Next::Spin));
+        assert_eq!(s.after(0, t0 + us(60)), Some(Next::Yield));
+        assert_eq!(s.after(0, t0 + us(97)), Some(Next::Park));
+        s.woke();
+        assert_eq!(s.after(0, t0 + us(5000)), Some(Next::Spin));
+        assert_eq!(s.stats.gap_preemptions, 0, "a sleep is no preemption");
+        assert_eq!(s.stats.yields, 3);
+        assert_eq!(s.stats.parks, 1);
+    }
+
+    #[test]
+    fn yield_after_zero_yields_at_once_and_past_the_spin_never() {
+        let t0 = Instant::now();
+        let mut always = Spin::new(us(50), Duration::ZERO);
+        assert_eq!(always.after(0, t0), Some(Next::Yield));
+        let mut never = Spin::new(us(50), us(50));
+        assert_eq!(never.after(0, t0), Some(Next::Spin));
+        assert_eq!(never.after(0, t0 + us(49)), Some(Next::Spin));
+        assert_eq!(never.after(0, t0 + us(50)), Some(Next::Park));
+    }
+
+    #[test]
+    fn a_stray_preemption_calms_for_a_millisecond_only() {
+        let t0 = Instant::now();
+        let mut s = Spin::new(us(50), us(10));
+        assert_eq!(s.after(0, t0), Some(Next::Spin));
         // The next idle pass ends 3 ms later: the thread did not run.
-        assert!(s.should_park(0, t0 + us(3000)));
-        assert_eq!(s.preemptions, 1);
+        assert_eq!(s.after(0, t0 + us(3000)), Some(Next::Park));
+        assert_eq!(s.stats.gap_preemptions, 1);
         s.woke();
         // While calm: parks at the first idle pass.
-        assert!(s.should_park(0, t0 + us(3100)));
+        assert_eq!(s.after(0, t0 + us(3500)), Some(Next::Park));
         s.woke();
         // A slow pass that did work is no preemption.
-        assert!(!s.should_park(5, t0 + CALM_AFTER_PREEMPTION + us(4000)));
-        assert!(!s.should_park(0, t0 + CALM_AFTER_PREEMPTION + us(9000)));
-        assert_eq!(s.preemptions, 1);
-        // Calm over: spins again.
-        assert!(!s.should_park(0, t0 + CALM_AFTER_PREEMPTION + us(9010)));
-        assert!(s.should_park(0, t0 + CALM_AFTER_PREEMPTION + us(9070)));
-        // Involuntary switches at a rate a shared core shows: calm again;
-        // at an owned core's rate: not.
-        let t1 = t0 + CALM_AFTER_PREEMPTION + us(9070);
-        s.parking(100, t1);
+        assert_eq!(s.after(5, t0 + us(3700)), None);
+        // 1 ms later the calm is over: spins again.
+        assert_eq!(s.after(0, t0 + us(4100)), Some(Next::Spin));
+        assert_eq!(s.stats.calm_parks, 2);
+        assert_eq!(s.stats.gap_preemptions, 1);
+    }
+
+    #[test]
+    fn preemptions_that_keep_coming_lengthen_the_calm_to_its_cap() {
+        let t0 = Instant::now();
+        let mut s = Spin::new(us(50), us(10));
+        let mut t = t0;
+        let mut calms = Vec::new();
+        for _ in 0..12 {
+            // A gap, right as the last calm ends.
+            assert_eq!(s.after(0, t), Some(Next::Spin));
+            t += us(500);
+            assert_eq!(s.after(0, t), Some(Next::Park));
+            s.woke();
+            calms.push(s.calm);
+            t = s.calm_until.unwrap();
+        }
+        assert_eq!(calms[0], CALM_MIN);
+        assert_eq!(calms[1], CALM_MIN * 2);
+        assert_eq!(calms[2], CALM_MIN * 4);
+        assert_eq!(*calms.last().unwrap(), CALM_MAX);
+        // Quiet for long after: the next calm is short again.
+        t += CALM_MAX * (CALM_MEMORY + 1);
+        assert_eq!(s.after(0, t), Some(Next::Spin));
+        assert_eq!(s.after(0, t + us(500)), Some(Next::Park));
+        assert_eq!(s.calm, CALM_MIN);
+    }
+
+    #[test]
+    fn preemptions_calm_only_while_the_run_queue_is_longer_than_the_cores() {
+        let t0 = Instant::now();
+        let mut s = Spin::new(us(50_000), us(10));
+        assert_eq!(s.idle(t0, || false), Next::Spin);
+        // A gap, but every runnable thread has a core: the peer we serve,
+        // or the hypervisor, took ours for a moment. Spin on.
+        assert_eq!(s.idle(t0 + us(3000), || false), Next::Yield);
+        assert_eq!(s.stats.gap_preemptions, 0);
+        assert_eq!(s.stats.unconfirmed, 1);
+        // The run queue is not looked at again within 10 ms: the answer
+        // stands (a probe that would say yes is not called).
+        assert_eq!(s.idle(t0 + us(6000), || unreachable!()), Next::Yield);
+        assert_eq!(s.stats.unconfirmed, 2);
+        s.busy();
+        assert_eq!(s.idle(t0 + PROBE_EVERY + us(7000), || true), Next::Spin);
+        assert_eq!(s.idle(t0 + PROBE_EVERY + us(9000), || true), Next::Park);
+        assert_eq!(s.stats.gap_preemptions, 1);
+        // The switch rate is confirmed the same way.
+        let mut s = Spin::new(us(50), us(10));
+        s.parking(0, t0, || unreachable!());
+        s.parking(1000, t0 + us(20_000), || false);
+        assert_eq!((s.stats.switch_preemptions, s.stats.unconfirmed), (0, 1));
+    }
+
+    #[test]
+    fn switch_rate_tells_a_shared_core_from_an_owned_one() {
+        let t1 = Instant::now();
+        let mut s = Spin::new(us(50), us(10));
+        s.parking(100, t1, || true);
+        assert_eq!(s.stats.switch_preemptions, 0, "the first count is a start");
+        s.parking(110, t1 + us(5000), || true);
+        assert_eq!(s.stats.switch_preemptions, 0, "a window is 10 ms at least");
+        s.parking(115, t1 + us(20_000), || true);
+        assert_eq!(s.stats.switch_preemptions, 0, "750/s: an owned core");
         s.woke();
-        assert_eq!(s.preemptions, 1, "the first count is only a start");
-        s.parking(110, t1 + us(5000));
-        assert_eq!(s.preemptions, 1, "a window is 10 ms at least");
-        s.parking(115, t1 + us(20_000));
+        assert_eq!(s.after(0, t1 + us(20_010)), Some(Next::Spin));
+        s.parking(115 + 600, t1 + us(40_000), || true);
+        assert_eq!(s.stats.switch_preemptions, 1, "30 000/s: a shared core");
         s.woke();
-        assert_eq!(s.preemptions, 1, "750/s: an owned core");
-        assert!(!s.should_park(0, t1 + us(20_010)));
-        s.woke();
-        s.parking(115 + 600, t1 + us(40_000));
-        s.woke();
-        assert_eq!(s.preemptions, 2, "30 000/s: a shared core");
-        assert!(
-            s.should_park(0, t1 + us(40_100)),
+        assert_eq!(
+            s.after(0, t1 + us(40_100)),
+            Some(Next::Park),
             "parks at once while calm"
         );
     }
