@@ -45,9 +45,12 @@ const PREEMPTED_GAP: Duration = Duration::from_micros(200);
 const CALM_MIN: Duration = Duration::from_millis(1);
 /// ... doubling up to this while preemptions keep coming ...
 const CALM_MAX: Duration = Duration::from_millis(100);
-/// ... where "keep coming" means within this many calms' lengths of the
-/// last calm's end; later than that, the next calm starts at `CALM_MIN`.
-const CALM_MEMORY: u32 = 4;
+/// ... where "keep coming" means within this long of the last calm's end
+/// (later, the next calm starts at `CALM_MIN`). Longer than the switch
+/// window: on a loaded host the next evidence often comes from the next
+/// window, not the next pass; shorter than the 0.3–1 s between stray
+/// preemptions on the quiet 2-core machine.
+const CALM_MEMORY: Duration = Duration::from_millis(100);
 /// Idle passes between looks at the clock: a pass with nothing to do costs
 /// ~0.2 µs on the 2-core machine and a clock read ~30 ns of it; every
 /// threshold here is tens of µs or more.
@@ -183,12 +186,16 @@ impl Spin {
         yes
     }
 
+    /// Whether the run queue was longer than the cores when last looked at,
+    /// within `CALM_MEMORY`: on a loaded host an idle pass yields at once.
+    fn loaded(&self, now: Instant) -> bool {
+        matches!(self.probed, Some((at, true)) if now.saturating_duration_since(at) < CALM_MEMORY)
+    }
+
     /// Starts a calm: twice the last one if that ended recently, else the
     /// shortest.
     fn preempted(&mut self, now: Instant) {
-        let recent = self
-            .calm_until
-            .is_some_and(|end| now < end + self.calm * CALM_MEMORY);
+        let recent = self.calm_until.is_some_and(|end| now < end + CALM_MEMORY);
         self.calm = if recent {
             (self.calm * 2).clamp(CALM_MIN, CALM_MAX)
         } else {
@@ -246,7 +253,7 @@ impl Spin {
         } else if idle >= self.max {
             self.stats.parks += 1;
             Next::Park
-        } else if idle >= self.yield_after {
+        } else if idle >= self.yield_after || self.loaded(now) {
             self.stats.yields += 1;
             Next::Yield
         } else {
@@ -393,7 +400,7 @@ mod tests {
         assert_eq!(calms[2], CALM_MIN * 4);
         assert_eq!(*calms.last().unwrap(), CALM_MAX);
         // Quiet for long after: the next calm is short again.
-        t += CALM_MAX * (CALM_MEMORY + 1);
+        t += CALM_MAX + CALM_MEMORY;
         assert_eq!(s.after(0, t), Some(Next::Spin));
         assert_eq!(s.after(0, t + us(500)), Some(Next::Park));
         assert_eq!(s.calm, CALM_MIN);
