@@ -351,10 +351,67 @@ impl LazyClock {
 
 /// Times the calling thread was preempted (involuntary context switches,
 /// `getrusage(RUSAGE_THREAD)`); 0 if unknown.
+/// How hard this host's threads wait for a core: the share of time in
+/// which some runnable thread had none (Linux's pressure stall information,
+/// `/proc/pressure/cpu`, "some"). A host with a core for every busy thread
+/// stays near 0 (1.4 % measured with two spinning threads on the 2-core
+/// machine); one more busy thread than cores takes it past 50 %. Where PSI
+/// is off, the run queue's length at the moment of asking
+/// (`/proc/loadavg`) stands in.
+#[derive(Debug)]
+pub(crate) struct CpuPressure {
+    /// The open PSI file (read again from offset 0 each time), None
+    /// without PSI.
+    psi: Option<std::fs::File>,
+    /// The last reading: when, and the stall total then (µs).
+    last: Option<(std::time::Instant, u64)>,
+}
+
+/// Readings further apart than this average over too long to say what the
+/// host is doing now.
+const PRESSURE_MAX_SPAN: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl CpuPressure {
+    pub fn new() -> Self {
+        Self {
+            psi: std::fs::File::open("/proc/pressure/cpu").ok(),
+            last: None,
+        }
+    }
+
+    /// Whether some thread waited for a core more than `share` of the time
+    /// since the last call (None: not known yet, or not readable).
+    pub fn stalled_over(&mut self, share: f64, now: std::time::Instant) -> Option<bool> {
+        let Some(f) = &self.psi else {
+            return runnable_over_cores();
+        };
+        let mut buf = [0u8; 256];
+        let n = std::os::unix::fs::FileExt::read_at(f, &mut buf, 0).ok()?;
+        let total = parse_psi_some_total(std::str::from_utf8(&buf[..n]).ok()?)?;
+        let prev = self.last.replace((now, total));
+        let (then, before) = prev?;
+        let span = now.saturating_duration_since(then);
+        if span.is_zero() || span > PRESSURE_MAX_SPAN {
+            return None;
+        }
+        let stalled_us = total.saturating_sub(before) as f64;
+        Some(stalled_us > share * span.as_micros() as f64)
+    }
+}
+
+/// The "some" line's `total=` (µs) of a `/proc/pressure/cpu` text.
+fn parse_psi_some_total(text: &str) -> Option<u64> {
+    let line = text.lines().find(|l| l.starts_with("some "))?;
+    let field = line
+        .split_ascii_whitespace()
+        .find(|f| f.starts_with("total="))?;
+    field["total=".len()..].parse().ok()
+}
+
 /// Whether this host has more runnable threads than online cores right now
-/// (`/proc/loadavg`'s running count, which includes the caller): some
-/// thread is waiting for a core. None where it cannot be read.
-pub(crate) fn cores_oversubscribed() -> Option<bool> {
+/// (`/proc/loadavg`'s running count, which includes the caller). None
+/// where it cannot be read.
+fn runnable_over_cores() -> Option<bool> {
     let text = std::fs::read_to_string("/proc/loadavg").ok()?;
     let running = parse_loadavg_running(&text)?;
     // SAFETY: sysconf has no preconditions.
@@ -390,7 +447,26 @@ mod tests {
         );
         assert_eq!(parse_loadavg_running("0.36 0.27 0.11"), None);
         assert_eq!(parse_loadavg_running("0.36 0.27 0.11 x/3 1"), None);
-        assert!(cores_oversubscribed().is_some(), "readable on Linux");
+        assert!(runnable_over_cores().is_some(), "readable on Linux");
+    }
+
+    #[test]
+    fn psi_some_total() {
+        let text = "some avg10=1.70 avg60=4.15 avg300=6.79 total=67263607\n\
+                    full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n";
+        assert_eq!(parse_psi_some_total(text), Some(67263607));
+        assert_eq!(parse_psi_some_total("full avg10=0 total=5\n"), None);
+        assert_eq!(parse_psi_some_total("some avg10=0 total=x\n"), None);
+        let mut p = CpuPressure::new();
+        let t0 = std::time::Instant::now();
+        assert_eq!(p.stalled_over(0.1, t0), None, "no span yet");
+        if p.psi.is_some() {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            let later = std::time::Instant::now();
+            assert!(p.stalled_over(0.1, later).is_some());
+            // Over too long a span the average says nothing of now.
+            assert_eq!(p.stalled_over(0.1, later + PRESSURE_MAX_SPAN * 2), None);
+        }
     }
 
     #[test]

@@ -35,8 +35,8 @@ use super::queue::{
     Command, CopyJoin, CopySlice, OpCmd, RegionCmd, ShardHandle, SliceKind, WakeState,
 };
 use super::source::{apply_region_updates, ConnRef, Cx, Park, ShardSink, Source};
-use super::spin::Next;
 pub use super::spin::SpinStats;
+use super::spin::{Next, LOADED_STALL_SHARE};
 use super::tcp_side::TcpSide;
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::region::{KeyRef, RegionSlice, RegionTable};
@@ -100,6 +100,8 @@ pub struct Shard {
     local: LocalSide,
     /// When an idle pass parks.
     spin: super::spin::Spin,
+    /// How hard the host's threads wait for cores (for the spin).
+    pressure: crate::sys::CpuPressure,
     /// CUDA copies and opened IPC handles; made when a driver is present
     /// (or on the first IPC op).
     gpu: Option<GpuWork>,
@@ -203,6 +205,7 @@ impl Shard {
             tcp,
             local,
             spin,
+            pressure: crate::sys::CpuPressure::new(),
             gpu,
             inbox,
             iter: 0,
@@ -457,13 +460,17 @@ impl Shard {
             self.spin.busy();
             return work;
         }
-        let wanted = || crate::sys::cores_oversubscribed().unwrap_or(true);
-        match self.spin.idle_pass(Instant::now, wanted) {
+        let pressure = &mut self.pressure;
+        let loaded = || pressure.stalled_over(LOADED_STALL_SHARE, Instant::now());
+        match self.spin.idle_pass(Instant::now, loaded) {
             Next::Spin => std::hint::spin_loop(),
             Next::Yield => std::thread::yield_now(),
             Next::Park => {
+                let now = Instant::now();
+                let pressure = &mut self.pressure;
+                let loaded = || pressure.stalled_over(LOADED_STALL_SHARE, now);
                 self.spin
-                    .parking(crate::sys::involuntary_switches(), Instant::now(), wanted);
+                    .parking(crate::sys::involuntary_switches(), now, loaded);
                 self.park(max);
                 self.spin.woke();
             }

@@ -21,20 +21,22 @@
 //! And it parks at once for a while ("calm") once it has evidence that its
 //! core is wanted by other busy threads: the kernel preempted it while it
 //! spun (two idle passes further apart than an idle pass takes, or
-//! involuntary context switches at a shared core's rate) *and* the host
-//! has more runnable threads than cores right now (`/proc/loadavg`, read
-//! at most every 10 ms, only on such a suspicion). Preemptions alone prove
+//! involuntary context switches at a shared core's rate) *and* the host's
+//! threads are waiting for cores (CPU pressure: `sys::CpuPressure`, looked
+//! at every 10 ms while the shard is awake). Preemptions alone prove
 //! little: a virtual machine's host takes the core now and then, and the
 //! peer thread we serve, woken onto our core, preempts us too — parking
 //! then only adds a wake-up to its next message (the 2-core same-host
 //! round trip's p99 went from 2 to 50–350 µs that way: the switch-rate
 //! detector fired 40–100 times in a 3-second run, each calm parking every
 //! idle pass, and each park's wake-up preempting the other side in turn).
-//! A competing process, in contrast, keeps the run queue longer than the
-//! cores. The calm starts at 1 ms and doubles with each confirmed
-//! preemption that follows the last calm closely, up to 100 ms: a host
-//! that stays loaded gets the long calm within a few preemptions, a stray
-//! one costs 1 ms of parking.
+//! A competing process, in contrast, keeps threads waiting (over 50 % of
+//! the time with one busy thread more than cores, 1–2 % without). On such
+//! a loaded host an idle pass also yields at once instead of spinning
+//! first. The calm starts at 1 ms and doubles with each confirmed
+//! preemption that comes within 100 ms of the last calm's end, up to
+//! 100 ms: a host that stays loaded gets the long calm within a few
+//! preemptions, a stray one costs 1 ms of parking.
 
 use std::time::{Duration, Instant};
 
@@ -55,9 +57,16 @@ const CALM_MEMORY: Duration = Duration::from_millis(100);
 /// ~0.2 µs on the 2-core machine and a clock read ~30 ns of it; every
 /// threshold here is tens of µs or more.
 const CLOCK_STRIDE: u32 = 4;
-/// The run queue is looked at at most this often; between, its last answer
-/// stands.
+/// The host's CPU pressure is looked at this often while the shard is
+/// awake; between, its last answer stands.
 const PROBE_EVERY: Duration = Duration::from_millis(10);
+/// Threads waiting for a core more than this share of the time, over two
+/// looks in a row, mean a loaded host. Measured over 10 ms windows on the
+/// 2-core machine: with one busy thread more than cores, 80 % of windows
+/// are past 0.3 (median 0.39); quiet, with two spinning threads and a
+/// sampler, 7 % (median 0.01): a thread woken now and then waits for a
+/// core for a moment.
+pub(crate) const LOADED_STALL_SHARE: f64 = 0.25;
 /// Involuntary switches are counted over windows at least this long ...
 const SWITCH_WINDOW: Duration = Duration::from_millis(10);
 /// ... and this many per second mean a shared core. A thread that owns its
@@ -92,11 +101,12 @@ pub struct SpinStats {
     /// Preemptions seen: idle passes too far apart ...
     pub gap_preemptions: u64,
     /// ... and windows of involuntary switches at a shared core's rate
-    /// (both counted only when the run queue confirmed them).
+    /// (both counted only on a loaded host).
     pub switch_preemptions: u64,
-    /// Suspicions the run queue did not confirm (the host had a core for
-    /// every runnable thread).
+    /// Preemptions on a host that was not loaded (ignored).
     pub unconfirmed: u64,
+    /// Looks at the host's CPU pressure that found it loaded.
+    pub loaded_probes: u64,
 }
 
 #[derive(Debug)]
@@ -122,8 +132,12 @@ pub(crate) struct Spin {
     unclocked: u32,
     last: Next,
     stride: u32,
-    /// When the run queue was last looked at, and what it said.
-    probed: Option<(Instant, bool)>,
+    /// When the host's CPU pressure was last looked at, and whether it was
+    /// loaded then.
+    probed: Option<Instant>,
+    loaded: bool,
+    /// Whether the last look alone found the host loaded.
+    last_look: bool,
     pub stats: SpinStats,
 }
 
@@ -142,15 +156,17 @@ impl Spin {
             last: Next::Spin,
             stride: CLOCK_STRIDE,
             probed: None,
+            loaded: false,
+            last_look: false,
             stats: SpinStats::default(),
         }
     }
 
     /// Before a park: `switches` is the thread's involuntary context switch
     /// count now; at a rate past `SHARED_CORE_SWITCHES_PER_S` over the
-    /// last window, the core may be shared (`wanted`: whether the host has
-    /// more runnable threads than cores).
-    pub fn parking(&mut self, switches: u64, now: Instant, wanted: impl FnOnce() -> bool) {
+    /// last window, the core may be shared (`loaded`: as for `idle_pass`).
+    pub fn parking(&mut self, switches: u64, now: Instant, loaded: impl FnOnce() -> Option<bool>) {
+        self.probe(now, loaded);
         let Some(start) = self.window_start else {
             self.window_start = Some(now);
             self.switches = switches;
@@ -161,7 +177,7 @@ impl Spin {
             return;
         }
         let per_s = switches.saturating_sub(self.switches) as f64 / span.as_secs_f64();
-        if per_s > SHARED_CORE_SWITCHES_PER_S as f64 && self.confirmed(now, wanted) {
+        if per_s > SHARED_CORE_SWITCHES_PER_S as f64 && self.confirmed() {
             self.stats.switch_preemptions += 1;
             self.preempted(now);
         }
@@ -169,27 +185,31 @@ impl Spin {
         self.switches = switches;
     }
 
-    /// Whether a suspicion holds: the run queue is longer than the cores
-    /// (looked at, or its answer of the last `PROBE_EVERY`).
-    fn confirmed(&mut self, now: Instant, wanted: impl FnOnce() -> bool) -> bool {
-        let yes = match self.probed {
-            Some((at, yes)) if now.saturating_duration_since(at) < PROBE_EVERY => yes,
-            _ => {
-                let yes = wanted();
-                self.probed = Some((now, yes));
-                yes
-            }
-        };
-        if !yes {
-            self.stats.unconfirmed += 1;
+    /// Looks at the host's CPU pressure if the last look is `PROBE_EVERY`
+    /// old (an unknown answer counts as not loaded); loaded twice in a row
+    /// is loaded.
+    fn probe(&mut self, now: Instant, loaded: impl FnOnce() -> Option<bool>) {
+        if self
+            .probed
+            .is_some_and(|t| now.saturating_duration_since(t) < PROBE_EVERY)
+        {
+            return;
         }
-        yes
+        self.probed = Some(now);
+        let look = loaded().unwrap_or(false);
+        self.loaded = look && self.last_look;
+        self.last_look = look;
+        if self.loaded {
+            self.stats.loaded_probes += 1;
+        }
     }
 
-    /// Whether the run queue was longer than the cores when last looked at,
-    /// within `CALM_MEMORY`: on a loaded host an idle pass yields at once.
-    fn loaded(&self, now: Instant) -> bool {
-        matches!(self.probed, Some((at, true)) if now.saturating_duration_since(at) < CALM_MEMORY)
+    /// Whether a preemption counts: only on a loaded host.
+    fn confirmed(&mut self) -> bool {
+        if !self.loaded {
+            self.stats.unconfirmed += 1;
+        }
+        self.loaded
     }
 
     /// Starts a calm: twice the last one if that ended recently, else the
@@ -213,11 +233,12 @@ impl Spin {
 
     /// After a pass that found nothing: what to do next. Reads the clock
     /// (`now`) only every few passes, repeating its last answer between;
-    /// `wanted` as for `parking`.
+    /// `loaded` says whether the host's threads are waiting for cores
+    /// (None: not known), called at most every `PROBE_EVERY`.
     pub fn idle_pass(
         &mut self,
         now: impl FnOnce() -> Instant,
-        wanted: impl FnOnce() -> bool,
+        loaded: impl FnOnce() -> Option<bool>,
     ) -> Next {
         if self.unclocked > 0 {
             self.unclocked -= 1;
@@ -227,7 +248,7 @@ impl Spin {
             }
             return self.last;
         }
-        let next = self.idle(now(), wanted);
+        let next = self.idle(now(), loaded);
         if next != Next::Park {
             self.unclocked = self.stride - 1;
         }
@@ -236,10 +257,11 @@ impl Spin {
     }
 
     /// After a pass that found nothing, ending at `now`: what to do next.
-    fn idle(&mut self, now: Instant, wanted: impl FnOnce() -> bool) -> Next {
+    fn idle(&mut self, now: Instant, loaded: impl FnOnce() -> Option<bool>) -> Next {
         self.stats.idle_passes += 1;
+        self.probe(now, loaded);
         if let Some(prev) = self.last_idle_pass {
-            if now.saturating_duration_since(prev) > PREEMPTED_GAP && self.confirmed(now, wanted) {
+            if now.saturating_duration_since(prev) > PREEMPTED_GAP && self.confirmed() {
                 self.stats.gap_preemptions += 1;
                 self.preempted(now);
             }
@@ -253,7 +275,7 @@ impl Spin {
         } else if idle >= self.max {
             self.stats.parks += 1;
             Next::Park
-        } else if idle >= self.yield_after || self.loaded(now) {
+        } else if idle >= self.yield_after || self.loaded {
             self.stats.yields += 1;
             Next::Yield
         } else {
@@ -277,12 +299,24 @@ mod tests {
     }
 
     impl Spin {
+        /// One pass on a quiet host (no thread waits for a core).
         fn after(&mut self, work: usize, now: Instant) -> Option<Next> {
+            self.after_on(false, work, now)
+        }
+
+        /// One pass on a loaded host (threads wait for cores).
+        fn loaded_after(&mut self, work: usize, now: Instant) -> Option<Next> {
+            self.after_on(true, work, now)
+        }
+
+        fn after_on(&mut self, loaded: bool, work: usize, now: Instant) -> Option<Next> {
+            // As if the look before this one said the same.
+            self.last_look = loaded;
             if work > 0 {
                 self.busy();
                 return None;
             }
-            Some(self.idle(now, || true))
+            Some(self.idle(now, || Some(loaded)))
         }
     }
 
@@ -295,25 +329,25 @@ mod tests {
             reads += 1;
             t
         };
-        assert_eq!(s.idle_pass(|| at(t0), || true), Next::Spin);
+        assert_eq!(s.idle_pass(|| at(t0), || Some(false)), Next::Spin);
         for _ in 1..CLOCK_STRIDE {
             assert_eq!(
-                s.idle_pass(|| at(t0 + us(30)), || true),
+                s.idle_pass(|| at(t0 + us(30)), || Some(false)),
                 Next::Spin,
                 "repeated"
             );
         }
-        assert_eq!(s.idle_pass(|| at(t0 + us(30)), || true), Next::Yield);
+        assert_eq!(s.idle_pass(|| at(t0 + us(30)), || Some(false)), Next::Yield);
         for _ in 1..CLOCK_STRIDE {
             assert_eq!(
-                s.idle_pass(|| at(t0 + us(90)), || true),
+                s.idle_pass(|| at(t0 + us(90)), || Some(false)),
                 Next::Yield,
                 "repeated"
             );
         }
-        assert_eq!(s.idle_pass(|| at(t0 + us(90)), || true), Next::Park);
+        assert_eq!(s.idle_pass(|| at(t0 + us(90)), || Some(false)), Next::Park);
         assert_eq!(
-            s.idle_pass(|| at(t0 + us(91)), || true),
+            s.idle_pass(|| at(t0 + us(91)), || Some(false)),
             Next::Park,
             "a park is never repeated unclocked"
         );
@@ -321,7 +355,7 @@ mod tests {
         assert_eq!(s.stats.yields, CLOCK_STRIDE as u64);
         s.busy();
         assert_eq!(
-            s.idle_pass(|| at(t0 + us(200)), || true),
+            s.idle_pass(|| at(t0 + us(200)), || Some(false)),
             Next::Spin,
             "work: the clock at once"
         );
@@ -364,18 +398,18 @@ mod tests {
     fn a_stray_preemption_calms_for_a_millisecond_only() {
         let t0 = Instant::now();
         let mut s = Spin::new(us(50), us(10));
-        assert_eq!(s.after(0, t0), Some(Next::Spin));
+        assert_eq!(s.loaded_after(0, t0), Some(Next::Yield));
         // The next idle pass ends 3 ms later: the thread did not run.
-        assert_eq!(s.after(0, t0 + us(3000)), Some(Next::Park));
+        assert_eq!(s.loaded_after(0, t0 + us(3000)), Some(Next::Park));
         assert_eq!(s.stats.gap_preemptions, 1);
         s.woke();
         // While calm: parks at the first idle pass.
-        assert_eq!(s.after(0, t0 + us(3500)), Some(Next::Park));
+        assert_eq!(s.loaded_after(0, t0 + us(3500)), Some(Next::Park));
         s.woke();
         // A slow pass that did work is no preemption.
-        assert_eq!(s.after(5, t0 + us(3700)), None);
-        // 1 ms later the calm is over: spins again.
-        assert_eq!(s.after(0, t0 + us(4100)), Some(Next::Spin));
+        assert_eq!(s.loaded_after(5, t0 + us(3700)), None);
+        // 1 ms later the calm is over: spins again (yielding: the host is loaded).
+        assert_eq!(s.loaded_after(0, t0 + us(4100)), Some(Next::Yield));
         assert_eq!(s.stats.calm_parks, 2);
         assert_eq!(s.stats.gap_preemptions, 1);
     }
@@ -388,9 +422,9 @@ mod tests {
         let mut calms = Vec::new();
         for _ in 0..12 {
             // A gap, right as the last calm ends.
-            assert_eq!(s.after(0, t), Some(Next::Spin));
+            assert_eq!(s.loaded_after(0, t), Some(Next::Yield));
             t += us(500);
-            assert_eq!(s.after(0, t), Some(Next::Park));
+            assert_eq!(s.loaded_after(0, t), Some(Next::Park));
             s.woke();
             calms.push(s.calm);
             t = s.calm_until.unwrap();
@@ -401,33 +435,48 @@ mod tests {
         assert_eq!(*calms.last().unwrap(), CALM_MAX);
         // Quiet for long after: the next calm is short again.
         t += CALM_MAX + CALM_MEMORY;
-        assert_eq!(s.after(0, t), Some(Next::Spin));
-        assert_eq!(s.after(0, t + us(500)), Some(Next::Park));
+        assert_eq!(s.loaded_after(0, t), Some(Next::Yield));
+        assert_eq!(s.loaded_after(0, t + us(500)), Some(Next::Park));
         assert_eq!(s.calm, CALM_MIN);
     }
 
     #[test]
-    fn preemptions_calm_only_while_the_run_queue_is_longer_than_the_cores() {
+    fn preemptions_calm_only_on_a_loaded_host() {
         let t0 = Instant::now();
         let mut s = Spin::new(us(50_000), us(10));
-        assert_eq!(s.idle(t0, || false), Next::Spin);
-        // A gap, but every runnable thread has a core: the peer we serve,
-        // or the hypervisor, took ours for a moment. Spin on.
-        assert_eq!(s.idle(t0 + us(3000), || false), Next::Yield);
+        assert_eq!(s.idle(t0, || Some(false)), Next::Spin);
+        // A gap, but no thread waits for a core: the peer we serve, or the
+        // hypervisor, took ours for a moment. No calm: the spin goes on
+        // (yielding, 3 ms after its last work).
+        assert_eq!(s.idle(t0 + us(3000), || unreachable!()), Next::Yield);
         assert_eq!(s.stats.gap_preemptions, 0);
         assert_eq!(s.stats.unconfirmed, 1);
-        // The run queue is not looked at again within 10 ms: the answer
-        // stands (a probe that would say yes is not called).
-        assert_eq!(s.idle(t0 + us(6000), || unreachable!()), Next::Yield);
-        assert_eq!(s.stats.unconfirmed, 2);
+        // The pressure is looked at again 10 ms later: loaded, but once is
+        // not enough; 10 ms later again, loaded twice in a row: an idle
+        // pass yields at once, and a gap starts a calm.
+        assert_eq!(s.idle(t0 + PROBE_EVERY, || Some(true)), Next::Yield);
+        assert_eq!(s.stats.loaded_probes, 0);
+        let t0 = t0 + PROBE_EVERY;
         s.busy();
-        assert_eq!(s.idle(t0 + PROBE_EVERY + us(7000), || true), Next::Spin);
-        assert_eq!(s.idle(t0 + PROBE_EVERY + us(9000), || true), Next::Park);
+        assert_eq!(s.idle(t0 + PROBE_EVERY, || Some(true)), Next::Yield);
+        assert_eq!(
+            s.idle(t0 + PROBE_EVERY + us(1), || unreachable!()),
+            Next::Yield
+        );
+        assert_eq!(
+            s.idle(t0 + PROBE_EVERY + us(2000), || unreachable!()),
+            Next::Park
+        );
         assert_eq!(s.stats.gap_preemptions, 1);
+        assert_eq!(s.stats.loaded_probes, 1);
+        // Not known counts as not loaded.
+        s.woke();
+        let later = t0 + PROBE_EVERY * 5;
+        assert_eq!(s.idle(later, || None), Next::Spin);
         // The switch rate is confirmed the same way.
         let mut s = Spin::new(us(50), us(10));
-        s.parking(0, t0, || unreachable!());
-        s.parking(1000, t0 + us(20_000), || false);
+        s.parking(0, t0, || Some(false));
+        s.parking(1000, t0 + us(20_000), || Some(false));
         assert_eq!((s.stats.switch_preemptions, s.stats.unconfirmed), (0, 1));
     }
 
@@ -435,19 +484,19 @@ mod tests {
     fn switch_rate_tells_a_shared_core_from_an_owned_one() {
         let t1 = Instant::now();
         let mut s = Spin::new(us(50), us(10));
-        s.parking(100, t1, || true);
+        s.parking(100, t1, || Some(true));
         assert_eq!(s.stats.switch_preemptions, 0, "the first count is a start");
-        s.parking(110, t1 + us(5000), || true);
+        s.parking(110, t1 + us(5000), || Some(true));
         assert_eq!(s.stats.switch_preemptions, 0, "a window is 10 ms at least");
-        s.parking(115, t1 + us(20_000), || true);
+        s.parking(115, t1 + us(20_000), || Some(true));
         assert_eq!(s.stats.switch_preemptions, 0, "750/s: an owned core");
         s.woke();
-        assert_eq!(s.after(0, t1 + us(20_010)), Some(Next::Spin));
-        s.parking(115 + 600, t1 + us(40_000), || true);
+        assert_eq!(s.loaded_after(0, t1 + us(20_010)), Some(Next::Yield));
+        s.parking(115 + 600, t1 + us(40_000), || Some(true));
         assert_eq!(s.stats.switch_preemptions, 1, "30 000/s: a shared core");
         s.woke();
         assert_eq!(
-            s.after(0, t1 + us(40_100)),
+            s.loaded_after(0, t1 + us(40_100)),
             Some(Next::Park),
             "parks at once while calm"
         );
