@@ -61,6 +61,39 @@ pub(crate) fn primary_ipv4() -> Option<IpAddr> {
     found
 }
 
+/// Moves the calling thread to another core it may run on, leaving its
+/// affinity as it was: the kernel migrates a thread at once when its
+/// current core leaves its allowed set, and keeps it where it is when the
+/// set is widened again. Returns whether it moved (false for a thread
+/// allowed on one core only, or where the calls fail).
+pub(crate) fn move_off_this_core() -> bool {
+    const SIZE: usize = std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: cpu_set_t is plain bits, filled in by the kernel; the calls
+    // act on this thread only, and the original set is put back.
+    unsafe {
+        let mut allowed: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, SIZE, &mut allowed) != 0 {
+            return false;
+        }
+        let Ok(cur) = usize::try_from(libc::sched_getcpu()) else {
+            return false;
+        };
+        if libc::CPU_COUNT(&allowed) < 2 || cur >= libc::CPU_SETSIZE as usize {
+            return false;
+        }
+        let mut elsewhere = allowed;
+        libc::CPU_CLR(cur, &mut elsewhere);
+        let moved = libc::sched_setaffinity(0, SIZE, &elsewhere) == 0;
+        if libc::sched_setaffinity(0, SIZE, &allowed) != 0 {
+            warn!(
+                "could not restore this thread's core affinity: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        moved
+    }
+}
+
 /// Pins the calling thread to `core`.
 pub(crate) fn pin_to_core(core: usize) {
     // SAFETY: cpu_set_t is plain bits; CPU_SET and sched_setaffinity(0, ..)
@@ -411,7 +444,7 @@ fn parse_psi_some_total(text: &str) -> Option<u64> {
 /// Whether this host has more runnable threads than online cores right now
 /// (`/proc/loadavg`'s running count, which includes the caller). None
 /// where it cannot be read.
-fn runnable_over_cores() -> Option<bool> {
+pub(crate) fn runnable_over_cores() -> Option<bool> {
     let text = std::fs::read_to_string("/proc/loadavg").ok()?;
     let running = parse_loadavg_running(&text)?;
     // SAFETY: sysconf has no preconditions.

@@ -210,6 +210,13 @@ impl LocalSide {
         n
     }
 
+    /// Whether a request of ours waits for its reply on a same-host ring.
+    pub fn awaiting_replies(&self) -> bool {
+        self.hot
+            .iter()
+            .any(|&i| self.conns.get(i).is_some_and(|c| c.has_pending()))
+    }
+
     /// The connections polled every pass (may name removed ones).
     pub fn hot(&self) -> &[usize] {
         &self.hot

@@ -462,9 +462,19 @@ impl Shard {
         }
         let pressure = &mut self.pressure;
         let loaded = || pressure.stalled_over(LOADED_STALL_SHARE, Instant::now());
-        match self.spin.idle_pass(Instant::now, loaded) {
+        let local = &self.local;
+        let awaiting = || local.awaiting_replies();
+        match self.spin.idle_pass(Instant::now, loaded, awaiting) {
             Next::Spin => std::hint::spin_loop(),
-            Next::Yield => std::thread::yield_now(),
+            Next::Yield => {
+                let before = Instant::now();
+                std::thread::yield_now();
+                let now = Instant::now();
+                let idle_core = || crate::sys::runnable_over_cores().map(|over| !over);
+                if self.spin.yielded(now - before, now, idle_core) {
+                    crate::sys::move_off_this_core();
+                }
+            }
             Next::Park => {
                 let now = Instant::now();
                 let pressure = &mut self.pressure;
