@@ -462,8 +462,8 @@ impl Shard {
         }
         let pressure = &mut self.pressure;
         let loaded = || pressure.stalled_over(LOADED_STALL_SHARE, Instant::now());
-        let local = &self.local;
-        let awaiting = || local.awaiting_replies();
+        let (local, tcp) = (&self.local, &self.tcp);
+        let awaiting = || local.awaiting_replies() || tcp.awaiting_replies();
         match self.spin.idle_pass(Instant::now, loaded, awaiting) {
             Next::Spin => std::hint::spin_loop(),
             Next::Yield => {

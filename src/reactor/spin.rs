@@ -17,11 +17,12 @@
 //!    there for the next tick (4 ms measured on the 2-core machine) while
 //!    we spin for its reply; now it waits at most the yield delay;
 //! 3. then **parks** (epoll, woken by sockets, submitters and doorbells) —
-//!    unless it waits for same-host replies on a host that is not loaded:
-//!    then it goes on yielding. A reply rings the doorbell of a parked
-//!    shard, and the kernel puts the thread it wakes on the waker's core
-//!    (wake-affine), beside a spinner; each such park in a busy exchange
-//!    risks the two sharing one core (below).
+//!    unless it waits for replies (same-host or tcp) on a host that is not
+//!    loaded: then it goes on yielding, up to `AWAIT_MAX`. A reply rings
+//!    the doorbell (or socket) of a parked shard, and the kernel puts the
+//!    thread it wakes on the waker's core (wake-affine), beside a spinner;
+//!    each such park in a busy exchange risks the two sharing one core
+//!    (below). A reply later than `AWAIT_MAX` is worth a wake-up.
 //!
 //! A yield that returns late (`SLOW_YIELD`) says another thread ran on our
 //! core meanwhile. Often it is the peer we wait for: a thread woken from a
@@ -85,6 +86,9 @@ const PROBE_EVERY: Duration = Duration::from_millis(10);
 /// sampler, 7 % (median 0.01): a thread woken now and then waits for a
 /// core for a moment.
 pub(crate) const LOADED_STALL_SHARE: f64 = 0.25;
+/// A shard awaiting replies yields instead of parking for at most this long
+/// after its last work.
+const AWAIT_MAX: Duration = Duration::from_millis(1);
 /// A yield that takes this long let another thread run on our core (one
 /// that finds nobody takes ~0.6 µs on the 2-core machine).
 const SLOW_YIELD: Duration = Duration::from_micros(10);
@@ -278,8 +282,8 @@ impl Spin {
     /// (`now`) only every few passes, repeating its last answer between;
     /// `loaded` says whether the host's threads are waiting for cores
     /// (None: not known), called at most every `PROBE_EVERY`.
-    /// `awaiting` says whether the shard waits for same-host replies,
-    /// asked only when the spin is over.
+    /// `awaiting` says whether the shard waits for replies, asked only when
+    /// the spin is over.
     pub fn idle_pass(
         &mut self,
         now: impl FnOnce() -> Instant,
@@ -323,7 +327,7 @@ impl Spin {
             self.stats.parks += 1;
             self.stats.calm_parks += 1;
             Next::Park
-        } else if idle >= self.max && (self.loaded || !awaiting()) {
+        } else if idle >= self.max && (self.loaded || idle >= AWAIT_MAX || !awaiting()) {
             self.stats.parks += 1;
             Next::Park
         } else if idle >= self.yield_after
@@ -622,12 +626,22 @@ mod tests {
     }
 
     #[test]
-    fn awaiting_same_host_replies_yields_past_the_spin_unless_loaded() {
+    fn awaiting_replies_yields_past_the_spin_unless_loaded() {
         let t0 = Instant::now();
         let mut s = Spin::new(us(50), us(10));
         assert_eq!(s.idle(t0, || Some(false), || unreachable!()), Next::Spin);
         assert_eq!(s.idle(t0 + us(60), || unreachable!(), || true), Next::Yield);
         assert_eq!(s.idle(t0 + us(90), || unreachable!(), || false), Next::Park);
+        // Not past AWAIT_MAX.
+        s.woke();
+        let t1 = t0 + us(1000);
+        assert_eq!(s.idle(t1, || unreachable!(), || true), Next::Spin);
+        assert_eq!(
+            s.idle(t1 + us(900), || unreachable!(), || true),
+            Next::Yield
+        );
+        let end = t1 + AWAIT_MAX;
+        assert_eq!(s.idle(end, || Some(false), || unreachable!()), Next::Park);
         // On a loaded host it parks (a reply rings the doorbell).
         let mut s = Spin::new(us(50), us(10));
         s.last_look = true;

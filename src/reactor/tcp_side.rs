@@ -97,6 +97,20 @@ pub(crate) struct TcpSide {
 }
 
 impl TcpSide {
+    /// Whether a request on a connection this side polls directly (the
+    /// hot ones, or all of a few) waits for its reply. Bounded: at most
+    /// `HOT_CONNS` or `DIRECT_POLL_MAX_STREAMS` connections are looked at.
+    pub fn awaiting_replies(&self) -> bool {
+        let pending = |c: &Conn| c.streams.iter().any(|s| s.has_pending());
+        if self.direct_poll() {
+            self.conns.iter().any(|(_, c)| pending(c))
+        } else {
+            self.hot
+                .iter()
+                .any(|&(i, _)| self.conns.get(i).is_some_and(pending))
+        }
+    }
+
     /// Polls the shard's shared completion queues once and hands each
     /// completion to the link its `wr_id` names (a link that is gone had
     /// its QPs' completions removed with them; one that is not is logged).
