@@ -5,7 +5,8 @@
 #   benches/ab.sh [--rounds N] [--seconds S] [--points LIST] REV_A REV_B
 #
 # REV is any git revision (built in a worktree under $AB_DIR, default
-# /tmp/ferry-ab: outside this workspace), or `.`
+# /tmp/ferry-ab: outside this workspace), a path to a built `ferry` binary
+# (used as it is: for a machine without Rust), or `.`
 # for the working tree as it is now (built with `cargo build --release`).
 # Each round runs every point with A, then with B (the order flips every
 # round, so neither build always runs first); then per point the median of
@@ -38,6 +39,10 @@ mkdir -p target/ab/bin "$dir"
 
 build() { # rev name -> target/ab/bin/name
     local rev=$1 name=$2
+    if [ -f "$rev" ] && [ -x "$rev" ]; then
+        [ "$rev" -ef "target/ab/bin/$name" ] || cp "$rev" "target/ab/bin/$name"
+        return
+    fi
     if [ "$rev" = . ]; then
         cargo build --release -q -p ferry-cli
         cp target/release/ferry "target/ab/bin/$name"

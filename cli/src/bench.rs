@@ -116,10 +116,11 @@ Flags:
                          starting one; needs a build with the `directory`
                          feature
   --json                 one JSON object per line instead of a table
-Spinning: the initiator's shards and each target shard spin at most
-FERRY_SPIN_US after their last work, and not at all for 100 ms after they
-find their core shared (preempted while spinning, or preempted often);
-with managed initiator shards (--shards > 1) the benchmark thread sleeps
+Spinning: the initiator's shards and each target shard poll for
+FERRY_SPIN_YIELD_US after their last work, then yield their core each
+idle pass up to FERRY_SPIN_US (1 ms while awaiting replies), then park;
+on a loaded host (CPU pressure) they yield at once and park as soon as
+they are preempted (README, reactor/spin.rs); with managed initiator shards (--shards > 1) the benchmark thread sleeps
 on the oldest op instead of spinning. So the run has at most 2 x shards
 spinning threads, and where that exceeds the cores they yield them.
 Environment: FERRY_* variables apply to both processes (see the README).";
