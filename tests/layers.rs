@@ -3,6 +3,9 @@
 //! has no cycles, transports never import each other, `region`, `wire` and
 //! `gpu` import no transport, and test helpers are not in the library.
 //!
+//! Files are checked too: no two files of the library or of the CLI import
+//! each other, directly or round a longer circle.
+//!
 //! Unit-test modules (`#[cfg(test)] mod …` at the end of a file) are left
 //! out: a test may reach anywhere.
 
@@ -168,4 +171,230 @@ fn the_checker_sees_imports() {
         vec!["a".to_string(), "c".to_string()]
     );
     assert_eq!(code_of("a // crate::x\nb"), "a \nb");
+}
+
+/// The paths a piece of code names under `crate::`, `super::` or `self::`,
+/// with `{..}` groups expanded: (prefix, segments), e.g. ("super",
+/// ["bell", "RemoteBell"]).
+fn rooted_paths(code: &str) -> Vec<(&'static str, Vec<String>)> {
+    fn ident(s: &[u8], i: &mut usize) -> Option<String> {
+        let start = *i;
+        while *i < s.len() && (s[*i].is_ascii_alphanumeric() || s[*i] == b'_') {
+            *i += 1;
+        }
+        (*i > start).then(|| String::from_utf8_lossy(&s[start..*i]).into_owned())
+    }
+    fn skip_ws(s: &[u8], i: &mut usize) {
+        while *i < s.len() && s[*i].is_ascii_whitespace() {
+            *i += 1;
+        }
+    }
+    /// A path tree after `prefix::`: idents joined by `::`, a group `{..}`
+    /// at the end; every leaf path goes to `out`.
+    fn tree(s: &[u8], i: &mut usize, base: Vec<String>, out: &mut Vec<Vec<String>>) {
+        let mut path = base;
+        loop {
+            skip_ws(s, i);
+            if *i < s.len() && s[*i] == b'{' {
+                *i += 1;
+                loop {
+                    skip_ws(s, i);
+                    if *i >= s.len() || s[*i] == b'}' {
+                        *i += 1;
+                        return;
+                    }
+                    tree(s, i, path.clone(), out);
+                    skip_ws(s, i);
+                    if *i < s.len() && s[*i] == b',' {
+                        *i += 1;
+                    }
+                }
+            }
+            match ident(s, i) {
+                Some(id) => path.push(id),
+                None => {
+                    out.push(path);
+                    return;
+                }
+            }
+            if s[*i..].starts_with(b"::") {
+                *i += 2;
+            } else {
+                out.push(path);
+                return;
+            }
+        }
+    }
+    let s = code.as_bytes();
+    let mut out = Vec::new();
+    for prefix in ["crate", "super", "self"] {
+        let pat = format!("{prefix}::");
+        let mut from = 0;
+        while let Some(k) = code[from..].find(&pat) {
+            let at = from + k;
+            from = at + pat.len();
+            // `crate::` inside a longer name (`ferry_crate::`) is not one.
+            if at > 0 && (s[at - 1].is_ascii_alphanumeric() || s[at - 1] == b'_') {
+                continue;
+            }
+            let mut leaves = Vec::new();
+            let mut i = from;
+            tree(s, &mut i, Vec::new(), &mut leaves);
+            out.extend(leaves.into_iter().map(|l| (prefix, l)));
+        }
+    }
+    out
+}
+
+/// The file a rooted path leads to: the deepest module file of its
+/// segments (`crate::shm::ring::Header` -> src/shm/ring.rs), or the module
+/// the path starts from when its first segment is an item.
+fn resolve(root: &Path, file: &Path, prefix: &str, segs: &[String]) -> Option<PathBuf> {
+    // The directory whose modules `prefix::x` names.
+    let dir_of = |f: &Path| -> PathBuf {
+        let parent = f.parent().unwrap().to_path_buf();
+        let stem = f.file_stem().unwrap();
+        if stem == "mod" || stem == "lib" || stem == "main" {
+            parent
+        } else {
+            parent.join(stem)
+        }
+    };
+    let (mut dir, mut found) = match prefix {
+        "crate" => (root.to_path_buf(), None),
+        "self" => (dir_of(file), Some(file.to_path_buf())),
+        _ => {
+            // super: the module above this file's module.
+            let own = dir_of(file);
+            let up = own.parent()?.to_path_buf();
+            let up_file = if up == root {
+                None
+            } else {
+                let named = up.with_extension("rs");
+                Some(if named.exists() {
+                    named
+                } else {
+                    up.join("mod.rs")
+                })
+            };
+            (up, up_file)
+        }
+    };
+    for s in segs {
+        let as_file = dir.join(format!("{s}.rs"));
+        let as_dir = dir.join(s).join("mod.rs");
+        if as_file.exists() {
+            found = Some(as_file);
+        } else if as_dir.exists() {
+            found = Some(as_dir);
+        } else {
+            break;
+        }
+        dir = dir.join(s);
+    }
+    found
+}
+
+/// file -> the files of the same crate it imports (library code only).
+fn file_graph(root: &Path) -> BTreeMap<PathBuf, std::collections::BTreeSet<PathBuf>> {
+    let mut files = Vec::new();
+    rust_files(root, &mut files);
+    let mut g: BTreeMap<PathBuf, std::collections::BTreeSet<PathBuf>> = BTreeMap::new();
+    for f in files {
+        let code = code_of(&std::fs::read_to_string(&f).unwrap());
+        let mut to = std::collections::BTreeSet::new();
+        for (prefix, segs) in rooted_paths(&code) {
+            if let Some(t) = resolve(root, &f, prefix, &segs) {
+                if t != f {
+                    to.insert(t);
+                }
+            }
+        }
+        g.insert(f, to);
+    }
+    g
+}
+
+/// The import circles of a graph (each as its files in order), by DFS.
+fn circles(g: &BTreeMap<PathBuf, std::collections::BTreeSet<PathBuf>>) -> Vec<Vec<PathBuf>> {
+    fn visit(
+        n: &PathBuf,
+        g: &BTreeMap<PathBuf, std::collections::BTreeSet<PathBuf>>,
+        state: &mut BTreeMap<PathBuf, u8>,
+        stack: &mut Vec<PathBuf>,
+        out: &mut Vec<Vec<PathBuf>>,
+    ) {
+        state.insert(n.clone(), 1);
+        stack.push(n.clone());
+        for m in g.get(n).into_iter().flatten() {
+            match state.get(m).copied().unwrap_or(0) {
+                0 => visit(m, g, state, stack, out),
+                1 => {
+                    let at = stack.iter().position(|x| x == m).unwrap();
+                    out.push(stack[at..].to_vec());
+                }
+                _ => {}
+            }
+        }
+        stack.pop();
+        state.insert(n.clone(), 2);
+    }
+    let mut state = BTreeMap::new();
+    let mut out = Vec::new();
+    for n in g.keys() {
+        if state.get(n).copied().unwrap_or(0) == 0 {
+            visit(n, g, &mut state, &mut Vec::new(), &mut out);
+        }
+    }
+    out
+}
+
+#[test]
+fn no_two_files_import_each_other() {
+    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for root in [here.join("src"), here.join("cli/src")] {
+        let g = file_graph(&root);
+        assert!(g.len() > 5, "read only {} files under {root:?}", g.len());
+        let found = circles(&g);
+        assert!(
+            found.is_empty(),
+            "files that import each other (in a circle) under {root:?}:\n{found:#?}"
+        );
+    }
+}
+
+#[test]
+fn the_file_checker_sees_imports_and_circles() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let g = file_graph(&src);
+    let edge = |a: &str, b: &str| g[&src.join(a)].contains(&src.join(b));
+    assert!(edge("shm/bell.rs", "shm/object.rs"), "super::object");
+    assert!(
+        edge("reactor/shard.rs", "reactor/spin.rs"),
+        "super::spin::{{..}}"
+    );
+    assert!(
+        edge("reactor/shard.rs", "region.rs"),
+        "crate::region::{{..}}"
+    );
+    assert!(edge("shm/named_ring.rs", "shm/ring.rs"));
+    assert!(!edge("shm/ring.rs", "shm/bell.rs"));
+    assert_eq!(
+        rooted_paths("use super::{a::{B, c::D}, e};\nlet x = crate::f::g(1);"),
+        vec![
+            ("crate", vec!["f".to_string(), "g".to_string()]),
+            ("super", vec!["a".into(), "B".into()]),
+            ("super", vec!["a".into(), "c".into(), "D".into()]),
+            ("super", vec!["e".into()]),
+        ]
+    );
+    // A circle is found, a chain is not.
+    let p = |s: &str| PathBuf::from(s);
+    let mut g2 = BTreeMap::new();
+    g2.insert(p("a"), [p("b")].into_iter().collect());
+    g2.insert(p("b"), [p("c")].into_iter().collect());
+    g2.insert(p("c"), Default::default());
+    assert!(circles(&g2).is_empty());
+    g2.get_mut(&p("c")).unwrap().insert(p("a"));
+    assert_eq!(circles(&g2), vec![vec![p("a"), p("b"), p("c")]]);
 }

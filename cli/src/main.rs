@@ -2,6 +2,7 @@
 
 mod args;
 mod bench;
+mod child;
 mod dir;
 mod info;
 mod plot;
@@ -75,7 +76,7 @@ fn main() -> Result<()> {
         "ls" if wants_help => println!("{}", dir::LS_HELP),
         "ls" => dir::ls(Args::parse(rest, &["json"])?)?,
         "raw-peer" => raw::serve()?,
-        "busy" => bench::busy(),
+        "busy" => child::busy(),
         other => anyhow::bail!("unknown command {other:?}; see `ferry help`"),
     }
     Ok(())

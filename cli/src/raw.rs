@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-use crate::bench::{spawn_self, Peer};
+use crate::child::{spawn_self, Peer};
 
 const SINK: u8 = 0;
 const SOURCE: u8 = 1;

@@ -16,7 +16,7 @@ use crate::shm::bell::RemoteBell;
 use crate::shm::cma::{probe_cma, CMA_CANARY};
 use crate::shm::fdpass::{self, Shared};
 use crate::shm::local::LocalConn;
-use crate::shm::object::{accept_ring_name, pair_ring_name, ShmRing};
+use crate::shm::named_ring::{accept_ring_name, pair_ring_name, ShmRing};
 use crate::shm::ring::SLOT_PAYLOAD;
 use crate::sys::{pid_alive, random_u64, this_pid};
 use crate::wire::shm_msg::{Msg, MsgKind};

@@ -277,8 +277,8 @@ impl Endpoint {
             Some("FERRY_TRANSPORT=tcp".to_owned())
         } else {
             match (
-                crate::shm::object::ShmRing::create(
-                    &crate::shm::object::accept_ring_name(id),
+                crate::shm::named_ring::ShmRing::create(
+                    &crate::shm::named_ring::accept_ring_name(id),
                     256,
                     random_u64(),
                 ),

@@ -30,7 +30,7 @@ use crate::shm::bell::{Bell, ACCEPT_BIT, BELL_BITS};
 use crate::shm::cma::Cma;
 use crate::shm::fdpass::FdListener;
 use crate::shm::local::{LocalConn, PeerMaps};
-use crate::shm::object::ShmRing;
+use crate::shm::named_ring::ShmRing;
 use crate::shm::peers::PeerShares;
 use crate::shm::ring::SLOT_PAYLOAD;
 use crate::wire::shm_msg::{Msg, MsgKind};

@@ -33,14 +33,15 @@
 
 use std::ffi::CString;
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
 use super::object::{create_mapping, map_existing, pid_ns, unlink};
 use super::ring::Header;
+pub(crate) use super::ring::BELL_MAGIC;
 use crate::error::{Error, Result};
 use crate::sys::{this_pid, Mapping};
 
-pub const BELL_MAGIC: u64 = u64::from_le_bytes(*b"FRYBELL1");
 const BELL_VERSION: u32 = 1;
 /// Rings one doorbell serves (per shard); connections past it are polled.
 pub const BELL_BITS: u32 = 1 << 16;
@@ -86,14 +87,6 @@ fn page(map: &Mapping) -> &Page {
     unsafe { &*(map.ptr as *const Page) }
 }
 
-struct OwnedFd(i32);
-impl Drop for OwnedFd {
-    fn drop(&mut self) {
-        // SAFETY: we own the descriptor.
-        unsafe { libc::close(self.0) };
-    }
-}
-
 /// A consumer shard's doorbell: it owns the page and the FIFO and removes
 /// both on drop.
 pub(crate) struct Bell {
@@ -135,7 +128,8 @@ impl Bell {
         }
         let bell = Bell {
             map,
-            fifo: OwnedFd(fd),
+            // SAFETY: `fd` was just opened (checked above) and is ours.
+            fifo: unsafe { OwnedFd::from_raw_fd(fd) },
             name,
         };
         let h = &page(&bell.map).header;
@@ -150,7 +144,7 @@ impl Bell {
 
     /// The FIFO's read end, for the shard's epoll set.
     pub fn fd(&self) -> i32 {
-        self.fifo.0
+        self.fifo.as_raw_fd()
     }
 
     /// Calls `f` with each bit rung since the last call; returns how many.
@@ -197,7 +191,7 @@ impl Bell {
     pub fn drain(&self) {
         let mut buf = [0u8; 64];
         // SAFETY: reading into a local buffer from our FIFO.
-        unsafe { libc::read(self.fifo.0, buf.as_mut_ptr() as *mut _, buf.len()) };
+        unsafe { libc::read(self.fifo.as_raw_fd(), buf.as_mut_ptr() as *mut _, buf.len()) };
     }
 }
 
@@ -244,7 +238,8 @@ impl RemoteBell {
         if fd < 0 {
             return Err(Error::io("open(doorbell fifo)", io::Error::last_os_error()));
         }
-        let fifo = OwnedFd(fd);
+        // SAFETY: `fd` was just opened (checked above) and is ours.
+        let fifo = unsafe { OwnedFd::from_raw_fd(fd) };
         // SAFETY: stat of an fd we hold into a zeroed struct.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
@@ -274,7 +269,7 @@ impl RemoteBell {
         {
             // SAFETY: one byte from a constant into our FIFO handle. A full
             // FIFO (EAGAIN) already holds a wake-up.
-            unsafe { libc::write(self.fifo.0, [1u8].as_ptr() as *const _, 1) };
+            unsafe { libc::write(self.fifo.as_raw_fd(), [1u8].as_ptr() as *const _, 1) };
         }
     }
 }

@@ -7,6 +7,7 @@
 //! (SCM_RIGHTS). The receiver answers one byte once it has mapped them.
 
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use super::local::{PeerMap, PeerMaps};
@@ -37,12 +38,11 @@ fn sockaddr(id: u64) -> (libc::sockaddr_un, libc::socklen_t) {
     (a, len as libc::socklen_t)
 }
 
-struct Fd(i32);
-impl Drop for Fd {
-    fn drop(&mut self) {
-        // SAFETY: we own the descriptor.
-        unsafe { libc::close(self.0) };
-    }
+/// Owns a descriptor a call just returned (`cvt` let only valid ones by).
+fn own(fd: RawFd) -> OwnedFd {
+    // SAFETY: `fd` was just returned open by the kernel to this process and
+    // nothing else holds it.
+    unsafe { OwnedFd::from_raw_fd(fd) }
 }
 
 fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
@@ -93,7 +93,7 @@ pub(crate) struct Sender {
 
 /// An accepted sender not served yet.
 struct Pending {
-    sock: Fd,
+    sock: OwnedFd,
     pid: u32,
     deadline: Instant,
     /// The message, once read (it may name a connection the shard has not
@@ -105,7 +105,7 @@ struct Pending {
 struct Received {
     sender: u64,
     entries: Vec<(u32, u64, u64)>,
-    fds: Vec<Fd>,
+    fds: Vec<OwnedFd>,
 }
 
 /// The receiving end, polled by the shard that owns local connections.
@@ -113,7 +113,7 @@ struct Received {
 /// regions of a peer with an established connection from that very
 /// process are mapped; nothing here blocks.
 pub(crate) struct FdListener {
-    fd: Fd,
+    fd: OwnedFd,
     pending: Vec<Pending>,
     uid: u32,
 }
@@ -121,7 +121,7 @@ pub(crate) struct FdListener {
 impl FdListener {
     pub fn bind(id: u64) -> io::Result<FdListener> {
         // SAFETY: plain socket creation.
-        let fd = Fd(cvt(unsafe {
+        let fd = own(cvt(unsafe {
             libc::socket(
                 libc::AF_UNIX,
                 libc::SOCK_SEQPACKET | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
@@ -130,9 +130,9 @@ impl FdListener {
         })?);
         let (a, len) = sockaddr(id);
         // SAFETY: `a` is a valid sockaddr_un of `len` bytes.
-        cvt(unsafe { libc::bind(fd.0, &a as *const _ as *const libc::sockaddr, len) })?;
+        cvt(unsafe { libc::bind(fd.as_raw_fd(), &a as *const _ as *const libc::sockaddr, len) })?;
         // SAFETY: listening on our socket.
-        cvt(unsafe { libc::listen(fd.0, 64) })?;
+        cvt(unsafe { libc::listen(fd.as_raw_fd(), 64) })?;
         Ok(FdListener {
             fd,
             pending: Vec::new(),
@@ -153,7 +153,7 @@ impl FdListener {
         while i < self.pending.len() {
             let p = &mut self.pending[i];
             if p.msg.is_none() {
-                match read_message(p.sock.0) {
+                match read_message(p.sock.as_raw_fd()) {
                     Ok(Some(m)) => p.msg = Some(m),
                     Ok(None) => {}
                     Err(e) => {
@@ -177,7 +177,7 @@ impl FdListener {
                             // SAFETY: one byte from a local buffer.
                             unsafe {
                                 libc::send(
-                                    p.sock.0,
+                                    p.sock.as_raw_fd(),
                                     [1u8].as_ptr() as *const _,
                                     1,
                                     libc::MSG_NOSIGNAL,
@@ -206,7 +206,7 @@ impl FdListener {
 
     /// The listening socket (readable when a sender connects).
     pub fn fd(&self) -> i32 {
-        self.fd.0
+        self.fd.as_raw_fd()
     }
 
     /// Whether senders wait to be served (the shard then polls often).
@@ -219,7 +219,7 @@ impl FdListener {
             // SAFETY: accept on our listening socket; no address wanted.
             let c = unsafe {
                 libc::accept4(
-                    self.fd.0,
+                    self.fd.as_raw_fd(),
                     std::ptr::null_mut(),
                     std::ptr::null_mut(),
                     libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK,
@@ -228,8 +228,8 @@ impl FdListener {
             if c < 0 {
                 return;
             }
-            let c = Fd(c);
-            let Some((pid, uid)) = peer_cred(c.0) else {
+            let c = own(c);
+            let Some((pid, uid)) = peer_cred(c.as_raw_fd()) else {
                 continue;
             };
             if uid != self.uid {
@@ -312,7 +312,7 @@ fn read_message(fd: i32) -> io::Result<Option<Received>> {
                     / std::mem::size_of::<i32>();
                 let p = libc::CMSG_DATA(c) as *const i32;
                 for i in 0..n {
-                    fds.push(Fd(std::ptr::read_unaligned(p.add(i))));
+                    fds.push(own(std::ptr::read_unaligned(p.add(i))));
                 }
             }
             c = libc::CMSG_NXTHDR(&mh, c);
@@ -385,12 +385,12 @@ fn map_all(sender: Sender, m: Received, maps: &mut PeerMaps) -> io::Result<usize
         // SAFETY: fstat of a descriptor we received into a zeroed struct.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
-        if unsafe { libc::fstat(fd.0, &mut st) } != 0 || (st.st_size as u64) < len {
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 || (st.st_size as u64) < len {
             return Err(io::Error::other(format!(
                 "shared region {key:#x}: object smaller than {len} bytes"
             )));
         }
-        mapped.push((key, base, Mapping::map_fd(fd.0, len as usize)?));
+        mapped.push((key, base, Mapping::map_fd(fd.as_raw_fd(), len as usize)?));
     }
     let n = mapped.len();
     for (key, base, map) in mapped {
@@ -409,13 +409,15 @@ fn map_all(sender: Sender, m: Received, maps: &mut PeerMaps) -> io::Result<usize
 pub(crate) fn share(me: u64, peer: u64, regions: &[Shared], timeout: Duration) -> io::Result<()> {
     for chunk in regions.chunks(MAX_PER_MSG) {
         // SAFETY: plain socket creation.
-        let fd = Fd(cvt(unsafe {
+        let fd = own(cvt(unsafe {
             libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0)
         })?);
-        set_timeout(fd.0, timeout);
+        set_timeout(fd.as_raw_fd(), timeout);
         let (a, len) = sockaddr(peer);
         // SAFETY: valid address of `len` bytes.
-        cvt(unsafe { libc::connect(fd.0, &a as *const _ as *const libc::sockaddr, len) })?;
+        cvt(unsafe {
+            libc::connect(fd.as_raw_fd(), &a as *const _ as *const libc::sockaddr, len)
+        })?;
         let mut data = Vec::with_capacity(HEAD + chunk.len() * ENTRY);
         data.extend_from_slice(&me.to_le_bytes());
         data.extend_from_slice(&(chunk.len() as u32).to_le_bytes());
@@ -444,13 +446,13 @@ pub(crate) fn share(me: u64, peer: u64, regions: &[Shared], timeout: Duration) -
             (*c).cmsg_type = libc::SCM_RIGHTS;
             (*c).cmsg_len = libc::CMSG_LEN(bytes as u32) as _;
             std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c) as *mut i32, fds.len());
-            if libc::sendmsg(fd.0, &mh, libc::MSG_NOSIGNAL) < 0 {
+            if libc::sendmsg(fd.as_raw_fd(), &mh, libc::MSG_NOSIGNAL) < 0 {
                 return Err(io::Error::last_os_error());
             }
         }
         let mut ack = [0u8; 1];
         // SAFETY: one byte into a local buffer.
-        let n = unsafe { libc::recv(fd.0, ack.as_mut_ptr() as *mut _, 1, 0) };
+        let n = unsafe { libc::recv(fd.as_raw_fd(), ack.as_mut_ptr() as *mut _, 1, 0) };
         if n != 1 {
             return Err(io::Error::other(format!(
                 "peer did not acknowledge shared regions: {}",
@@ -557,7 +559,7 @@ mod tests {
         let fd = || {
             let b = MemfdBuf::new(4096).unwrap();
             // SAFETY: dup of a descriptor we hold.
-            Fd(unsafe { libc::dup(b.fd) })
+            own(unsafe { libc::dup(b.fd) })
         };
         // A huge (sparse) region is refused by its size before any mmap.
         let huge = Received {
@@ -577,7 +579,7 @@ mod tests {
             maps.insert(
                 (3, 10_000 + k),
                 PeerMap {
-                    map: std::sync::Arc::new(Mapping::map_fd(fd().0, 0).unwrap()),
+                    map: std::sync::Arc::new(Mapping::map_fd(fd().as_raw_fd(), 0).unwrap()),
                     base: i as u64,
                 },
             );

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use slab::Slab;
 
-use super::object::ShmRing;
+use super::named_ring::ShmRing;
 use super::ring::SLOT_PAYLOAD;
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::region::{Access, KeyRef, RegionSlice, Regions};

@@ -16,6 +16,9 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 pub const RING_MAGIC: u64 = u64::from_le_bytes(*b"FRYRING1");
+/// The magic of a doorbell page (`bell.rs`), which starts with the same
+/// header: the stale-object sweep tells ferry's objects by these two.
+pub const BELL_MAGIC: u64 = u64::from_le_bytes(*b"FRYBELL1");
 pub const SLOT_BYTES: usize = 256;
 /// Bytes of message a slot holds.
 pub const SLOT_PAYLOAD: usize = SLOT_BYTES - 16;
