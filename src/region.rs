@@ -37,8 +37,10 @@ pub(crate) enum Backing {
 /// every frame that is reading or writing it, so the bytes outlive any use
 /// the kernel is making of them.
 pub(crate) struct Region {
-    pub ptr: *mut u8,
-    pub len: usize,
+    /// The range, fixed at creation (private: no code may point a region
+    /// elsewhere; `from_raw` is the one way to name memory).
+    ptr: *mut u8,
+    len: usize,
     pub rkey: u32,
     /// Random; a request must carry it (from the advertised `RemoteBuf`).
     pub tag: u64,
@@ -81,15 +83,60 @@ impl std::fmt::Debug for Region {
 }
 
 impl Region {
+    /// A region over `[ptr, ptr + len)`.
+    ///
+    /// # Safety
+    /// The range is memory of this process (host, or GPU memory the driver
+    /// gave out) that stays valid, at that address, until the region is
+    /// dropped: held by `backing`, or by the caller of `register_raw` under
+    /// its contract. Peers may write it when `access` allows.
+    pub unsafe fn from_raw(
+        ptr: *mut u8,
+        len: usize,
+        rkey: u32,
+        tag: u64,
+        access: Access,
+        mem: crate::gpu::MemKind,
+        backing: Backing,
+    ) -> Region {
+        Region {
+            ptr,
+            len,
+            rkey,
+            tag,
+            access,
+            mem,
+            ipc_exported: Default::default(),
+            ipc_handle: Default::default(),
+            nic_attach: Default::default(),
+            _backing: backing,
+        }
+    }
+
+    /// The first byte.
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Bytes it spans.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
     pub fn addr(&self) -> u64 {
         self.ptr as u64
     }
 
     /// A pinned bounce buffer (GPU memory on tcp), never registered: no
-    /// key names it.
+    /// key names it. `len` is at most the buffer's.
     pub fn bounce(buf: crate::gpu::memory::PinnedBuf, len: usize) -> Region {
+        assert!(
+            len <= buf.len(),
+            "a bounce region of {len} bytes over a {} byte buffer",
+            buf.len()
+        );
         Region {
-            ptr: buf.ptr,
+            ptr: buf.ptr(),
             len,
             rkey: 0,
             tag: 0,

@@ -263,10 +263,11 @@ pub fn fnv64(buf: &[u8]) -> u64 {
     })
 }
 
-/// A shared mapping, unmapped on drop.
+/// A shared mapping, unmapped on drop. Its range is fixed at creation:
+/// the fields are private, so no code can point it elsewhere.
 pub(crate) struct Mapping {
-    pub ptr: *mut u8,
-    pub len: usize,
+    ptr: *mut u8,
+    len: usize,
 }
 
 // SAFETY: a Mapping is an address range; users synchronise through it.
@@ -275,6 +276,16 @@ unsafe impl Send for Mapping {}
 unsafe impl Sync for Mapping {}
 
 impl Mapping {
+    /// The first byte of the mapping.
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
     /// Maps `len` bytes of `fd` shared, read-write.
     pub fn map_fd(fd: i32, len: usize) -> io::Result<Mapping> {
         if len == 0 {

@@ -26,18 +26,24 @@ impl Endpoint {
         let ordinal = *self.inner.gpu.get_or_init(|| 0);
         crate::gpu::cuda()?.device(ordinal as usize)?;
         let buf = DeviceBuf::new(ordinal, len)?;
-        let ptr = buf.ptr as *mut u8;
-        self.inner
-            .add_region(ptr, len, Access::all(), Backing::Device(buf))
+        let ptr = buf.ptr() as *mut u8;
+        // SAFETY: the device allocation of `len` bytes is the backing.
+        unsafe {
+            self.inner
+                .add_region(ptr, len, Access::all(), Backing::Device(buf))
+        }
     }
 
     /// Allocates and registers `len` zeroed bytes of pinned (page-locked)
     /// host memory: the host side of the fastest host↔GPU copies.
     pub fn alloc_pinned(&self, len: usize) -> Result<MemoryRegion> {
         let buf = PinnedBuf::new(len)?;
-        let ptr = buf.ptr;
-        self.inner
-            .add_region(ptr, len, Access::all(), Backing::Pinned(buf))
+        let ptr = buf.ptr();
+        // SAFETY: the pinned allocation of `len` bytes is the backing.
+        unsafe {
+            self.inner
+                .add_region(ptr, len, Access::all(), Backing::Pinned(buf))
+        }
     }
 
     /// Where the bytes of `mr` live (host, pinned host, or which GPU).

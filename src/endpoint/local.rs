@@ -113,7 +113,7 @@ impl Inner {
             .filter_map(|r| match &r._backing {
                 Backing::Memfd(m) => Some(Shared {
                     key: r.rkey,
-                    len: r.len as u64,
+                    len: r.len() as u64,
                     base: r.addr(),
                     fd: m.fd,
                 }),
@@ -150,7 +150,7 @@ impl Inner {
             .collect();
         let shared = [Shared {
             key: r.rkey,
-            len: r.len as u64,
+            len: r.len() as u64,
             base: r.addr(),
             fd: m.fd,
         }];

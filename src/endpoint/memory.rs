@@ -49,7 +49,7 @@ impl std::fmt::Debug for MemoryRegion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MemoryRegion")
             .field("addr", &format_args!("{:#x}", self.inner.addr()))
-            .field("len", &self.inner.len)
+            .field("len", &self.inner.len())
             .field("rkey", &format_args!("{:#x}", self.inner.rkey))
             .field("access", &self.inner.access)
             .finish()
@@ -58,11 +58,11 @@ impl std::fmt::Debug for MemoryRegion {
 
 impl MemoryRegion {
     pub fn len(&self) -> usize {
-        self.inner.len
+        self.inner.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.inner.len == 0
+        self.inner.len() == 0
     }
 
     pub fn addr(&self) -> u64 {
@@ -78,16 +78,16 @@ impl MemoryRegion {
     }
 
     pub fn as_ptr(&self) -> *mut u8 {
-        self.inner.ptr
+        self.inner.ptr()
     }
 
     pub(crate) fn check_range(&self, offset: usize, len: usize) -> Result<()> {
         match offset.checked_add(len) {
-            Some(end) if end <= self.inner.len => Ok(()),
+            Some(end) if end <= self.inner.len() => Ok(()),
             _ => Err(Error::OutOfRange {
                 offset,
                 len,
-                region_len: self.inner.len,
+                region_len: self.inner.len(),
             }),
         }
     }
@@ -105,7 +105,7 @@ impl MemoryRegion {
         self.check_range(offset, dst.len())?;
         // SAFETY: the range is inside the live region (checked above; the
         // `Arc<Region>` keeps it alive) and `dst` is ours for `dst.len()`.
-        unsafe { self.copy_raw(dst.as_mut_ptr(), self.inner.ptr.add(offset), dst.len()) }
+        unsafe { self.copy_raw(dst.as_mut_ptr(), self.inner.ptr().add(offset), dst.len()) }
     }
 
     /// Copies `src` into the region at `offset` (host or GPU memory, as
@@ -113,7 +113,7 @@ impl MemoryRegion {
     pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
         self.check_range(offset, src.len())?;
         // SAFETY: as in `read_at`, the other way.
-        unsafe { self.copy_raw(self.inner.ptr.add(offset), src.as_ptr(), src.len()) }
+        unsafe { self.copy_raw(self.inner.ptr().add(offset), src.as_ptr(), src.len()) }
     }
 
     /// One copy between this region and application memory.
@@ -143,7 +143,7 @@ impl MemoryRegion {
     pub unsafe fn as_slice(&self) -> &[u8] {
         self.assert_host();
         // SAFETY: live host memory; exclusivity is the caller's promise.
-        unsafe { std::slice::from_raw_parts(self.inner.ptr, self.inner.len) }
+        unsafe { std::slice::from_raw_parts(self.inner.ptr(), self.inner.len()) }
     }
 
     /// The region's bytes as a mutable slice.
@@ -155,7 +155,7 @@ impl MemoryRegion {
     pub unsafe fn as_mut_slice(&self) -> &mut [u8] {
         self.assert_host();
         // SAFETY: as for `as_slice`.
-        unsafe { std::slice::from_raw_parts_mut(self.inner.ptr, self.inner.len) }
+        unsafe { std::slice::from_raw_parts_mut(self.inner.ptr(), self.inner.len()) }
     }
 
     fn assert_host(&self) {
@@ -178,7 +178,7 @@ impl MemoryRegion {
     /// enforces the registration's bounds, not the window's.
     pub fn advertise(&self, offset: usize, len: usize) -> Result<RemoteBuf> {
         let mut rb = self.window(offset, len)?;
-        if offset == 0 && len == self.inner.len {
+        if offset == 0 && len == self.inner.len() {
             return Ok(rb);
         }
         let mut windows = self.windows.lock().expect("lock");

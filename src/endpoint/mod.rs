@@ -675,7 +675,8 @@ impl Endpoint {
     pub fn register_with(&self, buf: impl Into<Box<[u8]>>, access: Access) -> Result<MemoryRegion> {
         let mut b: Box<[u8]> = buf.into();
         let (ptr, len) = (b.as_mut_ptr(), b.len());
-        self.inner.add_region(ptr, len, access, Backing::Owned(b))
+        // SAFETY: the box is the backing: it lives as long as the region.
+        unsafe { self.inner.add_region(ptr, len, access, Backing::Owned(b)) }
     }
 
     /// Allocates and registers `len` zeroed bytes.
@@ -688,10 +689,13 @@ impl Endpoint {
     /// one memcpy (other memory is copied with process_vm_readv/writev).
     pub fn alloc_host(&self, len: usize) -> Result<MemoryRegion> {
         let m = crate::sys::MemfdBuf::new(len)?;
-        let ptr = m.map.ptr;
-        let mr = self
-            .inner
-            .add_region(ptr, len, Access::all(), Backing::Memfd(m))?;
+        let ptr = m.map.ptr();
+        // SAFETY: the memfd mapping is the backing: it lives as long as the
+        // region.
+        let mr = unsafe {
+            self.inner
+                .add_region(ptr, len, Access::all(), Backing::Memfd(m))?
+        };
         self.inner
             .memfd_regions
             .lock()
@@ -739,7 +743,8 @@ impl Endpoint {
         len: usize,
         access: Access,
     ) -> Result<MemoryRegion> {
-        self.inner.add_region(ptr, len, access, Backing::Raw)
+        // SAFETY: this function's contract is add_region's.
+        unsafe { self.inner.add_region(ptr, len, access, Backing::Raw) }
     }
 
     /// Deregisters a region, waiting until no transfer still uses it.
@@ -1183,7 +1188,13 @@ impl Inner {
         }
     }
 
-    fn add_region(
+    /// Registers `[ptr, ptr + len)`.
+    ///
+    /// # Safety
+    /// The range stays valid for reads and writes until the region is
+    /// dropped: `backing` holds it, or (`Backing::Raw`) the caller of
+    /// `register_raw` promised so.
+    unsafe fn add_region(
         self: &Arc<Self>,
         ptr: *mut u8,
         len: usize,
@@ -1220,17 +1231,11 @@ impl Inner {
             }
         }
         let rkey = self.next_rkey.fetch_add(1, Ordering::Relaxed);
-        let r = Arc::new(Region {
-            tag: random_u64(),
-            ptr,
-            len,
-            rkey,
-            access,
-            mem,
-            ipc_exported: Default::default(),
-            ipc_handle: Default::default(),
-            nic_attach: Default::default(),
-            _backing: backing,
+        // SAFETY: `backing` holds the memory (owned buffers, memfds), or the
+        // caller of `register_raw` promised to keep it valid until
+        // deregistration; `classify` found it host or GPU memory.
+        let r = Arc::new(unsafe {
+            Region::from_raw(ptr, len, rkey, random_u64(), access, mem, backing)
         });
         // With a NIC, register it there now, on the caller's thread: the
         // pinning stays out of the shard loop, and a refusal (MEMLOCK) is

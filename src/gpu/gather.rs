@@ -194,7 +194,7 @@ impl Gather {
         let base = (slot * self.per_slot * DESC_BYTES) as u64;
         // SAFETY: the slot's part of our pinned buffer; no launch reads it
         // now (the slot was free: its last launch ended).
-        let d = unsafe { self.descs.ptr.add(base as usize).cast::<u64>() };
+        let d = unsafe { self.descs.ptr().add(base as usize).cast::<u64>() };
         for i in 0..n {
             // SAFETY: inside the slot: i < per_slot descriptors of 3 words.
             unsafe {
@@ -203,7 +203,7 @@ impl Gather {
                 d.add(3 * i + 2).write(sizes[i] as u64);
             }
         }
-        let mut descs = self.descs.ptr as u64 + base;
+        let mut descs = self.descs.ptr() as u64 + base;
         let mut count = n as u32;
         let mut params = [
             (&mut descs as *mut u64).cast::<std::ffi::c_void>(),

@@ -67,8 +67,8 @@ pub fn classify(ptr: u64) -> Result<MemKind> {
 
 /// Device memory the engine allocated (`Endpoint::alloc_gpu`); freed on drop.
 pub(crate) struct DeviceBuf {
-    pub ptr: u64,
-    pub ordinal: i32,
+    ptr: u64,
+    ordinal: i32,
 }
 
 impl DeviceBuf {
@@ -81,6 +81,11 @@ impl DeviceBuf {
             cu::cuMemAlloc_v2(&mut ptr, len.max(1))
         })?;
         Ok(Self { ptr, ordinal })
+    }
+
+    /// The device address of the allocation.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
     }
 }
 
@@ -102,7 +107,8 @@ impl Drop for DeviceBuf {
 /// Pinned host memory (`cuMemHostAlloc`, portable to every context); the
 /// fastest host side of a host↔GPU copy. Freed on drop.
 pub(crate) struct PinnedBuf {
-    pub ptr: *mut u8,
+    ptr: *mut u8,
+    len: usize,
 }
 
 // SAFETY: plain memory owned by this value; see Region's Send reasoning.
@@ -122,7 +128,16 @@ impl PinnedBuf {
         // SAFETY: fresh allocation of at least `len` bytes; zeroing also
         // faults the pages in before they are measured.
         unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, len) };
-        Ok(Self { ptr: p.cast() })
+        Ok(Self { ptr: p.cast(), len })
+    }
+
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Bytes allocated.
+    pub fn len(&self) -> usize {
+        self.len
     }
 }
 

@@ -190,7 +190,7 @@ impl GpuWork {
     pub fn stage_send(&mut self, send: TcpSend, gpu: RegionSlice, bounce: Arc<Region>) {
         let ordinal = Self::ordinal_of(gpu.region(), &bounce);
         let (dst, src) = (bounce.addr(), gpu.addr());
-        let len = gpu.len().min(bounce.len);
+        let len = gpu.len().min(bounce.len());
         let entry = Entry {
             then: Then::Send(send),
             mapping: None,

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::region::{Region, RegionSlice};
+use crate::xfer::PeerBytes;
 use crate::tcp::StreamLimits;
 
 /// One contiguous piece of a one-sided operation.
@@ -189,56 +190,64 @@ pub(crate) struct CopyJoin {
     pub failed: std::sync::atomic::AtomicBool,
 }
 
-/// How one slice reaches the peer's bytes.
-pub(crate) enum SliceKind {
-    /// Both sides mapped here: `len` bytes from `src` to `dst`.
-    Mem { dst: *mut u8, src: *const u8 },
-    /// Our `local` and `remote` in process `pid` (CMA), from the peer when
-    /// `from_peer`.
-    Cma {
-        local: *mut u8,
-        pid: u32,
-        remote: u64,
-        from_peer: bool,
-    },
-}
-
 /// One slice of a large same-host copy (`HostCopy`), run by a sibling
-/// shard (or the owner), then counted in `join`.
+/// shard (or the owner), then counted in `join`. Built only from a slice
+/// of our region and a place in the peer's memory whose range `new`
+/// checked, so running it is safe.
 pub(crate) struct CopySlice {
-    pub kind: SliceKind,
-    pub len: usize,
-    pub join: Arc<CopyJoin>,
-    /// Both memories, alive until the slice is copied.
-    pub _ours: crate::region::RegionSlice,
-    pub _theirs: Option<Arc<crate::sys::Mapping>>,
+    ours: RegionSlice,
+    theirs: PeerBytes,
+    /// The peer's bytes go into ours (else ours into the peer's).
+    from_peer: bool,
+    join: Arc<CopyJoin>,
 }
-
-// SAFETY: the pointers point into the memories the slice holds (or, for
-// CMA, into ours only), and no other slice of the copy covers the same
-// bytes.
-unsafe impl Send for CopySlice {}
 
 impl CopySlice {
+    /// A copy between `ours` and as many bytes at `theirs`; None if those
+    /// lie outside the peer's mapping.
+    pub fn new(
+        ours: RegionSlice,
+        theirs: PeerBytes,
+        from_peer: bool,
+        join: Arc<CopyJoin>,
+    ) -> Option<CopySlice> {
+        if let PeerBytes::Mapped { map, off } = &theirs {
+            if off.checked_add(ours.len())? > map.len() {
+                return None;
+            }
+        }
+        Some(CopySlice {
+            ours,
+            theirs,
+            from_peer,
+            join,
+        })
+    }
+
     /// Copies the slice and counts it done (a failure marks the copy).
     pub fn run(self) {
         use std::sync::atomic::Ordering;
-        let ok = match self.kind {
-            SliceKind::Mem { dst, src } => {
-                // SAFETY: the ranges lie inside the held memories (cut from
-                // a checked request) and do not overlap (ours vs the peer's).
-                unsafe { crate::shm::local::copy_bytes(dst, src, self.len) };
+        let len = self.ours.len();
+        let ok = match &self.theirs {
+            PeerBytes::Mapped { map, off } => {
+                // SAFETY: `new` checked off + len against the mapping, which
+                // `self` holds, as it holds our region; the two are distinct
+                // memories (ours and the peer's).
+                unsafe {
+                    let theirs = map.ptr().add(*off);
+                    if self.from_peer {
+                        crate::shm::local::copy_bytes(self.ours.ptr(), theirs, len);
+                    } else {
+                        crate::shm::local::copy_bytes(theirs, self.ours.ptr(), len);
+                    }
+                }
                 true
             }
-            SliceKind::Cma {
-                local,
-                pid,
-                remote,
-                from_peer,
-            } => {
-                // SAFETY: `local` lies in our held, checked memory for `len`
-                // bytes; the kernel checks the peer's side.
-                unsafe { crate::shm::cma::cma(pid, local, remote, self.len, from_peer) }.is_ok()
+            PeerBytes::Process { pid, addr } => {
+                // SAFETY: our slice is `len` live bytes held by `self`; the
+                // kernel checks the peer's side.
+                unsafe { crate::shm::cma::cma(*pid, self.ours.ptr(), *addr, len, self.from_peer) }
+                    .is_ok()
             }
         };
         if !ok {

@@ -32,7 +32,7 @@ use super::local_side::LocalSide;
 pub(crate) use super::local_side::{LocalInit, LocalSetup};
 use super::plan::{self, Route};
 use super::queue::{
-    Command, CopyJoin, CopySlice, OpCmd, RegionCmd, ShardHandle, SliceKind, WakeState,
+    Command, CopyJoin, CopySlice, OpCmd, RegionCmd, ShardHandle, WakeState,
 };
 use super::source::{apply_region_updates, ConnRef, Cx, Park, ShardSink, Source};
 pub use super::spin::SpinStats;
@@ -238,7 +238,6 @@ impl Shard {
     /// the siblings' go through their queues (one that is full gets none:
     /// its slice is copied here), ours is copied now.
     fn start_host_copies(&mut self) {
-        use crate::xfer::PeerBytes;
         use std::sync::atomic::AtomicUsize;
         for req in self.host_copies.drain(..) {
             let len = req.ours.len();
@@ -250,54 +249,27 @@ impl Shard {
                 left: AtomicUsize::new(count),
                 ..Default::default()
             });
-            let ours = req.ours.ptr();
             let piece = |i: usize| {
                 let off = i * slice;
-                let (kind, map) = match &req.theirs {
-                    PeerBytes::Mapped(theirs, map) => {
-                        let (dst, src) = if req.write {
-                            (ours, *theirs as *const u8)
-                        } else {
-                            (*theirs, ours as *const u8)
-                        };
-                        (
-                            SliceKind::Mem {
-                                // SAFETY: off < len: inside both ranges.
-                                dst: unsafe { dst.add(off) },
-                                // SAFETY: as above.
-                                src: unsafe { src.add(off) },
-                            },
-                            Some(map.clone()),
-                        )
-                    }
-                    PeerBytes::Process { pid, addr } => (
-                        SliceKind::Cma {
-                            // SAFETY: off < len: inside our range.
-                            local: unsafe { ours.add(off) },
-                            pid: *pid,
-                            remote: addr + off as u64,
-                            from_peer: req.write,
-                        },
-                        None,
-                    ),
-                };
-                CopySlice {
-                    kind,
-                    len: slice.min(len - off),
-                    join: join.clone(),
-                    _ours: req.ours.clone(),
-                    _theirs: map,
-                }
+                let ours = req.ours.sub(off, slice.min(len - off))?;
+                CopySlice::new(ours, req.theirs.at(off), req.write, join.clone())
             };
-            for i in 1..count {
-                let s = piece(i);
-                if let Err((_, Command::CopySlice(back))) =
+            // The siblings' slices first, so they copy while we copy ours.
+            for i in (1..count).chain(0..1) {
+                let Some(s) = piece(i) else {
+                    // Unreachable: the request's ranges were checked whole.
+                    join.failed.store(true, Ordering::Relaxed);
+                    join.left.fetch_sub(1, Ordering::Release);
+                    continue;
+                };
+                if i == 0 {
+                    s.run();
+                } else if let Err((_, Command::CopySlice(back))) =
                     self.siblings[i - 1].submit(Command::CopySlice(s))
                 {
                     back.run();
                 }
             }
-            piece(0).run();
             self.copy_waits.push((join, req.conn, req.op_id, req.write));
         }
     }
@@ -865,11 +837,9 @@ impl Shard {
             match link.lkeys(d.local.region()) {
                 Ok(lkeys) => link.add(
                     lkeys,
-                    d.local.addr(),
+                    &d.local,
                     d.nic_rkeys.expect("checked by the caller"),
                     d.remote_addr,
-                    d.local.len() as u64,
-                    !d.local.region().mem.is_device(),
                 ),
                 Err(e) => {
                     // Nothing of this op has been posted yet: drop the

@@ -79,18 +79,32 @@ fn fifo_path(name: &str) -> CString {
     CString::new(format!("/dev/shm{name}.fifo")).expect("bell names have no NUL")
 }
 
-fn page(map: &Mapping) -> &Page {
-    debug_assert!(map.len >= PAGE_BYTES);
-    // SAFETY: every constructor checks the mapping is page aligned and at
-    // least PAGE_BYTES long; every field of Page is an atomic, so shared
-    // references to memory other processes write are sound.
-    unsafe { &*(map.ptr as *const Page) }
+/// A mapping known to hold a whole doorbell page: only `new` makes one,
+/// after checking the length (mmap gives page alignment).
+struct PageMap(Mapping);
+
+impl PageMap {
+    fn new(map: Mapping) -> std::result::Result<PageMap, Mapping> {
+        if map.len() >= PAGE_BYTES && map.ptr() as usize % std::mem::align_of::<Page>() == 0 {
+            Ok(PageMap(map))
+        } else {
+            Err(map)
+        }
+    }
+
+    fn page(&self) -> &Page {
+        // SAFETY: `new` checked the mapping is aligned for and at least as
+        // long as a Page, and the mapping lives as long as `self`; every
+        // field of Page is an atomic, so shared references to memory other
+        // processes write are sound.
+        unsafe { &*(self.0.ptr() as *const Page) }
+    }
 }
 
 /// A consumer shard's doorbell: it owns the page and the FIFO and removes
 /// both on drop.
 pub(crate) struct Bell {
-    map: Mapping,
+    map: PageMap,
     fifo: OwnedFd,
     name: String,
 }
@@ -98,7 +112,13 @@ pub(crate) struct Bell {
 impl Bell {
     pub fn create(id: u64, shard: u32) -> Result<Bell> {
         let name = bell_name(id, shard);
-        let map = create_mapping(&name, PAGE_BYTES)?;
+        let map = PageMap::new(create_mapping(&name, PAGE_BYTES)?).map_err(|m| {
+            unlink(&name);
+            Error::Unsupported {
+                what: "creating a doorbell",
+                reason: format!("a {} byte mapping at {:p}", m.len(), m.ptr()),
+            }
+        })?;
         let path = fifo_path(&name);
         // The page was created exclusively, so its name is ours: a FIFO of
         // that name is a dead owner's.
@@ -132,7 +152,7 @@ impl Bell {
             fifo: unsafe { OwnedFd::from_raw_fd(fd) },
             name,
         };
-        let h = &page(&bell.map).header;
+        let h = &bell.map.page().header;
         h.version.store(BELL_VERSION, Ordering::Relaxed);
         h.capacity.store(BELL_BITS, Ordering::Relaxed);
         h.owner_pid.store(this_pid(), Ordering::Relaxed);
@@ -150,7 +170,7 @@ impl Bell {
     /// Calls `f` with each bit rung since the last call; returns how many.
     /// Costs one load when nothing was rung.
     pub fn take(&self, mut f: impl FnMut(u32)) -> usize {
-        let p = page(&self.map);
+        let p = self.map.page();
         if p.flags.rung.load(Ordering::Relaxed) == 0 {
             return 0;
         }
@@ -180,7 +200,7 @@ impl Bell {
     /// Announces a sleep (`true`; the caller then looks at its rings and
     /// `take`s once more before sleeping) or its end.
     pub fn set_parked(&self, on: bool) {
-        page(&self.map)
+        self.map.page()
             .flags
             .parked
             .store(u32::from(on), Ordering::SeqCst);
@@ -206,7 +226,7 @@ impl Drop for Bell {
 
 /// A producer's handle on a consumer shard's doorbell.
 pub(crate) struct RemoteBell {
-    map: Mapping,
+    map: PageMap,
     fifo: OwnedFd,
 }
 
@@ -217,11 +237,9 @@ impl RemoteBell {
             what: "opening a local peer's doorbell",
             reason: format!("{name}: {reason}"),
         };
-        let map = map_existing(&name)?;
-        if map.len < PAGE_BYTES {
-            return Err(refuse(format!("{} bytes, want {PAGE_BYTES}", map.len)));
-        }
-        let h = &page(&map).header;
+        let map = PageMap::new(map_existing(&name)?)
+            .map_err(|m| refuse(format!("{} bytes, want {PAGE_BYTES}", m.len())))?;
+        let h = &map.page().header;
         if h.magic.load(Ordering::Acquire) != BELL_MAGIC
             || h.version.load(Ordering::Relaxed) != BELL_VERSION
         {
@@ -254,7 +272,7 @@ impl RemoteBell {
         if bit >= BELL_BITS {
             return;
         }
-        let p = page(&self.map);
+        let p = self.map.page();
         let w = (bit / 64) as usize;
         let m = 1u64 << (bit % 64);
         if p.words[w].load(Ordering::Relaxed) & m == 0 {

@@ -355,7 +355,7 @@ fn map_all(sender: Sender, m: Received, maps: &mut PeerMaps) -> io::Result<usize
     for ((peer, _), pm) in maps.iter() {
         if *peer == sender.id {
             count += 1;
-            bytes += pm.map.len as u64;
+            bytes += pm.map.len() as u64;
         }
     }
     let mut seen = Vec::with_capacity(m.entries.len());
@@ -546,11 +546,11 @@ mod tests {
         let (id, mut l) = listener();
         let mut maps = PeerMaps::default();
         share_and_poll(&mut l, id, 5, vec![(9, 4096)], |s| s == me(5), &mut maps).unwrap();
-        let first = maps[&(5, 9)].map.ptr;
+        let first = maps[&(5, 9)].map.ptr();
         let r = share_and_poll(&mut l, id, 5, vec![(9, 8192)], |s| s == me(5), &mut maps);
         assert!(r.is_err());
-        assert_eq!(maps[&(5, 9)].map.ptr, first, "the first mapping stands");
-        assert_eq!(maps[&(5, 9)].map.len, 4096);
+        assert_eq!(maps[&(5, 9)].map.ptr(), first, "the first mapping stands");
+        assert_eq!(maps[&(5, 9)].map.len(), 4096);
     }
 
     #[test]

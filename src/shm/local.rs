@@ -504,7 +504,7 @@ impl LocalConn {
         let off = addr.checked_sub(pm.base)?;
         let end = off.checked_add(len)?;
         // SAFETY: off + len <= mapping length, checked here.
-        (end <= pm.map.len as u64).then(|| (unsafe { pm.map.ptr.add(off as usize) }, &pm.map))
+        (end <= pm.map.len() as u64).then(|| (unsafe { pm.map.ptr().add(off as usize) }, &pm.map))
     }
 
     fn on_msg(
@@ -600,7 +600,10 @@ impl LocalConn {
                             // answer when every slice is done.
                             if len >= SPREAD_COPY_MIN {
                                 let theirs = match mapped {
-                                    Some((p, map)) => PeerBytes::Mapped(p, map.clone()),
+                                    Some((p, map)) => PeerBytes::Mapped {
+                                        off: p as usize - map.ptr() as usize,
+                                        map: map.clone(),
+                                    },
                                     None => PeerBytes::Process {
                                         pid: self.peer_pid,
                                         addr: m.src_addr,

@@ -26,7 +26,7 @@ impl ShmRing {
         // SAFETY: a fresh (zero-filled: O_EXCL, then ftruncate) page-aligned
         // mapping of `ring_bytes(capacity)` bytes nobody else uses until the
         // magic is published by init.
-        let ring = unsafe { Ring::init(map.ptr, capacity, this_pid(), pid_ns(), generation) };
+        let ring = unsafe { Ring::init(map.ptr(), capacity, this_pid(), pid_ns(), generation) };
         Ok(ShmRing {
             ring,
             _map: map,
@@ -41,7 +41,7 @@ impl ShmRing {
         let map = map_existing(name)?;
         // SAFETY: the mapping is page aligned and `len` long, and lives in the ShmRing.
         let ring =
-            unsafe { Ring::attach(map.ptr, map.len) }.map_err(|reason| Error::Unsupported {
+            unsafe { Ring::attach(map.ptr(), map.len()) }.map_err(|reason| Error::Unsupported {
                 what: "attaching a shared-memory ring",
                 reason: format!("{name}: {reason}"),
             })?;
@@ -161,10 +161,10 @@ mod tests {
     fn memfd_buffer_maps() {
         let m = crate::sys::MemfdBuf::new(1 << 20).unwrap();
         // SAFETY: the mapping is 1 MiB long.
-        unsafe { *m.map.ptr.add(12345) = 7 };
+        unsafe { *m.map.ptr().add(12345) = 7 };
         let again = Mapping::map_fd(m.fd, 1 << 20).unwrap();
         // SAFETY: same length, shared mapping of the same memfd.
-        assert_eq!(unsafe { *again.ptr.add(12345) }, 7);
+        assert_eq!(unsafe { *again.ptr().add(12345) }, 7);
         assert_ne!(host_token(), 0);
     }
 

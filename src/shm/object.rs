@@ -26,12 +26,12 @@ pub(crate) fn pid_ns() -> u64 {
 /// The header of a ferry object in `map` (a ring or a doorbell page), if
 /// it has one.
 fn header_of(map: &Mapping) -> Option<&Header> {
-    if map.len < std::mem::size_of::<Header>() {
+    if map.len() < std::mem::size_of::<Header>() {
         return None;
     }
     // SAFETY: the mapping is page aligned and holds a whole header; every
     // field is an atomic.
-    let h = unsafe { &*(map.ptr as *const Header) };
+    let h = unsafe { &*(map.ptr() as *const Header) };
     let magic = h.magic.load(Ordering::Acquire);
     (magic == RING_MAGIC || magic == BELL_MAGIC).then_some(h)
 }

@@ -209,10 +209,10 @@ fn pattern(i: usize, seed: u8) -> u8 {
 }
 
 fn fill(r: &Region, off: usize, len: usize, seed: u8) {
-    assert!(off + len <= r.len);
+    assert!(off + len <= r.len());
     for i in 0..len {
         // SAFETY: in bounds of a live owned region (checked above).
-        unsafe { *r.ptr.add(off + i) = pattern(i, seed) };
+        unsafe { *r.ptr().add(off + i) = pattern(i, seed) };
     }
 }
 

@@ -29,6 +29,7 @@ use sideway::ibverbs::AccessFlags;
 use super::plan::{self, Piece, Post, WcOutcome};
 use super::VerbsConfig;
 use crate::error::{Error, Result};
+use crate::region::RegionSlice;
 use crate::wire::{NicAddr, NicKeys, VerbsInfo, LINK_ETHERNET, LINK_INFINIBAND};
 
 /// Tells libibverbs the process may fork (registered pages are then kept
@@ -748,15 +749,9 @@ impl super::QpLink for Link {
     /// Adds one part of an op (`len` bytes between `laddr` under `lkeys`
     /// and the peer's `raddr` under `rkeys`) to the op being built; `post`
     /// sends them all.
-    fn add(
-        &mut self,
-        lkeys: NicKeys,
-        laddr: u64,
-        rkeys: NicKeys,
-        raddr: u64,
-        len: u64,
-        host: bool,
-    ) {
+    fn add(&mut self, lkeys: NicKeys, local: &RegionSlice, rkeys: NicKeys, raddr: u64) {
+        let (laddr, len) = (local.addr(), local.len() as u64);
+        let host = !local.region().mem.is_device();
         let n_qps = self.wr_out.len();
         let item = self.items.len() as u32;
         let first = self.next_qp;

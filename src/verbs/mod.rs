@@ -79,16 +79,17 @@ pub(crate) trait QpLink: Send {
     /// Why an asynchronous event broke this link (its port went down, the
     /// NIC moved one of its queue pairs to error), if one did.
     fn broken(&self) -> Option<String>;
-    /// Adds one part of the op being built (`host`: the local memory is
-    /// host memory, which small WRITEs may send inline).
+    /// Adds one part of the op being built: `local` (registered under
+    /// `lkeys`; small WRITEs from host memory may go inline, read by the
+    /// CPU at post time) to or from the peer's `raddr` under `rkeys`. The
+    /// caller keeps `local`'s region alive until the op's completions are
+    /// reaped (the NIC reads or writes it until then).
     fn add(
         &mut self,
         lkeys: crate::wire::NicKeys,
-        laddr: u64,
+        local: &crate::region::RegionSlice,
         rkeys: crate::wire::NicKeys,
         raddr: u64,
-        len: u64,
-        host: bool,
     );
     /// Drops the parts gathered so far (posting none).
     fn discard(&mut self);

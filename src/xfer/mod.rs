@@ -141,13 +141,27 @@ pub(crate) struct HostCopy {
 }
 
 /// Where the peer's side of a `HostCopy` is, `ours.len()` bytes long.
+#[derive(Clone)]
 pub(crate) enum PeerBytes {
-    /// In its memfd memory mapped here (the mapping kept alive with it).
-    Mapped(*mut u8, Arc<Mapping>),
+    /// At byte `off` of its memfd memory mapped here (the mapping kept
+    /// alive with it).
+    Mapped { map: Arc<Mapping>, off: usize },
     /// At `addr` in process `pid`, reached with process_vm_readv/writev.
     Process { pid: u32, addr: u64 },
 }
 
-// SAFETY: the one raw pointer points into the mapping the request holds;
-// each slice of the copy is dereferenced by one thread.
-unsafe impl Send for HostCopy {}
+impl PeerBytes {
+    /// The same place, `by` bytes further on.
+    pub fn at(&self, by: usize) -> PeerBytes {
+        match self {
+            PeerBytes::Mapped { map, off } => PeerBytes::Mapped {
+                map: map.clone(),
+                off: off + by,
+            },
+            PeerBytes::Process { pid, addr } => PeerBytes::Process {
+                pid: *pid,
+                addr: addr + by as u64,
+            },
+        }
+    }
+}

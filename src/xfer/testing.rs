@@ -14,33 +14,34 @@ use crate::xfer::Sink;
 /// `len` zeroed bytes the engine owns, registered under `rkey` / `tag`.
 pub(crate) fn owned_region(len: usize, rkey: u32, tag: u64) -> Arc<Region> {
     let mut b = vec![0u8; len].into_boxed_slice();
-    Arc::new(Region {
-        ptr: b.as_mut_ptr(),
-        len,
-        rkey,
-        tag,
-        access: Access::all(),
-        mem: crate::gpu::MemKind::Host,
-        ipc_exported: Default::default(),
-        ipc_handle: Default::default(),
-        nic_attach: Default::default(),
-        _backing: Backing::Owned(b),
+    let ptr = b.as_mut_ptr();
+    // SAFETY: the box is the backing.
+    Arc::new(unsafe {
+        Region::from_raw(
+            ptr,
+            len,
+            rkey,
+            tag,
+            Access::all(),
+            crate::gpu::MemKind::Host,
+            Backing::Owned(b),
+        )
     })
 }
 
 /// The bytes of `r` at `[off, off + len)`.
 pub(crate) fn bytes_of(r: &Region, off: usize, len: usize) -> &[u8] {
-    assert!(off + len <= r.len);
+    assert!(off + len <= r.len());
     // SAFETY: in bounds of a live region; tests read it while no engine
     // writes (single-threaded).
-    unsafe { std::slice::from_raw_parts(r.ptr.add(off), len) }
+    unsafe { std::slice::from_raw_parts(r.ptr().add(off), len) }
 }
 
 /// Writes `data` into `r` at `off`.
 pub(crate) fn write_into(r: &Region, off: usize, data: &[u8]) {
-    assert!(off + data.len() <= r.len);
+    assert!(off + data.len() <= r.len());
     // SAFETY: in bounds of a live region (checked above), distinct from `data`.
-    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), r.ptr.add(off), data.len()) };
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), r.ptr().add(off), data.len()) };
 }
 
 /// A region table seen from one connection.
