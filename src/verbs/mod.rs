@@ -248,7 +248,7 @@ fn register_now(
                     // SAFETY: the fd is a dma-buf of the allocation holding
                     // the region, which outlives the MR (dropped with the
                     // Region).
-                    let mr = unsafe { nic.reg_dmabuf(fd, off, r.addr(), r.len, r.access) };
+                    let mr = unsafe { nic.reg_dmabuf(fd, off, r.addr(), r.len(), r.access) };
                     // SAFETY: our fd; the MR holds its own reference to it.
                     unsafe { libc::close(fd) };
                     mr
@@ -258,7 +258,7 @@ fn register_now(
                 // No dma-buf (an older driver, a NIC without it): the
                 // device pointer itself, which nvidia-peermem pins.
                 // SAFETY: the region's memory outlives the MR.
-                Err(e) => unsafe { nic.reg_host(r.addr(), r.len, r.access) }.map_err(|e2| {
+                Err(e) => unsafe { nic.reg_host(r.addr(), r.len(), r.access) }.map_err(|e2| {
                     crate::error::Error::Verbs {
                         what: "registering GPU memory with the NIC",
                         reason: format!("dma-buf: {e}; ibv_reg_mr on the device pointer: {e2}"),
@@ -267,7 +267,7 @@ fn register_now(
             }
         }
         // SAFETY: the region's memory outlives the MR (dropped with it).
-        _ => unsafe { nic.reg_host(r.addr(), r.len, r.access)? },
+        _ => unsafe { nic.reg_host(r.addr(), r.len(), r.access)? },
     })
 }
 
