@@ -1099,7 +1099,7 @@ impl Inner {
             slot: t.slot(),
             parts,
             at: Default::default(),
-            counted: false,
+            total: None,
         };
         match self.shard_of(conn).submit(Command::Op(cmd)) {
             Ok(()) => Ok(t),
@@ -1142,7 +1142,7 @@ impl Inner {
                 slot,
                 parts: piece,
                 at: Default::default(),
-                counted: false,
+                total: None,
             };
             if let Err((e, _)) = self.shards[(lane % n) as usize].submit(Command::Op(cmd)) {
                 // Never submitted: its part is completed here, so the slot

@@ -172,7 +172,7 @@ mod tests {
                 nic_rkeys: crate::wire::NicKeys::new(&[9]),
             }),
             at: Default::default(),
-            counted: true,
+            total: Some(1),
         });
         assert_eq!(
             Arc::strong_count(&region),

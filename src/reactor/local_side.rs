@@ -20,12 +20,18 @@
 
 use std::sync::mpsc::SyncSender;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use slab::Slab;
 use tracing::warn;
 
-use super::source::{ConnRef, Cx, LiveRegions, Park, ShardSink, Source};
+use super::plan::{self, Route};
+use super::queue::OpCmd;
+use super::source::{
+    ConnCheck, ConnRef, Cx, LiveRegions, Park, Removed, ShardSink, Source, SubmitCx, Transport,
+};
+use crate::error::ConnId;
+use crate::region::KeyRef;
 use crate::shm::bell::{Bell, ACCEPT_BIT, BELL_BITS};
 use crate::shm::cma::Cma;
 use crate::shm::fdpass::FdListener;
@@ -111,6 +117,9 @@ pub(crate) struct LocalSide {
     bell: Option<Bell>,
     /// Scratch for the bits taken from the doorbell.
     rung: Vec<u32>,
+    /// Peers whose last connection on this shard ended (their IPC
+    /// mappings here are closed by the shard's GPU work, then cleared).
+    pub peers_gone: Vec<u64>,
 }
 
 impl LocalSide {
@@ -125,6 +134,7 @@ impl LocalSide {
             setup,
             bell,
             rung: Vec::new(),
+            peers_gone: Vec::new(),
             shares,
             peer_maps: PeerMaps::default(),
             maps_gen: 0,
@@ -460,6 +470,122 @@ fn poll_one(
             cx.to_fail.push((ConnRef::Local(idx), reason));
             0
         }
+    }
+}
+
+impl Transport for LocalSide {
+    fn pieces(&self, _idx: usize, op: &OpCmd, chunk: usize) -> u32 {
+        plan::pieces(
+            Route::Local,
+            op.parts.as_slice().iter().map(|d| d.local.len()),
+            chunk,
+        )
+    }
+
+    fn submit(&mut self, idx: usize, mut op: OpCmd, cx: &mut SubmitCx<'_>) -> Option<OpCmd> {
+        self.heat(idx);
+        let lc = &mut self.conns[idx];
+        let descs = op.parts.as_slice();
+        while op.at.desc < descs.len() {
+            let d = &descs[op.at.desc];
+            let key = KeyRef {
+                rkey: d.rkey,
+                tag: d.tag,
+            };
+            let (kind, slot, now) = (op.kind, op.slot, cx.now);
+            if !lc.push_request(
+                kind,
+                slot,
+                key,
+                d.remote_addr,
+                &d.local,
+                d.remote_device,
+                now,
+            ) {
+                return Some(op);
+            }
+            op.at.emitted += 1;
+            op.at.desc += 1;
+        }
+        None
+    }
+
+    fn notify(&mut self, idx: usize, payload: Vec<u8>) -> std::result::Result<(), Vec<u8>> {
+        self.heat(idx);
+        if self.conns[idx].push_notify(&payload) {
+            Ok(())
+        } else {
+            Err(payload)
+        }
+    }
+
+    fn conn_id(&self, idx: usize) -> ConnId {
+        self.conns[idx].id
+    }
+
+    fn has_pending(&self, idx: usize) -> bool {
+        self.conns[idx].has_pending()
+    }
+
+    fn check(
+        &self,
+        idx: usize,
+        now: Instant,
+        limit: Duration,
+        seen: &mut Option<(u32, bool)>,
+    ) -> ConnCheck {
+        let lc = &self.conns[idx];
+        let alive = match *seen {
+            Some((pid, alive)) if pid == lc.peer_pid => alive,
+            _ => {
+                let alive = crate::sys::pid_alive(lc.peer_pid);
+                *seen = Some((lc.peer_pid, alive));
+                alive
+            }
+        };
+        let oldest = lc.oldest_pending();
+        let why = if !alive {
+            Some(format!("peer process {} is gone", lc.peer_pid))
+        } else if oldest.is_some_and(|t| now.saturating_duration_since(t) > limit) {
+            Some(format!(
+                "no response to a request within {} ms (op timeout)",
+                limit.as_millis()
+            ))
+        } else {
+            None
+        };
+        ConnCheck {
+            why,
+            busy: lc.has_pending(),
+            last_active: lc.last_active,
+            oldest,
+        }
+    }
+
+    fn remove(&mut self, idx: usize, reason: &str, cx: &mut Cx<'_>) -> Removed {
+        let mut lc = self.conns.remove(idx);
+        let err = &crate::error::Error::ConnFailed {
+            conn: lc.id,
+            reason: reason.to_owned(),
+        };
+        let mut sink = ShardSink {
+            done: cx.done,
+            inbox: cx.inbox,
+            conn: lc.id,
+            ipc_revoked: cx.ipc_revoked,
+            gpu_reqs: None,
+            host_copies: None,
+            gpu: None,
+        };
+        lc.fail_pending(err, &mut sink);
+        let (id, peer, pid) = (lc.id, lc.peer_id, lc.peer_pid);
+        drop(lc);
+        // The peer's shared memory is forgotten once no connection to it is
+        // left; its IPC mappings on this shard once none is left here.
+        if self.conn_ended(peer, pid) {
+            self.peers_gone.push(peer);
+        }
+        Removed { id, group: id }
     }
 }
 

@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::region::{Region, RegionSlice};
-use crate::xfer::PeerBytes;
 use crate::tcp::StreamLimits;
+use crate::xfer::PeerBytes;
 
 /// One contiguous piece of a one-sided operation.
 pub(crate) struct OpDesc {
@@ -69,10 +69,11 @@ pub(crate) struct OpCmd {
     pub parts: OpParts,
     /// How far the op is queued.
     pub at: super::plan::Progress,
-    /// Counted against its connection's in-flight limit already (an op
-    /// that stalls before its first frame is retried, and must not count
-    /// twice).
-    pub counted: bool,
+    /// The pieces it was counted with in the ledger (and against its
+    /// connection's in-flight limit), once counted: an op that stalls
+    /// before its first piece is retried, and must not count twice; one
+    /// whose connection dies meanwhile fails exactly the rest.
+    pub total: Option<u32>,
 }
 
 /// One piece of a CUDA IPC operation: a local slice and the peer's window.

@@ -30,16 +30,15 @@ use super::gpu::GpuWork;
 use super::ledger::OpLedger;
 use super::local_side::LocalSide;
 pub(crate) use super::local_side::{LocalInit, LocalSetup};
-use super::plan::{self, Route};
-use super::queue::{
-    Command, CopyJoin, CopySlice, OpCmd, RegionCmd, ShardHandle, WakeState,
+use super::queue::{Command, CopyJoin, CopySlice, OpCmd, RegionCmd, ShardHandle, WakeState};
+use super::source::{
+    apply_region_updates, ConnCheck, ConnRef, Cx, Park, Source, SubmitCx, Transport,
 };
-use super::source::{apply_region_updates, ConnRef, Cx, Park, ShardSink, Source};
 pub use super::spin::SpinStats;
 use super::spin::{Next, LOADED_STALL_SHARE};
 use super::tcp_side::TcpSide;
 use crate::error::{ConnId, Error, OpKind, Result};
-use crate::region::{KeyRef, RegionSlice, RegionTable};
+use crate::region::{RegionSlice, RegionTable};
 use crate::wire::Status;
 
 /// Commands taken from the queue per `poll`, so one busy submitter cannot
@@ -615,10 +614,8 @@ impl Shard {
                 None
             }
             Command::RemoveConn(conn, ack, reason) => {
-                match self.dir.get(conn) {
-                    Some(ConnRef::Tcp(idx)) => self.drop_conn(idx, reason.to_owned()),
-                    Some(ConnRef::Local(idx)) => self.drop_local(idx, reason.to_owned()),
-                    None => {}
+                if let Some(at) = self.dir.get(conn) {
+                    self.drop_at(at, reason.to_owned());
                 }
                 self.dir.forget_failed(conn);
                 if let Some(ack) = ack {
@@ -627,237 +624,47 @@ impl Shard {
                 None
             }
             Command::Notify { conn, payload } => {
-                match self.dir.get(conn) {
-                    Some(ConnRef::Tcp(idx)) => {
-                        self.tcp.mark(idx);
-                        let s = &mut self.tcp.conns[idx].streams[0];
-                        if !s.can_notify() {
-                            return Some(Command::Notify { conn, payload });
-                        }
-                        s.push_notify(payload);
-                    }
-                    Some(ConnRef::Local(idx)) => {
-                        self.local.heat(idx);
-                        if !self.local.conns[idx].push_notify(&payload) {
-                            return Some(Command::Notify { conn, payload });
-                        }
-                    }
-                    None => {
-                        warn!(shard = self.id, %conn, "notification for a connection that is gone: dropped")
-                    }
-                }
-                None
+                let Some(at) = self.dir.get(conn) else {
+                    warn!(shard = self.id, %conn, "notification for a connection that is gone: dropped");
+                    return None;
+                };
+                let (t, idx) = route(&mut self.tcp, &mut self.local, at);
+                t.notify(idx, payload)
+                    .err()
+                    .map(|payload| Command::Notify { conn, payload })
             }
         }
     }
 
+    /// Counts a new op in the ledger with the pieces its transport makes
+    /// of it, then hands it to that transport; an op that found no room
+    /// comes back (and is parked).
     fn apply_op(&mut self, mut op: OpCmd) -> Option<OpCmd> {
-        let chunk = self.cfg.chunk_bytes;
-        let target = self.dir.get(op.conn);
-        if target.is_none() && !op.counted {
+        let Some(at) = self.dir.get(op.conn) else {
+            // Unknown, or its connection died while the op waited for room.
             let err = self.dir.error_of(op.conn);
-            self.ledger.fail(op.slot, err);
+            match op.total {
+                None => self.ledger.fail(op.slot, err),
+                Some(total) => self.ledger.fail_rest(op.slot, total - op.at.emitted, err),
+            }
             return None;
-        }
-        // An op goes over RDMA when its connection has queue pairs, every
-        // window carries the peer NIC's key, and its work requests fit the
-        // send queues at all (else it would wait forever: it goes over the
-        // connection's tcp streams); it then completes once.
-        let via_verbs = match target {
-            Some(ConnRef::Tcp(i)) => match &self.tcp.conns[i].verbs {
-                Some(link) => {
-                    let descs = op.parts.as_slice();
-                    // Every local region registered with the NIC (a
-                    // refusal, remembered on the region, means tcp).
-                    descs.iter().all(|d| {
-                        d.nic_rkeys.is_some_and(|k| link.takes(&k))
-                            && link.lkeys(d.local.region()).is_ok()
-                    }) && link.fits(
-                        descs
-                            .iter()
-                            .map(|d| link.pieces(d.local.len() as u64))
-                            .sum(),
-                    )
-                }
-                None => false,
-            },
-            _ => false,
         };
-        let route = match target {
-            _ if via_verbs => Route::Verbs,
-            Some(ConnRef::Local(_)) => Route::Local,
-            _ => Route::Tcp,
-        };
-        let total = plan::pieces(
-            route,
-            op.parts.as_slice().iter().map(|d| d.local.len()),
-            chunk,
-        );
-        if !op.counted {
-            op.counted = true;
+        let (t, idx) = route(&mut self.tcp, &mut self.local, at);
+        if op.total.is_none() {
+            let total = t.pieces(idx, &op, self.cfg.chunk_bytes);
             if let Err(e) = self.ledger.open(op.slot, total, Some(op.conn)) {
                 self.ledger.fail(op.slot, e);
                 return None;
             }
+            op.total = Some(total);
         }
-        let now = Instant::now();
-        let idx = match target {
-            None => {
-                // Its connection died while the op waited for room.
-                let err = self.dir.error_of(op.conn);
-                self.ledger.fail_rest(op.slot, total - op.at.emitted, err);
-                return None;
-            }
-            Some(ConnRef::Local(idx)) => {
-                self.local.heat(idx);
-                let lc = &mut self.local.conns[idx];
-                let descs = op.parts.as_slice();
-                while op.at.desc < descs.len() {
-                    let d = &descs[op.at.desc];
-                    if !lc.push_request(
-                        op.kind,
-                        op.slot,
-                        KeyRef {
-                            rkey: d.rkey,
-                            tag: d.tag,
-                        },
-                        d.remote_addr,
-                        &d.local,
-                        d.remote_device,
-                        now,
-                    ) {
-                        return Some(op);
-                    }
-                    op.at.emitted += 1;
-                    op.at.desc += 1;
-                }
-                return None;
-            }
-            Some(ConnRef::Tcp(idx)) if via_verbs => return self.post_verbs(idx, op),
-            Some(ConnRef::Tcp(idx)) => idx,
+        let mut cx = SubmitCx {
+            ledger: &mut self.ledger,
+            gpu: self.gpu.as_mut(),
+            chunk: self.cfg.chunk_bytes,
+            now: Instant::now(),
         };
-        // Frames queued now go out on the next visit.
-        self.tcp.mark(idx);
-        let conn = &mut self.tcp.conns[idx];
-        let descs = op.parts.as_slice();
-        while op.at.desc < descs.len() {
-            let d = &descs[op.at.desc];
-            let n = op.at.frame_len(d.local.len(), chunk);
-            let which = conn.next % conn.streams.len();
-            let s = &mut conn.streams[which];
-            if !s.can_request() {
-                return Some(op);
-            }
-            let op_id = ((op.slot as u64) << 32) | op.at.emitted as u64;
-            let local = d
-                .local
-                .sub(op.at.off, n)
-                .expect("the planner stays inside the op's slice");
-            let key = KeyRef {
-                rkey: d.rkey,
-                tag: d.tag,
-            };
-            if local.is_device() {
-                // GPU memory goes through a pinned bounce buffer: a WRITE
-                // chunk is sent once copied out (pipelined: later chunks copy
-                // while earlier ones are on the wire); a READ lands in the
-                // bounce buffer and is copied on before the op completes.
-                let bounce = match self.gpu.as_mut().map(|g| g.bounce(n)) {
-                    Some(crate::xfer::Bounce::Ready(b)) => b,
-                    Some(crate::xfer::Bounce::Busy) => return Some(op),
-                    _ => {
-                        let e = Error::Unsupported {
-                            what: "GPU memory on a tcp connection",
-                            reason: "no pinned bounce buffer could be allocated (see the log)"
-                                .into(),
-                        };
-                        self.ledger.fail_rest(op.slot, total - op.at.emitted, e);
-                        return None;
-                    }
-                };
-                let addr = d.remote_addr + op.at.off as u64;
-                match op.kind {
-                    OpKind::Write => {
-                        let g = self.gpu.as_mut().expect("bounce came from it");
-                        let send = super::gpu::TcpSend {
-                            conn: op.conn,
-                            stream: which,
-                            slot: op.slot,
-                            op_id,
-                            key,
-                            addr,
-                            len: n,
-                        };
-                        g.stage_send(send, local, bounce);
-                    }
-                    OpKind::Read => {
-                        let into = RegionSlice::new(&bounce, 0, n).expect("bounce fits a chunk");
-                        s.push_request(OpKind::Read, op.slot, op_id, key, addr, into, now);
-                        s.stage_last_read(local);
-                    }
-                }
-                conn.next = conn.next.wrapping_add(1);
-                op.at.advance(n, d.local.len());
-                continue;
-            }
-            s.push_request(
-                op.kind,
-                op.slot,
-                op_id,
-                key,
-                d.remote_addr + op.at.off as u64,
-                local,
-                now,
-            );
-            conn.next = conn.next.wrapping_add(1);
-            op.at.advance(n, d.local.len());
-        }
-        None
-    }
-
-    /// Posts a whole op on the connection's RDMA queue pairs, or none of it
-    /// (stalls) while their send queues lack room: an op completes once,
-    /// when the last of its completions arrives.
-    fn post_verbs(&mut self, idx: usize, op: OpCmd) -> Option<OpCmd> {
-        // Its completion queue is polled on the connection's visits.
-        self.tcp.mark(idx);
-        let link = self.tcp.conns[idx]
-            .verbs
-            .as_mut()
-            .expect("checked by the caller");
-        let descs = op.parts.as_slice();
-        let pieces: usize = descs
-            .iter()
-            .map(|d| link.pieces(d.local.len() as u64))
-            .sum();
-        if !link.has_room(pieces) {
-            return Some(op);
-        }
-        for d in descs {
-            match link.lkeys(d.local.region()) {
-                Ok(lkeys) => link.add(
-                    lkeys,
-                    &d.local,
-                    d.nic_rkeys.expect("checked by the caller"),
-                    d.remote_addr,
-                ),
-                Err(e) => {
-                    // Nothing of this op has been posted yet: drop the
-                    // gathered parts by posting none.
-                    link.discard();
-                    link.fail_slot(op.slot, e, &mut self.ledger.done);
-                    return None;
-                }
-            }
-        }
-        match link.post(op.kind == OpKind::Write, op.slot) {
-            // The NIC reads (WRITE) or writes (READ) the op's local memory
-            // until its completions arrive: the ledger keeps the op's
-            // regions, and their MRs, alive until then.
-            Ok(_) => self.ledger.hold(op),
-            Err(e) => link.fail_slot(op.slot, e, &mut self.ledger.done),
-        }
-        None
+        t.submit(idx, op, &mut cx)
     }
 
     /// Starts a CUDA IPC op. It counts against its connection's in-flight
@@ -963,63 +770,24 @@ impl Shard {
         self.ledger.forget_conn_if_idle(conn);
     }
 
-    fn drop_conn(&mut self, idx: usize, reason: String) {
-        let mut conn = self.tcp.remove(idx);
-        self.regions.revoke_conn(conn.group);
-        self.dir.remove(conn.id);
-        let err = Error::ConnFailed {
-            conn: conn.group,
-            reason,
+    /// Drops a connection: its transport fails what it had under way,
+    /// the shard forgets its grants and remembers why it died.
+    fn drop_at(&mut self, at: ConnRef, reason: String) {
+        let gone = {
+            let mut cx = cx!(self, None);
+            let (t, idx) = route(&mut self.tcp, &mut self.local, at);
+            t.remove(idx, &reason, &mut cx)
         };
-        let mut sink = ShardSink {
-            done: &mut self.ledger.done,
-            inbox: &self.inbox,
-            conn: conn.group,
-            ipc_revoked: &mut self.ipc_revoked,
-            gpu_reqs: None,
-            host_copies: None,
-            gpu: None,
-        };
-        for s in conn.streams.iter_mut() {
-            s.fail_pending(&err, &mut sink);
-        }
-        if let Some(v) = &mut conn.verbs {
-            v.fail_all(&err, sink.done);
-        }
-        if let Error::ConnFailed { reason, .. } = err {
-            self.remember_failed(conn.id, conn.group, reason);
-        }
-    }
-
-    fn drop_local(&mut self, idx: usize, reason: String) {
-        let mut lc = self.local.conns.remove(idx);
-        self.regions.revoke_conn(lc.id);
-        self.dir.remove(lc.id);
-        let err = Error::ConnFailed {
-            conn: lc.id,
-            reason: reason.clone(),
-        };
-        let mut sink = ShardSink {
-            done: &mut self.ledger.done,
-            inbox: &self.inbox,
-            conn: lc.id,
-            ipc_revoked: &mut self.ipc_revoked,
-            gpu_reqs: None,
-            host_copies: None,
-            gpu: None,
-        };
-        lc.fail_pending(&err, &mut sink);
-        let (peer, pid) = (lc.peer_id, lc.peer_pid);
-        let id = lc.id;
-        drop(lc);
-        // The peer's shared memory is forgotten once no connection to it is
-        // left; its IPC mappings on this shard once none is left here.
-        if self.local.conn_ended(peer, pid) {
+        self.regions.revoke_conn(gone.group);
+        self.dir.remove(gone.id);
+        // Same-host peers with no connection left here: their IPC mappings
+        // on this shard go too.
+        for peer in self.local.peers_gone.drain(..) {
             if let Some(g) = &mut self.gpu {
                 g.revoke_owner(peer);
             }
         }
-        self.remember_failed(id, id, reason);
+        self.remember_failed(gone.id, gone.group, reason);
     }
 
     /// The longest a connection goes between looks by the timeout checks.
@@ -1099,58 +867,18 @@ impl Shard {
         seen: &mut Option<(u32, bool)>,
     ) -> Option<Instant> {
         let limit = self.cfg.op_timeout;
-        let late = |t: Instant| now.saturating_duration_since(t) > limit;
-        let (why, busy, last_active, oldest) = match at {
-            ConnRef::Tcp(i) => {
-                let conn = &self.tcp.conns[i];
-                let oldest = conn.streams.iter().filter_map(|s| s.oldest_pending()).min();
-                let why = if oldest.is_some_and(late) {
-                    Some(format!(
-                        "no response to a request within {} ms (op timeout)",
-                        limit.as_millis()
-                    ))
-                } else if conn.streams.iter().any(|s| s.inbound_stalled(now, limit)) {
-                    // Half a frame, then silence: it holds our memory.
-                    Some(format!(
-                        "an inbound frame stalled for more than {} ms (op timeout)",
-                        limit.as_millis()
-                    ))
-                } else {
-                    None
-                };
-                let busy = conn.streams.iter().any(|s| s.has_pending() || s.has_tx())
-                    || conn.verbs.as_ref().is_some_and(|v| v.busy())
-                    || self.parked.contains_key(&conn.id);
-                // A lane is idle only while the whole connection is.
-                let last = conn
-                    .activity
-                    .as_ref()
-                    .map_or(conn.last_active, |a| a.last(conn.last_active));
-                (why, busy, last, oldest)
-            }
-            ConnRef::Local(i) => {
-                let lc = &self.local.conns[i];
-                let alive = match *seen {
-                    Some((pid, alive)) if pid == lc.peer_pid => alive,
-                    _ => {
-                        let alive = crate::sys::pid_alive(lc.peer_pid);
-                        *seen = Some((lc.peer_pid, alive));
-                        alive
-                    }
-                };
-                let oldest = lc.oldest_pending();
-                let why = if !alive {
-                    Some(format!("peer process {} is gone", lc.peer_pid))
-                } else if oldest.is_some_and(late) {
-                    Some(format!(
-                        "no response to a request within {} ms (op timeout)",
-                        limit.as_millis()
-                    ))
-                } else {
-                    None
-                };
-                let busy = lc.has_pending() || self.parked.contains_key(&lc.id);
-                (why, busy, lc.last_active, oldest)
+        let ConnCheck {
+            why,
+            busy,
+            last_active,
+            oldest,
+        } = {
+            let (t, idx) = route(&mut self.tcp, &mut self.local, at);
+            let c = t.check(idx, now, limit, seen);
+            let parked = self.parked.contains_key(&t.conn_id(idx));
+            ConnCheck {
+                busy: c.busy || parked,
+                ..c
             }
         };
         if let Some(why) = why {
@@ -1193,22 +921,16 @@ impl Shard {
         to_fail.dedup_by_key(|(at, _)| *at);
         let n = to_fail.len();
         for (at, reason) in to_fail.drain(..) {
-            let (conn, busy) = match at {
-                ConnRef::Tcp(i) => (
-                    self.tcp.conns[i].id,
-                    self.tcp.conns[i].streams.iter().any(|s| s.has_pending()),
-                ),
-                ConnRef::Local(i) => (self.local.conns[i].id, self.local.conns[i].has_pending()),
+            let (conn, busy) = {
+                let (t, idx) = route(&mut self.tcp, &mut self.local, at);
+                (t.conn_id(idx), t.has_pending(idx))
             };
             if busy {
                 warn!(shard = self.id, %conn, "connection failed: {reason}");
             } else {
                 info!(shard = self.id, %conn, "connection closed: {reason}");
             }
-            match at {
-                ConnRef::Tcp(i) => self.drop_conn(i, reason),
-                ConnRef::Local(i) => self.drop_local(i, reason),
-            }
+            self.drop_at(at, reason);
         }
         self.to_fail = to_fail;
         n
@@ -1220,17 +942,27 @@ impl Shard {
     }
 }
 
+/// The transport a connection lives on, and its index there.
+fn route<'a>(
+    tcp: &'a mut TcpSide,
+    local: &'a mut LocalSide,
+    at: ConnRef,
+) -> (&'a mut dyn Transport, usize) {
+    match at {
+        ConnRef::Tcp(i) => (tcp, i),
+        ConnRef::Local(i) => (local, i),
+    }
+}
+
 impl Drop for Shard {
     /// Fails whatever is still in flight or queued, so no waiter hangs.
     fn drop(&mut self) {
         debug!(shard = self.id, stats = ?self.spin.stats, "shard ends; its spin");
-        let keys: Vec<usize> = self.tcp.conns.iter().map(|(k, _)| k).collect();
-        for k in keys {
-            self.drop_conn(k, "the shard shut down".to_owned());
-        }
-        let keys: Vec<usize> = self.local.conns.iter().map(|(k, _)| k).collect();
-        for k in keys {
-            self.drop_local(k, "the shard shut down".to_owned());
+        let tcp = self.tcp.conns.iter().map(|(k, _)| ConnRef::Tcp(k));
+        let local = self.local.conns.iter().map(|(k, _)| ConnRef::Local(k));
+        let all: Vec<ConnRef> = tcp.chain(local).collect();
+        for at in all {
+            self.drop_at(at, "the shard shut down".to_owned());
         }
         let mut queued: Vec<Command> = std::mem::take(&mut self.parked)
             .into_values()

@@ -10,12 +10,13 @@
 //! work (connections found broken, CUDA copies to start, IPC revocations).
 
 use std::sync::mpsc::{self, Receiver, SyncSender};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tracing::warn;
 
 use super::gpu::GpuWork;
-use super::queue::RegionCmd;
+use super::ledger::OpLedger;
+use super::queue::{OpCmd, RegionCmd};
 use crate::error::{ConnId, Result};
 use crate::region::{Access, KeyRef, RegionSlice, RegionTable, Regions};
 use crate::wire::Status;
@@ -79,6 +80,66 @@ pub(crate) trait Source {
     fn poll(&mut self, cx: &mut Cx<'_>) -> usize;
     /// Whether the shard may sleep now (see `Park`).
     fn may_park(&self) -> Park;
+}
+
+/// What a transport needs to queue an op: the ledger (a piece that fails
+/// at once, an op the NIC holds), the GPU work (bounce buffers for GPU
+/// memory on tcp), the chunk size and the time.
+pub(crate) struct SubmitCx<'a> {
+    pub ledger: &'a mut OpLedger,
+    pub gpu: Option<&'a mut GpuWork>,
+    pub chunk: usize,
+    pub now: Instant,
+}
+
+/// What a transport says of one connection at a timeout check.
+pub(crate) struct ConnCheck {
+    /// Why it must fail now, if it must.
+    pub why: Option<String>,
+    /// Anything under way (it is then not idle).
+    pub busy: bool,
+    /// When it last moved bytes.
+    pub last_active: Instant,
+    /// When its oldest request still waiting for a reply went out.
+    pub oldest: Option<Instant>,
+}
+
+/// A connection a transport let go of.
+pub(crate) struct Removed {
+    pub id: ConnId,
+    /// The id the application knows it by.
+    pub group: ConnId,
+}
+
+/// A source whose connections carry ops: it owns their whole life —
+/// queueing ops and notifications, what the timeout checks look at, and
+/// teardown. The shard routes to it by `ConnRef` and keeps the ledger,
+/// the parked commands and the timers.
+pub(crate) trait Transport: Source {
+    /// The pieces `op` becomes on connection `idx`: its ledger count.
+    fn pieces(&self, idx: usize, op: &OpCmd, chunk: usize) -> u32;
+    /// Queues what fits of `op` on connection `idx` (its progress kept in
+    /// `op.at`) and hands back the rest when a stream or ring is full.
+    fn submit(&mut self, idx: usize, op: OpCmd, cx: &mut SubmitCx<'_>) -> Option<OpCmd>;
+    /// Queues a notification; hands it back when there is no room.
+    fn notify(&mut self, idx: usize, payload: Vec<u8>) -> std::result::Result<(), Vec<u8>>;
+    /// The id of connection `idx`.
+    fn conn_id(&self, idx: usize) -> ConnId;
+    /// Whether requests of ours wait for replies on connection `idx`.
+    fn has_pending(&self, idx: usize) -> bool;
+    /// Looks at connection `idx` for the timeout checks (`limit`: the op
+    /// timeout). `seen`: the last peer process looked up, and whether it
+    /// was alive (many connections often share one peer).
+    fn check(
+        &self,
+        idx: usize,
+        now: Instant,
+        limit: Duration,
+        seen: &mut Option<(u32, bool)>,
+    ) -> ConnCheck;
+    /// Lets go of connection `idx`, failing what it had under way into
+    /// `cx` (`ConnFailed` with `reason`).
+    fn remove(&mut self, idx: usize, reason: &str, cx: &mut Cx<'_>) -> Removed;
 }
 
 /// Region lookups that first catch up on registrations the endpoint has

@@ -10,15 +10,22 @@
 //! connection costs a pass nothing.
 
 use std::io;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mio::{Events, Interest, Poll, Token, Waker};
 use slab::Slab;
 use tracing::warn;
 
-use super::source::{ConnRef, Cx, LiveRegions, Park, Source};
-use crate::error::{ConnId, Error, Result};
+use super::ledger::OpLedger;
+use super::plan::{self, Route};
+use super::queue::OpCmd;
+use super::source::{
+    ConnCheck, ConnRef, Cx, LiveRegions, Park, Removed, ShardSink, Source, SubmitCx, Transport,
+};
+use crate::error::{ConnId, Error, OpKind, Result};
+use crate::region::{KeyRef, RegionSlice};
 use crate::tcp::{Stream, StreamLimits};
+use crate::xfer::Bounce;
 
 pub(crate) const WAKER: Token = Token(usize::MAX);
 /// Other descriptors whose readiness only ends a park (a doorbell's FIFO,
@@ -337,7 +344,8 @@ impl TcpSide {
 
     /// Takes connection `idx` out (its sockets leave epoll; they close
     /// when the returned value drops).
-    pub fn remove(&mut self, idx: usize) -> Conn {
+    /// Takes connection `idx` out of the side (its sockets out of epoll).
+    fn take(&mut self, idx: usize) -> Conn {
         let mut conn = self.conns.remove(idx);
         self.stream_count -= conn.streams.len();
         self.verbs_conns -= conn.verbs.is_some() as usize;
@@ -484,6 +492,254 @@ impl Source for TcpSide {
     }
 }
 
+impl TcpSide {
+    /// Whether `op` goes over connection `idx`'s RDMA queue pairs: it has
+    /// them, every window carries the peer NIC's key, every local region is
+    /// registered with the NIC (a refusal, remembered on the region, means
+    /// tcp), and its work requests fit the send queues at all (else it
+    /// would wait forever: it goes over the tcp streams). It then completes
+    /// once.
+    fn via_verbs(&self, idx: usize, op: &OpCmd) -> bool {
+        let Some(link) = self.conns.get(idx).and_then(|c| c.verbs.as_ref()) else {
+            return false;
+        };
+        let descs = op.parts.as_slice();
+        descs.iter().all(|d| {
+            d.nic_rkeys.is_some_and(|k| link.takes(&k)) && link.lkeys(d.local.region()).is_ok()
+        }) && link.fits(
+            descs
+                .iter()
+                .map(|d| link.pieces(d.local.len() as u64))
+                .sum(),
+        )
+    }
+
+    /// Posts a whole op on the connection's RDMA queue pairs, or none of it
+    /// (hands it back) while their send queues lack room: an op completes
+    /// once, when the last of its completions arrives.
+    fn post_verbs(&mut self, idx: usize, op: OpCmd, ledger: &mut OpLedger) -> Option<OpCmd> {
+        // Its completion queue is polled on the connection's visits.
+        self.mark(idx);
+        let link = self.conns[idx]
+            .verbs
+            .as_mut()
+            .expect("checked by via_verbs");
+        let descs = op.parts.as_slice();
+        let pieces: usize = descs
+            .iter()
+            .map(|d| link.pieces(d.local.len() as u64))
+            .sum();
+        if !link.has_room(pieces) {
+            return Some(op);
+        }
+        for d in descs {
+            match link.lkeys(d.local.region()) {
+                Ok(lkeys) => link.add(
+                    lkeys,
+                    &d.local,
+                    d.nic_rkeys.expect("checked by via_verbs"),
+                    d.remote_addr,
+                ),
+                Err(e) => {
+                    // Nothing of this op has been posted yet: drop the
+                    // gathered parts by posting none.
+                    link.discard();
+                    link.fail_slot(op.slot, e, &mut ledger.done);
+                    return None;
+                }
+            }
+        }
+        match link.post(op.kind == OpKind::Write, op.slot) {
+            // The NIC reads (WRITE) or writes (READ) the op's local memory
+            // until its completions arrive: the ledger keeps the op's
+            // regions, and their MRs, alive until then.
+            Ok(_) => ledger.hold(op),
+            Err(e) => link.fail_slot(op.slot, e, &mut ledger.done),
+        }
+        None
+    }
+
+    /// Deals `op`'s frames over connection `idx`'s streams, round-robin,
+    /// until one is full (the op comes back, its progress kept).
+    fn deal_frames(&mut self, idx: usize, mut op: OpCmd, cx: &mut SubmitCx<'_>) -> Option<OpCmd> {
+        let (chunk, now) = (cx.chunk, cx.now);
+        let total = op.total.expect("an op is counted before it is queued");
+        // Frames queued now go out on the next visit.
+        self.mark(idx);
+        let conn = &mut self.conns[idx];
+        let descs = op.parts.as_slice();
+        while op.at.desc < descs.len() {
+            let d = &descs[op.at.desc];
+            let n = op.at.frame_len(d.local.len(), chunk);
+            let which = conn.next % conn.streams.len();
+            let s = &mut conn.streams[which];
+            if !s.can_request() {
+                return Some(op);
+            }
+            let op_id = ((op.slot as u64) << 32) | op.at.emitted as u64;
+            let local = d
+                .local
+                .sub(op.at.off, n)
+                .expect("the planner stays inside the op's slice");
+            let key = KeyRef {
+                rkey: d.rkey,
+                tag: d.tag,
+            };
+            let addr = d.remote_addr + op.at.off as u64;
+            if local.is_device() {
+                // GPU memory goes through a pinned bounce buffer: a WRITE
+                // chunk is sent once copied out (pipelined: later chunks copy
+                // while earlier ones are on the wire); a READ lands in the
+                // bounce buffer and is copied on before the op completes.
+                let bounce = match cx.gpu.as_mut().map(|g| g.bounce(n)) {
+                    Some(Bounce::Ready(b)) => b,
+                    Some(Bounce::Busy) => return Some(op),
+                    _ => {
+                        let e = Error::Unsupported {
+                            what: "GPU memory on a tcp connection",
+                            reason: "no pinned bounce buffer could be allocated (see the log)"
+                                .into(),
+                        };
+                        cx.ledger.fail_rest(op.slot, total - op.at.emitted, e);
+                        return None;
+                    }
+                };
+                match op.kind {
+                    OpKind::Write => {
+                        let g = cx.gpu.as_mut().expect("the bounce came from it");
+                        let send = super::gpu::TcpSend {
+                            conn: op.conn,
+                            stream: which,
+                            slot: op.slot,
+                            op_id,
+                            key,
+                            addr,
+                            len: n,
+                        };
+                        g.stage_send(send, local, bounce);
+                    }
+                    OpKind::Read => {
+                        let into = RegionSlice::new(&bounce, 0, n).expect("bounce fits a chunk");
+                        s.push_request(OpKind::Read, op.slot, op_id, key, addr, into, now);
+                        s.stage_last_read(local);
+                    }
+                }
+            } else {
+                s.push_request(op.kind, op.slot, op_id, key, addr, local, now);
+            }
+            conn.next = conn.next.wrapping_add(1);
+            op.at.advance(n, d.local.len());
+        }
+        None
+    }
+}
+
+impl Transport for TcpSide {
+    fn pieces(&self, idx: usize, op: &OpCmd, chunk: usize) -> u32 {
+        let route = if self.via_verbs(idx, op) {
+            Route::Verbs
+        } else {
+            Route::Tcp
+        };
+        plan::pieces(
+            route,
+            op.parts.as_slice().iter().map(|d| d.local.len()),
+            chunk,
+        )
+    }
+
+    fn submit(&mut self, idx: usize, op: OpCmd, cx: &mut SubmitCx<'_>) -> Option<OpCmd> {
+        if self.via_verbs(idx, &op) {
+            self.post_verbs(idx, op, cx.ledger)
+        } else {
+            self.deal_frames(idx, op, cx)
+        }
+    }
+
+    fn notify(&mut self, idx: usize, payload: Vec<u8>) -> std::result::Result<(), Vec<u8>> {
+        self.mark(idx);
+        let s = &mut self.conns[idx].streams[0];
+        if !s.can_notify() {
+            return Err(payload);
+        }
+        s.push_notify(payload);
+        Ok(())
+    }
+
+    fn conn_id(&self, idx: usize) -> ConnId {
+        self.conns[idx].id
+    }
+
+    fn has_pending(&self, idx: usize) -> bool {
+        self.conns[idx].streams.iter().any(|s| s.has_pending())
+    }
+
+    fn check(
+        &self,
+        idx: usize,
+        now: Instant,
+        limit: Duration,
+        _seen: &mut Option<(u32, bool)>,
+    ) -> ConnCheck {
+        let conn = &self.conns[idx];
+        let oldest = conn.streams.iter().filter_map(|s| s.oldest_pending()).min();
+        let why = if oldest.is_some_and(|t| now.saturating_duration_since(t) > limit) {
+            Some(format!(
+                "no response to a request within {} ms (op timeout)",
+                limit.as_millis()
+            ))
+        } else if conn.streams.iter().any(|s| s.inbound_stalled(now, limit)) {
+            // Half a frame, then silence: it holds our memory.
+            Some(format!(
+                "an inbound frame stalled for more than {} ms (op timeout)",
+                limit.as_millis()
+            ))
+        } else {
+            None
+        };
+        let busy = conn.streams.iter().any(|s| s.has_pending() || s.has_tx())
+            || conn.verbs.as_ref().is_some_and(|v| v.busy());
+        // A lane is idle only while the whole connection is.
+        let last_active = conn
+            .activity
+            .as_ref()
+            .map_or(conn.last_active, |a| a.last(conn.last_active));
+        ConnCheck {
+            why,
+            busy,
+            last_active,
+            oldest,
+        }
+    }
+
+    fn remove(&mut self, idx: usize, reason: &str, cx: &mut Cx<'_>) -> Removed {
+        let mut conn = self.take(idx);
+        let err = &Error::ConnFailed {
+            conn: conn.group,
+            reason: reason.to_owned(),
+        };
+        let mut sink = ShardSink {
+            done: cx.done,
+            inbox: cx.inbox,
+            conn: conn.group,
+            ipc_revoked: cx.ipc_revoked,
+            gpu_reqs: None,
+            host_copies: None,
+            gpu: None,
+        };
+        for s in conn.streams.iter_mut() {
+            s.fail_pending(err, &mut sink);
+        }
+        if let Some(v) = &mut conn.verbs {
+            v.fail_all(err, sink.done);
+        }
+        Removed {
+            id: conn.id,
+            group: conn.group,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -527,7 +783,7 @@ mod tests {
             Some(Duration::from_millis(7_000))
         );
         assert!(sock.keepalive().unwrap());
-        let conn = side.remove(idx);
+        let conn = side.take(idx);
         assert_eq!(conn.id, ConnId(1));
         assert_eq!(side.stream_count, 0);
     }

@@ -200,7 +200,8 @@ impl Bell {
     /// Announces a sleep (`true`; the caller then looks at its rings and
     /// `take`s once more before sleeping) or its end.
     pub fn set_parked(&self, on: bool) {
-        self.map.page()
+        self.map
+            .page()
             .flags
             .parked
             .store(u32::from(on), Ordering::SeqCst);
