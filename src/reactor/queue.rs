@@ -48,6 +48,23 @@ impl OpDesc {
     }
 }
 
+impl crate::tcp::conn::FramePart for OpDesc {
+    fn local(&self) -> &RegionSlice {
+        &self.local
+    }
+
+    fn key(&self) -> crate::region::KeyRef {
+        crate::region::KeyRef {
+            rkey: self.rkey,
+            tag: self.tag,
+        }
+    }
+
+    fn remote_addr(&self) -> u64 {
+        self.remote_addr
+    }
+}
+
 pub(crate) enum OpParts {
     One(OpDesc),
     Many(Vec<OpDesc>),

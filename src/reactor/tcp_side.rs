@@ -23,7 +23,8 @@ use super::source::{
     ConnCheck, ConnRef, Cx, LiveRegions, Park, Removed, ShardSink, Source, SubmitCx, Transport,
 };
 use crate::error::{ConnId, Error, OpKind, Result};
-use crate::region::{KeyRef, RegionSlice};
+use crate::region::RegionSlice;
+use crate::tcp::conn::{Dealt, DeviceFrame, DeviceStep};
 use crate::tcp::{Stream, StreamLimits};
 use crate::xfer::Bounce;
 
@@ -559,78 +560,71 @@ impl TcpSide {
         None
     }
 
-    /// Deals `op`'s frames over connection `idx`'s streams, round-robin,
-    /// until one is full (the op comes back, its progress kept).
+    /// Deals `op`'s frames over connection `idx`'s streams (`tcp::conn`),
+    /// until one is full (the op comes back, its progress kept). GPU memory
+    /// goes through a pinned bounce buffer: a WRITE chunk is sent once
+    /// copied out (later chunks copy while earlier ones are on the wire); a
+    /// READ lands in the bounce buffer and is copied on before the op
+    /// completes.
     fn deal_frames(&mut self, idx: usize, mut op: OpCmd, cx: &mut SubmitCx<'_>) -> Option<OpCmd> {
-        let (chunk, now) = (cx.chunk, cx.now);
         let total = op.total.expect("an op is counted before it is queued");
         // Frames queued now go out on the next visit.
         self.mark(idx);
         let conn = &mut self.conns[idx];
-        let descs = op.parts.as_slice();
-        while op.at.desc < descs.len() {
-            let d = &descs[op.at.desc];
-            let n = op.at.frame_len(d.local.len(), chunk);
-            let which = conn.next % conn.streams.len();
-            let s = &mut conn.streams[which];
-            if !s.can_request() {
-                return Some(op);
-            }
-            let op_id = ((op.slot as u64) << 32) | op.at.emitted as u64;
-            let local = d
-                .local
-                .sub(op.at.off, n)
-                .expect("the planner stays inside the op's slice");
-            let key = KeyRef {
-                rkey: d.rkey,
-                tag: d.tag,
+        let (kind, slot, conn_id, now) = (op.kind, op.slot, op.conn, cx.now);
+        let gpu = &mut cx.gpu;
+        let device = |s: &mut crate::tcp::proto::StreamProto, f: DeviceFrame| {
+            let n = f.local.len();
+            let Some(g) = gpu.as_mut() else {
+                return DeviceStep::Failed;
             };
-            let addr = d.remote_addr + op.at.off as u64;
-            if local.is_device() {
-                // GPU memory goes through a pinned bounce buffer: a WRITE
-                // chunk is sent once copied out (pipelined: later chunks copy
-                // while earlier ones are on the wire); a READ lands in the
-                // bounce buffer and is copied on before the op completes.
-                let bounce = match cx.gpu.as_mut().map(|g| g.bounce(n)) {
-                    Some(Bounce::Ready(b)) => b,
-                    Some(Bounce::Busy) => return Some(op),
-                    _ => {
-                        let e = Error::Unsupported {
-                            what: "GPU memory on a tcp connection",
-                            reason: "no pinned bounce buffer could be allocated (see the log)"
-                                .into(),
-                        };
-                        cx.ledger.fail_rest(op.slot, total - op.at.emitted, e);
-                        return None;
-                    }
-                };
-                match op.kind {
-                    OpKind::Write => {
-                        let g = cx.gpu.as_mut().expect("the bounce came from it");
-                        let send = super::gpu::TcpSend {
-                            conn: op.conn,
-                            stream: which,
-                            slot: op.slot,
-                            op_id,
-                            key,
-                            addr,
-                            len: n,
-                        };
-                        g.stage_send(send, local, bounce);
-                    }
-                    OpKind::Read => {
-                        let into = RegionSlice::new(&bounce, 0, n).expect("bounce fits a chunk");
-                        s.push_request(OpKind::Read, op.slot, op_id, key, addr, into, now);
-                        s.stage_last_read(local);
-                    }
+            let bounce = match g.bounce(n) {
+                Bounce::Ready(b) => b,
+                Bounce::Busy => return DeviceStep::Busy,
+                Bounce::Never => return DeviceStep::Failed,
+            };
+            match kind {
+                OpKind::Write => {
+                    let send = super::gpu::TcpSend {
+                        conn: conn_id,
+                        stream: f.stream,
+                        slot,
+                        op_id: f.op_id,
+                        key: f.key,
+                        addr: f.addr,
+                        len: n,
+                    };
+                    g.stage_send(send, f.local, bounce);
                 }
-            } else {
-                s.push_request(op.kind, op.slot, op_id, key, addr, local, now);
+                OpKind::Read => {
+                    let into = RegionSlice::new(&bounce, 0, n).expect("bounce fits a chunk");
+                    s.push_request(OpKind::Read, slot, f.op_id, f.key, f.addr, into, now);
+                    s.stage_last_read(f.local);
+                }
             }
-            conn.next = conn.next.wrapping_add(1);
-            op.at.advance(n, d.local.len());
+            DeviceStep::Queued
+        };
+        let dealt = crate::tcp::conn::deal(
+            &mut conn.streams,
+            &mut conn.next,
+            (kind, slot),
+            op.parts.as_slice(),
+            &mut op.at,
+            (cx.chunk, now),
+            device,
+        );
+        match dealt {
+            Dealt::All => None,
+            Dealt::Full => Some(op),
+            Dealt::Failed => {
+                let e = Error::Unsupported {
+                    what: "GPU memory on a tcp connection",
+                    reason: "no pinned bounce buffer could be allocated (see the log)".into(),
+                };
+                cx.ledger.fail_rest(op.slot, total - op.at.emitted, e);
+                None
+            }
         }
-        None
     }
 }
 
@@ -682,21 +676,8 @@ impl Transport for TcpSide {
         _seen: &mut Option<(u32, bool)>,
     ) -> ConnCheck {
         let conn = &self.conns[idx];
-        let oldest = conn.streams.iter().filter_map(|s| s.oldest_pending()).min();
-        let why = if oldest.is_some_and(|t| now.saturating_duration_since(t) > limit) {
-            Some(format!(
-                "no response to a request within {} ms (op timeout)",
-                limit.as_millis()
-            ))
-        } else if conn.streams.iter().any(|s| s.inbound_stalled(now, limit)) {
-            // Half a frame, then silence: it holds our memory.
-            Some(format!(
-                "an inbound frame stalled for more than {} ms (op timeout)",
-                limit.as_millis()
-            ))
-        } else {
-            None
-        };
+        let oldest = crate::tcp::conn::oldest_pending(&conn.streams);
+        let why = crate::tcp::conn::overdue(&conn.streams, now, limit);
         let busy = conn.streams.iter().any(|s| s.has_pending() || s.has_tx())
             || conn.verbs.as_ref().is_some_and(|v| v.busy());
         // A lane is idle only while the whole connection is.

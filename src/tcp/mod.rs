@@ -27,6 +27,7 @@
 //! copy completions in; what to send and where to read out); `stream.rs`
 //! is the thin driver that makes its syscalls.
 
+pub(crate) mod conn;
 #[cfg(test)]
 mod pair;
 pub(crate) mod proto;

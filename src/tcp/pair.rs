@@ -19,6 +19,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::conn::{deal, Dealt, FramePart};
 use super::proto::{Integrity, Step, StreamLimits, StreamProto, NOTIFY_QUEUE};
 use crate::auth::{Direction, FrameKey, TAG_LEN};
 use crate::error::{ConnId, Error, OpKind, Result};
@@ -26,6 +27,7 @@ use crate::region::{Grant, KeyRef, Region, RegionSlice, RegionTable};
 use crate::wire::testrng::Rng;
 use crate::wire::{DataHeader, DataKind, DATA_HEADER_LEN};
 use crate::xfer::testing::{self, bytes_of, RecSink, View};
+use crate::xfer::Progress;
 
 const HDR: usize = DATA_HEADER_LEN;
 const RKEY: u32 = 0x5151;
@@ -168,15 +170,33 @@ struct OpRec {
     remote_off: usize,
     len: usize,
     seed: u8,
+    /// Its one part, and how far the dealer got with it.
+    part: Part,
+    at: Progress,
 }
 
-/// A frame waiting for room on its stream.
-struct Queued {
-    slot: u32,
-    op_id: u64,
-    stream: usize,
-    off: usize,
-    len: usize,
+/// An op's one part: our bytes and the peer's address for them.
+#[derive(Clone)]
+struct Part {
+    local: RegionSlice,
+    remote_addr: u64,
+}
+
+impl FramePart for Part {
+    fn local(&self) -> &RegionSlice {
+        &self.local
+    }
+
+    fn key(&self) -> KeyRef {
+        KeyRef {
+            rkey: RKEY,
+            tag: TAG,
+        }
+    }
+
+    fn remote_addr(&self) -> u64 {
+        self.remote_addr
+    }
 }
 
 struct Side {
@@ -191,7 +211,10 @@ struct Side {
     notes_queued: VecDeque<Vec<u8>>,
     dead: Option<String>,
     ops: Vec<OpRec>,
-    queued: VecDeque<Queued>,
+    /// Ops not wholly dealt yet, oldest first, and the stream the dealer
+    /// goes to next.
+    undealt: VecDeque<u32>,
+    next: usize,
     next_local: usize,
     next_remote: usize,
 }
@@ -282,7 +305,8 @@ impl Pair {
                 notes_queued: VecDeque::new(),
                 dead: None,
                 ops: Vec::new(),
-                queued: VecDeque::new(),
+                undealt: VecDeque::new(),
+                next: 0,
                 next_local: 0,
                 next_remote: 0,
             }
@@ -346,6 +370,7 @@ impl Pair {
     /// Side `s` starts an operation of `len` bytes on its peer's memory.
     pub fn start_op(&mut self, s: usize, kind: OpKind, len: usize) {
         let seed = self.rng.next() as u8;
+        let peer_base = self.sides[1 - s].mem.addr();
         let peer = &self.sides[1 - s];
         let side = &self.sides[s];
         let local_off = side.next_local;
@@ -365,17 +390,14 @@ impl Pair {
         side.next_remote += len + skew;
         let slot = side.ops.len() as u32;
         let frames = len.div_ceil(self.chunk).max(1);
-        for i in 0..frames {
-            let off = i * self.chunk;
-            side.queued.push_back(Queued {
-                slot,
-                op_id: ((slot as u64) << 32) | i as u64,
-                stream: (slot as usize + i) % side.streams.len(),
-                off,
-                len: self.chunk.min(len - off),
-            });
-        }
+        let part = Part {
+            local: RegionSlice::new(&side.mem, local_off, len).expect("fits"),
+            remote_addr: peer_base + remote_off as u64,
+        };
+        side.undealt.push_back(slot);
         side.ops.push(OpRec {
+            part,
+            at: Progress::default(),
             kind,
             left: frames,
             result: None,
@@ -392,28 +414,30 @@ impl Pair {
         self.sides[s].notes_queued.push_back(payload);
     }
 
-    /// Queues what fits on each stream, as the shard's planner does.
+    /// Queues what fits, with the tcp side's own dealer (`conn::deal`).
     fn submit(&mut self, s: usize) {
         let now = self.now();
-        let peer_base = self.sides[1 - s].mem.addr();
+        let chunk = self.chunk;
         let side = &mut self.sides[s];
         if side.dead.is_some() {
             return;
         }
-        while let Some(q) = side.queued.front() {
-            if !side.streams[q.stream].can_request() {
+        while let Some(&slot) = side.undealt.front() {
+            let op = &mut side.ops[slot as usize];
+            let parts = std::slice::from_ref(&op.part);
+            let dealt = deal(
+                &mut side.streams,
+                &mut side.next,
+                (op.kind, slot),
+                parts,
+                &mut op.at,
+                (chunk, now),
+                |_, _| unreachable!("the pair moves host memory only"),
+            );
+            if dealt != Dealt::All {
                 break;
             }
-            let op = &side.ops[q.slot as usize];
-            let local = RegionSlice::new(&side.mem, op.local_off + q.off, q.len).expect("fits");
-            let key = KeyRef {
-                rkey: RKEY,
-                tag: TAG,
-            };
-            let addr = peer_base + (op.remote_off + q.off) as u64;
-            let kind = op.kind;
-            side.streams[q.stream].push_request(kind, q.slot, q.op_id, key, addr, local, now);
-            side.queued.pop_front();
+            side.undealt.pop_front();
         }
         let side = &mut self.sides[s];
         while let Some(n) = side.notes_queued.front() {
@@ -568,8 +592,12 @@ impl Pair {
             st.fail_pending(&err, &mut sink);
         }
         // Frames never queued fail too.
-        for q in side.queued.drain(..) {
-            side.done.push((q.slot, Err(err.duplicate())));
+        for slot in side.undealt.drain(..) {
+            let op = &side.ops[slot as usize];
+            let never = op.len.div_ceil(self.chunk).max(1) - op.at.emitted as usize;
+            for _ in 0..never {
+                side.done.push((slot, Err(err.duplicate())));
+            }
         }
         side.dead = Some(reason);
         for dir in 0..2 {
@@ -612,15 +640,9 @@ impl Pair {
     fn check_timeouts(&mut self, s: usize) {
         let now = self.now();
         let limit = Duration::from_micros(self.op_timeout_us);
-        let streams = &self.sides[s].streams;
-        let late = streams
-            .iter()
-            .filter_map(|st| st.oldest_pending())
-            .any(|t| now.duration_since(t) > limit);
-        if late {
-            self.kill(s, "no response within the op timeout".into());
-        } else if streams.iter().any(|st| st.inbound_stalled(now, limit)) {
-            self.kill(s, "an inbound frame stalled past the op timeout".into());
+        // The tcp side's own rule, over the simulated streams.
+        if let Some(why) = super::conn::overdue(&self.sides[s].streams, now, limit) {
+            self.kill(s, why);
         }
     }
 

@@ -29,6 +29,18 @@ impl std::ops::Deref for Stream {
     }
 }
 
+impl std::borrow::Borrow<StreamProto> for Stream {
+    fn borrow(&self) -> &StreamProto {
+        &self.proto
+    }
+}
+
+impl std::borrow::BorrowMut<StreamProto> for Stream {
+    fn borrow_mut(&mut self) -> &mut StreamProto {
+        &mut self.proto
+    }
+}
+
 impl std::ops::DerefMut for Stream {
     fn deref_mut(&mut self) -> &mut StreamProto {
         &mut self.proto

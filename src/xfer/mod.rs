@@ -165,3 +165,32 @@ impl PeerBytes {
         }
     }
 }
+
+/// Progress through an op's parts when it is queued piece by piece (it
+/// may stall on a full stream and resume on a later pass).
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Progress {
+    /// The part being queued, and the offset in it.
+    pub desc: usize,
+    pub off: usize,
+    /// Pieces queued so far.
+    pub emitted: u32,
+}
+
+impl Progress {
+    /// The length of the next tcp frame of a part of `part_len` bytes.
+    pub fn frame_len(&self, part_len: usize, chunk: usize) -> usize {
+        chunk.min(part_len - self.off)
+    }
+
+    /// One more piece of `n` bytes of the current part (of `part_len`)
+    /// is queued.
+    pub fn advance(&mut self, n: usize, part_len: usize) {
+        self.emitted += 1;
+        self.off += n;
+        if self.off >= part_len {
+            self.desc += 1;
+            self.off = 0;
+        }
+    }
+}
