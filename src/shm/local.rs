@@ -507,6 +507,213 @@ impl LocalConn {
         (end <= pm.map.len() as u64).then(|| (unsafe { pm.map.ptr().add(off as usize) }, &pm.map))
     }
 
+    /// Serves a peer's WRITE or READ request: checks it against our
+    /// registrations, copies (inline, mapped, CMA, or by the shards or
+    /// CUDA, who answer later) and replies.
+    fn serve(
+        &mut self,
+        m: Msg,
+        inline: &[u8],
+        regions: &mut impl Regions,
+        maps: &PeerMaps,
+        peer_mem: &mut impl PeerMemory,
+        sink: &mut impl Sink,
+    ) -> Result<(), String> {
+        if self.peer_owed >= self.peer_max {
+            return Err(format!(
+                "peer sent more than the agreed {} requests in flight",
+                self.peer_max
+            ));
+        }
+        self.peer_owed += 1;
+        let write = m.kind == MsgKind::WriteReq;
+        let need = if write {
+            Access::REMOTE_WRITE
+        } else {
+            Access::REMOTE_READ
+        };
+        let mut reply = Msg::new(if write {
+            MsgKind::WriteAck
+        } else {
+            MsgKind::ReadResp
+        });
+        reply.conn = self.peer_conn;
+        reply.op_id = m.op_id;
+        // Holds the region (and so the bytes an inline reply copies)
+        // until the reply is encoded.
+        let mut held: Option<RegionSlice> = None;
+        let mut out_inline: &[u8] = &[];
+        let status = match regions.check(
+            KeyRef {
+                rkey: m.rkey,
+                tag: m.aux,
+            },
+            m.addr,
+            m.len,
+            need,
+        ) {
+            Err(st) => st,
+            Ok(w) if m.status != 0 || w.is_device() => {
+                // A GPU side: the shard copies with CUDA and
+                // replies when the copy is done.
+                let theirs = if m.status & REQ_INITIATOR_GPU != 0 {
+                    IpcRef::decode(inline).map(Theirs::Ipc)
+                } else {
+                    self.mapped(maps, m.src_key, m.src_addr, m.len)
+                        .map(|(p, m)| Theirs::Host(p, m.clone()))
+                };
+                match theirs {
+                    // The initiator's host memory is not mapped here
+                    // (only alloc_host memory is), and the CPU
+                    // cannot copy into GPU memory across processes.
+                    None => Status::PeerMemory,
+                    Some(theirs) => {
+                        let req = GpuReq {
+                            conn: self.id,
+                            peer_id: self.peer_id,
+                            peer_pid: self.peer_pid,
+                            op_id: m.op_id,
+                            write,
+                            ours: w,
+                            theirs,
+                        };
+                        if sink.gpu_copy(req) {
+                            return Ok(());
+                        }
+                        Status::DeviceMemory
+                    }
+                }
+            }
+            Ok(w) => {
+                let len = w.len();
+                let ours = w.ptr();
+                let copied = if write && inline.len() == len {
+                    // SAFETY: both ranges are `len` long and distinct.
+                    unsafe { std::ptr::copy_nonoverlapping(inline.as_ptr(), ours, len) };
+                    true
+                } else if !write && len <= MAX_INLINE {
+                    // SAFETY: `ours` is len readable bytes kept alive by `held`.
+                    out_inline = unsafe { std::slice::from_raw_parts(ours, len) };
+                    true
+                } else {
+                    match self.copy_host(&m, &w, write, maps, peer_mem, sink) {
+                        Some(copied) => copied,
+                        // A sibling shard copies; it answers.
+                        None => return Ok(()),
+                    }
+                };
+                held = Some(w);
+                if copied {
+                    Status::Ok
+                } else {
+                    Status::PeerMemory
+                }
+            }
+        };
+        reply.status = status as u8;
+        if status != Status::Ok {
+            out_inline = &[];
+        }
+        self.reply(&reply, out_inline);
+        drop(held);
+        Ok(())
+    }
+
+    /// Copies a checked request's bytes between `w` (ours) and the
+    /// initiator's memory: through its memfd mapping when we have one, else
+    /// with CMA. Returns whether it copied, or None when a large copy was
+    /// handed to the shards (they answer).
+    fn copy_host(
+        &mut self,
+        m: &Msg,
+        w: &RegionSlice,
+        write: bool,
+        maps: &PeerMaps,
+        peer_mem: &mut impl PeerMemory,
+        sink: &mut impl Sink,
+    ) -> Option<bool> {
+        let (len, ours) = (w.len(), w.ptr());
+        let mapped = self.mapped(maps, m.src_key, m.src_addr, m.len);
+        // A large copy is spread over the shards, which
+        // answer when every slice is done.
+        if len >= SPREAD_COPY_MIN {
+            let theirs = match mapped {
+                Some((p, map)) => PeerBytes::Mapped {
+                    off: p as usize - map.ptr() as usize,
+                    map: map.clone(),
+                },
+                None => PeerBytes::Process {
+                    pid: self.peer_pid,
+                    addr: m.src_addr,
+                },
+            };
+            let req = HostCopy {
+                conn: self.id,
+                op_id: m.op_id,
+                write,
+                ours: w.clone(),
+                theirs,
+            };
+            if sink.host_copy(req).is_ok() {
+                return None;
+            }
+        }
+        Some(match mapped {
+            Some((theirs, _)) => {
+                // SAFETY: both ranges checked, `len` long;
+                // the peer's mapping lives in `maps` during
+                // the call.
+                unsafe {
+                    if write {
+                        copy_bytes(ours, theirs, len)
+                    } else {
+                        copy_bytes(theirs, ours, len)
+                    }
+                };
+                true
+            }
+            None => peer_mem.copy(self.peer_pid, &w, m.src_addr, write).is_ok(),
+        })
+    }
+
+    /// A reply to one of our requests: ends its op.
+    fn on_reply(&mut self, m: Msg, inline: &[u8], sink: &mut impl Sink) -> Result<(), String> {
+        let key = m.op_id as usize;
+        let Some(p) = self.pending.try_remove(key) else {
+            return Err(format!(
+                "{:?} for op {} that is not outstanding",
+                m.kind, m.op_id
+            ));
+        };
+        let want = if p.kind == OpKind::Write {
+            MsgKind::WriteAck
+        } else {
+            MsgKind::ReadResp
+        };
+        if m.kind != want {
+            return Err(format!("{:?} answers a {} request", m.kind, p.kind));
+        }
+        let status = Status::from_u8(m.status).unwrap_or(Status::PeerMemory);
+        if status == Status::Ok
+            && p.kind == OpKind::Read
+            && p.local.len() <= MAX_INLINE
+            && m.aux != REPLY_GPU_COPIED
+        {
+            if inline.len() != p.local.len() {
+                return Err(format!(
+                    "READ reply carries {} inline bytes, {} were asked",
+                    inline.len(),
+                    p.local.len()
+                ));
+            }
+            // SAFETY: `p.local` is a checked slice of exactly
+            // `inline.len()` live bytes (held by the pending op).
+            unsafe { std::ptr::copy_nonoverlapping(inline.as_ptr(), p.local.ptr(), inline.len()) };
+        }
+        sink.done(p.slot, p.outcome(status));
+        Ok(())
+    }
+
     fn on_msg(
         &mut self,
         m: Msg,
@@ -518,177 +725,9 @@ impl LocalConn {
     ) -> Result<(), String> {
         match m.kind {
             MsgKind::WriteReq | MsgKind::ReadReq => {
-                if self.peer_owed >= self.peer_max {
-                    return Err(format!(
-                        "peer sent more than the agreed {} requests in flight",
-                        self.peer_max
-                    ));
-                }
-                self.peer_owed += 1;
-                let write = m.kind == MsgKind::WriteReq;
-                let need = if write {
-                    Access::REMOTE_WRITE
-                } else {
-                    Access::REMOTE_READ
-                };
-                let mut reply = Msg::new(if write {
-                    MsgKind::WriteAck
-                } else {
-                    MsgKind::ReadResp
-                });
-                reply.conn = self.peer_conn;
-                reply.op_id = m.op_id;
-                // Holds the region (and so the bytes an inline reply copies)
-                // until the reply is encoded.
-                let mut held: Option<RegionSlice> = None;
-                let mut out_inline: &[u8] = &[];
-                let status = match regions.check(
-                    KeyRef {
-                        rkey: m.rkey,
-                        tag: m.aux,
-                    },
-                    m.addr,
-                    m.len,
-                    need,
-                ) {
-                    Err(st) => st,
-                    Ok(w) if m.status != 0 || w.is_device() => {
-                        // A GPU side: the shard copies with CUDA and
-                        // replies when the copy is done.
-                        let theirs = if m.status & REQ_INITIATOR_GPU != 0 {
-                            IpcRef::decode(inline).map(Theirs::Ipc)
-                        } else {
-                            self.mapped(maps, m.src_key, m.src_addr, m.len)
-                                .map(|(p, m)| Theirs::Host(p, m.clone()))
-                        };
-                        match theirs {
-                            // The initiator's host memory is not mapped here
-                            // (only alloc_host memory is), and the CPU
-                            // cannot copy into GPU memory across processes.
-                            None => Status::PeerMemory,
-                            Some(theirs) => {
-                                let req = GpuReq {
-                                    conn: self.id,
-                                    peer_id: self.peer_id,
-                                    peer_pid: self.peer_pid,
-                                    op_id: m.op_id,
-                                    write,
-                                    ours: w,
-                                    theirs,
-                                };
-                                if sink.gpu_copy(req) {
-                                    return Ok(());
-                                }
-                                Status::DeviceMemory
-                            }
-                        }
-                    }
-                    Ok(w) => {
-                        let len = w.len();
-                        let ours = w.ptr();
-                        let copied = if write && inline.len() == len {
-                            // SAFETY: both ranges are `len` long and distinct.
-                            unsafe { std::ptr::copy_nonoverlapping(inline.as_ptr(), ours, len) };
-                            true
-                        } else if !write && len <= MAX_INLINE {
-                            // SAFETY: `ours` is len readable bytes kept alive by `held`.
-                            out_inline = unsafe { std::slice::from_raw_parts(ours, len) };
-                            true
-                        } else {
-                            let mapped = self.mapped(maps, m.src_key, m.src_addr, m.len);
-                            // A large copy is spread over the shards, which
-                            // answer when every slice is done.
-                            if len >= SPREAD_COPY_MIN {
-                                let theirs = match mapped {
-                                    Some((p, map)) => PeerBytes::Mapped {
-                                        off: p as usize - map.ptr() as usize,
-                                        map: map.clone(),
-                                    },
-                                    None => PeerBytes::Process {
-                                        pid: self.peer_pid,
-                                        addr: m.src_addr,
-                                    },
-                                };
-                                let req = HostCopy {
-                                    conn: self.id,
-                                    op_id: m.op_id,
-                                    write,
-                                    ours: w.clone(),
-                                    theirs,
-                                };
-                                if sink.host_copy(req).is_ok() {
-                                    return Ok(());
-                                }
-                            }
-                            match mapped {
-                                Some((theirs, _)) => {
-                                    // SAFETY: both ranges checked, `len` long;
-                                    // the peer's mapping lives in `maps` during
-                                    // the call.
-                                    unsafe {
-                                        if write {
-                                            copy_bytes(ours, theirs, len)
-                                        } else {
-                                            copy_bytes(theirs, ours, len)
-                                        }
-                                    };
-                                    true
-                                }
-                                None => peer_mem.copy(self.peer_pid, &w, m.src_addr, write).is_ok(),
-                            }
-                        };
-                        held = Some(w);
-                        if copied {
-                            Status::Ok
-                        } else {
-                            Status::PeerMemory
-                        }
-                    }
-                };
-                reply.status = status as u8;
-                if status != Status::Ok {
-                    out_inline = &[];
-                }
-                self.reply(&reply, out_inline);
-                drop(held);
+                return self.serve(m, inline, regions, maps, peer_mem, sink);
             }
-            MsgKind::WriteAck | MsgKind::ReadResp => {
-                let key = m.op_id as usize;
-                let Some(p) = self.pending.try_remove(key) else {
-                    return Err(format!(
-                        "{:?} for op {} that is not outstanding",
-                        m.kind, m.op_id
-                    ));
-                };
-                let want = if p.kind == OpKind::Write {
-                    MsgKind::WriteAck
-                } else {
-                    MsgKind::ReadResp
-                };
-                if m.kind != want {
-                    return Err(format!("{:?} answers a {} request", m.kind, p.kind));
-                }
-                let status = Status::from_u8(m.status).unwrap_or(Status::PeerMemory);
-                if status == Status::Ok
-                    && p.kind == OpKind::Read
-                    && p.local.len() <= MAX_INLINE
-                    && m.aux != REPLY_GPU_COPIED
-                {
-                    if inline.len() != p.local.len() {
-                        return Err(format!(
-                            "READ reply carries {} inline bytes, {} were asked",
-                            inline.len(),
-                            p.local.len()
-                        ));
-                    }
-                    // SAFETY: `p.local` is a checked slice of exactly
-                    // `inline.len()` live bytes (held by the pending op).
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(inline.as_ptr(), p.local.ptr(), inline.len())
-                    };
-                }
-                sink.done(p.slot, p.outcome(status));
-            }
+            MsgKind::WriteAck | MsgKind::ReadResp => return self.on_reply(m, inline, sink),
             MsgKind::Notify => {
                 if self.notify.len() + inline.len() > MAX_NOTIFY_BYTES {
                     return Err(format!("notification longer than {MAX_NOTIFY_BYTES} bytes"));
