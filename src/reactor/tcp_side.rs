@@ -357,12 +357,11 @@ impl TcpSide {
     }
 }
 
-impl Source for TcpSide {
-    fn poll(&mut self, cx: &mut Cx<'_>) -> usize {
-        if self.conns.is_empty() {
-            return 0;
-        }
-        self.passes += 1;
+impl TcpSide {
+    /// Fills the ready list for a pass: every connection when there are
+    /// few streams (returns true: each socket is tried, no epoll call),
+    /// else the hot ones and what epoll reports.
+    fn gather_ready(&mut self) -> bool {
         let direct = self.direct_poll();
         if direct {
             // Few streams: every socket is tried (no epoll call).
@@ -388,6 +387,101 @@ impl Source for TcpSide {
                 }
             }
         }
+        direct
+    }
+
+    /// One visit to connection `idx`: its RDMA work, then each stream's
+    /// writes and one read's worth of frames. Returns the work done.
+    fn visit(
+        &mut self,
+        idx: usize,
+        direct: bool,
+        cx: &mut Cx<'_>,
+        clock: &mut crate::sys::LazyClock,
+    ) -> usize {
+        let mut work = 0;
+        let Some(conn) = self.conns.get_mut(idx) else {
+            return 0;
+        };
+        conn.queued = false;
+        let try_all = direct || self.hot.iter().any(|&(i, _)| i == idx);
+        if let Some(v) = &mut conn.verbs {
+            match v.poll(cx.done) {
+                Ok(n) => work += n,
+                Err(reason) => {
+                    cx.to_fail.push((ConnRef::Tcp(idx), reason));
+                    return work;
+                }
+            }
+        }
+        // Socket work only: RDMA completions do not make it active.
+        let before = work;
+        let mut regions = LiveRegions {
+            table: cx.regions,
+            updates: cx.updates,
+            conn: conn.group,
+        };
+        let mut sink = super::source::ShardSink {
+            done: cx.done,
+            inbox: cx.inbox,
+            conn: conn.group,
+            ipc_revoked: cx.ipc_revoked,
+            gpu_reqs: None,
+            host_copies: None,
+            gpu: cx.gpu.as_deref_mut(),
+        };
+        for s in conn.streams.iter_mut() {
+            if try_all {
+                s.readable = true;
+                s.writable = true;
+            }
+            let step = (|| {
+                let mut w = s.flush()? as usize;
+                // One read's worth of frames per poll: replies go out and
+                // completions are published before the next read.
+                w += s.on_readable(&mut regions, &mut sink, clock)? as usize;
+                if s.has_tx() {
+                    w += s.flush()? as usize;
+                }
+                Ok::<usize, String>(w)
+            })();
+            match step {
+                Ok(w) => work += w,
+                Err(reason) => {
+                    cx.to_fail.push((ConnRef::Tcp(idx), reason));
+                    break;
+                }
+            }
+        }
+        if work > before {
+            conn.last_active = clock.now();
+            if let Some(a) = &conn.activity {
+                a.touch(conn.last_active);
+            }
+            if !direct {
+                let until = self.passes + HOT_PASSES;
+                match self.hot.iter().position(|&(i, _)| i == idx) {
+                    Some(h) => self.hot[h].1 = until,
+                    None if self.hot.len() < HOT_CONNS => self.hot.push((idx, until)),
+                    None => {}
+                }
+            }
+        }
+        if conn.wants_turn() {
+            conn.queued = true;
+            self.ready.push(idx);
+        }
+        work
+    }
+}
+
+impl Source for TcpSide {
+    fn poll(&mut self, cx: &mut Cx<'_>) -> usize {
+        if self.conns.is_empty() {
+            return 0;
+        }
+        self.passes += 1;
+        let direct = self.gather_ready();
         let mut work = 0;
         if self.verbs_conns > 0 {
             work += self.poll_cqs(cx);
@@ -397,76 +491,7 @@ impl Source for TcpSide {
         std::mem::swap(&mut visiting, &mut self.ready);
         self.visited = visiting.len();
         for idx in visiting.drain(..) {
-            let Some(conn) = self.conns.get_mut(idx) else {
-                continue;
-            };
-            conn.queued = false;
-            let try_all = direct || self.hot.iter().any(|&(i, _)| i == idx);
-            if let Some(v) = &mut conn.verbs {
-                match v.poll(cx.done) {
-                    Ok(n) => work += n,
-                    Err(reason) => {
-                        cx.to_fail.push((ConnRef::Tcp(idx), reason));
-                        continue;
-                    }
-                }
-            }
-            let mut regions = LiveRegions {
-                table: cx.regions,
-                updates: cx.updates,
-                conn: conn.group,
-            };
-            let mut sink = super::source::ShardSink {
-                done: cx.done,
-                inbox: cx.inbox,
-                conn: conn.group,
-                ipc_revoked: cx.ipc_revoked,
-                gpu_reqs: None,
-                host_copies: None,
-                gpu: cx.gpu.as_deref_mut(),
-            };
-            let before = work;
-            for s in conn.streams.iter_mut() {
-                if try_all {
-                    s.readable = true;
-                    s.writable = true;
-                }
-                let step = (|| {
-                    let mut w = s.flush()? as usize;
-                    // One read's worth of frames per poll: replies go out and
-                    // completions are published before the next read.
-                    w += s.on_readable(&mut regions, &mut sink, &mut clock)? as usize;
-                    if s.has_tx() {
-                        w += s.flush()? as usize;
-                    }
-                    Ok::<usize, String>(w)
-                })();
-                match step {
-                    Ok(w) => work += w,
-                    Err(reason) => {
-                        cx.to_fail.push((ConnRef::Tcp(idx), reason));
-                        break;
-                    }
-                }
-            }
-            if work > before {
-                conn.last_active = clock.now();
-                if let Some(a) = &conn.activity {
-                    a.touch(conn.last_active);
-                }
-                if !direct {
-                    let until = self.passes + HOT_PASSES;
-                    match self.hot.iter().position(|&(i, _)| i == idx) {
-                        Some(h) => self.hot[h].1 = until,
-                        None if self.hot.len() < HOT_CONNS => self.hot.push((idx, until)),
-                        None => {}
-                    }
-                }
-            }
-            if conn.wants_turn() {
-                conn.queued = true;
-                self.ready.push(idx);
-            }
+            work += self.visit(idx, direct, cx, &mut clock);
         }
         self.visiting = visiting;
         work
