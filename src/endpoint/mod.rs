@@ -7,9 +7,10 @@ mod gpu;
 mod local;
 mod memory;
 mod ops;
+mod start;
 
 use std::collections::{HashMap, VecDeque};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
+use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Condvar, Mutex};
@@ -23,15 +24,13 @@ pub use memory::{MemoryRegion, MAX_WINDOWS};
 pub use ops::Window;
 
 use crate::error::{ConnId, Error, OpKind, Result};
-use crate::oob::gate::{Done, Gate, GateHooks, GateLimits};
+use crate::oob::gate::{Done, Gate, GateHooks};
 use crate::oob::handshake;
 use crate::oob::{self, Ctl, IoBackend};
 use crate::reactor::completion::CompletionTable;
-use crate::reactor::{
-    Command, OpCmd, OpDesc, OpParts, RegionCmd, Shard, ShardConfig, ShardHandle, Transfer,
-};
+use crate::reactor::{Command, OpCmd, OpDesc, OpParts, RegionCmd, Shard, ShardHandle, Transfer};
 use crate::region::{Access, Backing, Region};
-use crate::sys::{pin_to_core, primary_ipv4, random_u64};
+use crate::sys::random_u64;
 use crate::tcp::StreamLimits;
 use crate::wire::{
     EndpointMetadata, Hello, RemoteBuf, CAP_AUTH, CAP_INTEGRITY_FULL, CAP_SHM, MAX_NOTIFY_BYTES,
@@ -212,241 +211,6 @@ pub struct Endpoint {
 impl Endpoint {
     pub fn builder() -> EndpointBuilder {
         EndpointBuilder::default()
-    }
-
-    fn start(cfg: Config) -> Result<Endpoint> {
-        let (backend, note) = oob::choose(cfg.io)?;
-        if let Some(why) = &note {
-            info!("control path uses {backend}: {why}");
-        }
-        let listener = TcpListener::bind((cfg.listen_addr, cfg.listen_port))
-            .map_err(|e| Error::io("bind control listener", e))?;
-        let gate = Gate::new(
-            &listener,
-            GateLimits {
-                max_pending: MAX_PENDING_HANDSHAKES,
-                max_per_addr: MAX_HANDSHAKES_PER_ADDR,
-                accept_batch: ACCEPT_BATCH,
-                first_bytes: FIRST_BYTES_TIMEOUT.min(cfg.connect_timeout()),
-                whole: cfg.connect_timeout(),
-            },
-        )?;
-        let local = listener
-            .local_addr()
-            .map_err(|e| Error::io("getsockname", e))?;
-        let adv = cfg.advertise_addr.unwrap_or_else(|| {
-            if local.ip().is_unspecified() {
-                primary_ipv4().unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST))
-            } else {
-                local.ip()
-            }
-        });
-        let bus_id = match cfg.gpu {
-            Some(i) => crate::gpu::cuda()?.device(i)?.bus_id.clone(),
-            None => String::new(),
-        };
-        let metadata = EndpointMetadata::new(adv, local.port(), &bus_id)?;
-        let ipc_counters = Arc::new(crate::gpu::ipc::IpcCounters::default());
-        let gpu = std::sync::OnceLock::new();
-        if let Some(i) = cfg.gpu {
-            let _ = gpu.set(i as i32);
-        }
-        let table = CompletionTable::new(cfg.max_inflight_ops);
-        let (inbox_tx, inbox_rx) = mpsc::sync_channel(cfg.inbox_depth);
-        let scfg = ShardConfig {
-            spin: Duration::from_micros(cfg.spin_us),
-            spin_yield: Duration::from_micros(cfg.spin_yield_us),
-            op_timeout: cfg.op_timeout(),
-            idle_timeout: (cfg.idle_timeout_ms > 0)
-                .then(|| Duration::from_millis(cfg.idle_timeout_ms)),
-            chunk_bytes: cfg.chunk_bytes,
-            sq_depth: cfg.sq_depth,
-            max_conn_inflight_ops: cfg.max_conn_inflight_ops,
-            gpu_streams: cfg.gpu_streams,
-            gpu_bounce_bytes: cfg.gpu_bounce_bytes,
-        };
-        let (closed_tx, closed_rx) = mpsc::channel();
-        let id = random_u64();
-        if cfg.transport != Transport::Tcp {
-            crate::shm::object::sweep_stale();
-        }
-        let (connects_tx, connects_rx) = mpsc::sync_channel(64);
-        let mut local_setup = None;
-        let mut local_bells = Vec::new();
-        let shm_note = if cfg.transport == Transport::Tcp {
-            Some("FERRY_TRANSPORT=tcp".to_owned())
-        } else {
-            match (
-                crate::shm::named_ring::ShmRing::create(
-                    &crate::shm::named_ring::accept_ring_name(id),
-                    256,
-                    random_u64(),
-                ),
-                crate::shm::fdpass::FdListener::bind(id),
-            ) {
-                (Ok(accept_ring), Ok(fd_listener)) => {
-                    // A doorbell per shard: same-host connections live on
-                    // every shard.
-                    for i in 0..cfg.shards {
-                        let bell = crate::shm::bell::Bell::create(id, i as u32)
-                            .map_err(|e| {
-                                warn!(
-                                    shard = i,
-                                    "no doorbell for same-host rings ({e}): quiet rings are polled"
-                                )
-                            })
-                            .ok();
-                        local_bells.push(bell);
-                    }
-                    if local_bells[0].is_some() {
-                        // CONNECT messages always ring: the accept ring is
-                        // polled, but a parked shard must wake for them.
-                        accept_ring.ring.set_bell_home(id, 0);
-                        accept_ring
-                            .ring
-                            .set_bell(crate::shm::bell::ACCEPT_BIT, true);
-                    }
-                    local_setup = Some(crate::reactor::LocalSetup {
-                        accept_ring,
-                        fd_listener,
-                        connects: connects_tx,
-                        wake_accept: gate.waker(),
-                    });
-                    None
-                }
-                (Err(e), _) => Some(format!("cannot create a shared-memory ring: {e}")),
-                (_, Err(e)) => Some(format!("cannot bind the fd-passing socket: {e}")),
-            }
-        };
-        let (verbs, nic) = match crate::verbs::open_nic(
-            Some(metadata.gpu_bdf.as_str()),
-            cfg.rdma_dev.as_deref(),
-            &cfg.verbs(),
-        ) {
-            Ok((nics, nic)) => {
-                info!(
-                    "RDMA verbs on {}: peers with verbs get queue pairs",
-                    nics.join(", ")
-                );
-                (Ok(nics), nic)
-            }
-            Err(why) => {
-                info!("RDMA verbs off ({why}): connections use tcp");
-                (Err(why), None)
-            }
-        };
-        if let Some(why) = &shm_note {
-            info!("same-host path off: {why}");
-        }
-        let mut shards = Vec::new();
-        let mut handles = Vec::new();
-        let shares = Arc::new(crate::shm::peers::PeerShares::default());
-        // Empty without same-host support: no shard has a doorbell.
-        let local_bell: Vec<bool> = local_bells.iter().map(Option::is_some).collect();
-        let mut local_bells = local_bells.into_iter();
-        for i in 0..cfg.shards {
-            let init = crate::reactor::LocalInit {
-                setup: if i == 0 { local_setup.take() } else { None },
-                bell: local_bells.next().flatten(),
-                shares: shares.clone(),
-            };
-            let (s, h) = Shard::new(
-                i,
-                scfg.clone(),
-                table.clone(),
-                inbox_tx.clone(),
-                init,
-                closed_tx.clone(),
-                ipc_counters.clone(),
-            )?;
-            shards.push(s);
-            handles.push(h);
-        }
-        // Each shard can hand slices of a large same-host copy to the others.
-        if handles.len() > 1 {
-            for s in &mut shards {
-                let others = handles.iter().filter(|h| h.id != s.id()).cloned();
-                s.set_siblings(others.collect());
-            }
-        }
-        let inner = Arc::new(Inner {
-            gpu,
-            ipc_counters,
-            id,
-            host_token: crate::shm::object::host_token(),
-            shm_note,
-            verbs,
-            nic,
-            local_connects: Mutex::new(connects_rx),
-            closed: Mutex::new(closed_rx),
-            handshaking: Arc::new(Mutex::new(HashMap::new())),
-            registrations: Arc::new(AtomicUsize::new(0)),
-            memfd_regions: Mutex::new(HashMap::new()),
-            local_peers: Mutex::new(std::collections::HashSet::new()),
-            local_bell,
-            shares,
-            next_lane: AtomicU64::new(0),
-            next_local_shard: AtomicU64::new(0),
-            gpus_registered: AtomicU64::new(0),
-            bells: Mutex::new(HashMap::new()),
-            backend,
-            backend_note: note,
-            listener,
-            metadata,
-            shards: handles,
-            table,
-            next_conn: AtomicU64::new(1),
-            next_rkey: AtomicU32::new((random_u64() as u32) | 1),
-            conns: Mutex::new(HashMap::new()),
-            remotes: Mutex::new(HashMap::new()),
-            inbox: Mutex::new(inbox_rx),
-            gate_waker: gate.waker(),
-            gate: Mutex::new(gate),
-            accepted: Mutex::new(VecDeque::new()),
-            accepted_cv: Condvar::new(),
-            passive: Mutex::new(None),
-            verbs_setups: AtomicUsize::new(0),
-            cfg,
-        });
-        let mut threads = Vec::new();
-        let mut embedded = Vec::new();
-        match inner.cfg.mode {
-            Mode::Managed => {
-                let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
-                let pin = inner.cfg.pin_cores;
-                // Shard i on the i-th core of the GPU's NUMA node first.
-                let order = if pin {
-                    crate::sys::machine_pin_order(Some(inner.metadata.gpu_bdf.as_str()))
-                } else {
-                    Vec::new()
-                };
-                for s in shards {
-                    let id = s.id();
-                    let core = if order.is_empty() {
-                        id % ncpu
-                    } else {
-                        order[id % order.len()]
-                    };
-                    let t = std::thread::Builder::new()
-                        .name(format!("ferry-shard-{id}"))
-                        .spawn(move || {
-                            if pin {
-                                pin_to_core(core);
-                            }
-                            s.run()
-                        })
-                        .map_err(|e| Error::io("spawn shard thread", e))?;
-                    threads.push(t);
-                }
-            }
-            Mode::Embedded => embedded = shards,
-        }
-        info!(id = inner.id, addr = %local, backend = %backend, shards = inner.cfg.shards, "endpoint started");
-        Ok(Endpoint {
-            inner,
-            threads,
-            embedded: Mutex::new(embedded),
-        })
     }
 
     /// The endpoint's metadata (what a peer needs to connect).

@@ -672,7 +672,7 @@ impl LocalConn {
                 };
                 true
             }
-            None => peer_mem.copy(self.peer_pid, &w, m.src_addr, write).is_ok(),
+            None => peer_mem.copy(self.peer_pid, w, m.src_addr, write).is_ok(),
         })
     }
 
