@@ -556,139 +556,171 @@ impl StreamProto {
         regions: &mut impl Regions,
         sink: &mut impl Sink,
     ) -> Result<Step, String> {
-        match &mut self.rx {
-            Rx::Header => {
-                let hdr_len = self.hdr_len();
-                if self.re - self.rs < hdr_len {
-                    return Ok(Step::NeedBytes);
-                }
-                let raw = &self.rbuf[self.rs..self.rs + hdr_len];
-                if let Some(m) = &self.mac {
-                    let want = m.rx.tag(self.rx_seq, &[TAG_HEADER, &raw[..HDR]]);
-                    if !ct_eq(&want, &raw[HDR..]) {
-                        return Err(format!(
-                            "frame {} failed authentication (injected, replayed or altered on the path)",
-                            self.rx_seq
-                        ));
-                    }
-                }
-                let h = DataHeader::decode(&raw[..HDR]).map_err(|e| e.to_string())?;
-                self.rs += hdr_len;
-                self.rx_seq += 1;
-                if !self.on_header(h, regions, sink)? {
-                    return Ok(Step::Blocked);
-                }
-                Ok(Step::Progress)
-            }
-            Rx::Payload { into, done, .. } => {
-                let n = (self.re - self.rs).min(into.len() - *done);
-                if n > 0 {
-                    // SAFETY: `into` holds `len` writable bytes alive, and
-                    // `done + n <= len`; the source is our own buffer.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(
-                            self.rbuf[self.rs..].as_ptr(),
-                            into.ptr().add(*done),
-                            n,
-                        )
-                    };
-                    self.rs += n;
-                    *done += n;
-                }
-                if *done < into.len() {
-                    return Ok(Step::NeedBytes);
-                }
-                let Rx::Payload { then, into, .. } = std::mem::replace(&mut self.rx, Rx::Header)
-                else {
-                    unreachable!()
-                };
-                if let Some(m) = self.mac.as_ref().filter(|m| m.full && into.len() > 0) {
-                    // SAFETY: `into` is host memory (a window or a bounce
-                    // buffer) we hold, and its bytes have all arrived.
-                    let bytes = unsafe { std::slice::from_raw_parts(into.ptr(), into.len()) };
-                    let expected = m.rx.tag(self.rx_seq - 1, &[TAG_PAYLOAD, bytes]);
-                    self.rx = Rx::Trailer {
-                        expected,
-                        then: Then::Finish(then),
-                    };
-                    return Ok(Step::Progress);
-                }
-                self.finish(then, sink);
-                Ok(Step::Progress)
-            }
-            Rx::Discard { left, run, .. } => {
-                let n = (self.re - self.rs).min(*left);
-                if let Some(r) = run {
-                    r.update(&self.rbuf[self.rs..self.rs + n]);
-                }
-                self.rs += n;
-                *left -= n;
-                if *left > 0 {
-                    return Ok(Step::NeedBytes);
-                }
-                let Rx::Discard { then, run, .. } = std::mem::replace(&mut self.rx, Rx::Header)
-                else {
-                    unreachable!()
-                };
-                match run {
-                    Some(r) => {
-                        self.rx = Rx::Trailer {
-                            expected: r.finish(),
-                            then: Then::Finish(then),
-                        }
-                    }
-                    None => self.finish(then, sink),
-                }
-                Ok(Step::Progress)
-            }
-            Rx::Trailer { expected, .. } => {
-                if self.re - self.rs < TAG_LEN {
-                    return Ok(Step::NeedBytes);
-                }
-                if !ct_eq(&expected[..], &self.rbuf[self.rs..self.rs + TAG_LEN]) {
-                    return Err(format!(
-                        "the payload of frame {} failed authentication (altered on the path)",
-                        self.rx_seq - 1
-                    ));
-                }
-                self.rs += TAG_LEN;
-                let Rx::Trailer { then, .. } = std::mem::replace(&mut self.rx, Rx::Header) else {
-                    unreachable!()
-                };
-                match then {
-                    Then::Finish(after) => {
-                        self.finish(after, sink);
-                        Ok(Step::Progress)
-                    }
-                    Then::Deliver(buf) => self.deliver(buf, sink),
-                }
-            }
-            Rx::Notify { buf, want } => {
-                let n = (self.re - self.rs).min(*want - buf.len());
-                buf.extend_from_slice(&self.rbuf[self.rs..self.rs + n]);
-                self.rs += n;
-                if buf.len() < *want {
-                    return Ok(Step::NeedBytes);
-                }
-                let Rx::Notify { buf, .. } = std::mem::replace(&mut self.rx, Rx::Header) else {
-                    unreachable!()
-                };
-                if let Some(m) = self.mac.as_ref().filter(|m| m.full && !buf.is_empty()) {
-                    self.rx = Rx::Trailer {
-                        expected: m.rx.tag(self.rx_seq - 1, &[TAG_PAYLOAD, &buf]),
-                        then: Then::Deliver(buf),
-                    };
-                    return Ok(Step::Progress);
-                }
-                self.deliver(buf, sink)
-            }
-            Rx::NotifyBlocked(_) => {
-                let Rx::NotifyBlocked(buf) = std::mem::replace(&mut self.rx, Rx::Header) else {
-                    unreachable!()
-                };
-                self.deliver(buf, sink)
+        match self.rx {
+            Rx::Header => self.step_header(regions, sink),
+            Rx::Payload { .. } => self.step_payload(sink),
+            Rx::Discard { .. } => self.step_discard(sink),
+            Rx::Trailer { .. } => self.step_trailer(sink),
+            Rx::Notify { .. } => self.step_notify(sink),
+            Rx::NotifyBlocked(_) => self.step_blocked(sink),
+        }
+    }
+
+    /// A frame header: checked (its MAC too), then acted on.
+    fn step_header(
+        &mut self,
+        regions: &mut impl Regions,
+        sink: &mut impl Sink,
+    ) -> Result<Step, String> {
+        let hdr_len = self.hdr_len();
+        if self.re - self.rs < hdr_len {
+            return Ok(Step::NeedBytes);
+        }
+        let raw = &self.rbuf[self.rs..self.rs + hdr_len];
+        if let Some(m) = &self.mac {
+            let want = m.rx.tag(self.rx_seq, &[TAG_HEADER, &raw[..HDR]]);
+            if !ct_eq(&want, &raw[HDR..]) {
+                return Err(format!(
+                    "frame {} failed authentication (injected, replayed or altered on the path)",
+                    self.rx_seq
+                ));
             }
         }
+        let h = DataHeader::decode(&raw[..HDR]).map_err(|e| e.to_string())?;
+        self.rs += hdr_len;
+        self.rx_seq += 1;
+        if !self.on_header(h, regions, sink)? {
+            return Ok(Step::Blocked);
+        }
+        Ok(Step::Progress)
+    }
+
+    /// Payload landing straight in its destination.
+    fn step_payload(&mut self, sink: &mut impl Sink) -> Result<Step, String> {
+        let Rx::Payload { into, done, .. } = &mut self.rx else {
+            unreachable!("step dispatches on the state")
+        };
+        let n = (self.re - self.rs).min(into.len() - *done);
+        if n > 0 {
+            // SAFETY: `into` holds `len` writable bytes alive, and
+            // `done + n <= len`; the source is our own buffer.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    self.rbuf[self.rs..].as_ptr(),
+                    into.ptr().add(*done),
+                    n,
+                )
+            };
+            self.rs += n;
+            *done += n;
+        }
+        if *done < into.len() {
+            return Ok(Step::NeedBytes);
+        }
+        let Rx::Payload { then, into, .. } = std::mem::replace(&mut self.rx, Rx::Header) else {
+            unreachable!()
+        };
+        if let Some(m) = self.mac.as_ref().filter(|m| m.full && into.len() > 0) {
+            // SAFETY: `into` is host memory (a window or a bounce
+            // buffer) we hold, and its bytes have all arrived.
+            let bytes = unsafe { std::slice::from_raw_parts(into.ptr(), into.len()) };
+            let expected = m.rx.tag(self.rx_seq - 1, &[TAG_PAYLOAD, bytes]);
+            self.rx = Rx::Trailer {
+                expected,
+                then: Then::Finish(then),
+            };
+            return Ok(Step::Progress);
+        }
+        self.finish(then, sink);
+        Ok(Step::Progress)
+    }
+
+    /// Payload of a refused WRITE, read and dropped (the stream stays in step).
+    fn step_discard(&mut self, sink: &mut impl Sink) -> Result<Step, String> {
+        let Rx::Discard { left, run, .. } = &mut self.rx else {
+            unreachable!("step dispatches on the state")
+        };
+        let n = (self.re - self.rs).min(*left);
+        if let Some(r) = run {
+            r.update(&self.rbuf[self.rs..self.rs + n]);
+        }
+        self.rs += n;
+        *left -= n;
+        if *left > 0 {
+            return Ok(Step::NeedBytes);
+        }
+        let Rx::Discard { then, run, .. } = std::mem::replace(&mut self.rx, Rx::Header) else {
+            unreachable!()
+        };
+        match run {
+            Some(r) => {
+                self.rx = Rx::Trailer {
+                    expected: r.finish(),
+                    then: Then::Finish(then),
+                }
+            }
+            None => self.finish(then, sink),
+        }
+        Ok(Step::Progress)
+    }
+
+    /// The MAC trailer after a payload.
+    fn step_trailer(&mut self, sink: &mut impl Sink) -> Result<Step, String> {
+        let Rx::Trailer { expected, .. } = &mut self.rx else {
+            unreachable!("step dispatches on the state")
+        };
+        if self.re - self.rs < TAG_LEN {
+            return Ok(Step::NeedBytes);
+        }
+        if !ct_eq(&expected[..], &self.rbuf[self.rs..self.rs + TAG_LEN]) {
+            return Err(format!(
+                "the payload of frame {} failed authentication (altered on the path)",
+                self.rx_seq - 1
+            ));
+        }
+        self.rs += TAG_LEN;
+        let Rx::Trailer { then, .. } = std::mem::replace(&mut self.rx, Rx::Header) else {
+            unreachable!()
+        };
+        match then {
+            Then::Finish(after) => {
+                self.finish(after, sink);
+                Ok(Step::Progress)
+            }
+            Then::Deliver(buf) => self.deliver(buf, sink),
+        }
+    }
+
+    /// A notification's bytes.
+    fn step_notify(&mut self, sink: &mut impl Sink) -> Result<Step, String> {
+        let Rx::Notify { buf, want } = &mut self.rx else {
+            unreachable!("step dispatches on the state")
+        };
+        let n = (self.re - self.rs).min(*want - buf.len());
+        buf.extend_from_slice(&self.rbuf[self.rs..self.rs + n]);
+        self.rs += n;
+        if buf.len() < *want {
+            return Ok(Step::NeedBytes);
+        }
+        let Rx::Notify { buf, .. } = std::mem::replace(&mut self.rx, Rx::Header) else {
+            unreachable!()
+        };
+        if let Some(m) = self.mac.as_ref().filter(|m| m.full && !buf.is_empty()) {
+            self.rx = Rx::Trailer {
+                expected: m.rx.tag(self.rx_seq - 1, &[TAG_PAYLOAD, &buf]),
+                then: Then::Deliver(buf),
+            };
+            return Ok(Step::Progress);
+        }
+        self.deliver(buf, sink)
+    }
+
+    /// A notification waiting for room in the inbox.
+    fn step_blocked(&mut self, sink: &mut impl Sink) -> Result<Step, String> {
+        let Rx::NotifyBlocked(buf) = std::mem::replace(&mut self.rx, Rx::Header) else {
+            unreachable!()
+        };
+        self.deliver(buf, sink)
     }
 
     fn deliver(&mut self, buf: Vec<u8>, sink: &mut impl Sink) -> Result<Step, String> {
@@ -722,130 +754,158 @@ impl StreamProto {
         regions: &mut impl Regions,
         sink: &mut impl Sink,
     ) -> Result<bool, String> {
-        let key = KeyRef {
-            rkey: h.rkey,
-            tag: h.tag,
-        };
         match h.kind {
-            DataKind::WriteReq => {
-                self.take_request()?;
-                let then_ok = |status| After::Ack {
-                    op_id: h.op_id,
-                    status,
-                };
-                let len = h.len as usize;
-                self.rx = match regions.check(key, h.addr, h.len, Access::REMOTE_WRITE) {
-                    Ok(w) if w.is_device() => match sink.bounce(len) {
-                        Bounce::Ready(b) => {
-                            let into = RegionSlice::new(&b, 0, len).expect("bounce fits len");
-                            Rx::Payload {
-                                into: into.clone(),
-                                done: 0,
-                                then: After::AckStaged {
-                                    op_id: h.op_id,
-                                    gpu: w,
-                                    bounce: into,
-                                },
-                            }
-                        }
-                        Bounce::Busy => return Ok(self.unread_request()),
-                        Bounce::Never => Rx::Discard {
-                            left: len,
-                            then: then_ok(Status::DeviceMemory),
-                            run: self.payload_run(len),
-                        },
-                    },
-                    Ok(w) => Rx::Payload {
-                        into: w,
-                        done: 0,
-                        then: then_ok(Status::Ok),
-                    },
-                    Err(status) => Rx::Discard {
-                        left: len,
-                        then: then_ok(status),
-                        run: self.payload_run(len),
-                    },
-                };
-            }
-            DataKind::ReadReq => {
-                self.take_request()?;
-                let len = h.len as usize;
-                let refuse = |status| DataHeader::response(DataKind::ReadResp, status, h.op_id, 0);
-                match regions.check(key, h.addr, h.len, Access::REMOTE_READ) {
-                    Ok(w) if w.is_device() => match sink.bounce(len) {
-                        Bounce::Ready(b) => {
-                            let out = RegionSlice::new(&b, 0, len).expect("bounce fits len");
-                            // Sent once the GPU→bounce copy is done.
-                            let gate = self.new_gate();
-                            let hdr = DataHeader::response(
-                                DataKind::ReadResp,
-                                Status::Ok,
-                                h.op_id,
-                                h.len,
-                            );
-                            self.push_response(hdr, TxPayload::Slice(out.clone()), gate);
-                            sink.gpu_stage(Stage {
-                                stream: self.idx,
-                                gate,
-                                slot: 0,
-                                dst: out,
-                                src: w,
-                            });
-                        }
-                        Bounce::Busy => return Ok(self.unread_request()),
-                        Bounce::Never => {
-                            self.push_response(refuse(Status::DeviceMemory), TxPayload::None, 0)
-                        }
-                    },
-                    Ok(w) => {
-                        let hdr =
-                            DataHeader::response(DataKind::ReadResp, Status::Ok, h.op_id, h.len);
-                        self.push_response(hdr, TxPayload::Slice(w), 0);
-                    }
-                    Err(status) => self.push_response(refuse(status), TxPayload::None, 0),
-                }
-            }
+            DataKind::WriteReq => self.on_write_req(&h, regions, sink),
+            DataKind::ReadReq => self.on_read_req(&h, regions, sink),
             DataKind::Notify => {
                 self.rx = Rx::Notify {
                     buf: Vec::with_capacity(h.len as usize),
                     want: h.len as usize,
                 };
+                Ok(true)
             }
-            DataKind::WriteAck | DataKind::ReadResp => {
-                let p = self
-                    .pending
-                    .front()
-                    .ok_or_else(|| format!("{:?} with no request outstanding", h.kind))?;
-                let want = if p.op.kind == OpKind::Write {
-                    DataKind::WriteAck
-                } else {
-                    DataKind::ReadResp
-                };
-                if p.op_id != h.op_id || h.kind != want {
-                    return Err(format!(
-                        "response {:?} for op {:#x}, but the oldest request is {} op {:#x}",
-                        h.kind, h.op_id, p.op.kind, p.op_id
-                    ));
-                }
-                if h.kind == DataKind::ReadResp && h.status == Status::Ok {
-                    if h.len != p.op.local.len() as u64 {
-                        return Err(format!(
-                            "READ response carries {} bytes, {} were asked",
-                            h.len,
-                            p.op.local.len()
-                        ));
-                    }
-                    self.rx = Rx::Payload {
-                        into: p.op.local.clone(),
-                        done: 0,
-                        then: After::ReadDone,
-                    };
-                    return Ok(true);
-                }
-                let p = self.pending.pop_front().expect("front exists");
-                sink.done(p.op.slot, p.op.outcome(h.status));
-            }
+            DataKind::WriteAck | DataKind::ReadResp => self.on_response(&h, sink),
         }
+    }
+
+    /// A peer's WRITE: its payload goes to the checked window (through a
+    /// bounce buffer for GPU memory), or is read and dropped with a refusal.
+    /// False: no bounce buffer now, the header is put back.
+    fn on_write_req(
+        &mut self,
+        h: &DataHeader,
+        regions: &mut impl Regions,
+        sink: &mut impl Sink,
+    ) -> Result<bool, String> {
+        let key = KeyRef {
+            rkey: h.rkey,
+            tag: h.tag,
+        };
+        self.take_request()?;
+        let then_ok = |status| After::Ack {
+            op_id: h.op_id,
+            status,
+        };
+        let len = h.len as usize;
+        self.rx = match regions.check(key, h.addr, h.len, Access::REMOTE_WRITE) {
+            Ok(w) if w.is_device() => match sink.bounce(len) {
+                Bounce::Ready(b) => {
+                    let into = RegionSlice::new(&b, 0, len).expect("bounce fits len");
+                    Rx::Payload {
+                        into: into.clone(),
+                        done: 0,
+                        then: After::AckStaged {
+                            op_id: h.op_id,
+                            gpu: w,
+                            bounce: into,
+                        },
+                    }
+                }
+                Bounce::Busy => return Ok(self.unread_request()),
+                Bounce::Never => Rx::Discard {
+                    left: len,
+                    then: then_ok(Status::DeviceMemory),
+                    run: self.payload_run(len),
+                },
+            },
+            Ok(w) => Rx::Payload {
+                into: w,
+                done: 0,
+                then: then_ok(Status::Ok),
+            },
+            Err(status) => Rx::Discard {
+                left: len,
+                then: then_ok(status),
+                run: self.payload_run(len),
+            },
+        };
+
+        Ok(true)
+    }
+
+    /// A peer's READ: the checked window's bytes are queued as the
+    /// response (staged through a bounce buffer for GPU memory), or a
+    /// refusal. False: no bounce buffer now, the header is put back.
+    fn on_read_req(
+        &mut self,
+        h: &DataHeader,
+        regions: &mut impl Regions,
+        sink: &mut impl Sink,
+    ) -> Result<bool, String> {
+        let key = KeyRef {
+            rkey: h.rkey,
+            tag: h.tag,
+        };
+        self.take_request()?;
+        let len = h.len as usize;
+        let refuse = |status| DataHeader::response(DataKind::ReadResp, status, h.op_id, 0);
+        match regions.check(key, h.addr, h.len, Access::REMOTE_READ) {
+            Ok(w) if w.is_device() => match sink.bounce(len) {
+                Bounce::Ready(b) => {
+                    let out = RegionSlice::new(&b, 0, len).expect("bounce fits len");
+                    // Sent once the GPU→bounce copy is done.
+                    let gate = self.new_gate();
+                    let hdr = DataHeader::response(DataKind::ReadResp, Status::Ok, h.op_id, h.len);
+                    self.push_response(hdr, TxPayload::Slice(out.clone()), gate);
+                    sink.gpu_stage(Stage {
+                        stream: self.idx,
+                        gate,
+                        slot: 0,
+                        dst: out,
+                        src: w,
+                    });
+                }
+                Bounce::Busy => return Ok(self.unread_request()),
+                Bounce::Never => {
+                    self.push_response(refuse(Status::DeviceMemory), TxPayload::None, 0)
+                }
+            },
+            Ok(w) => {
+                let hdr = DataHeader::response(DataKind::ReadResp, Status::Ok, h.op_id, h.len);
+                self.push_response(hdr, TxPayload::Slice(w), 0);
+            }
+            Err(status) => self.push_response(refuse(status), TxPayload::None, 0),
+        }
+
+        Ok(true)
+    }
+
+    /// A response to our oldest request: it must match it; a READ's
+    /// payload then lands in the op's memory.
+    fn on_response(&mut self, h: &DataHeader, sink: &mut impl Sink) -> Result<bool, String> {
+        let p = self
+            .pending
+            .front()
+            .ok_or_else(|| format!("{:?} with no request outstanding", h.kind))?;
+        let want = if p.op.kind == OpKind::Write {
+            DataKind::WriteAck
+        } else {
+            DataKind::ReadResp
+        };
+        if p.op_id != h.op_id || h.kind != want {
+            return Err(format!(
+                "response {:?} for op {:#x}, but the oldest request is {} op {:#x}",
+                h.kind, h.op_id, p.op.kind, p.op_id
+            ));
+        }
+        if h.kind == DataKind::ReadResp && h.status == Status::Ok {
+            if h.len != p.op.local.len() as u64 {
+                return Err(format!(
+                    "READ response carries {} bytes, {} were asked",
+                    h.len,
+                    p.op.local.len()
+                ));
+            }
+            self.rx = Rx::Payload {
+                into: p.op.local.clone(),
+                done: 0,
+                then: After::ReadDone,
+            };
+            return Ok(true);
+        }
+        let p = self.pending.pop_front().expect("front exists");
+        sink.done(p.op.slot, p.op.outcome(h.status));
+
         Ok(true)
     }
 
