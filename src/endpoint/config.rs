@@ -247,6 +247,40 @@ fn num<T: std::str::FromStr>(name: &'static str, v: &str) -> Result<T> {
 }
 
 /// `min <= v <= max`, or an error naming the field (and its variable).
+/// The numeric settings: each field, its variable, and the range it must
+/// lie in. One table: `validate` and `from_lookup` both come from it.
+macro_rules! numeric_settings {
+    ($then:ident) => {
+        $then! {
+            shards: "FERRY_SHARDS", 1, 256;
+            max_inflight_ops: "FERRY_MAX_INFLIGHT_OPS", 1, 1 << 20;
+            stream_inflight: "FERRY_STREAM_INFLIGHT", 1, 1 << 20;
+            sq_depth: "FERRY_SQ_DEPTH", 1, 1 << 20;
+            streams_per_conn: "FERRY_STREAMS", 1, crate::wire::MAX_STREAMS;
+            lanes: "FERRY_LANES", 0, 255;
+            chunk_bytes: "FERRY_CHUNK_BYTES", 4096, 1 << 30;
+            connect_timeout_ms: "FERRY_CONNECT_TIMEOUT_MS", 1, 3_600_000;
+            op_timeout_ms: "FERRY_OP_TIMEOUT_MS", 1, 3_600_000;
+            spin_us: "FERRY_SPIN_US", 0, 10_000_000;
+            spin_yield_us: "FERRY_SPIN_YIELD_US", 0, 10_000_000;
+            inbox_depth: "FERRY_INBOX_DEPTH", 1, 1 << 20;
+            max_conns: "FERRY_MAX_CONNS", 1, 1 << 20;
+            max_conns_per_peer: "FERRY_MAX_CONNS_PER_PEER", 1, 1 << 20;
+            idle_timeout_ms: "FERRY_IDLE_TIMEOUT_MS", 0, 86_400_000;
+            max_registrations: "FERRY_MAX_REGISTRATIONS", 1, 1 << 24;
+            max_conn_inflight_ops: "FERRY_MAX_CONN_INFLIGHT_OPS", 1, 1 << 20;
+            gpu_streams: "FERRY_GPU_STREAMS", 1, 8;
+            gpu_bounce_bytes: "FERRY_GPU_BOUNCE_BYTES", 1, 1 << 40;
+            rdma_qp_depth: "FERRY_RDMA_QP_DEPTH", 16, 32768;
+            rdma_max_nics: "FERRY_RDMA_MAX_NICS", 1, crate::wire::MAX_NICS;
+            rdma_qps: "FERRY_RDMA_QPS", 1, crate::wire::MAX_DATA_QPS;
+            rdma_max_rd_atomic: "FERRY_RDMA_MAX_RD_ATOMIC", 1, 255;
+            rdma_sl: "FERRY_RDMA_SL", 0, 15;
+            rdma_tc: "FERRY_RDMA_TC", 0, 255;
+        }
+    };
+}
+
 fn within<T>(name: &'static str, v: T, min: T, max: T) -> Result<()>
 where
     T: PartialOrd + std::fmt::Display + Copy,
@@ -280,121 +314,23 @@ impl Config {
     /// a value set in code meets the same rules as one from a variable.
     /// The error names the field, its variable and the value.
     pub fn validate(&self) -> Result<()> {
-        within("shards (FERRY_SHARDS)", self.shards, 1, 256)?;
-        within(
-            "max_inflight_ops (FERRY_MAX_INFLIGHT_OPS)",
-            self.max_inflight_ops,
-            1,
-            1 << 20,
-        )?;
-        within(
-            "stream_inflight (FERRY_STREAM_INFLIGHT)",
-            self.stream_inflight,
-            1,
-            1 << 20,
-        )?;
-        within("sq_depth (FERRY_SQ_DEPTH)", self.sq_depth, 1, 1 << 20)?;
-        within("lanes (FERRY_LANES)", self.lanes, 0, 255)?;
-        within(
-            "streams_per_conn (FERRY_STREAMS)",
-            self.streams_per_conn,
-            1,
-            crate::wire::MAX_STREAMS,
-        )?;
-        within(
-            "chunk_bytes (FERRY_CHUNK_BYTES)",
-            self.chunk_bytes,
-            4096,
-            1 << 30,
-        )?;
-        within(
-            "connect_timeout_ms (FERRY_CONNECT_TIMEOUT_MS)",
-            self.connect_timeout_ms,
-            1,
-            3_600_000,
-        )?;
-        within(
-            "op_timeout_ms (FERRY_OP_TIMEOUT_MS)",
-            self.op_timeout_ms,
-            1,
-            3_600_000,
-        )?;
-        within("spin_us (FERRY_SPIN_US)", self.spin_us, 0, 10_000_000)?;
-        within(
-            "spin_yield_us (FERRY_SPIN_YIELD_US)",
-            self.spin_yield_us,
-            0,
-            10_000_000,
-        )?;
-        within(
-            "inbox_depth (FERRY_INBOX_DEPTH)",
-            self.inbox_depth,
-            1,
-            1 << 20,
-        )?;
-        within("max_conns (FERRY_MAX_CONNS)", self.max_conns, 1, 1 << 20)?;
-        within(
-            "max_conns_per_peer (FERRY_MAX_CONNS_PER_PEER)",
-            self.max_conns_per_peer,
-            1,
-            1 << 20,
-        )?;
-        within(
-            "idle_timeout_ms (FERRY_IDLE_TIMEOUT_MS)",
-            self.idle_timeout_ms,
-            0,
-            86_400_000,
-        )?;
-        within(
-            "max_registrations (FERRY_MAX_REGISTRATIONS)",
-            self.max_registrations,
-            1,
-            1 << 24,
-        )?;
-        within(
-            "max_conn_inflight_ops (FERRY_MAX_CONN_INFLIGHT_OPS)",
-            self.max_conn_inflight_ops,
-            1,
-            1 << 20,
-        )?;
+        macro_rules! check {
+            ($($field:ident: $var:literal, $min:expr, $max:expr;)*) => {$(
+                within(
+                    concat!(stringify!($field), " (", $var, ")"),
+                    self.$field,
+                    $min,
+                    $max,
+                )?;
+            )*};
+        }
+        numeric_settings!(check);
         if let Some(g) = self.gpu {
             within("gpu (FERRY_GPU)", g, 0, 1023)?;
         }
-        within("gpu_streams (FERRY_GPU_STREAMS)", self.gpu_streams, 1, 8)?;
-        within(
-            "gpu_bounce_bytes (FERRY_GPU_BOUNCE_BYTES)",
-            self.gpu_bounce_bytes,
-            1,
-            1 << 40,
-        )?;
         if let Some(g) = self.rdma_gid_index {
             within("rdma_gid_index (FERRY_RDMA_GID_INDEX)", g, 0, 255)?;
         }
-        within(
-            "rdma_qp_depth (FERRY_RDMA_QP_DEPTH)",
-            self.rdma_qp_depth,
-            16,
-            32768,
-        )?;
-        within(
-            "rdma_max_nics (FERRY_RDMA_MAX_NICS)",
-            self.rdma_max_nics,
-            1,
-            crate::wire::MAX_NICS,
-        )?;
-        within(
-            "rdma_qps (FERRY_RDMA_QPS)",
-            self.rdma_qps,
-            1,
-            crate::wire::MAX_DATA_QPS,
-        )?;
-        within(
-            "rdma_max_rd_atomic (FERRY_RDMA_MAX_RD_ATOMIC)",
-            self.rdma_max_rd_atomic,
-            1,
-            255,
-        )?;
-        within("rdma_sl (FERRY_RDMA_SL)", self.rdma_sl, 0, 15)?;
         if let Some(d) = &self.rdma_dev {
             if d.split(',').all(|s| s.trim().is_empty()) {
                 return Err(bad("rdma_dev (FERRY_RDMA_DEV)", d, "names no device"));
@@ -435,40 +371,14 @@ impl Config {
         if let Some(v) = get("FERRY_ADVERTISE_ADDR") {
             c.advertise_addr = Some(addr("FERRY_ADVERTISE_ADDR", &v)?);
         }
-        macro_rules! numbers {
-            ($($var:literal => $field:ident),* $(,)?) => {$(
+        macro_rules! read {
+            ($($field:ident: $var:literal, $min:expr, $max:expr;)*) => {$(
                 if let Some(v) = get($var) {
                     c.$field = num($var, &v)?;
                 }
             )*};
         }
-        numbers! {
-            "FERRY_SHARDS" => shards,
-            "FERRY_MAX_INFLIGHT_OPS" => max_inflight_ops,
-            "FERRY_STREAM_INFLIGHT" => stream_inflight,
-            "FERRY_SQ_DEPTH" => sq_depth,
-            "FERRY_STREAMS" => streams_per_conn,
-            "FERRY_LANES" => lanes,
-            "FERRY_CHUNK_BYTES" => chunk_bytes,
-            "FERRY_CONNECT_TIMEOUT_MS" => connect_timeout_ms,
-            "FERRY_OP_TIMEOUT_MS" => op_timeout_ms,
-            "FERRY_SPIN_US" => spin_us,
-            "FERRY_SPIN_YIELD_US" => spin_yield_us,
-            "FERRY_INBOX_DEPTH" => inbox_depth,
-            "FERRY_MAX_CONNS" => max_conns,
-            "FERRY_MAX_CONNS_PER_PEER" => max_conns_per_peer,
-            "FERRY_IDLE_TIMEOUT_MS" => idle_timeout_ms,
-            "FERRY_MAX_REGISTRATIONS" => max_registrations,
-            "FERRY_MAX_CONN_INFLIGHT_OPS" => max_conn_inflight_ops,
-            "FERRY_GPU_STREAMS" => gpu_streams,
-            "FERRY_GPU_BOUNCE_BYTES" => gpu_bounce_bytes,
-            "FERRY_RDMA_QPS" => rdma_qps,
-            "FERRY_RDMA_MAX_NICS" => rdma_max_nics,
-            "FERRY_RDMA_QP_DEPTH" => rdma_qp_depth,
-            "FERRY_RDMA_MAX_RD_ATOMIC" => rdma_max_rd_atomic,
-            "FERRY_RDMA_SL" => rdma_sl,
-            "FERRY_RDMA_TC" => rdma_tc,
-        }
+        numeric_settings!(read);
         if let Some(v) = get("FERRY_RDMA_GID_INDEX") {
             c.rdma_gid_index = Some(num("FERRY_RDMA_GID_INDEX", &v)?);
         }
