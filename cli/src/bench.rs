@@ -913,6 +913,54 @@ pub fn run(a: Args) -> Result<()> {
         "ferry bench: starting target process ({} registered)",
         fmt_size(bytes)
     );
+    set_env(&o);
+    let peer_gpu = peer_gpu(&o)?;
+    warn_spinners(&o);
+    let (served, target_pid, _target) = start_target(&o, bytes, peer_gpu)?;
+    let ep = own_endpoint(&o)?;
+    let mut shard = ep.take_shards().pop();
+    let conn = ep.add_remote(&served.meta)?;
+    let shm = matches!(ep.peer(conn), Some(ferry::Peer::Local { .. }));
+    let idle = open_idle(
+        &ep,
+        shard.as_mut(),
+        &served.meta,
+        o.idle_conns - 1,
+        target_pid,
+    )?;
+    let conns = more_conns(&o, &ep, &mut shard, conn, &served)?;
+    check_verbs(&o, &ep, &conns)?;
+    let transport = transport_name(&o, shm);
+    let (local, remote) = buffers(&o, &ep, shm, bytes, &served)?;
+    let mut b = Bench {
+        ep: &ep,
+        shard,
+        conns,
+        turn: Default::default(),
+        local,
+        remote,
+        latency_bytes: if o.ipc { 4096 } else { 8 },
+        threads: o.threads,
+    };
+    let mut reference = make_reference(&o, &ep, shm, bytes, &served, peer_gpu)?;
+    if !o.json {
+        print_header(&o, &ep, transport, shm);
+    }
+    if let Some(c) = idle {
+        report_idle(&mut b, &o, target_pid, &c)?;
+    }
+    let plotted = measure_points(&mut b, &o, &mut reference, transport, shm)?;
+    if let Some(path) = &o.plot {
+        write_plot(&o, transport, path, &plotted)?;
+    }
+    if o.latency {
+        measure_latency(&mut b, &o, &mut reference, transport)?;
+    }
+    Ok(())
+}
+
+/// The variables both processes read (the target at start, we later).
+fn set_env(o: &Opts) {
     let target_transport = if o.transport == Transport::Tcp {
         "tcp"
     } else {
@@ -939,16 +987,23 @@ pub fn run(a: Args) -> Result<()> {
             }
         }
     }
-    let peer_gpu = match (o.ipc || o.device_gpu, o.peer_gpu) {
+}
+
+/// The target's GPU, when the run moves GPU memory.
+fn peer_gpu(o: &Opts) -> Result<Option<usize>> {
+    Ok(match (o.ipc || o.device_gpu, o.peer_gpu) {
         (false, _) => None,
         (true, Some(g)) => Some(g),
         (true, None) => {
             let n = ferry::gpu::cuda()?.devices.len();
             Some(if n >= 2 { 1 } else { 0 })
         }
-    };
-    // Our shards and the target's each spin while idle; say so when they
-    // outnumber the cores (they then give way: see the help's "Spinning").
+    })
+}
+
+/// Our shards and the target's each spin while idle; say so when they
+/// outnumber the cores (they then give way: see the help's "Spinning").
+fn warn_spinners(o: &Opts) {
     let shards_each = o.shards.unwrap_or_else(|| {
         std::env::var("FERRY_SHARDS")
             .ok()
@@ -964,12 +1019,20 @@ pub fn run(a: Args) -> Result<()> {
             o.contend
         );
     }
+}
+
+/// The target: a `ferry serve` we start, or one found in the directory.
+fn start_target(
+    o: &Opts,
+    bytes: usize,
+    peer_gpu: Option<usize>,
+) -> Result<(ferry_cli::testkit::Served, u32, Option<Peer>)> {
     let mut serve_args = vec!["serve".to_owned(), "--bytes".into(), bytes.to_string()];
     if let Some(g) = peer_gpu {
         serve_args.extend(["--gpu".to_owned(), g.to_string()]);
     }
     let serve_args: Vec<&str> = serve_args.iter().map(String::as_str).collect();
-    let (served, target_pid, _target) = match &o.directory {
+    Ok(match &o.directory {
         Some((url, cluster, peer)) => (crate::dir::served_by_name(url, cluster, peer)?, 0, None),
         None => {
             let mut child = spawn_self(&serve_args)?;
@@ -979,8 +1042,12 @@ pub fn run(a: Args) -> Result<()> {
             let served = read_served(&mut out).map_err(anyhow::Error::msg)?;
             (served, target_pid, Some(target))
         }
-    };
+    })
+}
 
+/// This side's endpoint: one shard embedded in the benchmark loop, more
+/// managed.
+fn own_endpoint(o: &Opts) -> Result<Endpoint> {
     let mut cfg = Config::from_env()?;
     cfg.listen_addr = "127.0.0.1".parse()?;
     // One shard: embedded, driven by the benchmark loop; more: managed.
@@ -993,18 +1060,18 @@ pub fn run(a: Args) -> Result<()> {
     if o.ipc || o.device_gpu {
         cfg.gpu = Some(o.gpu);
     }
-    let ep = Endpoint::builder().config(cfg).build()?;
-    let mut shard = ep.take_shards().pop();
-    let conn = ep.add_remote(&served.meta)?;
-    let shm = matches!(ep.peer(conn), Some(ferry::Peer::Local { .. }));
-    let idle = open_idle(
-        &ep,
-        shard.as_mut(),
-        &served.meta,
-        o.idle_conns - 1,
-        target_pid,
-    )?;
-    // Further connections measured beside the first (--conns).
+    Ok(Endpoint::builder().config(cfg).build()?)
+}
+
+/// The first connection and the further ones measured beside it
+/// (--conns).
+fn more_conns(
+    o: &Opts,
+    ep: &Endpoint,
+    shard: &mut Option<ferry::Shard>,
+    conn: ConnId,
+    served: &ferry_cli::testkit::Served,
+) -> Result<Vec<ConnId>> {
     let mut conns = vec![conn];
     let addr = ferry::EndpointMetadata::decode(&served.meta)?.socket_addr();
     for i in 1..o.conns {
@@ -1016,6 +1083,11 @@ pub fn run(a: Args) -> Result<()> {
             s.poll();
         }
     }
+    Ok(conns)
+}
+
+/// --transport verbs: every measured connection must have queue pairs.
+fn check_verbs(o: &Opts, ep: &Endpoint, conns: &[ConnId]) -> Result<()> {
     if o.verbs {
         if let Some(c) = conns.iter().find(|c| !ep.uses_verbs(**c)) {
             bail!(
@@ -1030,7 +1102,11 @@ pub fn run(a: Args) -> Result<()> {
             );
         }
     }
-    let transport = match (o.ipc, shm, o.device_gpu) {
+    Ok(())
+}
+
+fn transport_name(o: &Opts, shm: bool) -> &'static str {
+    match (o.ipc, shm, o.device_gpu) {
         _ if o.verbs && o.device_gpu => "verbs-gpu",
         _ if o.verbs => "verbs",
         (true, _, _) => "ipc",
@@ -1038,16 +1114,29 @@ pub fn run(a: Args) -> Result<()> {
         (false, true, true) => "shm-gpu",
         (false, false, false) => "tcp",
         (false, false, true) => "tcp-gpu",
-    };
-    let host_local = |ep: &Endpoint| -> Result<MemoryRegion> {
-        Ok(if shm {
-            let m = ep.alloc_host(bytes)?;
-            m.write_at(0, &vec![0x3cu8; bytes])?;
-            m
-        } else {
-            ep.register(vec![0x3cu8; bytes])?
-        })
-    };
+    }
+}
+
+/// Host memory for our side: memfd memory the target maps on the
+/// same-host path, else an ordinary registration.
+fn host_buffer(ep: &Endpoint, shm: bool, bytes: usize) -> Result<MemoryRegion> {
+    Ok(if shm {
+        let m = ep.alloc_host(bytes)?;
+        m.write_at(0, &vec![0x3cu8; bytes])?;
+        m
+    } else {
+        ep.register(vec![0x3cu8; bytes])?
+    })
+}
+
+/// Our buffer and the target's window.
+fn buffers(
+    o: &Opts,
+    ep: &Endpoint,
+    shm: bool,
+    bytes: usize,
+    served: &ferry_cli::testkit::Served,
+) -> Result<(MemoryRegion, Remote)> {
     // Touch every page now, as an application's live buffers are: first-touch
     // page faults would otherwise be measured as transfer time. On the
     // same-host path the buffer is memfd memory the target maps.
@@ -1059,7 +1148,7 @@ pub fn run(a: Args) -> Result<()> {
         m.write_at(0, &fill)?;
         m
     } else {
-        host_local(&ep)?
+        host_buffer(ep, shm, bytes)?
     };
     let remote = if o.ipc {
         Remote::Ipc(served.ipc.context("the target printed no IPCBUF line")?)
@@ -1072,22 +1161,24 @@ pub fn run(a: Args) -> Result<()> {
     } else {
         Remote::Key(served.rbuf)
     };
-    let mut b = Bench {
-        ep: &ep,
-        shard,
-        conns,
-        turn: Default::default(),
-        local,
-        remote,
-        latency_bytes: if o.ipc { 4096 } else { 8 },
-        threads: o.threads,
-    };
+    Ok((local, remote))
+}
 
-    let mut reference = match (o.baseline, o.ipc, shm) {
+/// The same-run reference (--baseline).
+fn make_reference(
+    o: &Opts,
+    ep: &Endpoint,
+    shm: bool,
+    bytes: usize,
+    served: &ferry_cli::testkit::Served,
+    peer_gpu: Option<usize>,
+) -> Result<Option<Reference>> {
+    Ok(match (o.baseline, o.ipc, shm) {
         (false, _, _) => None,
-        (true, false, _) if o.device_gpu => {
-            Some(Reference::Host(host_local(&ep)?, Remote::Key(served.rbuf)))
-        }
+        (true, false, _) if o.device_gpu => Some(Reference::Host(
+            host_buffer(ep, shm, bytes)?,
+            Remote::Key(served.rbuf),
+        )),
         (true, true, _) => Some(Reference::Gpu(GpuRef::new(
             o.gpu,
             peer_gpu.unwrap_or(0),
@@ -1101,88 +1192,103 @@ pub fn run(a: Args) -> Result<()> {
             Vec::new(),
             o.shards.unwrap_or(1),
         )),
+    })
+}
+
+fn print_header(o: &Opts, ep: &Endpoint, transport: &'static str, shm: bool) {
+    let base = match (o.baseline, o.ipc, shm) {
+        (false, _, _) if o.contend > 0 => " quiet GB/s  ratio",
+        (false, _, _) => "",
+        (true, false, _) if o.device_gpu => "  host GB/s  ratio",
+        (true, true, _) if o.pinned => "   H2D GB/s  ratio",
+        (true, true, _) => "  peer GB/s  ratio",
+        (true, false, false) => "  raw GB/s   ratio",
+        (true, false, true) => " memcpy GB/s  ratio",
     };
-    if !o.json {
-        let base = match (o.baseline, o.ipc, shm) {
-            (false, _, _) if o.contend > 0 => " quiet GB/s  ratio",
-            (false, _, _) => "",
-            (true, false, _) if o.device_gpu => "  host GB/s  ratio",
-            (true, true, _) if o.pinned => "   H2D GB/s  ratio",
-            (true, true, _) => "  peer GB/s  ratio",
-            (true, false, false) => "  raw GB/s   ratio",
-            (true, false, true) => " memcpy GB/s  ratio",
+    println!(
+        "transport {transport}, control path {}, {} round(s) of {} s per point{}{}",
+        ep.io_backend().0,
+        o.rounds,
+        o.seconds,
+        if o.rounds > 1 { " (medians)" } else { "" },
+        if o.contend > 0 {
+            format!(", with {} busy process(es) beside it", o.contend)
+        } else {
+            String::new()
+        }
+    );
+    println!(
+        "{:<6} {:>9} {:>6} {:>9} {:>11} {:>10} {:>10}{base}",
+        "op", "block", "batch", "GB/s", "ops/s", "p50 us", "p99 us"
+    );
+}
+
+/// The idle probe (--idle-conns): each round 1 s idle, then one round
+/// trip; with --baseline, the machine's floor for waking a parked thread,
+/// measured the same way right after (raw::wake_after_idle_us).
+fn report_idle(b: &mut Bench<'_>, o: &Opts, target_pid: u32, c: &IdleCost) -> Result<()> {
+    let (mut cpu_here, mut cpu_there, mut rtts, mut floors) = (0.0, 0.0, vec![], vec![]);
+    for _ in 0..o.rounds {
+        let (h, t, rtt) = b.idle_probe(target_pid, 1.0)?;
+        cpu_here += h / o.rounds as f64;
+        cpu_there += t / o.rounds as f64;
+        rtts.push(rtt);
+        if o.baseline {
+            floors.push(crate::raw::wake_after_idle_us(Duration::from_secs(1))?);
+        }
+    }
+    let rtt_us = median(&rtts);
+    let floor_us = (!floors.is_empty()).then(|| median(&floors));
+    if o.json {
+        let floor = floor_us.map_or(String::new(), |f| {
+            format!(",\"wake_floor_us\":{f:.1},\"ratio\":{:.3}", rtt_us / f)
+        });
+        println!(
+            "{{\"idle_conns\":{},\"open_s\":{:.3},\"rss_kib_each\":{:.1},\"target_rss_kib_each\":{:.1},\
+             \"idle_cpu_pct\":{cpu_here:.3},\"target_idle_cpu_pct\":{cpu_there:.3},\"rtt_after_idle_us\":{rtt_us:.1},\
+             \"rounds\":{}{floor}}}",
+            c.n, c.open_s, c.here_kib_each, c.there_kib_each, o.rounds
+        );
+    } else {
+        println!(
+            "idle connections: {} opened in {:.2} s; resident memory {:.1} KiB each here, \
+             {:.1} KiB each at the target",
+            c.n, c.open_s, c.here_kib_each, c.there_kib_each
+        );
+        let list = |v: &[f64]| {
+            v.iter()
+                .map(|x| format!("{x:.0}"))
+                .collect::<Vec<_>>()
+                .join(", ")
         };
         println!(
-            "transport {transport}, control path {}, {} round(s) of {} s per point{}{}",
-            ep.io_backend().0,
-            o.rounds,
-            o.seconds,
-            if o.rounds > 1 { " (medians)" } else { "" },
-            if o.contend > 0 {
-                format!(", with {} busy process(es) beside it", o.contend)
-            } else {
-                String::new()
-            }
+            "idle for 1 s: CPU {cpu_here:.2} % of a core here, {cpu_there:.2} % at the target; \
+             then one 8-byte WRITE round trip took {rtt_us:.1} us{} ({} us)",
+            if o.rounds > 1 { " (median)" } else { "" },
+            list(&rtts)
         );
-        println!(
-            "{:<6} {:>9} {:>6} {:>9} {:>11} {:>10} {:>10}{base}",
-            "op", "block", "batch", "GB/s", "ops/s", "p50 us", "p99 us"
-        );
-    }
-    if let Some(c) = idle {
-        // Each round: 1 s idle, then one round trip; with --baseline, the
-        // machine's floor for waking a parked thread, measured the same way
-        // right after (raw::wake_after_idle_us).
-        let (mut cpu_here, mut cpu_there, mut rtts, mut floors) = (0.0, 0.0, vec![], vec![]);
-        for _ in 0..o.rounds {
-            let (h, t, rtt) = b.idle_probe(target_pid, 1.0)?;
-            cpu_here += h / o.rounds as f64;
-            cpu_there += t / o.rounds as f64;
-            rtts.push(rtt);
-            if o.baseline {
-                floors.push(crate::raw::wake_after_idle_us(Duration::from_secs(1))?);
-            }
-        }
-        let rtt_us = median(&rtts);
-        let floor_us = (!floors.is_empty()).then(|| median(&floors));
-        if o.json {
-            let floor = floor_us.map_or(String::new(), |f| {
-                format!(",\"wake_floor_us\":{f:.1},\"ratio\":{:.3}", rtt_us / f)
-            });
+        if let Some(f) = floor_us {
             println!(
-                "{{\"idle_conns\":{},\"open_s\":{:.3},\"rss_kib_each\":{:.1},\"target_rss_kib_each\":{:.1},\
-                 \"idle_cpu_pct\":{cpu_here:.3},\"target_idle_cpu_pct\":{cpu_there:.3},\"rtt_after_idle_us\":{rtt_us:.1},\
-                 \"rounds\":{}{floor}}}",
-                c.n, c.open_s, c.here_kib_each, c.there_kib_each, o.rounds
+                "waking a parked thread of this process after 1 s idle took {f:.1} us ({} us): \
+                 ferry {:.2}x that",
+                list(&floors),
+                rtt_us / f
             );
-        } else {
-            println!(
-                "idle connections: {} opened in {:.2} s; resident memory {:.1} KiB each here, \
-                 {:.1} KiB each at the target",
-                c.n, c.open_s, c.here_kib_each, c.there_kib_each
-            );
-            let list = |v: &[f64]| {
-                v.iter()
-                    .map(|x| format!("{x:.0}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            };
-            println!(
-                "idle for 1 s: CPU {cpu_here:.2} % of a core here, {cpu_there:.2} % at the target; \
-                 then one 8-byte WRITE round trip took {rtt_us:.1} us{} ({} us)",
-                if o.rounds > 1 { " (median)" } else { "" },
-                list(&rtts)
-            );
-            if let Some(f) = floor_us {
-                println!(
-                    "waking a parked thread of this process after 1 s idle took {f:.1} us ({} us): \
-                     ferry {:.2}x that",
-                    list(&floors),
-                    rtt_us / f
-                );
-            }
         }
     }
+
+    Ok(())
+}
+
+/// Every (size, op) point, --rounds times: one row each; returns the
+/// chart's series.
+fn measure_points(
+    b: &mut Bench<'_>,
+    o: &Opts,
+    reference: &mut Option<Reference>,
+    transport: &'static str,
+    shm: bool,
+) -> Result<Vec<crate::plot::Series>> {
     let ref_name = match (o.baseline, o.ipc, shm) {
         _ if o.contend > 0 => "quiet",
         (false, _, _) => "",
@@ -1227,7 +1333,7 @@ pub fn run(a: Args) -> Result<()> {
                 gbps.push(g);
                 opss.push(ops_per_s);
                 lat.extend(l);
-                if let Some(Reference::Host(hl, hr)) = &mut reference {
+                if let Some(Reference::Host(hl, hr)) = reference {
                     // The same path with host buffers, on the same connection.
                     std::mem::swap(&mut b.local, hl);
                     std::mem::swap(&mut b.remote, hr);
@@ -1237,7 +1343,7 @@ pub fn run(a: Args) -> Result<()> {
                     let host = host?.0;
                     base.push(host);
                     ratios.push(g / host);
-                } else if let Some(p) = &mut reference {
+                } else if let Some(p) = reference {
                     let raw = p.gbps(op == OpKind::Read, size, b.slots(size), o.seconds)?;
                     base.push(raw);
                     ratios.push(g / raw);
@@ -1271,86 +1377,104 @@ pub fn run(a: Args) -> Result<()> {
             std::io::stdout().flush()?;
         }
     }
-    if let Some(path) = &o.plot {
-        let mut title = format!("ferry bench --transport {transport}");
-        for (flag, v) in [
-            ("streams", o.streams.unwrap_or(1)),
-            ("shards", o.shards.unwrap_or(1)),
-            ("conns", o.conns),
-            ("threads", o.threads),
-            ("contend", o.contend),
-        ] {
-            if v > usize::from(flag != "contend") {
-                title += &format!(" --{flag} {v}");
-            }
+    Ok(plotted)
+}
+
+fn write_plot(
+    o: &Opts,
+    transport: &'static str,
+    path: &str,
+    plotted: &[crate::plot::Series],
+) -> Result<()> {
+    let mut title = format!("ferry bench --transport {transport}");
+    for (flag, v) in [
+        ("streams", o.streams.unwrap_or(1)),
+        ("shards", o.shards.unwrap_or(1)),
+        ("conns", o.conns),
+        ("threads", o.threads),
+        ("contend", o.contend),
+    ] {
+        if v > usize::from(flag != "contend") {
+            title += &format!(" --{flag} {v}");
         }
-        std::fs::write(
-            path,
-            crate::plot::svg(&title, &crate::plot::BLOCK_SIZE, &plotted),
-        )
-        .with_context(|| format!("writing {path}"))?;
-        eprintln!("chart written to {path}");
     }
-    if o.latency {
-        for &op in &o.ops {
-            let (mut p50, mut p99, mut p999, mut b50, mut b99) =
-                (vec![], vec![], vec![], vec![], vec![]);
-            for r in 0..o.rounds {
-                eprintln!(
-                    "latency: {} {} round trips, round {}/{} ...",
-                    op_name(op),
-                    fmt_size(b.latency_bytes),
-                    r + 1,
-                    o.rounds
-                );
-                if o.contend > 0 {
-                    let quiet = sorted(b.latency(op, o.seconds)?);
-                    b50.push(percentile(&quiet, 0.5));
-                    b99.push(percentile(&quiet, 0.99));
-                }
-                let busy = (o.contend > 0)
-                    .then(|| Contenders::start(o.contend))
-                    .transpose()?;
-                let lat = sorted(b.latency(op, o.seconds)?);
-                drop(busy);
-                p50.push(percentile(&lat, 0.5));
-                p99.push(percentile(&lat, 0.99));
-                p999.push(percentile(&lat, 0.999));
-                if let Some(Reference::Tcp(p)) = &mut reference {
-                    let base = sorted(p.ping_pong_us(o.seconds)?);
-                    b50.push(percentile(&base, 0.5));
-                    b99.push(percentile(&base, 0.99));
-                }
-            }
-            print_row(
-                &Row {
-                    transport,
-                    op: if op == OpKind::Write {
-                        "write_latency"
-                    } else {
-                        "read_latency"
-                    },
-                    block: b.latency_bytes,
-                    batch: 1,
-                    gbps: 0.0,
-                    ops_per_s: 0.0,
-                    p50_us: median(&p50),
-                    p99_us: median(&p99),
-                    p999_us: median(&p999),
-                    baseline_gbps: None,
-                    ratio: None,
-                    baseline_p50_us: (!b50.is_empty()).then(|| median(&b50)),
-                    latency_ref: if o.contend > 0 {
-                        "quiet"
-                    } else {
-                        "raw tcp ping-pong"
-                    },
-                    baseline_p99_us: (!b99.is_empty()).then(|| median(&b99)),
-                },
-                o.json,
+    std::fs::write(
+        path,
+        crate::plot::svg(&title, &crate::plot::BLOCK_SIZE, plotted),
+    )
+    .with_context(|| format!("writing {path}"))?;
+    eprintln!("chart written to {path}");
+
+    Ok(())
+}
+
+/// The one-op round trips (--latency), with the raw ping-pong or the
+/// quiet figures beside them.
+fn measure_latency(
+    b: &mut Bench<'_>,
+    o: &Opts,
+    reference: &mut Option<Reference>,
+    transport: &'static str,
+) -> Result<()> {
+    for &op in &o.ops {
+        let (mut p50, mut p99, mut p999, mut b50, mut b99) =
+            (vec![], vec![], vec![], vec![], vec![]);
+        for r in 0..o.rounds {
+            eprintln!(
+                "latency: {} {} round trips, round {}/{} ...",
+                op_name(op),
+                fmt_size(b.latency_bytes),
+                r + 1,
+                o.rounds
             );
+            if o.contend > 0 {
+                let quiet = sorted(b.latency(op, o.seconds)?);
+                b50.push(percentile(&quiet, 0.5));
+                b99.push(percentile(&quiet, 0.99));
+            }
+            let busy = (o.contend > 0)
+                .then(|| Contenders::start(o.contend))
+                .transpose()?;
+            let lat = sorted(b.latency(op, o.seconds)?);
+            drop(busy);
+            p50.push(percentile(&lat, 0.5));
+            p99.push(percentile(&lat, 0.99));
+            p999.push(percentile(&lat, 0.999));
+            if let Some(Reference::Tcp(p)) = reference {
+                let base = sorted(p.ping_pong_us(o.seconds)?);
+                b50.push(percentile(&base, 0.5));
+                b99.push(percentile(&base, 0.99));
+            }
         }
+        print_row(
+            &Row {
+                transport,
+                op: if op == OpKind::Write {
+                    "write_latency"
+                } else {
+                    "read_latency"
+                },
+                block: b.latency_bytes,
+                batch: 1,
+                gbps: 0.0,
+                ops_per_s: 0.0,
+                p50_us: median(&p50),
+                p99_us: median(&p99),
+                p999_us: median(&p999),
+                baseline_gbps: None,
+                ratio: None,
+                baseline_p50_us: (!b50.is_empty()).then(|| median(&b50)),
+                latency_ref: if o.contend > 0 {
+                    "quiet"
+                } else {
+                    "raw tcp ping-pong"
+                },
+                baseline_p99_us: (!b99.is_empty()).then(|| median(&b99)),
+            },
+            o.json,
+        );
     }
+
     Ok(())
 }
 
