@@ -178,35 +178,15 @@ struct Row {
 }
 
 fn parse(mut a: Args) -> Result<Opts> {
-    let mut ipc = false;
-    let mut verbs = false;
-    let transport = match a.value("transport").as_deref().unwrap_or("auto") {
-        "auto" => Transport::Auto,
-        "tcp" => Transport::Tcp,
-        "verbs" => {
-            verbs = true;
-            Transport::Tcp
-        }
-        "shm" => Transport::Shm,
-        "ipc" => {
-            ipc = true;
-            Transport::Shm
-        }
-        t => bail!("--transport {t}: expected auto, tcp, shm, ipc or verbs"),
-    };
-    let gpu: usize = a.parsed("gpu", 0)?;
-    let device_gpu = match a.value("device").as_deref().unwrap_or("host") {
-        "host" => false,
-        "gpu" if ipc => bail!("--device gpu: ipc always uses GPU memory; see --local"),
-        "gpu" => true,
-        d => bail!("--device {d}: expected host or gpu"),
-    };
-    let peer_gpu: Option<usize> = a.value("peer-gpu").map(|v| v.parse()).transpose()?;
-    let pinned = match a.value("local").as_deref().unwrap_or("gpu") {
-        "gpu" => false,
-        "pinned" => true,
-        l => bail!("--local {l}: expected gpu or pinned"),
-    };
+    let Path {
+        transport,
+        ipc,
+        verbs,
+        device_gpu,
+        gpu,
+        peer_gpu,
+        pinned,
+    } = parse_path(&mut a)?;
     let ops = match a.value("op").as_deref().unwrap_or("both") {
         "write" => vec![OpKind::Write],
         "read" => vec![OpKind::Read],
@@ -246,30 +226,8 @@ fn parse(mut a: Args) -> Result<Opts> {
     if contend > 0 && baseline {
         bail!("--contend and --baseline: pick one (each is the run's reference)");
     }
-    let streams_arg = a.value("streams");
-    let streams_list = match streams_arg.as_deref() {
-        Some(v) if v.contains(',') => Some(
-            v.split(',')
-                .map(|n| n.trim().parse::<usize>())
-                .collect::<std::result::Result<Vec<_>, _>>()
-                .context("--streams LIST")?,
-        ),
-        _ => None,
-    };
-    let streams: Option<usize> = match (&streams_list, streams_arg) {
-        (Some(_), _) | (_, None) => None,
-        (None, Some(v)) => Some(v.parse().context("--streams")?),
-    };
-    if streams_list
-        .as_ref()
-        .is_some_and(|l| l.iter().any(|&n| n == 0 || n > 64))
-    {
-        bail!("--streams: each must be 1..=64");
-    }
+    let (streams_list, streams) = parse_streams(&mut a)?;
     let shards: Option<usize> = a.value("shards").map(|v| v.parse()).transpose()?;
-    if streams.is_some_and(|n| n == 0 || n > 64) {
-        bail!("--streams: must be 1..=64");
-    }
     if shards.is_some_and(|n| n == 0 || n > 256) {
         bail!("--shards: must be 1..=256");
     }
@@ -287,20 +245,8 @@ fn parse(mut a: Args) -> Result<Opts> {
              embedded shard is driven by the one benchmark thread"
         );
     }
-    let directory = match (a.value("directory"), a.value("peer")) {
-        (Some(url), Some(peer)) => {
-            let cluster = a.value("cluster").unwrap_or_else(|| "ferry".into());
-            if baseline || idle_conns > 1 || contend > 0 || streams_list.is_some() {
-                bail!(
-                    "--directory measures a published target: not with --baseline, \
-                     --idle-conns, --contend or a --streams list (they start local processes)"
-                );
-            }
-            Some((url, cluster, peer))
-        }
-        (None, None) => None,
-        _ => bail!("--directory and --peer go together"),
-    };
+    let local_only = baseline || idle_conns > 1 || contend > 0 || streams_list.is_some();
+    let directory = parse_directory(&mut a, local_only)?;
     let o = Opts {
         directory,
         streams_list,
@@ -329,6 +275,106 @@ fn parse(mut a: Args) -> Result<Opts> {
     };
     a.finish()?;
     Ok(o)
+}
+
+/// What the run moves and over which path.
+struct Path {
+    transport: Transport,
+    ipc: bool,
+    verbs: bool,
+    device_gpu: bool,
+    gpu: usize,
+    peer_gpu: Option<usize>,
+    pinned: bool,
+}
+
+/// --transport, --device, --gpu, --peer-gpu, --local.
+fn parse_path(a: &mut Args) -> Result<Path> {
+    let mut ipc = false;
+    let mut verbs = false;
+    let transport = match a.value("transport").as_deref().unwrap_or("auto") {
+        "auto" => Transport::Auto,
+        "tcp" => Transport::Tcp,
+        "verbs" => {
+            verbs = true;
+            Transport::Tcp
+        }
+        "shm" => Transport::Shm,
+        "ipc" => {
+            ipc = true;
+            Transport::Shm
+        }
+        t => bail!("--transport {t}: expected auto, tcp, shm, ipc or verbs"),
+    };
+    let gpu: usize = a.parsed("gpu", 0)?;
+    let device_gpu = match a.value("device").as_deref().unwrap_or("host") {
+        "host" => false,
+        "gpu" if ipc => bail!("--device gpu: ipc always uses GPU memory; see --local"),
+        "gpu" => true,
+        d => bail!("--device {d}: expected host or gpu"),
+    };
+    let peer_gpu: Option<usize> = a.value("peer-gpu").map(|v| v.parse()).transpose()?;
+    let pinned = match a.value("local").as_deref().unwrap_or("gpu") {
+        "gpu" => false,
+        "pinned" => true,
+        l => bail!("--local {l}: expected gpu or pinned"),
+    };
+    Ok(Path {
+        transport,
+        ipc,
+        verbs,
+        device_gpu,
+        gpu,
+        peer_gpu,
+        pinned,
+    })
+}
+
+/// --streams: one count, or a list (a scaling run).
+fn parse_streams(a: &mut Args) -> Result<(Option<Vec<usize>>, Option<usize>)> {
+    let arg = a.value("streams");
+    let list = match arg.as_deref() {
+        Some(v) if v.contains(',') => Some(
+            v.split(',')
+                .map(|n| n.trim().parse::<usize>())
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .context("--streams LIST")?,
+        ),
+        _ => None,
+    };
+    let one: Option<usize> = match (&list, arg) {
+        (Some(_), _) | (_, None) => None,
+        (None, Some(v)) => Some(v.parse().context("--streams")?),
+    };
+    if list
+        .as_ref()
+        .is_some_and(|l| l.iter().any(|&n| n == 0 || n > 64))
+    {
+        bail!("--streams: each must be 1..=64");
+    }
+    if one.is_some_and(|n| n == 0 || n > 64) {
+        bail!("--streams: must be 1..=64");
+    }
+    Ok((list, one))
+}
+
+/// --directory URL --peer NAME [--cluster C]: a published target
+/// (`local_only`: flags that start local processes were given).
+fn parse_directory(a: &mut Args, local_only: bool) -> Result<Option<(String, String, String)>> {
+    Ok(match (a.value("directory"), a.value("peer")) {
+        (Some(url), Some(peer)) => {
+            let cluster = a.value("cluster").unwrap_or_else(|| "ferry".into());
+            if local_only {
+                bail!(
+                    "--directory measures a published target: not with --baseline, \
+                     --idle-conns, --contend or a --streams list (they start local processes)"
+                );
+            }
+            Some((url, cluster, peer))
+        }
+        (None, None) => None,
+        _ => bail!("--directory and --peer go together"),
+    })
 }
 
 /// What holding the idle connections cost.
