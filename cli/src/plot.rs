@@ -149,7 +149,19 @@ pub fn svg(title: &str, axis: &XAxis, series: &[Series]) -> String {
         TOP + ph / 2.0,
         TOP + ph / 2.0
     );
-    // The lines, and the legend.
+    draw_series(&mut o, series, axis, &x, &y);
+    o.push_str("</svg>\n");
+    o
+}
+
+/// Each series' line and points, and its legend entry.
+fn draw_series(
+    o: &mut String,
+    series: &[Series],
+    axis: &XAxis,
+    x: &dyn Fn(usize) -> f64,
+    y: &dyn Fn(f64) -> f64,
+) {
     for (i, s) in series.iter().enumerate() {
         let c = COLOURS[i % COLOURS.len()];
         let dash = if s.reference {
@@ -189,8 +201,6 @@ pub fn svg(title: &str, axis: &XAxis, series: &[Series]) -> String {
             esc(&s.name)
         );
     }
-    o.push_str("</svg>\n");
-    o
 }
 
 #[cfg(test)]

@@ -95,7 +95,7 @@ pub fn run(mut a: Args) -> Result<()> {
     let main = ep.register(buf)?;
     let ro = ep.register_with(vec![7u8; 4096], Access::REMOTE_READ)?;
     let wo = ep.register_with(vec![0u8; 4096], Access::REMOTE_WRITE)?;
-    let mut gmr = match gpu {
+    let gmr = match gpu {
         Some(_) => {
             let g = ep.alloc_gpu(bytes)?;
             let mut b = vec![0u8; bytes];
@@ -140,6 +140,18 @@ pub fn run(mut a: Args) -> Result<()> {
     out.flush()?;
     drop(out);
 
+    answer_until_stdin_closes(&ep, &main, gmr, gpu, bytes)
+}
+
+/// Answers requests on notifications (`answer`, and the GPU region's
+/// `drop-gpu` / `new-gpu`) until stdin closes.
+fn answer_until_stdin_closes(
+    ep: &Endpoint,
+    main: &ferry::MemoryRegion,
+    mut gmr: Option<ferry::MemoryRegion>,
+    gpu: Option<usize>,
+    bytes: usize,
+) -> Result<()> {
     let closed = Arc::new(AtomicBool::new(false));
     let c2 = closed.clone();
     std::thread::spawn(move || {
@@ -178,7 +190,7 @@ pub fn run(mut a: Args) -> Result<()> {
             let _ = ep.send_notification(conn, reply.as_bytes());
             continue;
         }
-        let reply = match answer(&main, gmr.as_ref(), &msg) {
+        let reply = match answer(main, gmr.as_ref(), &msg) {
             Ok(r) => r,
             Err(e) => format!("error {e}"),
         };

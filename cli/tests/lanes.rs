@@ -115,6 +115,16 @@ fn striped_ops_are_byte_exact_over_lanes() {
             "b reads {off}+{len}"
         );
     }
+}
+
+#[test]
+fn vectored_small_ops_and_notifications_over_lanes() {
+    let (a, b, ca, cb) = pair(cfg(4, 8), cfg(2, 8));
+    let size = 8 << 20;
+    let ma = a.alloc(size).unwrap();
+    let mb = b.alloc(size).unwrap();
+    let win_b = mb.advertise(0, size).unwrap();
+    let mut src = vec![0u8; size];
     // Vectored: eight pairs dealt over the lanes.
     fill_pattern(&mut src, 0, 99);
     ma.write_at(0, &src).unwrap();
