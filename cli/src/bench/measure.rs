@@ -1,0 +1,367 @@
+//! Measuring: the windows of ops in flight, one pump loop, percentiles.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use ferry::{ConnId, Endpoint, MemoryRegion, OpKind, RemoteBuf, Shard, Transfer};
+use ferry_cli::testkit::cpu_ns;
+
+use crate::args::fmt_size;
+
+pub(super) fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+pub(super) fn median(v: &[f64]) -> f64 {
+    percentile(&sorted(v.to_vec()), 0.5)
+}
+
+pub(super) fn sorted(mut v: Vec<f64>) -> Vec<f64> {
+    v.sort_by(|a, b| a.partial_cmp(b).expect("no NaN latencies"));
+    v
+}
+
+/// The target's window: a key for tcp/shm, or a CUDA IPC window.
+pub(super) enum Remote {
+    Key(RemoteBuf),
+    Ipc(ferry::IpcBuf),
+}
+
+impl Remote {
+    pub(super) fn size(&self) -> usize {
+        match self {
+            Remote::Key(r) => r.size as usize,
+            Remote::Ipc(r) => r.len as usize,
+        }
+    }
+}
+
+/// The completions one measuring loop counts: those that end inside
+/// [`warm_end`, `end`) (the pipeline is kept full from start to `end`, so
+/// bytes queued before the window or drained after it never skew the rate).
+pub(super) struct Window {
+    pub(super) warm_end: Instant,
+    pub(super) end: Instant,
+    pub(super) first: Option<Instant>,
+    pub(super) last: Instant,
+    pub(super) count: u64,
+    /// Per-op latencies in µs (at most the capacity given).
+    pub(super) lat: Vec<f64>,
+}
+
+impl Window {
+    pub(super) fn new(warm_end: Instant, end: Instant, lat_cap: usize) -> Window {
+        Window {
+            warm_end,
+            end,
+            first: None,
+            last: warm_end,
+            count: 0,
+            lat: Vec::with_capacity(lat_cap),
+        }
+    }
+
+    /// Pops the finished ops at the front of `inflight` (they finish in
+    /// order), counting those that ended inside the window.
+    pub(super) fn reap(
+        &mut self,
+        inflight: &mut VecDeque<(Transfer, Instant)>,
+        op: OpKind,
+        size: usize,
+    ) -> Result<()> {
+        let mut done_now = None;
+        while let Some((t, _)) = inflight.front_mut() {
+            let Some(r) = t.poll() else { break };
+            r.with_context(|| format!("{op} of {size} bytes"))?;
+            let (_, started) = inflight.pop_front().expect("front");
+            // One clock read per loop pass: reading it per op costs the
+            // initiator a visible share of its time.
+            let done = *done_now.get_or_insert_with(Instant::now);
+            if done >= self.warm_end && done < self.end {
+                if self.lat.len() < self.lat.capacity() {
+                    self.lat.push((done - started).as_secs_f64() * 1e6);
+                }
+                self.first.get_or_insert(done);
+                self.last = self.last.max(done);
+                self.count += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Another loop's count, over the same window.
+    pub(super) fn merge(&mut self, mut o: Window) {
+        if let Some(f) = o.first {
+            self.first = Some(self.first.map_or(f, |x| x.min(f)));
+        }
+        self.last = self.last.max(o.last);
+        self.count += o.count;
+        self.lat.append(&mut o.lat);
+    }
+
+    /// (GB/s, ops/s) between the first and the last completion: the bytes
+    /// of the ops completed after the first one, over that time.
+    pub(super) fn rate(&self, op: OpKind, size: usize, secs: f64) -> Result<(f64, f64)> {
+        let Some(first) = self.first.filter(|_| self.count >= 2) else {
+            bail!(
+                "{op} of {}: fewer than 2 operations completed in {secs} s; use a longer --seconds",
+                fmt_size(size)
+            );
+        };
+        let window = (self.last - first).as_secs_f64().max(1e-9);
+        let ops = (self.count - 1) as f64;
+        Ok((ops * size as f64 / window / 1e9, ops / window))
+    }
+}
+
+/// Starts one op of `size` bytes at `off` of both the local region and
+/// the remote window, on connection `c`.
+pub(super) fn submit_on(
+    ep: &Endpoint,
+    c: ConnId,
+    local: &MemoryRegion,
+    remote: &Remote,
+    op: OpKind,
+    off: usize,
+    size: usize,
+) -> Result<Transfer> {
+    Ok(match remote {
+        Remote::Key(r) => {
+            let rb = r.slice(off as u32, size as u32).context("remote window")?;
+            match op {
+                OpKind::Write => ep.write_async(c, local, off, size, &rb)?,
+                OpKind::Read => ep.read_async(c, local, off, size, &rb)?,
+            }
+        }
+        Remote::Ipc(r) => {
+            let rb = r.slice(off as u64, size as u64).context("remote window")?;
+            match op {
+                OpKind::Write => ep.write_async(c, local, off, size, &rb)?,
+                OpKind::Read => ep.read_async(c, local, off, size, &rb)?,
+            }
+        }
+    })
+}
+
+pub(super) struct Bench<'a> {
+    pub(super) ep: &'a Endpoint,
+    /// The initiator's one embedded shard (None: managed shards, with
+    /// --shards > 1).
+    pub(super) shard: Option<Shard>,
+    /// The connections measured (--conns), used in turn.
+    pub(super) conns: Vec<ConnId>,
+    pub(super) turn: std::cell::Cell<usize>,
+    pub(super) local: MemoryRegion,
+    pub(super) remote: Remote,
+    /// Bytes per one-op latency round trip.
+    pub(super) latency_bytes: usize,
+    /// Submitting threads (`--threads`; > 1 only with managed shards).
+    pub(super) threads: usize,
+}
+
+impl Bench<'_> {
+    pub(super) fn submit(&self, op: OpKind, off: usize, size: usize) -> Result<Transfer> {
+        let t = self.turn.get();
+        self.turn.set(t.wrapping_add(1));
+        let c = self.conns[t % self.conns.len()];
+        submit_on(self.ep, c, &self.local, &self.remote, op, off, size)
+    }
+
+    /// Distinct `size`-byte windows the run cycles through.
+    pub(super) fn slots(&self, size: usize) -> usize {
+        (self.local.len() / size)
+            .min(self.remote.size() / size)
+            .max(1)
+    }
+
+    /// Keeps `batch` ops of `size` in flight; returns (GB/s, ops/s, latencies in us, batch used).
+    pub(super) fn throughput(
+        &mut self,
+        op: OpKind,
+        size: usize,
+        batch: usize,
+        secs: f64,
+    ) -> Result<(f64, f64, Vec<f64>, usize)> {
+        if self.threads > 1 && self.shard.is_none() {
+            return self.threaded(op, size, batch, secs);
+        }
+        let slots = self.slots(size);
+        let batch = batch.min(slots);
+        // The pipeline is kept full from start to `end`; throughput counts
+        // the operations that *complete* inside [warm_end, end], so bytes
+        // queued before the window or drained after it never skew the rate.
+        let warm = Duration::from_secs_f64((secs * 0.15).max(0.05));
+        let t0 = Instant::now();
+        let warm_end = t0 + warm;
+        let end = warm_end + Duration::from_secs_f64(secs);
+        let mut inflight: VecDeque<(Transfer, Instant)> = VecDeque::with_capacity(batch);
+        let mut w = Window::new(warm_end, end, 1 << 20);
+        let mut k = 0usize;
+        loop {
+            let now = Instant::now();
+            if now < end {
+                while inflight.len() < batch {
+                    let t = self.submit(op, (k % slots) * size, size)?;
+                    inflight.push_back((t, now));
+                    k += 1;
+                }
+            } else if inflight.is_empty() {
+                break;
+            }
+            // Like a managed shard: spin while busy, park when idle for a
+            // while, so the kernel's own work (softirqs) gets a core.
+            // With managed shards this thread sleeps on the oldest op (after
+            // a short spin) instead of spinning beside them.
+            match (&mut self.shard, inflight.front_mut()) {
+                (Some(s), _) => {
+                    s.poll_or_park(Duration::from_millis(1));
+                }
+                (None, Some((t, _))) => {
+                    let _ = t.wait_timeout(Duration::from_millis(1));
+                }
+                (None, None) => {}
+            }
+            w.reap(&mut inflight, op, size)?;
+        }
+        let (gbps, ops) = w.rate(op, size, secs)?;
+        Ok((gbps, ops, w.lat, batch))
+    }
+
+    /// `throughput` from `self.threads` threads (managed shards): thread
+    /// `i` keeps `batch` ops in flight on connection `i mod conns`, over its
+    /// own share of the windows; the rate counts every thread's
+    /// completions inside the common window.
+    pub(super) fn threaded(
+        &mut self,
+        op: OpKind,
+        size: usize,
+        batch: usize,
+        secs: f64,
+    ) -> Result<(f64, f64, Vec<f64>, usize)> {
+        let n = self.threads;
+        let per = (self.slots(size) / n).max(1);
+        let batch = batch.min(per);
+        let warm = Duration::from_secs_f64((secs * 0.15).max(0.05));
+        let warm_end = Instant::now() + warm;
+        let end = warm_end + Duration::from_secs_f64(secs);
+        let (ep, local, remote, conns) = (self.ep, &self.local, &self.remote, &self.conns);
+        let results: Vec<Result<Window>> = std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..n)
+                .map(|i| {
+                    sc.spawn(move || -> Result<Window> {
+                        let c = conns[i % conns.len()];
+                        let base = i * per;
+                        let submit = |k: usize| {
+                            submit_on(ep, c, local, remote, op, (base + k % per) * size, size)
+                        };
+                        let mut inflight: VecDeque<(Transfer, Instant)> =
+                            VecDeque::with_capacity(batch);
+                        let mut w = Window::new(warm_end, end, 1 << 16);
+                        let mut k = 0usize;
+                        loop {
+                            let now = Instant::now();
+                            if now < end {
+                                while inflight.len() < batch {
+                                    inflight.push_back((submit(k)?, now));
+                                    k += 1;
+                                }
+                            } else if inflight.is_empty() {
+                                break;
+                            }
+                            if let Some((t, _)) = inflight.front_mut() {
+                                let _ = t.wait_timeout(Duration::from_millis(1));
+                            }
+                            w.reap(&mut inflight, op, size)?;
+                        }
+                        Ok(w)
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow::anyhow!("a thread panicked")))
+                })
+                .collect()
+        });
+        let mut all = Window::new(warm_end, end, 0);
+        for r in results {
+            all.merge(r?);
+        }
+        let (gbps, ops) = all.rate(op, size, secs)?;
+        Ok((gbps, ops, all.lat, batch * n))
+    }
+
+    /// Leaves the connections idle for `secs` (the initiator parks like a
+    /// managed shard), then times one 8-byte WRITE round trip. Returns each
+    /// side's CPU use while idle (% of one core) and that round trip (us).
+    pub(super) fn idle_probe(&mut self, target_pid: u32, secs: f64) -> Result<(f64, f64, f64)> {
+        let me = std::process::id();
+        let (here0, there0) = (cpu_ns(me), cpu_ns(target_pid));
+        let start = Instant::now();
+        while start.elapsed().as_secs_f64() < secs {
+            match &mut self.shard {
+                Some(s) => {
+                    s.poll_or_park(Duration::from_millis(100));
+                }
+                None => std::thread::sleep(Duration::from_millis(10)),
+            }
+        }
+        let wall_ns = start.elapsed().as_nanos() as f64;
+        let (here1, there1) = (cpu_ns(me), cpu_ns(target_pid));
+        let pct = |a: u64, b: u64| b.saturating_sub(a) as f64 / wall_ns * 100.0;
+        let t = Instant::now();
+        let mut tr = self.submit(OpKind::Write, 0, 8)?;
+        let r = loop {
+            // A waiter that spins but yields its core (as a shard's spin
+            // does, and as the reference's waiter does): the peer we woke
+            // may need this core.
+            if let Some(s) = &mut self.shard {
+                s.poll();
+            }
+            std::thread::yield_now();
+            if let Some(r) = tr.poll() {
+                break r;
+            }
+        };
+        let rtt_us = t.elapsed().as_secs_f64() * 1e6;
+        r?;
+        Ok((pct(here0, here1), pct(there0, there1), rtt_us))
+    }
+
+    /// One op of `latency_bytes` at a time; returns latencies in us.
+    pub(super) fn latency(&mut self, op: OpKind, secs: f64) -> Result<Vec<f64>> {
+        let end = Instant::now() + Duration::from_secs_f64(secs);
+        let mut lat = Vec::with_capacity(1 << 20);
+        let mut n = 0u64;
+        while Instant::now() < end {
+            let start = Instant::now();
+            let mut t = self.submit(op, 0, self.latency_bytes)?;
+            let r = loop {
+                match &mut self.shard {
+                    Some(s) => {
+                        s.poll_or_park(Duration::from_millis(1));
+                    }
+                    None => {
+                        let _ = t.wait_timeout(Duration::from_millis(1));
+                    }
+                }
+                if let Some(r) = t.poll() {
+                    break r;
+                }
+            };
+            r?;
+            n += 1;
+            // The first few round trips warm caches and the peer's spin loop.
+            if n > 100 && lat.len() < lat.capacity() {
+                lat.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        Ok(lat)
+    }
+}
