@@ -52,8 +52,32 @@ Flags:
                    needs a build with the `directory` feature
 Environment: every FERRY_* variable (see the README).";
 
+/// The most `--bytes` may ask: what this machine has available now
+/// (`/proc/meminfo` MemAvailable; the buffer is filled, so every page is
+/// touched), and never more than 1 TiB.
+fn check_bytes(bytes: usize, available: Option<usize>) -> Result<()> {
+    const MAX_BYTES: usize = 1 << 40;
+    let limit = available.map_or(MAX_BYTES, |a| a.min(MAX_BYTES));
+    if bytes == 0 || bytes > limit {
+        bail!(
+            "--bytes {bytes}: must be 1..={limit} (the memory available here{})",
+            if limit == MAX_BYTES { ", at most 1 TiB" } else { "" }
+        );
+    }
+    Ok(())
+}
+
+/// MemAvailable from /proc/meminfo, in bytes.
+fn available_memory() -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_ascii_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 pub fn run(mut a: Args) -> Result<()> {
     let bytes = parse_size(&a.value("bytes").unwrap_or_else(|| "64M".into()))?;
+    check_bytes(bytes, available_memory())?;
     let seed: u8 = a.parsed("seed", 0)?;
     let listen = a.value("listen").unwrap_or_else(|| "127.0.0.1".into());
     let port: u16 = a.parsed("port", 0)?;
@@ -248,5 +272,21 @@ fn answer(
         }
         Some("echo") => Ok(text.to_owned()),
         _ => bail!("unknown request {text:?}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_past_the_available_memory_are_refused_with_the_limit() {
+        assert!(check_bytes(64 << 20, Some(1 << 30)).is_ok());
+        let e = check_bytes(usize::MAX, Some(1 << 30)).unwrap_err().to_string();
+        assert!(e.contains("--bytes") && e.contains(&(1usize << 30).to_string()), "{e}");
+        assert!(check_bytes(0, Some(1 << 30)).is_err());
+        let e = check_bytes(2 << 40, None).unwrap_err().to_string();
+        assert!(e.contains("1 TiB"), "{e}");
+        assert!(available_memory().is_some_and(|m| m > 0));
     }
 }
