@@ -99,6 +99,8 @@ pub enum Error {
     },
     #[error("{len} bytes do not fit the {remote_size}-byte remote buffer")]
     RemoteTooSmall { len: usize, remote_size: u32 },
+    #[error("the region at {addr:#x} ({len} bytes) is read-only here: a READ cannot land in it")]
+    ReadOnlyDestination { addr: u64, len: usize },
     #[error("vectored op has {locals} local slices but {remotes} remote buffers")]
     VectorMismatch { locals: usize, remotes: usize },
     #[error("vectored op is empty")]

@@ -10,11 +10,15 @@ use crate::error::ConnId;
 use crate::wire::Status;
 
 bitflags! {
-    /// What a peer may do to a registered region.
+    /// What a peer may do to a registered region, and whether its owner
+    /// may have it written: a local READ writes into its destination.
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
     pub struct Access: u8 {
         const REMOTE_WRITE = 1;
         const REMOTE_READ = 2;
+        /// The destination of this side's READs may be this region (not
+        /// for memory its owner holds read-only, such as Python `bytes`).
+        const LOCAL_WRITE = 4;
     }
 }
 

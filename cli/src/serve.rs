@@ -61,7 +61,11 @@ fn check_bytes(bytes: usize, available: Option<usize>) -> Result<()> {
     if bytes == 0 || bytes > limit {
         bail!(
             "--bytes {bytes}: must be 1..={limit} (the memory available here{})",
-            if limit == MAX_BYTES { ", at most 1 TiB" } else { "" }
+            if limit == MAX_BYTES {
+                ", at most 1 TiB"
+            } else {
+                ""
+            }
         );
     }
     Ok(())
@@ -282,8 +286,13 @@ mod tests {
     #[test]
     fn bytes_past_the_available_memory_are_refused_with_the_limit() {
         assert!(check_bytes(64 << 20, Some(1 << 30)).is_ok());
-        let e = check_bytes(usize::MAX, Some(1 << 30)).unwrap_err().to_string();
-        assert!(e.contains("--bytes") && e.contains(&(1usize << 30).to_string()), "{e}");
+        let e = check_bytes(usize::MAX, Some(1 << 30))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--bytes") && e.contains(&(1usize << 30).to_string()),
+            "{e}"
+        );
         assert!(check_bytes(0, Some(1 << 30)).is_err());
         let e = check_bytes(2 << 40, None).unwrap_err().to_string();
         assert!(e.contains("1 TiB"), "{e}");

@@ -655,3 +655,39 @@ fn unanswered_window() -> ferry::RemoteBuf {
         ..Default::default()
     }
 }
+
+/// A region its owner holds read-only (registered without LOCAL_WRITE, as
+/// Python registers `bytes`) is never the destination of a READ, in any
+/// form; it may still be a WRITE's source, and peers may READ it.
+#[test]
+fn a_read_into_a_read_only_registration_is_refused_and_changes_nothing() {
+    let (a, b, ca, cb) = pair(config(IoPreference::Auto), config(IoPreference::Auto));
+    let src = b.alloc(4096).unwrap();
+    src.write_at(0, &[9u8; 4096]).unwrap();
+    let win = src.advertise(0, 4096).unwrap();
+    let ro = a
+        .register_with(vec![7u8; 4096], Access::REMOTE_READ)
+        .unwrap();
+    let refused = |e: ferry::Error| {
+        assert!(
+            matches!(e, ferry::Error::ReadOnlyDestination { len: 4096, .. }),
+            "{e}"
+        );
+    };
+    refused(a.read(ca, &ro, 0, 4096, &win).unwrap_err());
+    refused(a.read_async(ca, &ro, 0, 16, &win).unwrap_err());
+    refused(a.readv(ca, &[(&ro, 0, 16)], &[win.clone()]).unwrap_err());
+    let mut now = vec![0u8; 4096];
+    ro.read_at(0, &mut now).unwrap();
+    assert!(now.iter().all(|&x| x == 7), "the read-only bytes changed");
+    // Its own uses stay: the source of a WRITE, READ by the peer.
+    let dst = b.alloc(4096).unwrap();
+    a.write(ca, &ro, 0, 4096, &dst.advertise(0, 4096).unwrap())
+        .unwrap();
+    let back = b.alloc(4096).unwrap();
+    b.read(cb, &back, 0, 4096, &ro.advertise(0, 4096).unwrap())
+        .unwrap();
+    let mut got = vec![0u8; 4096];
+    back.read_at(0, &mut got).unwrap();
+    assert!(got.iter().all(|&x| x == 7));
+}

@@ -759,8 +759,9 @@ impl P2pEndpoint {
 
     /// `reg(ptr, size, floatType=kUndefined) -> (ok, mr_id)`. The memory
     /// (host or GPU) must stay valid until `dereg(mr_id)` returns.
-    /// ferry's `readonly=True` lets peers only READ it (for memory Python
-    /// considers immutable, such as `bytes`).
+    /// ferry's `readonly=True` lets peers only READ it, and it is never the
+    /// destination of this side's READs (for memory Python considers
+    /// immutable, such as `bytes`).
     #[pyo3(signature = (ptr, size, floatType=None, *, readonly=false))]
     #[allow(non_snake_case)]
     fn reg(

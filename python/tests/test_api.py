@@ -142,6 +142,20 @@ def test_notifications_and_read_only_sources(transport):
     b.close()
 
 
+def test_a_read_into_read_only_memory_is_refused(transport):
+    a, b, conn = connected(transport)
+    src = a.register(bytearray(b"\x42" * 4096))
+    window = src.advertise()
+    immutable = b.register(bytes(4096))  # read-only to Python
+    with pytest.raises(ferry.FerryError, match="read-only"):
+        conn.read(immutable, window)
+    with pytest.raises(ferry.FerryError, match="read-only"):
+        conn.readv([(immutable, 0, 16)], [src.advertise(0, 16)])
+    assert bytes(ctypes.string_at(immutable.ptr, 4096)) == bytes(4096)
+    a.close()
+    b.close()
+
+
 def test_closed_endpoint_says_so():
     ep = ferry.Endpoint()
     r = ep.alloc(64)

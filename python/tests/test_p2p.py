@@ -161,6 +161,22 @@ def test_error_cases_return_not_ok_and_log(transport, caplog):
     s.close()
 
 
+def test_a_read_into_a_readonly_registration_returns_not_ok(transport):
+    a, b, conn = pair(transport)
+    src = np.full(4096, 0x42, np.uint8)
+    _, smr = a.reg(src.ctypes.data, 4096)
+    _, meta = a.advertise(smr, src.ctypes.data, 4096)
+    dst = np.zeros(4096, np.uint8)
+    _, ro = b.reg(dst.ctypes.data, 4096, readonly=True)
+    assert b.read(conn, ro, dst.ctypes.data, 4096, meta) is False
+    assert not dst.any(), "bytes landed in read-only memory"
+    _, rw = b.reg(dst.ctypes.data, 4096)
+    assert b.read(conn, rw, dst.ctypes.data, 4096, meta) is True
+    assert (dst == 0x42).all()
+    a.close()
+    b.close()
+
+
 def test_dead_peer_fails_operations(transport):
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe()

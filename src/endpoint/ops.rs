@@ -7,6 +7,7 @@
 use super::{desc, Endpoint, MemoryRegion};
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::reactor::{IpcParts, OpParts, Transfer};
+use crate::region::Access;
 use crate::wire::{IpcBuf, RemoteBuf};
 
 /// A peer's advertised memory that one-sided operations can target.
@@ -28,6 +29,25 @@ fn check_pairs<W>(locals: &[(&MemoryRegion, usize, usize)], remotes: &[W]) -> Re
         return Err(Error::EmptyVector);
     }
     Ok(())
+}
+
+/// A READ writes into our memory: a registration its owner holds
+/// read-only (registered without `Access::LOCAL_WRITE`) is refused as its
+/// destination, in every form of READ.
+fn check_local(kind: OpKind, locals: &[(&MemoryRegion, usize, usize)]) -> Result<()> {
+    if kind != OpKind::Read {
+        return Ok(());
+    }
+    match locals
+        .iter()
+        .find(|(mr, ..)| !mr.inner.access.contains(Access::LOCAL_WRITE))
+    {
+        Some((mr, ..)) => Err(Error::ReadOnlyDestination {
+            addr: mr.inner.addr(),
+            len: mr.inner.len(),
+        }),
+        None => Ok(()),
+    }
 }
 
 mod sealed {
@@ -53,6 +73,7 @@ mod sealed {
             locals: &[(&MemoryRegion, usize, usize)],
             remotes: &[Self],
         ) -> Result<Transfer> {
+            check_local(kind, locals)?;
             let same_host = || matches!(ep.peer(conn), Some(crate::endpoint::Peer::Local { .. }));
             let parts = match (locals, remotes) {
                 ([(mr, off, len)], [r]) => OpParts::One(desc(mr, *off, *len, r, &same_host)?),
@@ -77,6 +98,7 @@ mod sealed {
             locals: &[(&MemoryRegion, usize, usize)],
             remotes: &[Self],
         ) -> Result<Transfer> {
+            check_local(kind, locals)?;
             let parts = match (locals, remotes) {
                 ([(mr, off, len)], [r]) => {
                     IpcParts::One(ep.inner.ipc_desc(conn, mr, *off, *len, r)?)
