@@ -568,16 +568,7 @@ impl Transport for LocalSide {
             conn: lc.id,
             reason: reason.to_owned(),
         };
-        let mut sink = ShardSink {
-            done: cx.done,
-            inbox: cx.inbox,
-            conn: lc.id,
-            ipc_revoked: cx.ipc_revoked,
-            gpu_reqs: None,
-            host_copies: None,
-            gpu: None,
-        };
-        lc.fail_pending(err, &mut sink);
+        lc.fail_pending(err, &mut ShardSink::plain(cx, lc.id));
         let (id, peer, pid) = (lc.id, lc.peer_id, lc.peer_pid);
         drop(lc);
         // The peer's shared memory is forgotten once no connection to it is

@@ -203,6 +203,23 @@ pub(crate) struct ShardSink<'a> {
     pub gpu: Option<&'a mut GpuWork>,
 }
 
+impl<'a> ShardSink<'a> {
+    /// A sink for connection `conn` reporting into `cx`: completions,
+    /// notifications and revocations only (no CUDA copies, no spread host
+    /// copies, no GPU staging: what failing a connection's requests needs).
+    pub fn plain(cx: &'a mut Cx<'_>, conn: ConnId) -> ShardSink<'a> {
+        ShardSink {
+            done: cx.done,
+            inbox: cx.inbox,
+            conn,
+            ipc_revoked: cx.ipc_revoked,
+            gpu_reqs: None,
+            host_copies: None,
+            gpu: None,
+        }
+    }
+}
+
 impl Sink for ShardSink<'_> {
     fn done(&mut self, slot: u32, result: Result<()>) {
         self.done.push((slot, result));

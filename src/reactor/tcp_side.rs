@@ -421,7 +421,7 @@ impl TcpSide {
             updates: cx.updates,
             conn: conn.group,
         };
-        let mut sink = super::source::ShardSink {
+        let mut sink = ShardSink {
             done: cx.done,
             inbox: cx.inbox,
             conn: conn.group,
@@ -724,15 +724,7 @@ impl Transport for TcpSide {
             conn: conn.group,
             reason: reason.to_owned(),
         };
-        let mut sink = ShardSink {
-            done: cx.done,
-            inbox: cx.inbox,
-            conn: conn.group,
-            ipc_revoked: cx.ipc_revoked,
-            gpu_reqs: None,
-            host_copies: None,
-            gpu: None,
-        };
+        let mut sink = ShardSink::plain(cx, conn.group);
         for s in conn.streams.iter_mut() {
             s.fail_pending(err, &mut sink);
         }

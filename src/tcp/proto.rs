@@ -226,6 +226,14 @@ const EMPTY_IOV: libc::iovec = libc::iovec {
     iov_len: 0,
 };
 
+/// The key a request header names.
+fn key_of(h: &DataHeader) -> KeyRef {
+    KeyRef {
+        rkey: h.rkey,
+        tag: h.tag,
+    }
+}
+
 impl StreamProto {
     pub fn new(limits: StreamLimits, idx: u8, mac: Option<Integrity>) -> Self {
         Self {
@@ -777,10 +785,7 @@ impl StreamProto {
         regions: &mut impl Regions,
         sink: &mut impl Sink,
     ) -> Result<bool, String> {
-        let key = KeyRef {
-            rkey: h.rkey,
-            tag: h.tag,
-        };
+        let key = key_of(h);
         self.take_request()?;
         let then_ok = |status| After::Ack {
             op_id: h.op_id,
@@ -832,10 +837,7 @@ impl StreamProto {
         regions: &mut impl Regions,
         sink: &mut impl Sink,
     ) -> Result<bool, String> {
-        let key = KeyRef {
-            rkey: h.rkey,
-            tag: h.tag,
-        };
+        let key = key_of(h);
         self.take_request()?;
         let len = h.len as usize;
         let refuse = |status| DataHeader::response(DataKind::ReadResp, status, h.op_id, 0);
