@@ -676,7 +676,7 @@ fn a_read_into_a_read_only_registration_is_refused_and_changes_nothing() {
     };
     refused(a.read(ca, &ro, 0, 4096, &win).unwrap_err());
     refused(a.read_async(ca, &ro, 0, 16, &win).unwrap_err());
-    refused(a.readv(ca, &[(&ro, 0, 16)], &[win.clone()]).unwrap_err());
+    refused(a.readv(ca, &[(&ro, 0, 16)], &[win]).unwrap_err());
     let mut now = vec![0u8; 4096];
     ro.read_at(0, &mut now).unwrap();
     assert!(now.iter().all(|&x| x == 7), "the read-only bytes changed");
