@@ -307,6 +307,11 @@ impl P2pEndpoint {
     ) -> PyResult<(bool, u64)> {
         let r = (|| {
             let ep = self.ep()?;
+            // The seed refuses an unknown connection before posting (the
+            // core would fail the op later, after an ok).
+            if ep.peer(ConnId(conn)).is_none() {
+                return Err(err(ferry::Error::UnknownConn { conn: ConnId(conn) }));
+            }
             let (l, w) = (locals?, wins?);
             py.allow_threads(|| self.submit(&ep, conn, write, &l, &w))
         })();

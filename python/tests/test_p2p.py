@@ -161,6 +161,28 @@ def test_error_cases_return_not_ok_and_log(transport, caplog):
     s.close()
 
 
+def test_async_calls_on_an_unknown_connection_are_not_ok_at_once(transport):
+    a, b, conn = pair(transport)
+    buf = np.zeros(4096, np.uint8)
+    _, mr = a.reg(buf.ctypes.data, 4096)
+    _, meta = a.advertise(mr, buf.ctypes.data, 4096)
+    src = np.ones(4096, np.uint8)
+    _, smr = b.reg(src.ctypes.data, 4096)
+    bad = conn + 4242
+    p = src.ctypes.data
+    assert b.write_async(bad, smr, p, 16, meta)[0] is False
+    assert b.read_async(bad, smr, p, 16, meta)[0] is False
+    assert b.writev_async(bad, [smr], [p], [16], [meta], 1)[0] is False
+    assert b.readv_async(bad, [smr], [p], [16], [meta], 1)[0] is False
+    # and on the known connection they go through
+    ok, t = b.write_async(conn, smr, p, 16, meta)
+    assert ok
+    while not b.poll_async(t)[1]:
+        pass
+    a.close()
+    b.close()
+
+
 def test_a_read_into_a_readonly_registration_returns_not_ok(transport):
     a, b, conn = pair(transport)
     src = np.full(4096, 0x42, np.uint8)
