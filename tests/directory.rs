@@ -268,3 +268,63 @@ fn many_endpoints_register_and_look_up() {
     let rate = n as f64 / t0.elapsed().as_secs_f64();
     eprintln!("{n} lookups: {rate:.0} lookups/s");
 }
+
+/// Puts `key = value` with etcd's v3 JSON gateway (a raw record, as a
+/// broken or hostile publisher might leave one).
+fn raw_put(url: &str, key: &str, value: &[u8]) {
+    use std::io::{Read, Write};
+    fn b64(b: &[u8]) -> String {
+        const T: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+        let mut out = String::new();
+        for c in b.chunks(3) {
+            let n = (c[0] as u32) << 16
+                | (*c.get(1).unwrap_or(&0) as u32) << 8
+                | *c.get(2).unwrap_or(&0) as u32;
+            for i in 0..4 {
+                if i <= c.len() {
+                    out.push(T[(n >> (18 - 6 * i) & 63) as usize] as char);
+                } else {
+                    out.push('=');
+                }
+            }
+        }
+        out
+    }
+    let body = format!(
+        "{{\"key\":\"{}\",\"value\":\"{}\"}}",
+        b64(key.as_bytes()),
+        b64(value)
+    );
+    let host = url.trim_start_matches("http://");
+    let mut s = std::net::TcpStream::connect(host).unwrap();
+    write!(
+        s,
+        "POST /v3/kv/put HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+}
+
+#[test]
+fn a_bad_record_is_skipped_and_the_others_are_listed() {
+    let e = etcd();
+    let dir = Directory::new(&e.url, "c3").unwrap();
+    let target = endpoint();
+    let _pubn = dir
+        .publish(&target, "good", Duration::from_secs(5))
+        .unwrap();
+    raw_put(&e.url, "ferry/c3/garbage/endpoint", b"v1 zz not-hex");
+    raw_put(&e.url, "ferry/c3/future/endpoint", b"v9 1 00");
+    raw_put(&e.url, "ferry/c3/huge/endpoint", &vec![b'7'; 100_000]);
+    let listed = dir.list().unwrap();
+    assert_eq!(
+        listed.iter().map(|x| x.name.as_str()).collect::<Vec<_>>(),
+        ["good"]
+    );
+    // Lookups of the good name work; of a bad one, they say why.
+    assert!(dir.lookup("good").is_ok());
+    assert!(matches!(dir.lookup("garbage"), Err(DirError::Bad { .. })));
+}

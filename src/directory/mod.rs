@@ -286,8 +286,15 @@ impl Directory {
         names.dedup();
         let mut out = Vec::new();
         for n in names {
-            if let Some(e) = self.entry_from(&n, &all)? {
-                out.push(e);
+            // One bad record (garbage, another version, too long) must
+            // not hide the cluster's other names.
+            match self.entry_from(&n, &all) {
+                Ok(Some(e)) => out.push(e),
+                Ok(None) => {}
+                Err(e) => tracing::warn!(
+                    key = %self.prefix(&n),
+                    "directory: skipping a record that does not parse: {e}"
+                ),
             }
         }
         Ok(out)
