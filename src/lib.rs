@@ -83,6 +83,7 @@ pub mod oob;
 pub mod reactor;
 pub(crate) mod region;
 pub(crate) mod shm;
+pub(crate) mod sync;
 pub(crate) mod sys;
 pub(crate) mod tcp;
 pub mod verbs;

@@ -6,12 +6,11 @@
 //! names its slot; dropping one that is still in flight detaches it, and the
 //! shard frees the slot when the operation ends.
 
-use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::sync::{AtomicBool, AtomicU32, AtomicUsize, Ordering, UnsafeCell};
 
 const FREE: u32 = 0;
 const PENDING: u32 = 1;
@@ -25,7 +24,11 @@ const COMPLETING: u32 = 16;
 
 /// Spins before a waiter sleeps: long enough to catch a loopback round trip
 /// without a syscall, short enough not to burn a core on slow ops.
+#[cfg(not(loom))]
 const SPIN_ITERS: u32 = 20_000;
+/// A model explores the sleep instead (after one spin).
+#[cfg(loom)]
+const SPIN_ITERS: u32 = 1;
 
 struct Slot {
     state: AtomicU32,
@@ -33,7 +36,7 @@ struct Slot {
     /// split; `complete` ends it at once).
     parts: AtomicU32,
     /// A part failed and its error is in `result` (the first one wins).
-    erred: std::sync::atomic::AtomicBool,
+    erred: AtomicBool,
     /// Written by the completer while the state is PENDING, read by the
     /// owner only after it observed DONE (Acquire): never both at once.
     result: UnsafeCell<Option<Error>>,
@@ -56,7 +59,7 @@ impl CompletionTable {
             .map(|_| Slot {
                 state: AtomicU32::new(FREE),
                 parts: AtomicU32::new(0),
-                erred: std::sync::atomic::AtomicBool::new(false),
+                erred: AtomicBool::new(false),
                 result: UnsafeCell::new(None),
             })
             .collect();
@@ -129,7 +132,7 @@ impl CompletionTable {
                     // SAFETY: the `erred` swap admits one writer; the owner
                     // reads only after DONE, which the last part publishes
                     // after its AcqRel decrement below (ordered after this).
-                    unsafe { *slot.result.get() = Some(e) };
+                    unsafe { slot.result.with_mut(|r| *r = Some(e)) };
                 }
             }
             if slot.parts.fetch_sub(1, Ordering::AcqRel) != 1 {
@@ -162,13 +165,13 @@ impl CompletionTable {
         if let Some(r) = result {
             // SAFETY: our CAS set COMPLETING, which admits one completer;
             // the owner does not touch `result` until it sees DONE below.
-            unsafe { *slot.result.get() = r };
+            unsafe { slot.result.with_mut(|p| *p = r) };
         }
         s |= COMPLETING;
         loop {
             if s & DETACHED != 0 {
                 // SAFETY: nobody will ever read this result; we own it again.
-                unsafe { *slot.result.get() = None };
+                unsafe { slot.result.with_mut(|p| *p = None) };
                 slot.state.store(FREE, Ordering::Release);
                 return true;
             }
@@ -225,7 +228,7 @@ impl Transfer {
         let slot = &self.table.slots[self.idx as usize];
         // SAFETY: DONE was observed with Acquire; the completer is finished
         // with `result` and nobody else reads it.
-        let err = unsafe { (*slot.result.get()).take() };
+        let err = unsafe { slot.result.with_mut(|p| (*p).take()) };
         slot.state.store(FREE, Ordering::Release);
         self.reaped = Some(err.map_or(Ok(()), Err));
         true
@@ -317,6 +320,7 @@ impl Drop for Transfer {
     }
 }
 
+#[cfg(not(loom))]
 fn futex_wait(a: &AtomicU32, expected: u32, timeout: Duration) {
     let ts = libc::timespec {
         tv_sec: timeout.as_secs().min(i64::MAX as u64) as libc::time_t,
@@ -335,6 +339,7 @@ fn futex_wait(a: &AtomicU32, expected: u32, timeout: Duration) {
     }
 }
 
+#[cfg(not(loom))]
 fn futex_wake(a: &AtomicU32) {
     // SAFETY: FUTEX_WAKE only uses the address as a key.
     unsafe {
@@ -346,6 +351,18 @@ fn futex_wake(a: &AtomicU32) {
         );
     }
 }
+
+/// A model's futex: a sleep that may end spuriously (as a real one may),
+/// and the wake it needs is the loop around it.
+#[cfg(loom)]
+fn futex_wait(a: &AtomicU32, expected: u32, _timeout: Duration) {
+    if a.load(Ordering::SeqCst) == expected {
+        crate::sync::model_yield();
+    }
+}
+
+#[cfg(loom)]
+fn futex_wake(_a: &AtomicU32) {}
 
 #[cfg(test)]
 mod tests {
@@ -487,5 +504,92 @@ mod tests {
         assert!(a.poll().unwrap().is_err(), "the first outcome stands");
         // A free slot cannot be completed either.
         assert!(!t.complete(a.slot(), Ok(())));
+    }
+}
+
+/// The one-completer protocol under loom (`--cfg loom`): every
+/// interleaving of the owner, completers and a dropped transfer.
+#[cfg(all(test, loom))]
+mod loom_models {
+    use super::*;
+    use loom::thread;
+
+    /// The owner waits while another thread completes: it sees that
+    /// outcome, and the slot is free after.
+    #[test]
+    fn loom_complete_while_the_owner_waits() {
+        loom::model(|| {
+            let t = CompletionTable::new(1);
+            let tr = t.claim().unwrap();
+            let idx = tr.slot();
+            let t2 = t.clone();
+            let h = thread::spawn(move || assert!(t2.complete(idx, Err(Error::Shutdown))));
+            assert!(matches!(tr.wait(), Err(Error::Shutdown)));
+            h.join().unwrap();
+            assert_eq!(t.in_use(), 0);
+        });
+    }
+
+    /// Two completers race: exactly one counts, and the owner reads its
+    /// outcome.
+    #[test]
+    fn loom_one_completer_wins() {
+        loom::model(|| {
+            let t = CompletionTable::new(1);
+            let mut tr = t.claim().unwrap();
+            let idx = tr.slot();
+            let hs: Vec<_> = [Ok(()), Err(Error::Shutdown)]
+                .into_iter()
+                .map(|r| {
+                    let t = t.clone();
+                    thread::spawn(move || t.complete(idx, r))
+                })
+                .collect();
+            let won: Vec<bool> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+            assert_eq!(won.iter().filter(|w| **w).count(), 1, "{won:?}");
+            let r = tr.poll().expect("done after both");
+            assert_eq!(r.is_ok(), won[0]);
+        });
+    }
+
+    /// A transfer dropped while its op completes: whichever comes first,
+    /// the slot ends free exactly once and can be claimed again.
+    #[test]
+    fn loom_drop_races_completion() {
+        loom::model(|| {
+            let t = CompletionTable::new(1);
+            let tr = t.claim().unwrap();
+            let idx = tr.slot();
+            let t2 = t.clone();
+            let h = thread::spawn(move || t2.complete(idx, Ok(())));
+            drop(tr);
+            assert!(h.join().unwrap());
+            assert_eq!(t.in_use(), 0);
+            assert!(t.claim().is_some());
+        });
+    }
+
+    /// An op split in two parts on two threads, one failing: the owner
+    /// sees that failure once both ended, never before.
+    #[test]
+    fn loom_split_parts_keep_the_error() {
+        loom::model(|| {
+            let t = CompletionTable::new(1);
+            let tr = t.claim().unwrap();
+            let idx = tr.slot();
+            t.set_parts(idx, 2);
+            let hs: Vec<_> = [Ok(()), Err(Error::Shutdown)]
+                .into_iter()
+                .map(|r| {
+                    let t = t.clone();
+                    thread::spawn(move || assert!(t.complete(idx, r)))
+                })
+                .collect();
+            assert!(matches!(tr.wait(), Err(Error::Shutdown)));
+            for h in hs {
+                h.join().unwrap();
+            }
+            assert_eq!(t.in_use(), 0);
+        });
     }
 }

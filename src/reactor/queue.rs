@@ -1,7 +1,7 @@
 //! What other threads send a shard, and the handle they send it through.
 
 use std::net::TcpStream;
-use std::sync::atomic::{fence, AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Sender, SyncSender, TrySendError};
 use std::sync::Arc;
 
@@ -183,19 +183,42 @@ pub(crate) enum RegionCmd {
     RevokeIpc(u64),
 }
 
-/// Set by a shard before it sleeps, so submitters know to wake it.
+/// Set by a shard before it sleeps, so submitters know to wake it. A
+/// Dekker pair: the shard announces, then looks at its queues once more;
+/// a submitter queues, then looks at the flag. At least one sees the
+/// other's store (a loom model checks it: `loom_models` below).
+#[derive(Debug, Default)]
+pub(crate) struct ParkFlag(crate::sync::AtomicBool);
+
+impl ParkFlag {
+    /// The shard is about to sleep; it looks at its queues after this.
+    pub fn announce(&self) {
+        self.0.store(true, Ordering::SeqCst);
+        crate::sync::fence(Ordering::SeqCst);
+    }
+
+    /// The shard is awake.
+    pub fn clear(&self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+
+    /// Submitter, after queueing: must the shard be woken?
+    pub fn wanted(&self) -> bool {
+        crate::sync::fence(Ordering::SeqCst);
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// How submitters wake a shard.
 pub(crate) struct WakeState {
-    pub parked: AtomicBool,
+    pub parked: ParkFlag,
     pub waker: mio::Waker,
     pub shutdown: AtomicBool,
 }
 
 impl WakeState {
     pub fn wake_if_parked(&self) {
-        // Pairs with the SeqCst store of `parked` in the shard: either the
-        // shard sees our item in its final check, or we see it parked.
-        fence(Ordering::SeqCst);
-        if self.parked.load(Ordering::SeqCst) {
+        if self.parked.wanted() {
             let _ = self.waker.wake();
         }
     }
@@ -326,5 +349,43 @@ impl ShardHandle {
         self.regions.send(cmd).map_err(|_| Error::Shutdown)?;
         self.wake.wake_if_parked();
         Ok(())
+    }
+}
+
+/// The shard's park handshake under loom (`--cfg loom`): the real
+/// `ParkFlag`, a queue modelled by a counter, the waker by a notification
+/// that is remembered until taken (as an eventfd's count is).
+#[cfg(all(test, loom))]
+mod loom_models {
+    use super::ParkFlag;
+    use crate::sync::{AtomicUsize, Ordering};
+    use loom::sync::Notify;
+    use std::sync::Arc;
+
+    #[test]
+    fn loom_a_submitter_always_wakes_a_parking_shard() {
+        loom::model(|| {
+            let flag = Arc::new(ParkFlag::default());
+            let queue = Arc::new(AtomicUsize::new(0));
+            let waker = Arc::new(Notify::new());
+            let submitter = {
+                let (flag, queue, waker) = (flag.clone(), queue.clone(), waker.clone());
+                loom::thread::spawn(move || {
+                    queue.fetch_add(1, Ordering::Release);
+                    if flag.wanted() {
+                        waker.notify();
+                    }
+                })
+            };
+            // The shard: a pass found nothing; park.
+            while queue.load(Ordering::Acquire) == 0 {
+                flag.announce();
+                if queue.load(Ordering::Acquire) == 0 {
+                    waker.wait();
+                }
+                flag.clear();
+            }
+            submitter.join().unwrap();
+        });
     }
 }

@@ -17,7 +17,7 @@
 //! staged through bounce buffers), dead connections, and publishing.
 //! `park` asks every source whether the shard may sleep.
 
-use std::sync::atomic::{fence, AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -167,7 +167,7 @@ impl Shard {
             tcp.watch_wake_fd(fd)?;
         }
         let wake = Arc::new(WakeState {
-            parked: AtomicBool::new(false),
+            parked: Default::default(),
             waker,
             shutdown: AtomicBool::new(false),
         });
@@ -397,9 +397,8 @@ impl Shard {
     /// Sleeps until a socket, a submitter or `max` wakes it, unless work
     /// arrived in the meantime or a source cannot wake it.
     pub fn park(&mut self, max: Duration) {
-        self.wake.parked.store(true, Ordering::SeqCst);
         self.local.park_begin();
-        fence(Ordering::SeqCst);
+        self.wake.parked.announce();
         // One more pass after announcing the park: a submitter (or a local
         // peer) that did not see `parked` queued its item before it, so
         // this pass finds it.
@@ -414,7 +413,7 @@ impl Shard {
             }
             self.tcp.wait(wait);
         }
-        self.wake.parked.store(false, Ordering::SeqCst);
+        self.wake.parked.clear();
         self.local.park_end();
         self.local.poll_fd_listener();
         self.check_timeouts(Instant::now());

@@ -31,10 +31,10 @@
 //! that clears `parked` without writing the FIFO delays the shard's wake-up
 //! to its next timer, as if it had not pushed at all.
 
+use crate::sync::{fence, AtomicU32, AtomicU64, Ordering};
 use std::ffi::CString;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
 use super::object::{create_mapping, map_existing, pid_ns, unlink};
 use super::ring::Header;
@@ -44,9 +44,13 @@ use crate::sys::{this_pid, Mapping};
 
 const BELL_VERSION: u32 = 1;
 /// Rings one doorbell serves (per shard); connections past it are polled.
+#[cfg(not(loom))]
 pub const BELL_BITS: u32 = 1 << 16;
+/// A model's page: two words, one summary word.
+#[cfg(loom)]
+pub const BELL_BITS: u32 = 128;
 const WORDS: usize = BELL_BITS as usize / 64;
-const SUMMARY_WORDS: usize = WORDS / 64;
+const SUMMARY_WORDS: usize = WORDS.div_ceil(64);
 /// The accept ring's bit; connection `idx` of a shard has bit `idx + 1`.
 pub const ACCEPT_BIT: u32 = 0;
 
@@ -68,7 +72,71 @@ struct Page {
 }
 
 const PAGE_BYTES: usize = std::mem::size_of::<Page>();
+#[cfg(not(loom))]
 const _: () = assert!(PAGE_BYTES == 3 * 128 + WORDS * 8);
+
+/// The protocol, on the page alone (the FIFO is the caller's).
+impl Page {
+    /// Consumer: calls `f` with each bit rung since the last call;
+    /// returns how many. Costs one load when nothing was rung.
+    fn take(&self, mut f: impl FnMut(u32)) -> usize {
+        if self.flags.rung.load(Ordering::Relaxed) == 0 {
+            return 0;
+        }
+        // Cleared before the bits are taken: a bit set after this is
+        // followed by another `rung`, seen next time.
+        self.flags.rung.swap(0, Ordering::SeqCst);
+        let mut n = 0;
+        for (s, summary) in self.summary.0.iter().enumerate() {
+            if summary.load(Ordering::Relaxed) == 0 {
+                continue;
+            }
+            let mut sw = summary.swap(0, Ordering::Acquire);
+            while sw != 0 {
+                let w = s * 64 + sw.trailing_zeros() as usize;
+                sw &= sw - 1;
+                let mut bits = self.words[w].swap(0, Ordering::Acquire);
+                while bits != 0 {
+                    f((w * 64) as u32 + bits.trailing_zeros());
+                    bits &= bits - 1;
+                    n += 1;
+                }
+            }
+        }
+        n
+    }
+
+    /// Consumer: announces a sleep or its end. The fence orders the
+    /// announcement before the consumer's next `take` (the other half of
+    /// `ring`'s fence): without it the look at `rung` may be served before
+    /// the store is seen, and the wake-up lost (the loom model found that
+    /// this page relied on a fence its caller happened to place).
+    fn set_parked(&self, on: bool) {
+        self.flags.parked.store(u32::from(on), Ordering::SeqCst);
+        if on {
+            fence(Ordering::SeqCst);
+        }
+    }
+
+    /// Producer: sets `bit`; true when the caller must wake the consumer
+    /// (it announced a sleep, and this producer is the one that cleared it).
+    fn ring(&self, bit: u32) -> bool {
+        if bit >= BELL_BITS {
+            return false;
+        }
+        let w = (bit / 64) as usize;
+        let m = 1u64 << (bit % 64);
+        if self.words[w].load(Ordering::Relaxed) & m == 0 {
+            self.words[w].fetch_or(m, Ordering::Release);
+        }
+        self.summary.0[w / 64].fetch_or(1 << (w % 64), Ordering::Release);
+        self.flags.rung.swap(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+        // One producer per sleep writes the FIFO: whoever clears `parked`.
+        self.flags.parked.load(Ordering::Relaxed) != 0
+            && self.flags.parked.swap(0, Ordering::SeqCst) != 0
+    }
+}
 
 /// The doorbell of shard `shard` of endpoint `id`.
 pub(crate) fn bell_name(id: u64, shard: u32) -> String {
@@ -169,42 +237,14 @@ impl Bell {
 
     /// Calls `f` with each bit rung since the last call; returns how many.
     /// Costs one load when nothing was rung.
-    pub fn take(&self, mut f: impl FnMut(u32)) -> usize {
-        let p = self.map.page();
-        if p.flags.rung.load(Ordering::Relaxed) == 0 {
-            return 0;
-        }
-        // Cleared before the bits are taken: a bit set after this is
-        // followed by another `rung`, seen next time.
-        p.flags.rung.swap(0, Ordering::SeqCst);
-        let mut n = 0;
-        for (s, summary) in p.summary.0.iter().enumerate() {
-            if summary.load(Ordering::Relaxed) == 0 {
-                continue;
-            }
-            let mut sw = summary.swap(0, Ordering::Acquire);
-            while sw != 0 {
-                let w = s * 64 + sw.trailing_zeros() as usize;
-                sw &= sw - 1;
-                let mut bits = p.words[w].swap(0, Ordering::Acquire);
-                while bits != 0 {
-                    f((w * 64) as u32 + bits.trailing_zeros());
-                    bits &= bits - 1;
-                    n += 1;
-                }
-            }
-        }
-        n
+    pub fn take(&self, f: impl FnMut(u32)) -> usize {
+        self.map.page().take(f)
     }
 
     /// Announces a sleep (`true`; the caller then looks at its rings and
     /// `take`s once more before sleeping) or its end.
     pub fn set_parked(&self, on: bool) {
-        self.map
-            .page()
-            .flags
-            .parked
-            .store(u32::from(on), Ordering::SeqCst);
+        self.map.page().set_parked(on);
     }
 
     /// Empties the FIFO (after a sleep). One read: producers write at most
@@ -270,22 +310,7 @@ impl RemoteBell {
 
     /// Sets `bit` and wakes the consumer if it sleeps.
     pub fn ring(&self, bit: u32) {
-        if bit >= BELL_BITS {
-            return;
-        }
-        let p = self.map.page();
-        let w = (bit / 64) as usize;
-        let m = 1u64 << (bit % 64);
-        if p.words[w].load(Ordering::Relaxed) & m == 0 {
-            p.words[w].fetch_or(m, Ordering::Release);
-        }
-        p.summary.0[w / 64].fetch_or(1 << (w % 64), Ordering::Release);
-        p.flags.rung.swap(1, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
-        // One producer per sleep writes the FIFO: whoever clears `parked`.
-        if p.flags.parked.load(Ordering::Relaxed) != 0
-            && p.flags.parked.swap(0, Ordering::SeqCst) != 0
-        {
+        if self.map.page().ring(bit) {
             // SAFETY: one byte from a constant into our FIFO handle. A full
             // FIFO (EAGAIN) already holds a wake-up.
             unsafe { libc::write(self.fifo.as_raw_fd(), [1u8].as_ptr() as *const _, 1) };
@@ -376,5 +401,82 @@ mod tests {
         drop(go_tx);
         producer.join().unwrap();
         assert_eq!(taken_first + woken, rounds);
+    }
+}
+
+/// The doorbell with a ring under loom (`--cfg loom`): the real `push`,
+/// `bell_wanted`, `set_bell`, `ring`, `take` and `set_parked`, with the
+/// FIFO modelled by a notification that is remembered until taken (as a
+/// byte in a FIFO is).
+#[cfg(all(test, loom))]
+mod loom_models {
+    use super::*;
+    use crate::shm::ring::model::ModelRing;
+    use crate::shm::ring::SLOT_PAYLOAD;
+    use loom::sync::Notify;
+    use std::sync::Arc;
+
+    fn page() -> Page {
+        Page {
+            header: Header::for_model(),
+            flags: Flags {
+                parked: AtomicU32::new(0),
+                rung: AtomicU32::new(0),
+            },
+            summary: Summary(std::array::from_fn(|_| AtomicU64::new(0))),
+            words: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
+
+    const BIT: u32 = 70;
+
+    /// A producer pushes while the consumer turns the ring cold and goes
+    /// to sleep: the message is always seen, by the consumer's look after
+    /// going cold or through the bell, and a sleep always ends (a lost
+    /// wake-up is a deadlock loom reports).
+    #[test]
+    fn loom_no_wake_up_is_lost() {
+        loom::model(|| {
+            let ring = Arc::new(ModelRing::new(2));
+            let page = Arc::new(page());
+            let fifo = Arc::new(Notify::new());
+            let producer = {
+                let (ring, page, fifo) = (ring.clone(), page.clone(), fifo.clone());
+                loom::thread::spawn(move || {
+                    ring.ring.push(b"m").unwrap();
+                    if let Some(bit) = ring.ring.bell_wanted() {
+                        if page.ring(bit) {
+                            fifo.notify();
+                        }
+                    }
+                })
+            };
+            let mut out = [0u8; SLOT_PAYLOAD];
+            // The pass that finds the ring quiet marks it cold, then looks
+            // once more.
+            ring.ring.set_bell(BIT, true);
+            let mut got = ring.ring.pop(&mut out).is_some();
+            let mut take = |got: &mut bool| {
+                page.take(|b| {
+                    assert_eq!(b, BIT);
+                    assert!(
+                        ring.ring.pop(&mut out).is_some() || *got,
+                        "rung, nothing there"
+                    );
+                    *got = true;
+                });
+            };
+            while !got {
+                // Park: announce, one more pass, sleep, end.
+                page.set_parked(true);
+                take(&mut got);
+                if !got {
+                    fifo.wait();
+                }
+                page.set_parked(false);
+                take(&mut got);
+            }
+            producer.join().unwrap();
+        });
     }
 }

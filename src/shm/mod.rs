@@ -22,7 +22,7 @@ pub(crate) mod ring;
 /// /dev/shm and an abstract Unix socket bound. `Err` says why not.
 pub fn probe() -> Result<(), String> {
     let name = format!("/ferry-probe-{:x}", std::process::id());
-    named_ring::ShmRing::create(&name, 1, 0).map_err(|e| format!("shared memory: {e}"))?;
+    named_ring::ShmRing::create(&name, 2, 0).map_err(|e| format!("shared memory: {e}"))?;
     fdpass::FdListener::bind(u64::from(std::process::id()) << 32 | 0xfeed)
         .map_err(|e| format!("abstract Unix socket for fd passing: {e}"))?;
     Ok(())

@@ -13,7 +13,7 @@
 //! puts one in a POSIX shared-memory object. The unit tests run the same
 //! code on heap memory, under Miri too.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use crate::sync::{fence, AtomicU32, AtomicU64, Ordering, UnsafeCell};
 
 pub const RING_MAGIC: u64 = u64::from_le_bytes(*b"FRYRING1");
 /// The magic of a doorbell page (`bell.rs`), which starts with the same
@@ -64,16 +64,31 @@ pub struct Header {
 #[repr(C, align(128))]
 struct Cursor(AtomicU64);
 
+/// The three lines before the slots.
+#[repr(C)]
+struct Top {
+    header: Header,
+    enqueue: Cursor,
+    dequeue: Cursor,
+}
+
 #[repr(C)]
 struct Slot {
     seq: AtomicU64,
     len: AtomicU32,
     _pad: u32,
-    data: [u8; SLOT_PAYLOAD],
+    /// Written by the producer that won the slot, read by the consumer
+    /// once the slot's seq says so (a model checks that no access races).
+    data: UnsafeCell<[u8; SLOT_PAYLOAD]>,
 }
 
+// The layout other processes see (a model's atomics are larger).
+#[cfg(not(loom))]
 const _: () = assert!(std::mem::size_of::<Slot>() == SLOT_BYTES);
+#[cfg(not(loom))]
 const _: () = assert!(std::mem::size_of::<Header>() == LINE);
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::size_of::<Top>() == 3 * LINE);
 
 /// Bytes a ring of `capacity` slots occupies.
 pub const fn ring_bytes(capacity: usize) -> usize {
@@ -89,7 +104,9 @@ pub enum RingError {
 
 /// A view of a ring in memory this value does not own.
 pub struct Ring {
-    base: *mut u8,
+    top: *const Top,
+    /// `capacity` slots.
+    slots: *mut Slot,
     capacity: u64,
 }
 
@@ -108,7 +125,10 @@ impl Ring {
     /// # Safety
     /// `base` must be 128-byte aligned, valid for `ring_bytes(capacity)`
     /// bytes, zeroed (fresh shared memory is), and not in use by anyone else
-    /// yet. `capacity` is a power of two.
+    /// yet. `capacity` is a power of two, at least 2: with one slot, "full
+    /// with the message at `p`" and "free for `p + 1`" are the same
+    /// sequence number (the loom model found a second producer then
+    /// overwrites the first's message).
     pub unsafe fn init(
         base: *mut u8,
         capacity: usize,
@@ -116,23 +136,42 @@ impl Ring {
         pid_ns: u64,
         generation: u64,
     ) -> Ring {
-        assert!(capacity.is_power_of_two());
-        let r = Ring {
-            base,
-            capacity: capacity as u64,
-        };
-        let h = r.header();
+        assert!(
+            capacity.is_power_of_two() && capacity >= 2,
+            "{capacity} slots"
+        );
+        // SAFETY: the caller's contract covers the three lines and the slots.
+        let r = unsafe { Ring::at(base, capacity as u64) };
+        r.lay_out(owner_pid, pid_ns, generation);
+        r
+    }
+
+    /// The view of `capacity` slots at `base`.
+    ///
+    /// # Safety
+    /// `base` is 128-byte aligned and valid for `ring_bytes(capacity)`.
+    unsafe fn at(base: *mut u8, capacity: u64) -> Ring {
+        Ring {
+            top: base as *const Top,
+            // SAFETY: the slots follow the three lines, inside the range.
+            slots: unsafe { base.add(std::mem::size_of::<Top>()) } as *mut Slot,
+            capacity,
+        }
+    }
+
+    /// Writes the header of a fresh ring, magic last.
+    fn lay_out(&self, owner_pid: u32, pid_ns: u64, generation: u64) {
+        let h = self.header();
         h.version.store(RING_VERSION, Ordering::Relaxed);
         h.slot_bytes.store(SLOT_BYTES as u32, Ordering::Relaxed);
-        h.capacity.store(capacity as u32, Ordering::Relaxed);
+        h.capacity.store(self.capacity as u32, Ordering::Relaxed);
         h.owner_pid.store(owner_pid, Ordering::Relaxed);
         h.generation.store(generation, Ordering::Relaxed);
         h.pid_ns.store(pid_ns, Ordering::Relaxed);
-        r.enqueue().store(0, Ordering::Relaxed);
-        r.dequeue().store(0, Ordering::Relaxed);
+        self.enqueue().store(0, Ordering::Relaxed);
+        self.dequeue().store(0, Ordering::Relaxed);
         // Magic last: a ring is valid only once fully laid out.
         h.magic.store(RING_MAGIC, Ordering::Release);
-        r
     }
 
     /// Views an existing ring, checking its header against `len` bytes.
@@ -157,39 +196,41 @@ impl Ring {
         if v != RING_VERSION
             || sb as usize != SLOT_BYTES
             || !cap.is_power_of_two()
+            || cap < 2
             || ring_bytes(cap as usize) > len
         {
             return Err(format!(
                 "ring header says version {v}, slot {sb} B, {cap} slots in a {len}-byte mapping"
             ));
         }
-        Ok(Ring {
-            base,
-            capacity: cap as u64,
-        })
+        // SAFETY: the header's capacity fits `len` (checked above).
+        Ok(unsafe { Ring::at(base, u64::from(cap)) })
+    }
+
+    fn top(&self) -> &Top {
+        // SAFETY: `at`'s contract: the three lines are in bounds. All
+        // their fields are atomics.
+        unsafe { &*self.top }
     }
 
     pub fn header(&self) -> &Header {
-        // SAFETY: init/attach established the header is in bounds.
-        unsafe { &*(self.base as *const Header) }
+        &self.top().header
     }
 
     fn enqueue(&self) -> &AtomicU64 {
-        // SAFETY: the second line of the mapping.
-        unsafe { &(*(self.base.add(LINE) as *const Cursor)).0 }
+        &self.top().enqueue.0
     }
 
     fn dequeue(&self) -> &AtomicU64 {
-        // SAFETY: the third line of the mapping.
-        unsafe { &(*(self.base.add(2 * LINE) as *const Cursor)).0 }
+        &self.top().dequeue.0
     }
 
-    /// The slot for `pos`, as a raw pointer: references to a whole slot
-    /// would cover its payload, which another process may be writing.
+    /// The slot for `pos`, as a raw pointer: the fields are reached by
+    /// projection (atomics, and the payload's cell).
     fn slot_ptr(&self, pos: u64) -> *mut Slot {
         let i = (pos & (self.capacity - 1)) as usize;
-        // SAFETY: i < capacity, and the slots follow the three lines.
-        unsafe { self.base.add(3 * LINE + i * SLOT_BYTES) as *mut Slot }
+        // SAFETY: i < capacity slots, all in bounds (`at`).
+        unsafe { self.slots.add(i) }
     }
 
     fn seq(&self, pos: u64) -> &AtomicU64 {
@@ -216,9 +257,10 @@ impl Ring {
         unsafe { &*std::ptr::addr_of!((*self.slot_ptr(pos)).len) }
     }
 
-    fn slot_data(&self, pos: u64) -> *mut u8 {
-        // SAFETY: a raw projection; no reference to the payload is made.
-        unsafe { std::ptr::addr_of_mut!((*self.slot_ptr(pos)).data) as *mut u8 }
+    fn slot_data(&self, pos: u64) -> &UnsafeCell<[u8; SLOT_PAYLOAD]> {
+        // SAFETY: a reference to the cell only: its bytes may change under
+        // it (another process), which a cell allows.
+        unsafe { &*std::ptr::addr_of!((*self.slot_ptr(pos)).data) }
     }
 
     pub fn capacity(&self) -> usize {
@@ -247,14 +289,14 @@ impl Ring {
     pub fn set_bell(&self, bit: u32, cold: bool) {
         let v = BELL_VALID | bit as u64 | if cold { BELL_COLD } else { 0 };
         self.header().bell.store(v, Ordering::SeqCst);
-        std::sync::atomic::fence(Ordering::SeqCst);
+        fence(Ordering::SeqCst);
     }
 
     /// Producer, after a push: the doorbell bit to ring, if the consumer
     /// stopped polling. The fence orders the push before the look at the
     /// flag (the other half of `set_bell`'s ordering).
     pub fn bell_wanted(&self) -> Option<u32> {
-        std::sync::atomic::fence(Ordering::SeqCst);
+        fence(Ordering::SeqCst);
         let v = self.header().bell.load(Ordering::Relaxed);
         (v & (BELL_COLD | BELL_VALID) == BELL_COLD | BELL_VALID).then_some(v as u32)
     }
@@ -286,7 +328,10 @@ impl Ring {
         }
         // SAFETY: winning the CAS for `pos` gives this producer the slot
         // until it publishes seq = pos + 1; msg fits the payload.
-        unsafe { std::ptr::copy_nonoverlapping(msg.as_ptr(), self.slot_data(pos), msg.len()) };
+        unsafe {
+            self.slot_data(pos)
+                .with_mut(|d| std::ptr::copy_nonoverlapping(msg.as_ptr(), d as *mut u8, msg.len()))
+        };
         self.len_of(pos).store(msg.len() as u32, Ordering::Relaxed);
         self.store_seq(pos, pos + 1, Ordering::Release);
         Ok(())
@@ -304,7 +349,10 @@ impl Ring {
         let len = (self.len_of(pos).load(Ordering::Relaxed) as usize).min(SLOT_PAYLOAD);
         // SAFETY: seq == pos + 1 (Acquire) means the producer finished
         // writing; the slot is ours until we store the next seq.
-        unsafe { std::ptr::copy_nonoverlapping(self.slot_data(pos), out.as_mut_ptr(), len) };
+        unsafe {
+            self.slot_data(pos)
+                .with(|d| std::ptr::copy_nonoverlapping(d as *const u8, out.as_mut_ptr(), len))
+        };
         self.store_seq(pos, pos + self.capacity, Ordering::Release);
         deq.store(pos + 1, Ordering::Relaxed);
         Some(len)
@@ -381,6 +429,12 @@ mod tests {
         assert_eq!(again.pop(&mut out), Some(2));
         // SAFETY: as above; a short length must be refused.
         assert!(unsafe { Ring::attach(h.ptr, ring_bytes(4)) }.is_err());
+        // A one-slot ring (a peer's header may say so) would let two
+        // producers share a slot.
+        r.header().capacity.store(1, Ordering::Relaxed);
+        // SAFETY: as above.
+        assert!(unsafe { Ring::attach(h.ptr, ring_bytes(8)) }.is_err());
+        r.header().capacity.store(8, Ordering::Relaxed);
         r.header().magic.store(0, Ordering::Relaxed);
         // SAFETY: as above.
         assert!(unsafe { Ring::attach(h.ptr, ring_bytes(8)) }.is_err());
@@ -426,5 +480,132 @@ mod tests {
             t.join().unwrap();
         }
         assert_eq!(r.len(), 0);
+    }
+}
+
+/// Heap storage for a ring built from a model's atomics (which cannot be
+/// laid over raw memory): the models run the real `push`/`pop` on it.
+#[cfg(all(test, loom))]
+pub(crate) mod model {
+    use super::*;
+
+    impl Header {
+        pub(crate) fn for_model() -> Header {
+            Header {
+                magic: AtomicU64::new(0),
+                version: AtomicU32::new(0),
+                slot_bytes: AtomicU32::new(0),
+                capacity: AtomicU32::new(0),
+                owner_pid: AtomicU32::new(0),
+                generation: AtomicU64::new(0),
+                pid_ns: AtomicU64::new(0),
+                bell_owner: AtomicU64::new(0),
+                bell_shard: AtomicU32::new(0),
+                _pad: 0,
+                bell: AtomicU64::new(0),
+            }
+        }
+    }
+
+    pub(crate) struct ModelRing {
+        _top: Box<Top>,
+        _slots: Box<[Slot]>,
+        pub ring: Ring,
+    }
+
+    // SAFETY: the ring is Sync (its protocol hands slots between threads);
+    // the boxes are only its storage, touched through it.
+    unsafe impl Sync for ModelRing {}
+
+    impl ModelRing {
+        pub(crate) fn new(capacity: usize) -> ModelRing {
+            let top = Box::new(Top {
+                header: Header::for_model(),
+                enqueue: Cursor(AtomicU64::new(0)),
+                dequeue: Cursor(AtomicU64::new(0)),
+            });
+            let mut slots: Box<[Slot]> = (0..capacity)
+                .map(|_| Slot {
+                    seq: AtomicU64::new(0),
+                    len: AtomicU32::new(0),
+                    _pad: 0,
+                    data: UnsafeCell::new([0; SLOT_PAYLOAD]),
+                })
+                .collect();
+            let ring = Ring {
+                top: &*top,
+                slots: slots.as_mut_ptr(),
+                capacity: capacity as u64,
+            };
+            ring.lay_out(1, 0, 2);
+            ModelRing {
+                _top: top,
+                _slots: slots,
+                ring,
+            }
+        }
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_models {
+    use super::model::ModelRing;
+    use super::*;
+    use std::sync::Arc;
+
+    fn take(r: &Ring, got: &mut Vec<[u8; 3]>) -> bool {
+        let mut out = [0u8; SLOT_PAYLOAD];
+        let Some(n) = r.pop(&mut out) else {
+            return false;
+        };
+        assert_eq!(n, 3);
+        got.push(out[..3].try_into().unwrap());
+        true
+    }
+
+    /// Two producers (two messages and one) and the consumer on a ring of
+    /// two slots: every message arrives once and whole, each producer's in
+    /// its order; a full ring refuses instead of overwriting, and a slot is
+    /// reused after a lap.
+    #[test]
+    fn loom_two_producers_one_consumer() {
+        loom::model(|| {
+            let r = Arc::new(ModelRing::new(2));
+            let producers: Vec<_> = [2u8, 1]
+                .into_iter()
+                .enumerate()
+                .map(|(p, n)| {
+                    let r = r.clone();
+                    loom::thread::spawn(move || {
+                        let mut sent = Vec::new();
+                        for i in 0..n {
+                            // A full ring is back-pressure: one retry, later.
+                            let msg = [p as u8, i, (p as u8 * 16 + i) ^ 0x5A];
+                            if r.ring.push(&msg).is_ok()
+                                || (crate::sync::model_yield(), r.ring.push(&msg)).1.is_ok()
+                            {
+                                sent.push(i);
+                            }
+                        }
+                        sent
+                    })
+                })
+                .collect();
+            let mut got = Vec::new();
+            take(&r.ring, &mut got);
+            let sent: Vec<Vec<u8>> = producers.into_iter().map(|h| h.join().unwrap()).collect();
+            while take(&r.ring, &mut got) {}
+            for m in &got {
+                assert_eq!(m[2], (m[0] * 16 + m[1]) ^ 0x5A, "a torn message: {m:?}");
+            }
+            for (p, sent) in sent.iter().enumerate() {
+                let mine: Vec<u8> = got
+                    .iter()
+                    .filter(|m| usize::from(m[0]) == p)
+                    .map(|m| m[1])
+                    .collect();
+                assert_eq!(&mine, sent, "producer {p}: lost, repeated or reordered");
+            }
+        });
     }
 }

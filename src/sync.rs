@@ -1,0 +1,47 @@
+//! The atomics and cells of the code that the loom models check
+//! (`RUSTFLAGS="--cfg loom" cargo test --release --lib loom`, run by
+//! `.ci/run`): std's in every real build, loom's under `--cfg loom`, so
+//! the models run the real completion table, ring, doorbell and wake flag,
+//! not copies of them.
+//!
+//! Only those modules use this one; the rest of the crate uses std's
+//! atomics directly.
+
+#[cfg(loom)]
+pub(crate) use loom::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize};
+pub(crate) use std::sync::atomic::Ordering;
+#[cfg(not(loom))]
+pub(crate) use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize};
+
+/// A cell whose accesses the models check for data races. std's
+/// `UnsafeCell` behind loom's interface (`with`, `with_mut`), so the same
+/// code compiles both ways and costs nothing in a real build.
+#[cfg(loom)]
+pub(crate) use loom::cell::UnsafeCell;
+
+#[cfg(not(loom))]
+#[derive(Debug)]
+#[repr(transparent)]
+pub(crate) struct UnsafeCell<T>(std::cell::UnsafeCell<T>);
+
+#[cfg(not(loom))]
+impl<T> UnsafeCell<T> {
+    pub(crate) const fn new(v: T) -> Self {
+        Self(std::cell::UnsafeCell::new(v))
+    }
+
+    pub(crate) fn with<R>(&self, f: impl FnOnce(*const T) -> R) -> R {
+        f(self.0.get())
+    }
+
+    pub(crate) fn with_mut<R>(&self, f: impl FnOnce(*mut T) -> R) -> R {
+        f(self.0.get())
+    }
+}
+
+/// Where a model lets another thread run: a spin or a sleep in a real
+/// build is a yield in a model (loom explores what runs meanwhile).
+#[cfg(loom)]
+pub(crate) fn model_yield() {
+    loom::thread::yield_now();
+}
