@@ -20,6 +20,8 @@ pub(crate) mod completion;
 mod directory;
 mod gpu;
 mod ledger;
+#[cfg(test)]
+mod local_pair;
 mod local_side;
 mod plan;
 mod queue;

@@ -330,6 +330,21 @@ impl CxParts {
         (parts, notes)
     }
 
+    /// The regions peers may name.
+    pub fn regions(&mut self) -> &mut RegionTable {
+        &mut self.regions
+    }
+
+    /// Piece completions since the last call.
+    pub fn take_done(&mut self, into: &mut Vec<(u32, Result<()>)>) {
+        into.append(&mut self.done);
+    }
+
+    /// Connections found broken since the last call.
+    pub fn take_failed(&mut self) -> Vec<(ConnRef, String)> {
+        std::mem::take(&mut self.to_fail)
+    }
+
     pub fn cx(&mut self) -> Cx<'_> {
         Cx {
             regions: &mut self.regions,

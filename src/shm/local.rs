@@ -254,6 +254,12 @@ impl LocalConn {
         self.pending.iter().map(|(_, p)| p.sent_at).min()
     }
 
+    /// A message as a hostile peer would send it (tests).
+    #[cfg(test)]
+    pub fn send_raw(&mut self, m: &Msg, inline: &[u8]) -> bool {
+        self.send(m, inline)
+    }
+
     fn send(&mut self, m: &Msg, inline: &[u8]) -> bool {
         let mut buf = [0u8; SLOT_PAYLOAD];
         let n = m.encode(inline, &mut buf);

@@ -54,6 +54,34 @@ impl ShmRing {
         })
     }
 
+    /// A ring in a memfd (no name in /dev/shm), as its consumer's view and
+    /// a producer's, each its own mapping of the same memory: what two
+    /// processes see, for tests of the same-host transport in one process.
+    #[cfg(test)]
+    pub fn memfd_pair(capacity: usize) -> Result<(ShmRing, ShmRing)> {
+        let len = ring_bytes(capacity);
+        let buf = crate::sys::MemfdBuf::new(len)?;
+        let map = |what| Mapping::map_fd(buf.fd, len).map_err(|e| Error::io(what, e));
+        let (ours, theirs) = (map("mmap(ring)")?, map("mmap(ring)")?);
+        // SAFETY: a fresh zero-filled page-aligned mapping of `len` bytes
+        // that nobody uses before init returns.
+        let ring = unsafe { Ring::init(ours.ptr(), capacity, this_pid(), pid_ns(), 1) };
+        // SAFETY: the mapping is page aligned, `len` long, and kept below.
+        let producer =
+            unsafe { Ring::attach(theirs.ptr(), len) }.map_err(|reason| Error::Unsupported {
+                what: "attaching a memfd ring",
+                reason,
+            })?;
+        let view = |ring, map| ShmRing {
+            ring,
+            _map: map,
+            name: String::new(),
+            owner: false,
+            bell: None,
+        };
+        Ok((view(ring, ours), view(producer, theirs)))
+    }
+
     /// Appends one message and, if the consumer stopped polling the ring,
     /// rings its doorbell.
     pub fn push(&self, msg: &[u8]) -> std::result::Result<(), RingError> {
