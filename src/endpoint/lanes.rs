@@ -1,0 +1,304 @@
+//! Lanes: a tcp connection spread over shards is one connection id per
+//! shard ("lane"), numbered so that the id says how many there are and
+//! which shard serves each. The arithmetic is pure (tested below); the
+//! submission of an op over a connection's lanes is here too.
+
+use super::*;
+
+/// A connection spread over shards has an id whose top byte is its lane
+/// count (2..=255) and whose rest is its first lane's id; lane i is
+/// `ConnId(base + i)`. Others have a zero top byte: one lane, themselves.
+pub(super) const LANES_SHIFT: u32 = 56;
+
+pub(super) const MAX_LANES: usize = 255;
+
+pub(super) fn lanes_of(conn: ConnId) -> (u64, usize) {
+    let k = (conn.0 >> LANES_SHIFT) as usize;
+    if k > 1 {
+        (conn.0 & ((1 << LANES_SHIFT) - 1), k)
+    } else {
+        (conn.0, 1)
+    }
+}
+
+/// How many lanes a new tcp connection of `streams` streams gets with
+/// `shards` shards and `FERRY_LANES` = `cap` (0: no cap).
+pub(super) fn lane_count(streams: usize, shards: usize, cap: usize) -> usize {
+    let cap = if cap == 0 { usize::MAX } else { cap };
+    streams.min(shards).min(cap).clamp(1, MAX_LANES)
+}
+
+/// The first id of `k > 1` lanes when the next free id is `next`: a
+/// multiple of the shard count, so lane i is served by shard i.
+pub(super) fn lanes_base(next: u64, shards: u64) -> u64 {
+    next.div_ceil(shards) * shards
+}
+
+/// Cuts an op on a connection of `k` lanes into (lane, part) pairs (the
+/// lane modulo `k`): a large single op into at most `k` contiguous pieces
+/// at `chunk` boundaries, a vectored one dealt pair by pair over the
+/// lanes, a small one whole onto `small_lane()` (the calling thread's
+/// lane: one thread's small ops batch on one shard and stay in order,
+/// several threads spread over the lanes).
+pub(super) fn cut(
+    parts: OpParts,
+    k: usize,
+    chunk: u64,
+    small_lane: impl FnOnce() -> u64,
+) -> Vec<(u64, OpParts)> {
+    match parts {
+        OpParts::One(d) if d.len() >= 2 * chunk => {
+            let total = d.len();
+            let per = total.div_ceil(chunk).div_ceil(k as u64) * chunk;
+            let mut out = Vec::with_capacity(total.div_ceil(per) as usize);
+            let mut off = 0;
+            while off < total {
+                let len = per.min(total - off);
+                out.push((off / per, OpParts::One(d.piece(off, len))));
+                off += len;
+            }
+            out
+        }
+        OpParts::Many(ds) if ds.len() > 1 => {
+            let lanes = k.min(ds.len());
+            let mut groups: Vec<Vec<_>> = (0..lanes).map(|_| Vec::new()).collect();
+            for (i, d) in ds.into_iter().enumerate() {
+                groups[i % lanes].push(d);
+            }
+            groups
+                .into_iter()
+                .enumerate()
+                .map(|(i, g)| (i as u64, OpParts::Many(g)))
+                .collect()
+        }
+        whole => vec![(small_lane(), whole)],
+    }
+}
+
+impl Inner {
+    /// The shard that serves `conn` (for a connection spread over shards:
+    /// its first lane's).
+    pub(super) fn shard_of(&self, conn: ConnId) -> &ShardHandle {
+        let (base, _) = lanes_of(conn);
+        &self.shards[(base % self.shards.len() as u64) as usize]
+    }
+
+    /// Each lane of `conn` (itself, unless spread over shards), with the
+    /// shard that serves it.
+    pub(super) fn lanes(&self, conn: ConnId) -> impl Iterator<Item = (ConnId, &ShardHandle)> {
+        let (base, k) = lanes_of(conn);
+        let n = self.shards.len() as u64;
+        (0..k as u64).map(move |i| (ConnId(base + i), &self.shards[((base + i) % n) as usize]))
+    }
+
+    /// How many lanes a new tcp connection of `streams` streams gets.
+    pub(super) fn lanes_for(&self, streams: usize) -> usize {
+        lane_count(streams, self.shards.len(), self.cfg.lanes)
+    }
+
+    /// The lane (modulo a connection's count) this thread's small ops use:
+    /// dealt round-robin to threads on their first op.
+    pub(super) fn thread_lane(&self) -> u64 {
+        thread_local! {
+            static LANE: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+        }
+        LANE.with(|l| match l.get() {
+            Some(lane) => lane,
+            None => {
+                let lane = self.next_lane.fetch_add(1, Ordering::Relaxed);
+                l.set(Some(lane));
+                lane
+            }
+        })
+    }
+
+    /// Ids for `k` lanes: `base..base + k`, with `base` a multiple of the
+    /// shard count when k > 1, so lane i is served by shard i.
+    pub(super) fn alloc_conn_ids(&self, k: usize) -> u64 {
+        if k <= 1 {
+            return self.next_conn.fetch_add(1, Ordering::Relaxed);
+        }
+        let n = self.shards.len() as u64;
+        let mut cur = self.next_conn.load(Ordering::Relaxed);
+        loop {
+            let base = lanes_base(cur, n);
+            match self.next_conn.compare_exchange_weak(
+                cur,
+                base + k as u64,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return base,
+                Err(c) => cur = c,
+            }
+        }
+    }
+
+    pub(super) fn submit(&self, conn: ConnId, kind: OpKind, parts: OpParts) -> Result<Transfer> {
+        let t = self.table.claim().ok_or(Error::TooManyInflight {
+            max: self.table.capacity(),
+        })?;
+        let (base, k) = lanes_of(conn);
+        if k > 1 {
+            return self.submit_lanes(t, base, k, kind, parts);
+        }
+        let cmd = OpCmd {
+            conn,
+            kind,
+            slot: t.slot(),
+            parts,
+            at: Default::default(),
+            total: None,
+        };
+        match self.shard_of(conn).submit(Command::Op(cmd)) {
+            Ok(()) => Ok(t),
+            Err((e, _)) => {
+                // Never submitted: complete it ourselves so the slot frees.
+                self.table.complete(t.slot(), Ok(()));
+                drop(t);
+                Err(e)
+            }
+        }
+    }
+
+    /// Submits an op on a connection spread over `k` lanes: a large
+    /// single op is cut into `k` contiguous pieces (at chunk boundaries),
+    /// one per lane; a vectored one deals its pairs over the lanes; a
+    /// small one goes whole to the calling thread's lane. The pieces complete
+    /// into one slot (`CompletionTable::set_parts`).
+    pub(super) fn submit_lanes(
+        &self,
+        t: Transfer,
+        base: u64,
+        k: usize,
+        kind: OpKind,
+        parts: OpParts,
+    ) -> Result<Transfer> {
+        let slot = t.slot();
+        let chunk = self.cfg.chunk_bytes as u64;
+        let n = self.shards.len() as u64;
+        let mut failed = None;
+        let mut send = |lane_idx: u64, piece: OpParts| {
+            let lane = base + lane_idx % k as u64;
+            if failed.is_some() {
+                // An earlier piece was refused: this one is never sent.
+                self.table.complete(slot, Ok(()));
+                return;
+            }
+            let cmd = OpCmd {
+                conn: ConnId(lane),
+                kind,
+                slot,
+                parts: piece,
+                at: Default::default(),
+                total: None,
+            };
+            if let Err((e, _)) = self.shards[(lane % n) as usize].submit(Command::Op(cmd)) {
+                // Never submitted: its part is completed here, so the slot
+                // frees once the pieces already sent end.
+                self.table.complete(slot, Ok(()));
+                failed = Some(e);
+            }
+        };
+        let pieces = cut(parts, k, chunk, || self.thread_lane());
+        self.table.set_parts(slot, pieces.len() as u32);
+        for (lane, piece) in pieces {
+            send(lane, piece);
+        }
+        match failed {
+            None => Ok(t),
+            Some(e) => {
+                drop(t);
+                Err(e)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::region::RegionSlice;
+    use crate::xfer::testing::owned_region;
+
+    fn desc(region: &std::sync::Arc<Region>, off: usize, len: usize) -> OpDesc {
+        OpDesc {
+            local: RegionSlice::new(region, off, len).unwrap(),
+            remote_addr: 0x10_0000 + off as u64,
+            rkey: 1,
+            tag: 2,
+            remote_device: false,
+            nic_rkeys: None,
+        }
+    }
+
+    #[test]
+    fn an_id_says_its_lanes() {
+        assert_eq!(lanes_of(ConnId(77)), (77, 1));
+        for k in [2u64, 16, 255] {
+            let id = ConnId(1000 | k << LANES_SHIFT);
+            assert_eq!(lanes_of(id), (1000, k as usize));
+        }
+        // A top byte of 1 is one lane too.
+        assert_eq!(
+            lanes_of(ConnId(5 | 1 << LANES_SHIFT)),
+            (5 | 1 << LANES_SHIFT, 1)
+        );
+    }
+
+    #[test]
+    fn lane_counts_and_bases() {
+        assert_eq!(lane_count(4, 16, 0), 4);
+        assert_eq!(lane_count(32, 16, 0), 16);
+        assert_eq!(lane_count(32, 16, 3), 3);
+        assert_eq!(lane_count(0, 16, 0), 1);
+        assert_eq!(lane_count(1000, 1000, 0), MAX_LANES);
+        assert_eq!(lanes_base(17, 16), 32);
+        assert_eq!(lanes_base(32, 16), 32);
+        assert_eq!(lanes_base(0, 4), 0);
+    }
+
+    #[test]
+    fn a_large_op_is_cut_into_contiguous_chunk_aligned_pieces() {
+        let r = owned_region(10 << 20, 1, 2);
+        let chunk = 256 << 10;
+        for (len, k) in [
+            (10 << 20, 4),
+            ((10 << 20) - 3, 3),
+            (2 * chunk, 8),
+            (5 * chunk + 1, 2),
+        ] {
+            let pieces = cut(OpParts::One(desc(&r, 0, len)), k, chunk as u64, || 99);
+            assert!(
+                pieces.len() <= k && pieces.len() > 1,
+                "{len} over {k}: {}",
+                pieces.len()
+            );
+            let mut off = 0;
+            for (i, (lane, p)) in pieces.iter().enumerate() {
+                assert_eq!(*lane, i as u64);
+                let d = &p.as_slice()[0];
+                assert_eq!(d.local.addr(), r.addr() + off as u64);
+                assert_eq!(d.remote_addr, 0x10_0000 + off as u64);
+                if i + 1 < pieces.len() {
+                    assert_eq!(d.local.len() % chunk, 0);
+                }
+                off += d.local.len();
+            }
+            assert_eq!(off, len);
+        }
+    }
+
+    #[test]
+    fn a_vectored_op_is_dealt_and_a_small_one_goes_whole() {
+        let r = owned_region(1 << 20, 1, 2);
+        let ds: Vec<_> = (0..7).map(|i| desc(&r, i * 1000, 100)).collect();
+        let pieces = cut(OpParts::Many(ds), 3, 1 << 18, || 99);
+        let lens: Vec<usize> = pieces.iter().map(|(_, p)| p.as_slice().len()).collect();
+        assert_eq!(lens, [3, 2, 2]);
+        assert_eq!(pieces[1].1.as_slice()[0].remote_addr, 0x10_0000 + 1000);
+        let small = cut(OpParts::One(desc(&r, 0, 4096)), 4, 1 << 18, || 99);
+        assert_eq!(small.len(), 1);
+        assert_eq!(small[0].0, 99);
+    }
+}
