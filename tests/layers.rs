@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 const LAYERS: &[&[&str]] = &[
     &["wire"],
     &["error"],
+    &["sync"],
     &["sys", "auth"],
     &["gpu"],
     &["region"],

@@ -1,0 +1,111 @@
+//! The target's side: a peer's WRITE request checked against our regions
+//! and its payload received in place, a peer's READ request checked and
+//! answered from our memory.
+
+use super::*;
+
+/// The key a request header names.
+pub(super) fn key_of(h: &DataHeader) -> KeyRef {
+    KeyRef {
+        rkey: h.rkey,
+        tag: h.tag,
+    }
+}
+
+impl StreamProto {
+    /// A peer's WRITE: its payload goes to the checked window (through a
+    /// bounce buffer for GPU memory), or is read and dropped with a refusal.
+    /// False: no bounce buffer now, the header is put back.
+    pub(super) fn on_write_req(
+        &mut self,
+        h: &DataHeader,
+        regions: &mut impl Regions,
+        sink: &mut impl Sink,
+    ) -> Result<bool, String> {
+        let key = key_of(h);
+        self.take_request()?;
+        let then_ok = |status| After::Ack {
+            op_id: h.op_id,
+            status,
+        };
+        let len = h.len as usize;
+        self.rx = match regions.check(key, h.addr, h.len, Access::REMOTE_WRITE) {
+            Ok(w) if w.is_device() => match sink.bounce(len) {
+                Bounce::Ready(b) => {
+                    let into = RegionSlice::new(&b, 0, len).expect("bounce fits len");
+                    Rx::Payload {
+                        into: into.clone(),
+                        done: 0,
+                        then: After::AckStaged {
+                            op_id: h.op_id,
+                            gpu: w,
+                            bounce: into,
+                        },
+                    }
+                }
+                Bounce::Busy => return Ok(self.unread_request()),
+                Bounce::Never => Rx::Discard {
+                    left: len,
+                    then: then_ok(Status::DeviceMemory),
+                    run: self.payload_run(len),
+                },
+            },
+            Ok(w) => Rx::Payload {
+                into: w,
+                done: 0,
+                then: then_ok(Status::Ok),
+            },
+            Err(status) => Rx::Discard {
+                left: len,
+                then: then_ok(status),
+                run: self.payload_run(len),
+            },
+        };
+
+        Ok(true)
+    }
+
+    /// A peer's READ: the checked window's bytes are queued as the
+    /// response (staged through a bounce buffer for GPU memory), or a
+    /// refusal. False: no bounce buffer now, the header is put back.
+    pub(super) fn on_read_req(
+        &mut self,
+        h: &DataHeader,
+        regions: &mut impl Regions,
+        sink: &mut impl Sink,
+    ) -> Result<bool, String> {
+        let key = key_of(h);
+        self.take_request()?;
+        let len = h.len as usize;
+        let refuse = |status| DataHeader::response(DataKind::ReadResp, status, h.op_id, 0);
+        match regions.check(key, h.addr, h.len, Access::REMOTE_READ) {
+            Ok(w) if w.is_device() => match sink.bounce(len) {
+                Bounce::Ready(b) => {
+                    let out = RegionSlice::new(&b, 0, len).expect("bounce fits len");
+                    // Sent once the GPU→bounce copy is done.
+                    let gate = self.new_gate();
+                    let hdr = DataHeader::response(DataKind::ReadResp, Status::Ok, h.op_id, h.len);
+                    self.push_response(hdr, TxPayload::Slice(out.clone()), gate);
+                    sink.gpu_stage(Stage {
+                        stream: self.idx,
+                        gate,
+                        slot: 0,
+                        dst: out,
+                        src: w,
+                    });
+                }
+                Bounce::Busy => return Ok(self.unread_request()),
+                Bounce::Never => {
+                    self.push_response(refuse(Status::DeviceMemory), TxPayload::None, 0)
+                }
+            },
+            Ok(w) => {
+                let hdr = DataHeader::response(DataKind::ReadResp, Status::Ok, h.op_id, h.len);
+                self.push_response(hdr, TxPayload::Slice(w), 0);
+            }
+            Err(status) => self.push_response(refuse(status), TxPayload::None, 0),
+        }
+
+        Ok(true)
+    }
+}
