@@ -98,7 +98,7 @@ pub use error::{ConnId, Error, OpKind, Result};
 pub use gpu::{IpcStats, MemKind};
 pub use reactor::{Shard, SpinStats, Transfer};
 pub use region::Access;
-pub use wire::{EndpointMetadata, IpcBuf, RemoteBuf};
+pub use wire::{AnyWindow, EndpointMetadata, IpcBuf, RemoteBuf};
 
 /// Whether the same-host (shared-memory) path can work on this machine;
 /// `Err` says why not.

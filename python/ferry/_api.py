@@ -24,8 +24,8 @@ from ._buffers import Buffer, locate
 
 __all__ = ["Connection", "Endpoint", "Region", "Transfer", "Window"]
 
-_REMOTE_LEN = 64
-_IPC_LEN = 136
+_REMOTE_LEN = _native.REMOTE_BUF_LEN
+_IPC_LEN = _native.IPC_BUF_LEN
 
 
 class Window:

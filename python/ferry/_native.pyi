@@ -3,6 +3,8 @@
 from typing import Any, List, Optional, Sequence, Tuple
 
 UINT64_MAX: int
+REMOTE_BUF_LEN: int
+IPC_BUF_LEN: int
 
 class FerryError(RuntimeError): ...
 

@@ -18,7 +18,8 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferry::wire::{IpcBuf, RemoteBuf, IPC_BUF_LEN, REMOTE_BUF_LEN};
+use ferry::wire::{IPC_BUF_LEN, REMOTE_BUF_LEN};
+use ferry::AnyWindow;
 use ferry::{Access, ConnId, Endpoint, EndpointMetadata, MemKind, MemoryRegion, Peer, Transfer};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
@@ -40,27 +41,14 @@ fn err(e: ferry::Error) -> String {
 
 /// A peer's window: a `RemoteBuf` (64 bytes: tcp, shm, verbs) or an
 /// `IpcBuf` (136 bytes: CUDA IPC).
-#[derive(Clone, Copy)]
-enum Win {
-    Remote(RemoteBuf),
-    Ipc(IpcBuf),
-}
+type Win = AnyWindow;
 
 fn window(b: &[u8]) -> R<Win> {
-    match b.len() {
-        REMOTE_BUF_LEN => RemoteBuf::decode(b).map(Win::Remote).map_err(|e| e.to_string()),
-        IPC_BUF_LEN => IpcBuf::decode(b).map(Win::Ipc).map_err(|e| e.to_string()),
-        n => Err(format!(
-            "a window is {REMOTE_BUF_LEN} bytes (advertise) or {IPC_BUF_LEN} (advertise_ipc), not {n}"
-        )),
-    }
+    AnyWindow::decode(b).map_err(|e| e.to_string())
 }
 
 fn encode(w: &Win) -> Vec<u8> {
-    match w {
-        Win::Remote(r) => r.encode().to_vec(),
-        Win::Ipc(i) => i.encode().to_vec(),
-    }
+    w.encode()
 }
 
 #[derive(Default)]
@@ -251,35 +239,10 @@ impl P2pEndpoint {
         let conn = ConnId(conn);
         let l: Vec<(&MemoryRegion, usize, usize)> =
             locals.iter().map(|(m, o, n)| (&**m, *o, *n)).collect();
-        let remote: Option<Vec<RemoteBuf>> = wins
-            .iter()
-            .map(|w| match w {
-                Win::Remote(r) => Some(*r),
-                Win::Ipc(_) => None,
-            })
-            .collect();
-        if let Some(r) = remote {
-            return if write {
-                ep.writev_async(conn, &l, &r)
-            } else {
-                ep.readv_async(conn, &l, &r)
-            }
-            .map_err(err);
-        }
-        let ipc: Option<Vec<IpcBuf>> = wins
-            .iter()
-            .map(|w| match w {
-                Win::Ipc(i) => Some(*i),
-                Win::Remote(_) => None,
-            })
-            .collect();
-        let Some(i) = ipc else {
-            return Err("one operation cannot mix advertise and advertise_ipc windows".into());
-        };
         if write {
-            ep.writev_async(conn, &l, &i)
+            ep.writev_async(conn, &l, wins)
         } else {
-            ep.readv_async(conn, &l, &i)
+            ep.readv_async(conn, &l, wins)
         }
         .map_err(err)
     }
@@ -428,11 +391,11 @@ impl P2pEndpoint {
     fn ipc_window(ep: &Endpoint, conn: u64, mr: &MemoryRegion, off: usize, size: usize) -> R<Win> {
         if ep.mem_kind(mr).is_device() {
             ep.advertise_ipc(ConnId(conn), mr, off, size)
-                .map(Win::Ipc)
+                .map(AnyWindow::Ipc)
                 .map_err(err)
         } else {
             ep.advertise(ConnId(conn), mr, off, size)
-                .map(Win::Remote)
+                .map(AnyWindow::Key)
                 .map_err(err)
         }
     }

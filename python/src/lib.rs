@@ -55,5 +55,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(get_oob_ip, m)?)?;
     m.add_function(wrap_pyfunction!(shm_unavailable, m)?)?;
     m.add("UINT64_MAX", u64::MAX)?;
+    // The window sizes, so Python never restates them.
+    m.add("REMOTE_BUF_LEN", ferry::wire::REMOTE_BUF_LEN)?;
+    m.add("IPC_BUF_LEN", ferry::wire::IPC_BUF_LEN)?;
     Ok(())
 }

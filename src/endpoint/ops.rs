@@ -8,14 +8,17 @@ use super::{desc, Endpoint, MemoryRegion};
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::reactor::{IpcParts, OpParts, Transfer};
 use crate::region::Access;
-use crate::wire::{IpcBuf, RemoteBuf};
+use crate::wire::{AnyWindow, IpcBuf, RemoteBuf};
 
 /// A peer's advertised memory that one-sided operations can target.
-/// Sealed: implemented by [`RemoteBuf`] and [`IpcBuf`] only.
+/// Sealed: implemented by [`RemoteBuf`], [`IpcBuf`] and [`AnyWindow`]
+/// (either, decoded from bytes; a vectored op's windows are then all of
+/// one kind).
 pub trait Window: sealed::Sealed {}
 
 impl Window for RemoteBuf {}
 impl Window for IpcBuf {}
+impl Window for AnyWindow {}
 
 /// A vectored op pairs each local slice with one window, and has some.
 fn check_pairs<W>(locals: &[(&MemoryRegion, usize, usize)], remotes: &[W]) -> Result<()> {
@@ -111,6 +114,37 @@ mod sealed {
                 }
             };
             ep.inner.submit_ipc(conn, kind, parts)
+        }
+    }
+
+    impl Sealed for AnyWindow {
+        fn submit(
+            ep: &Endpoint,
+            conn: ConnId,
+            kind: OpKind,
+            locals: &[(&MemoryRegion, usize, usize)],
+            remotes: &[Self],
+        ) -> Result<Transfer> {
+            match remotes {
+                [AnyWindow::Key(r)] => RemoteBuf::submit(ep, conn, kind, locals, &[*r]),
+                [AnyWindow::Ipc(i)] => IpcBuf::submit(ep, conn, kind, locals, &[*i]),
+                _ => {
+                    let keys: Option<Vec<RemoteBuf>> =
+                        remotes.iter().map(|w| w.key().copied()).collect();
+                    if let Some(keys) = keys {
+                        return RemoteBuf::submit(ep, conn, kind, locals, &keys);
+                    }
+                    let ipcs: Option<Vec<IpcBuf>> =
+                        remotes.iter().map(|w| w.ipc().copied()).collect();
+                    match ipcs {
+                        Some(ipcs) => IpcBuf::submit(ep, conn, kind, locals, &ipcs),
+                        None => Err(Error::Unsupported {
+                            what: "a vectored op",
+                            reason: "its windows mix key windows and CUDA IPC windows".into(),
+                        }),
+                    }
+                }
+            }
         }
     }
 }

@@ -16,6 +16,7 @@ mod metadata;
 mod remote_buf;
 pub(crate) mod shm_msg;
 mod verbs;
+mod window;
 
 pub use cursor::DecodeError;
 pub use data::{DataHeader, DataKind, Status, DATA_HEADER_LEN, MAX_NOTIFY_BYTES};
@@ -33,6 +34,7 @@ pub use shm_msg::{
 #[cfg(test)]
 pub(crate) use verbs::tests::sample as verbs_sample;
 pub use verbs::{NicAddr, VerbsInfo, LINK_ETHERNET, LINK_INFINIBAND, MAX_DATA_QPS, MAX_NICS};
+pub use window::AnyWindow;
 
 #[cfg(test)]
 pub(crate) mod testrng {

@@ -4,7 +4,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use ferry::{ConnId, Endpoint, MemoryRegion, OpKind, RemoteBuf, Shard, Transfer};
+use ferry::{AnyWindow, ConnId, Endpoint, MemoryRegion, OpKind, Shard, Transfer};
 use ferry_cli::testkit::cpu_ns;
 
 use crate::args::fmt_size;
@@ -24,21 +24,6 @@ pub(super) fn median(v: &[f64]) -> f64 {
 pub(super) fn sorted(mut v: Vec<f64>) -> Vec<f64> {
     v.sort_by(|a, b| a.partial_cmp(b).expect("no NaN latencies"));
     v
-}
-
-/// The target's window: a key for tcp/shm, or a CUDA IPC window.
-pub(super) enum Remote {
-    Key(RemoteBuf),
-    Ipc(ferry::IpcBuf),
-}
-
-impl Remote {
-    pub(super) fn size(&self) -> usize {
-        match self {
-            Remote::Key(r) => r.size as usize,
-            Remote::Ipc(r) => r.len as usize,
-        }
-    }
 }
 
 /// The completions one measuring loop counts: those that end inside
@@ -125,26 +110,17 @@ pub(super) fn submit_on(
     ep: &Endpoint,
     c: ConnId,
     local: &MemoryRegion,
-    remote: &Remote,
+    remote: &AnyWindow,
     op: OpKind,
     off: usize,
     size: usize,
 ) -> Result<Transfer> {
-    Ok(match remote {
-        Remote::Key(r) => {
-            let rb = r.slice(off as u32, size as u32).context("remote window")?;
-            match op {
-                OpKind::Write => ep.write_async(c, local, off, size, &rb)?,
-                OpKind::Read => ep.read_async(c, local, off, size, &rb)?,
-            }
-        }
-        Remote::Ipc(r) => {
-            let rb = r.slice(off as u64, size as u64).context("remote window")?;
-            match op {
-                OpKind::Write => ep.write_async(c, local, off, size, &rb)?,
-                OpKind::Read => ep.read_async(c, local, off, size, &rb)?,
-            }
-        }
+    let rb = remote
+        .slice(off as u64, size as u64)
+        .context("remote window")?;
+    Ok(match op {
+        OpKind::Write => ep.write_async(c, local, off, size, &rb)?,
+        OpKind::Read => ep.read_async(c, local, off, size, &rb)?,
     })
 }
 
@@ -157,7 +133,7 @@ pub(super) struct Bench<'a> {
     pub(super) conns: Vec<ConnId>,
     pub(super) turn: std::cell::Cell<usize>,
     pub(super) local: MemoryRegion,
-    pub(super) remote: Remote,
+    pub(super) remote: AnyWindow,
     /// Bytes per one-op latency round trip.
     pub(super) latency_bytes: usize,
     /// Submitting threads (`--threads`; > 1 only with managed shards).
@@ -175,7 +151,7 @@ impl Bench<'_> {
     /// Distinct `size`-byte windows the run cycles through.
     pub(super) fn slots(&self, size: usize) -> usize {
         (self.local.len() / size)
-            .min(self.remote.size() / size)
+            .min(self.remote.len() as usize / size)
             .max(1)
     }
 

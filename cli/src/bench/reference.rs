@@ -7,9 +7,9 @@ use ferry::{Config, Endpoint, MemoryRegion, Mode, Transport};
 
 use crate::raw;
 
-use super::measure::Remote;
 use super::opts::Opts;
 use super::setup::host_buffer;
+use ferry::AnyWindow;
 
 /// The same-run reference (--baseline).
 pub(super) fn make_reference(
@@ -24,7 +24,7 @@ pub(super) fn make_reference(
         (false, _, _) => None,
         (true, false, _) if o.device_gpu => Some(Reference::Host(
             host_buffer(ep, shm, bytes)?,
-            Remote::Key(served.rbuf),
+            AnyWindow::Key(served.rbuf),
         )),
         (true, true, _) => Some(Reference::Gpu(GpuRef::new(
             o.gpu,
@@ -50,7 +50,7 @@ pub(super) enum Reference {
     Memcpy(Vec<u8>, Vec<u8>, usize),
     Gpu(GpuRef),
     /// ferry itself with host buffers (for --device gpu).
-    Host(MemoryRegion, Remote),
+    Host(MemoryRegion, AnyWindow),
 }
 
 /// cuMemcpyAsync in this process between the benchmark's two GPUs (or

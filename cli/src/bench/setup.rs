@@ -10,8 +10,8 @@ use ferry_cli::testkit::{read_served, rss_kib};
 
 use crate::child::{spawn_self, Peer};
 
-use super::measure::Remote;
 use super::opts::Opts;
+use ferry::AnyWindow;
 
 /// What holding the idle connections cost.
 pub(super) struct IdleCost {
@@ -243,7 +243,7 @@ pub(super) fn buffers(
     shm: bool,
     bytes: usize,
     served: &ferry_cli::testkit::Served,
-) -> Result<(MemoryRegion, Remote)> {
+) -> Result<(MemoryRegion, AnyWindow)> {
     // Touch every page now, as an application's live buffers are: first-touch
     // page faults would otherwise be measured as transfer time. On the
     // same-host path the buffer is memfd memory the target maps.
@@ -258,15 +258,15 @@ pub(super) fn buffers(
         host_buffer(ep, shm, bytes)?
     };
     let remote = if o.ipc {
-        Remote::Ipc(served.ipc.context("the target printed no IPCBUF line")?)
+        AnyWindow::Ipc(served.ipc.context("the target printed no IPCBUF line")?)
     } else if o.device_gpu {
-        Remote::Key(
+        AnyWindow::Key(
             served
                 .gpu_rbuf
                 .context("the target printed no GRBUF line")?,
         )
     } else {
-        Remote::Key(served.rbuf)
+        AnyWindow::Key(served.rbuf)
     };
     Ok((local, remote))
 }
