@@ -71,167 +71,201 @@ impl std::fmt::Debug for Secret {
     }
 }
 
-/// Every knob of an endpoint. Start from `Config::default()` or
-/// `Config::from_env()` and set fields; `EndpointBuilder::build` checks the
-/// result with [`Config::validate`]. `#[non_exhaustive]`: new knobs are
-/// not breaking changes, so build one by assignment, not a struct literal.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct Config {
-    /// Address the control listener binds (`FERRY_LISTEN_ADDR`, default 0.0.0.0).
-    pub listen_addr: IpAddr,
-    /// Port it binds; 0 picks a free one (`FERRY_LISTEN_PORT`).
-    pub listen_port: u16,
-    /// Address put in the metadata (`FERRY_ADVERTISE_ADDR`). Default: the
-    /// listen address, or when that is unspecified the first non-loopback
-    /// IPv4 address of an up interface, else 127.0.0.1.
-    pub advertise_addr: Option<IpAddr>,
-    /// Number of shards (`FERRY_SHARDS`, default 1).
-    pub shards: usize,
-    pub mode: Mode,
-    /// Operations in flight across the endpoint (`FERRY_MAX_INFLIGHT_OPS`, default 4096).
-    pub max_inflight_ops: usize,
-    /// Request frames outstanding per stream (`FERRY_STREAM_INFLIGHT`, default 1024).
-    pub stream_inflight: usize,
-    /// Depth of each shard's submission queue (`FERRY_SQ_DEPTH`, default 4096);
-    /// also the most commands one connection may have waiting for room.
-    pub sq_depth: usize,
-    /// TCP streams per connection (`FERRY_STREAMS`, default 1).
-    pub streams_per_conn: u16,
-    /// The most shards one tcp connection's streams are spread over
-    /// (`FERRY_LANES`, default 0: as many as streams and shards allow; 1:
-    /// every connection on one shard). Each lane is a group of the
-    /// connection's streams on its own shard; large operations (≥ 2
-    /// chunks) are split over the lanes, vectored ones dealt over them,
-    /// and each application thread's small ones go to one lane (threads
-    /// are dealt lanes round-robin).
-    pub lanes: usize,
-    /// Operations larger than this are split into frames of this size,
-    /// dealt round-robin over the streams (`FERRY_CHUNK_BYTES`, default 4 MiB).
-    pub chunk_bytes: usize,
-    /// Connect and handshake deadline (`FERRY_CONNECT_TIMEOUT_MS`, default 5000).
-    pub connect_timeout_ms: u64,
-    /// A request with no response for this long fails its connection
-    /// (`FERRY_OP_TIMEOUT_MS`, default 10000).
-    pub op_timeout_ms: u64,
-    /// How long an idle shard spins before it parks (`FERRY_SPIN_US`, default 50).
-    pub spin_us: u64,
-    /// How much of that spin polls without giving up the core; the rest
-    /// yields the core on each idle pass (`FERRY_SPIN_YIELD_US`, default
-    /// 20; 0: yield on every idle pass).
-    pub spin_yield_us: u64,
-    /// Control-path backend (`FERRY_IO=auto|uring|epoll`).
-    pub io: IoPreference,
-    /// Data path (`FERRY_TRANSPORT=auto|tcp|shm`).
-    pub transport: Transport,
-    /// Pin managed shard threads to cores (`FERRY_PIN=1`, default off).
-    pub pin_cores: bool,
-    /// Notifications held for the application (`FERRY_INBOX_DEPTH`, default 1024).
-    pub inbox_depth: usize,
-    /// Open connections at most, incoming and outgoing (`FERRY_MAX_CONNS`, default 4096).
-    pub max_conns: usize,
-    /// Connections one remote address may hold at most, so no single peer
-    /// takes every slot (`FERRY_MAX_CONNS_PER_PEER`, default 1024; at most
-    /// `max_conns`).
-    pub max_conns_per_peer: usize,
-    /// A connection with nothing in flight and no traffic for this long is
-    /// closed (`FERRY_IDLE_TIMEOUT_MS`; default 0: never).
-    pub idle_timeout_ms: u64,
-    /// Live registrations at most (`FERRY_MAX_REGISTRATIONS`, default 65536).
-    pub max_registrations: usize,
-    /// Operations in flight on one connection at most
-    /// (`FERRY_MAX_CONN_INFLIGHT_OPS`, default 4096).
-    pub max_conn_inflight_ops: usize,
-    /// Shared secret peers must prove in the handshake (`FERRY_AUTH_KEY`):
-    /// an HMAC-SHA256 challenge-response both ways; a peer without it, or
-    /// with another, is refused. `None`: no authentication.
-    pub auth_key: Option<Secret>,
-    /// What the frame MACs cover on authenticated connections
-    /// (`FERRY_INTEGRITY=headers|full`, default headers). Secrecy is not
-    /// offered: use a private network or a tunnel for that.
-    pub integrity: Integrity,
-    /// The endpoint's GPU (`FERRY_GPU`, an index into the visible devices).
-    /// `None`: lazy — the first registered GPU pointer picks it, else GPU 0
-    /// when GPU work needs one.
-    pub gpu: Option<usize>,
-    /// CUDA streams per device that split large IPC copies
-    /// (`FERRY_GPU_STREAMS`, default 4, at most 8).
-    pub gpu_streams: usize,
-    /// Pinned bounce memory per shard for GPU memory on tcp
-    /// (`FERRY_GPU_BOUNCE_BYTES`, default 256 MiB), in buffers of
-    /// `chunk_bytes` (at least 2).
-    pub gpu_bounce_bytes: usize,
-    /// RDMA devices to use, best first (`FERRY_RDMA_DEV=name[,name]`);
-    /// default: the NICs nearest the GPU on the PCIe tree.
-    pub rdma_dev: Option<String>,
-    /// GID table index (`FERRY_RDMA_GID_INDEX`). `None` (the default):
-    /// searched in the port's GID table — a RoCE v2 IPv4-mapped GID first,
-    /// then another RoCE v2 one, else index 0 (`verbs::nic::best_gid`).
-    pub rdma_gid_index: Option<u32>,
-    /// Data queue pairs per connection (`FERRY_RDMA_QPS`, default 4, at most 64).
-    pub rdma_qps: usize,
-    /// Work requests each data queue pair holds (`FERRY_RDMA_QP_DEPTH`,
-    /// default 256, 16..=32768): what a connection pins on the NIC grows
-    /// with it (256: about 128 KiB per connection with 4 queue pairs).
-    pub rdma_qp_depth: u32,
-    /// NICs an endpoint opens and stripes each connection's queue pairs
-    /// over (`FERRY_RDMA_MAX_NICS`, default 4, 1..=4): the ones nearest its
-    /// GPU, or those `FERRY_RDMA_DEV` names.
-    pub rdma_max_nics: usize,
-    /// Outstanding RDMA READs per queue pair (`FERRY_RDMA_MAX_RD_ATOMIC`, default 16).
-    pub rdma_max_rd_atomic: u8,
-    /// Service level and traffic class (`FERRY_RDMA_SL`, `FERRY_RDMA_TC`, default 0).
-    pub rdma_sl: u8,
-    pub rdma_tc: u8,
-    /// Log filter for the `ferry` binary (`FERRY_LOG`, default "warn"); the
-    /// library itself only emits `tracing` events.
-    pub log: String,
+/// The settings: each field with its doc, type, default, variable and how
+/// a value is read and checked (`range(min, max)`: a number in that range;
+/// `opt_range`: the same, optional; `with(f)`: parsed by `f`, checked in
+/// `validate` if at all; `code`: set in code only). The struct, its
+/// defaults, `from_lookup` and the range checks of `validate` all come
+/// from this one table.
+macro_rules! settings {
+    ($then:ident) => {
+        $then! {
+            /// Address the control listener binds (`FERRY_LISTEN_ADDR`, default 0.0.0.0).
+            listen_addr: IpAddr = IpAddr::V4(Ipv4Addr::UNSPECIFIED), "FERRY_LISTEN_ADDR", with(addr);
+            /// Port it binds; 0 picks a free one (`FERRY_LISTEN_PORT`).
+            listen_port: u16 = 0, "FERRY_LISTEN_PORT", with(num);
+            /// Address put in the metadata (`FERRY_ADVERTISE_ADDR`). Default: the
+            /// listen address, or when that is unspecified the first non-loopback
+            /// IPv4 address of an up interface, else 127.0.0.1.
+            advertise_addr: Option<IpAddr> = None, "FERRY_ADVERTISE_ADDR", with(some_addr);
+            /// Number of shards (`FERRY_SHARDS`, default 1).
+            shards: usize = 1, "FERRY_SHARDS", range(1, 256);
+            mode: Mode = Mode::Managed, "", code;
+            /// Operations in flight across the endpoint (`FERRY_MAX_INFLIGHT_OPS`, default 4096).
+            max_inflight_ops: usize = 4096, "FERRY_MAX_INFLIGHT_OPS", range(1, 1 << 20);
+            /// Request frames outstanding per stream (`FERRY_STREAM_INFLIGHT`, default 1024).
+            stream_inflight: usize = 1024, "FERRY_STREAM_INFLIGHT", range(1, 1 << 20);
+            /// Depth of each shard's submission queue (`FERRY_SQ_DEPTH`, default 4096);
+            /// also the most commands one connection may have waiting for room.
+            sq_depth: usize = 4096, "FERRY_SQ_DEPTH", range(1, 1 << 20);
+            /// TCP streams per connection (`FERRY_STREAMS`, default 1).
+            streams_per_conn: u16 = 1, "FERRY_STREAMS", range(1, crate::wire::MAX_STREAMS);
+            /// The most shards one tcp connection's streams are spread over
+            /// (`FERRY_LANES`, default 0: as many as streams and shards allow; 1:
+            /// every connection on one shard). Each lane is a group of the
+            /// connection's streams on its own shard; large operations (≥ 2
+            /// chunks) are split over the lanes, vectored ones dealt over them,
+            /// and each application thread's small ones go to one lane (threads
+            /// are dealt lanes round-robin).
+            lanes: usize = 0, "FERRY_LANES", range(0, 255);
+            /// Operations larger than this are split into frames of this size,
+            /// dealt round-robin over the streams (`FERRY_CHUNK_BYTES`, default 4 MiB).
+            chunk_bytes: usize = 4 << 20, "FERRY_CHUNK_BYTES", range(4096, 1 << 30);
+            /// Connect and handshake deadline (`FERRY_CONNECT_TIMEOUT_MS`, default 5000).
+            connect_timeout_ms: u64 = 5000, "FERRY_CONNECT_TIMEOUT_MS", range(1, 3_600_000);
+            /// A request with no response for this long fails its connection
+            /// (`FERRY_OP_TIMEOUT_MS`, default 10000).
+            op_timeout_ms: u64 = 10_000, "FERRY_OP_TIMEOUT_MS", range(1, 3_600_000);
+            /// How long an idle shard spins before it parks (`FERRY_SPIN_US`, default 50).
+            spin_us: u64 = 50, "FERRY_SPIN_US", range(0, 10_000_000);
+            /// How much of that spin polls without giving up the core; the rest
+            /// yields the core on each idle pass (`FERRY_SPIN_YIELD_US`, default
+            /// 20; 0: yield on every idle pass).
+            spin_yield_us: u64 = 20, "FERRY_SPIN_YIELD_US", range(0, 10_000_000);
+            /// Control-path backend (`FERRY_IO=auto|uring|epoll`).
+            io: IoPreference = IoPreference::Auto, "FERRY_IO", with(io_preference);
+            /// Data path (`FERRY_TRANSPORT=auto|tcp|shm`).
+            transport: Transport = Transport::Auto, "FERRY_TRANSPORT", with(transport);
+            /// Pin managed shard threads to cores (`FERRY_PIN=1`, default off).
+            pin_cores: bool = false, "FERRY_PIN", with(flag);
+            /// Notifications held for the application (`FERRY_INBOX_DEPTH`, default 1024).
+            inbox_depth: usize = 1024, "FERRY_INBOX_DEPTH", range(1, 1 << 20);
+            /// Open connections at most, incoming and outgoing (`FERRY_MAX_CONNS`, default 4096).
+            max_conns: usize = 4096, "FERRY_MAX_CONNS", range(1, 1 << 20);
+            /// Connections one remote address may hold at most, so no single peer
+            /// takes every slot (`FERRY_MAX_CONNS_PER_PEER`, default 1024; at most
+            /// `max_conns`).
+            max_conns_per_peer: usize = 1024, "FERRY_MAX_CONNS_PER_PEER", range(1, 1 << 20);
+            /// A connection with nothing in flight and no traffic for this long is
+            /// closed (`FERRY_IDLE_TIMEOUT_MS`; default 0: never).
+            idle_timeout_ms: u64 = 0, "FERRY_IDLE_TIMEOUT_MS", range(0, 86_400_000);
+            /// Live registrations at most (`FERRY_MAX_REGISTRATIONS`, default 65536).
+            max_registrations: usize = 65536, "FERRY_MAX_REGISTRATIONS", range(1, 1 << 24);
+            /// Operations in flight on one connection at most
+            /// (`FERRY_MAX_CONN_INFLIGHT_OPS`, default 4096).
+            max_conn_inflight_ops: usize = 4096, "FERRY_MAX_CONN_INFLIGHT_OPS", range(1, 1 << 20);
+            /// Shared secret peers must prove in the handshake (`FERRY_AUTH_KEY`):
+            /// an HMAC-SHA256 challenge-response both ways; a peer without it, or
+            /// with another, is refused. `None`: no authentication.
+            auth_key: Option<Secret> = None, "FERRY_AUTH_KEY", with(secret);
+            /// What the frame MACs cover on authenticated connections
+            /// (`FERRY_INTEGRITY=headers|full`, default headers). Secrecy is not
+            /// offered: use a private network or a tunnel for that.
+            integrity: Integrity = Integrity::Headers, "FERRY_INTEGRITY", with(integrity);
+            /// The endpoint's GPU (`FERRY_GPU`, an index into the visible devices).
+            /// `None`: lazy — the first registered GPU pointer picks it, else GPU 0
+            /// when GPU work needs one.
+            gpu: Option<usize> = None, "FERRY_GPU", opt_range(0, 1023);
+            /// CUDA streams per device that split large IPC copies
+            /// (`FERRY_GPU_STREAMS`, default 4, at most 8).
+            gpu_streams: usize = 4, "FERRY_GPU_STREAMS", range(1, 8);
+            /// Pinned bounce memory per shard for GPU memory on tcp
+            /// (`FERRY_GPU_BOUNCE_BYTES`, default 256 MiB), in buffers of
+            /// `chunk_bytes` (at least 2).
+            gpu_bounce_bytes: usize = 256 << 20, "FERRY_GPU_BOUNCE_BYTES", range(1, 1 << 40);
+            /// RDMA devices to use, best first (`FERRY_RDMA_DEV=name[,name]`);
+            /// default: the NICs nearest the GPU on the PCIe tree.
+            rdma_dev: Option<String> = None, "FERRY_RDMA_DEV", with(some_string);
+            /// GID table index (`FERRY_RDMA_GID_INDEX`). `None` (the default):
+            /// searched in the port's GID table — a RoCE v2 IPv4-mapped GID first,
+            /// then another RoCE v2 one, else index 0 (`verbs::nic::best_gid`).
+            rdma_gid_index: Option<u32> = None, "FERRY_RDMA_GID_INDEX", opt_range(0, 255);
+            /// Data queue pairs per connection (`FERRY_RDMA_QPS`, default 4, at most 64).
+            rdma_qps: usize = 4, "FERRY_RDMA_QPS", range(1, crate::wire::MAX_DATA_QPS);
+            /// Work requests each data queue pair holds (`FERRY_RDMA_QP_DEPTH`,
+            /// default 256, 16..=32768): what a connection pins on the NIC grows
+            /// with it (256: about 128 KiB per connection with 4 queue pairs).
+            rdma_qp_depth: u32 = 256, "FERRY_RDMA_QP_DEPTH", range(16, 32768);
+            /// NICs an endpoint opens and stripes each connection's queue pairs
+            /// over (`FERRY_RDMA_MAX_NICS`, default 4, 1..=4): the ones nearest its
+            /// GPU, or those `FERRY_RDMA_DEV` names.
+            rdma_max_nics: usize = 4, "FERRY_RDMA_MAX_NICS", range(1, crate::wire::MAX_NICS);
+            /// Outstanding RDMA READs per queue pair (`FERRY_RDMA_MAX_RD_ATOMIC`, default 16).
+            rdma_max_rd_atomic: u8 = 16, "FERRY_RDMA_MAX_RD_ATOMIC", range(1, 255);
+            /// Service level and traffic class (`FERRY_RDMA_SL`, `FERRY_RDMA_TC`, default 0).
+            rdma_sl: u8 = 0, "FERRY_RDMA_SL", range(0, 15);
+            rdma_tc: u8 = 0, "FERRY_RDMA_TC", range(0, 255);
+            /// Log filter for the `ferry` binary (`FERRY_LOG`, default "warn"); the
+            /// library itself only emits `tracing` events.
+            log: String = "warn".to_owned(), "FERRY_LOG", with(string);
+        }
+    };
 }
 
-impl Default for Config {
-    fn default() -> Self {
-        Self {
-            listen_addr: IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-            listen_port: 0,
-            advertise_addr: None,
-            shards: 1,
-            mode: Mode::Managed,
-            max_inflight_ops: 4096,
-            stream_inflight: 1024,
-            sq_depth: 4096,
-            streams_per_conn: 1,
-            lanes: 0,
-            chunk_bytes: 4 << 20,
-            connect_timeout_ms: 5000,
-            op_timeout_ms: 10_000,
-            spin_us: 50,
-            spin_yield_us: 20,
-            io: IoPreference::Auto,
-            transport: Transport::Auto,
-            pin_cores: false,
-            inbox_depth: 1024,
-            max_conns: 4096,
-            max_conns_per_peer: 1024,
-            idle_timeout_ms: 0,
-            max_registrations: 65536,
-            max_conn_inflight_ops: 4096,
-            auth_key: None,
-            integrity: Integrity::Headers,
-            gpu: None,
-            gpu_streams: 4,
-            gpu_bounce_bytes: 256 << 20,
-            rdma_dev: None,
-            rdma_gid_index: None,
-            rdma_qps: 4,
-            rdma_max_nics: 4,
-            rdma_qp_depth: 256,
-            rdma_max_rd_atomic: 16,
-            rdma_sl: 0,
-            rdma_tc: 0,
-            log: "warn".to_owned(),
+/// Declares `Config` and its `Default` from the table.
+macro_rules! declare {
+    ($(
+        $(#[$meta:meta])*
+        $field:ident: $ty:ty = $default:expr, $var:literal, $how:ident $(($($arg:expr),*))?;
+    )*) => {
+        /// Every knob of an endpoint. Start from `Config::default()` or
+        /// `Config::from_env()` and set fields; `EndpointBuilder::build` checks the
+        /// result with [`Config::validate`]. `#[non_exhaustive]`: new knobs are
+        /// not breaking changes, so build one by assignment, not a struct literal.
+        #[derive(Debug, Clone)]
+        #[non_exhaustive]
+        pub struct Config {
+            $($(#[$meta])* pub $field: $ty,)*
         }
-    }
+
+        impl Default for Config {
+            fn default() -> Self {
+                Self { $($field: $default,)* }
+            }
+        }
+
+        /// Every variable a setting is read from.
+        #[cfg(test)]
+        const VARIABLES: &[&str] = &[$($var),*];
+
+        impl Config {
+            /// Sets every field whose variable `get` knows.
+            fn read_vars(&mut self, get: &impl Fn(&str) -> Option<String>) -> Result<()> {
+                $(setting!(read $how $(($($arg),*))?, self.$field, $var, get);)*
+                Ok(())
+            }
+
+            /// Checks every field that has a range.
+            fn check_ranges(&self) -> Result<()> {
+                $(setting!(check $how $(($($arg),*))?, self.$field,
+                    concat!(stringify!($field), " (", $var, ")"));)*
+                Ok(())
+            }
+        }
+    };
 }
+
+/// How one setting is read from its variable and checked.
+macro_rules! setting {
+    (read range($min:expr, $max:expr), $slot:expr, $var:literal, $get:expr) => {
+        if let Some(v) = $get($var) {
+            $slot = num($var, v)?;
+        }
+    };
+    (read opt_range($min:expr, $max:expr), $slot:expr, $var:literal, $get:expr) => {
+        if let Some(v) = $get($var) {
+            $slot = Some(num($var, v)?);
+        }
+    };
+    (read with($f:expr), $slot:expr, $var:literal, $get:expr) => {
+        if let Some(v) = $get($var) {
+            $slot = $f($var, v)?;
+        }
+    };
+    (read code, $slot:expr, $var:literal, $get:expr) => {};
+    (check range($min:expr, $max:expr), $v:expr, $name:expr) => {
+        within($name, $v, $min, $max)?;
+    };
+    (check opt_range($min:expr, $max:expr), $v:expr, $name:expr) => {
+        if let Some(x) = $v {
+            within($name, x, $min, $max)?;
+        }
+    };
+    (check with($f:expr), $v:expr, $name:expr) => {};
+    (check code, $v:expr, $name:expr) => {};
+}
+
+settings!(declare);
 
 fn bad(name: &'static str, value: &str, reason: impl Into<String>) -> Error {
     Error::Config {
@@ -242,43 +276,64 @@ fn bad(name: &'static str, value: &str, reason: impl Into<String>) -> Error {
 }
 
 /// Parses a number; its range is checked by `validate`.
-fn num<T: std::str::FromStr>(name: &'static str, v: &str) -> Result<T> {
-    v.trim().parse().map_err(|_| bad(name, v, "not a number"))
+fn num<T: std::str::FromStr>(name: &'static str, v: String) -> Result<T> {
+    v.trim().parse().map_err(|_| bad(name, &v, "not a number"))
 }
 
-/// `min <= v <= max`, or an error naming the field (and its variable).
-/// The numeric settings: each field, its variable, and the range it must
-/// lie in. One table: `validate` and `from_lookup` both come from it.
-macro_rules! numeric_settings {
-    ($then:ident) => {
-        $then! {
-            shards: "FERRY_SHARDS", 1, 256;
-            max_inflight_ops: "FERRY_MAX_INFLIGHT_OPS", 1, 1 << 20;
-            stream_inflight: "FERRY_STREAM_INFLIGHT", 1, 1 << 20;
-            sq_depth: "FERRY_SQ_DEPTH", 1, 1 << 20;
-            streams_per_conn: "FERRY_STREAMS", 1, crate::wire::MAX_STREAMS;
-            lanes: "FERRY_LANES", 0, 255;
-            chunk_bytes: "FERRY_CHUNK_BYTES", 4096, 1 << 30;
-            connect_timeout_ms: "FERRY_CONNECT_TIMEOUT_MS", 1, 3_600_000;
-            op_timeout_ms: "FERRY_OP_TIMEOUT_MS", 1, 3_600_000;
-            spin_us: "FERRY_SPIN_US", 0, 10_000_000;
-            spin_yield_us: "FERRY_SPIN_YIELD_US", 0, 10_000_000;
-            inbox_depth: "FERRY_INBOX_DEPTH", 1, 1 << 20;
-            max_conns: "FERRY_MAX_CONNS", 1, 1 << 20;
-            max_conns_per_peer: "FERRY_MAX_CONNS_PER_PEER", 1, 1 << 20;
-            idle_timeout_ms: "FERRY_IDLE_TIMEOUT_MS", 0, 86_400_000;
-            max_registrations: "FERRY_MAX_REGISTRATIONS", 1, 1 << 24;
-            max_conn_inflight_ops: "FERRY_MAX_CONN_INFLIGHT_OPS", 1, 1 << 20;
-            gpu_streams: "FERRY_GPU_STREAMS", 1, 8;
-            gpu_bounce_bytes: "FERRY_GPU_BOUNCE_BYTES", 1, 1 << 40;
-            rdma_qp_depth: "FERRY_RDMA_QP_DEPTH", 16, 32768;
-            rdma_max_nics: "FERRY_RDMA_MAX_NICS", 1, crate::wire::MAX_NICS;
-            rdma_qps: "FERRY_RDMA_QPS", 1, crate::wire::MAX_DATA_QPS;
-            rdma_max_rd_atomic: "FERRY_RDMA_MAX_RD_ATOMIC", 1, 255;
-            rdma_sl: "FERRY_RDMA_SL", 0, 15;
-            rdma_tc: "FERRY_RDMA_TC", 0, 255;
-        }
-    };
+fn addr(name: &'static str, v: String) -> Result<IpAddr> {
+    v.trim()
+        .parse()
+        .map_err(|_| bad(name, &v, "not an IP address"))
+}
+
+fn some_addr(name: &'static str, v: String) -> Result<Option<IpAddr>> {
+    addr(name, v).map(Some)
+}
+
+fn io_preference(name: &'static str, v: String) -> Result<IoPreference> {
+    Ok(match v.trim() {
+        "auto" => IoPreference::Auto,
+        "uring" | "io_uring" => IoPreference::Uring,
+        "epoll" => IoPreference::Epoll,
+        _ => return Err(bad(name, &v, "expected auto, uring or epoll")),
+    })
+}
+
+fn transport(name: &'static str, v: String) -> Result<Transport> {
+    Ok(match v.trim() {
+        "auto" => Transport::Auto,
+        "tcp" => Transport::Tcp,
+        "shm" => Transport::Shm,
+        _ => return Err(bad(name, &v, "expected auto, tcp or shm")),
+    })
+}
+
+fn flag(name: &'static str, v: String) -> Result<bool> {
+    match v.trim() {
+        "1" | "true" | "yes" => Ok(true),
+        "0" | "false" | "no" => Ok(false),
+        _ => Err(bad(name, &v, "expected 0 or 1")),
+    }
+}
+
+fn integrity(name: &'static str, v: String) -> Result<Integrity> {
+    match v.trim() {
+        "headers" => Ok(Integrity::Headers),
+        "full" => Ok(Integrity::Full),
+        _ => Err(bad(name, &v, "expected headers or full")),
+    }
+}
+
+fn secret(_name: &'static str, v: String) -> Result<Option<Secret>> {
+    Secret::new(v.into_bytes()).map(Some)
+}
+
+fn some_string(_name: &'static str, v: String) -> Result<Option<String>> {
+    Ok(Some(v))
+}
+
+fn string(_name: &'static str, v: String) -> Result<String> {
+    Ok(v)
 }
 
 fn within<T>(name: &'static str, v: T, min: T, max: T) -> Result<()>
@@ -314,23 +369,7 @@ impl Config {
     /// a value set in code meets the same rules as one from a variable.
     /// The error names the field, its variable and the value.
     pub fn validate(&self) -> Result<()> {
-        macro_rules! check {
-            ($($field:ident: $var:literal, $min:expr, $max:expr;)*) => {$(
-                within(
-                    concat!(stringify!($field), " (", $var, ")"),
-                    self.$field,
-                    $min,
-                    $max,
-                )?;
-            )*};
-        }
-        numeric_settings!(check);
-        if let Some(g) = self.gpu {
-            within("gpu (FERRY_GPU)", g, 0, 1023)?;
-        }
-        if let Some(g) = self.rdma_gid_index {
-            within("rdma_gid_index (FERRY_RDMA_GID_INDEX)", g, 0, 255)?;
-        }
+        self.check_ranges()?;
         if let Some(d) = &self.rdma_dev {
             if d.split(',').all(|s| s.trim().is_empty()) {
                 return Err(bad("rdma_dev (FERRY_RDMA_DEV)", d, "names no device"));
@@ -357,73 +396,7 @@ impl Config {
     /// As `from_env`, reading variables through `get` (for tests).
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config> {
         let mut c = Config::default();
-        let addr = |name: &'static str, v: &str| -> Result<IpAddr> {
-            v.trim()
-                .parse()
-                .map_err(|_| bad(name, v, "not an IP address"))
-        };
-        if let Some(v) = get("FERRY_LISTEN_ADDR") {
-            c.listen_addr = addr("FERRY_LISTEN_ADDR", &v)?;
-        }
-        if let Some(v) = get("FERRY_LISTEN_PORT") {
-            c.listen_port = num("FERRY_LISTEN_PORT", &v)?;
-        }
-        if let Some(v) = get("FERRY_ADVERTISE_ADDR") {
-            c.advertise_addr = Some(addr("FERRY_ADVERTISE_ADDR", &v)?);
-        }
-        macro_rules! read {
-            ($($field:ident: $var:literal, $min:expr, $max:expr;)*) => {$(
-                if let Some(v) = get($var) {
-                    c.$field = num($var, &v)?;
-                }
-            )*};
-        }
-        numeric_settings!(read);
-        if let Some(v) = get("FERRY_RDMA_GID_INDEX") {
-            c.rdma_gid_index = Some(num("FERRY_RDMA_GID_INDEX", &v)?);
-        }
-        if let Some(v) = get("FERRY_GPU") {
-            c.gpu = Some(num("FERRY_GPU", &v)?);
-        }
-        if let Some(v) = get("FERRY_IO") {
-            c.io = match v.trim() {
-                "auto" => IoPreference::Auto,
-                "uring" | "io_uring" => IoPreference::Uring,
-                "epoll" => IoPreference::Epoll,
-                _ => return Err(bad("FERRY_IO", &v, "expected auto, uring or epoll")),
-            };
-        }
-        if let Some(v) = get("FERRY_TRANSPORT") {
-            c.transport = match v.trim() {
-                "auto" => Transport::Auto,
-                "tcp" => Transport::Tcp,
-                "shm" => Transport::Shm,
-                _ => return Err(bad("FERRY_TRANSPORT", &v, "expected auto, tcp or shm")),
-            };
-        }
-        if let Some(v) = get("FERRY_PIN") {
-            c.pin_cores = match v.trim() {
-                "1" | "true" | "yes" => true,
-                "0" | "false" | "no" => false,
-                _ => return Err(bad("FERRY_PIN", &v, "expected 0 or 1")),
-            };
-        }
-        if let Some(v) = get("FERRY_RDMA_DEV") {
-            c.rdma_dev = Some(v);
-        }
-        if let Some(v) = get("FERRY_INTEGRITY") {
-            c.integrity = match v.trim() {
-                "headers" => Integrity::Headers,
-                "full" => Integrity::Full,
-                _ => return Err(bad("FERRY_INTEGRITY", &v, "expected headers or full")),
-            };
-        }
-        if let Some(v) = get("FERRY_AUTH_KEY") {
-            c.auth_key = Some(Secret::new(v.into_bytes())?);
-        }
-        if let Some(v) = get("FERRY_LOG") {
-            c.log = v;
-        }
+        c.read_vars(&get)?;
         c.validate()?;
         Ok(c)
     }
@@ -470,6 +443,19 @@ mod tests {
         let e = Config::from_lookup(env(&[("FERRY_TRANSPORT", "carrier-pigeon")])).unwrap_err();
         assert!(e.to_string().contains("carrier-pigeon"), "{e}");
         assert!(Config::from_lookup(env(&[("FERRY_OP_TIMEOUT_MS", "x")])).is_err());
+    }
+
+    /// The table names each variable once, and the README documents each.
+    #[test]
+    fn every_variable_is_distinct_and_documented() {
+        let readme = include_str!("../../README.md");
+        let vars: Vec<&str> = VARIABLES.iter().copied().filter(|v| !v.is_empty()).collect();
+        let mut seen = std::collections::HashSet::new();
+        for v in &vars {
+            assert!(seen.insert(*v), "{v} twice in the table");
+            assert!(readme.contains(v), "{v} is not in the README");
+        }
+        assert!(vars.len() >= 35, "{}", vars.len());
     }
 
     #[test]
