@@ -449,7 +449,11 @@ mod tests {
     #[test]
     fn every_variable_is_distinct_and_documented() {
         let readme = include_str!("../../README.md");
-        let vars: Vec<&str> = VARIABLES.iter().copied().filter(|v| !v.is_empty()).collect();
+        let vars: Vec<&str> = VARIABLES
+            .iter()
+            .copied()
+            .filter(|v| !v.is_empty())
+            .collect();
         let mut seen = std::collections::HashSet::new();
         for v in &vars {
             assert!(seen.insert(*v), "{v} twice in the table");

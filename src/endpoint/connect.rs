@@ -91,7 +91,7 @@ impl Inner {
             }
             let ctl = std::cell::RefCell::new(Ctl::new(self.backend)?);
             let chunk = self.cfg.chunk_bytes.min(1 << 30) as u32;
-            let link = crate::verbs::device::exchange(
+            let link = crate::verbs::link::exchange(
                 nic,
                 &self.cfg.verbs(),
                 chunk,

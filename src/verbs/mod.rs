@@ -4,7 +4,8 @@
 //!   `FERRY_RDMA_DEV`;
 //! * `plan`: chunking, striping over data QPs, doorbell batches with
 //!   selective signalling, completion status mapping;
-//! * `device` (with `rdma`): the NIC, PD, MRs (host; GPU via dma-buf), RC
+//! * `device` (with `rdma`): the NICs, PDs, MRs (host; GPU via dma-buf), shared
+//!   CQs and NIC events; `link`: a connection's RC
 //!   QPs connected from the peer's `wire::VerbsInfo`, posting and polling.
 //!
 //! `status()` says whether verbs can be used here and, if not, why; the
@@ -16,6 +17,8 @@ pub mod plan;
 
 #[cfg(feature = "rdma")]
 pub mod device;
+#[cfg(feature = "rdma")]
+pub(crate) mod link;
 
 /// The endpoint's opened NICs (none in a build without `rdma`).
 #[cfg(feature = "rdma")]
@@ -55,7 +58,7 @@ impl NicMrs {
 
 /// A connection's RDMA queue pairs as the shard drives them: the one seam
 /// between builds with and without verbs. Only the `rdma` build implements
-/// it (`device::Link`); elsewhere no value of it can exist, and the shard's
+/// it (`link::Link`); elsewhere no value of it can exist, and the shard's
 /// `Option<Link>` is always `None`.
 pub(crate) trait QpLink: Send {
     /// Can `n_pieces` more work requests go out without overrunning a
