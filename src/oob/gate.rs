@@ -2,11 +2,14 @@
 //! socket, so silent or slow sockets cost a slot and a few hundred bytes,
 //! never a thread, and cannot starve the honest ones.
 //!
-//! Each accepted socket is non-blocking and owned by a small state machine
-//! (`Hs`): read the `Hello`, wait for the connection's other streams, send
-//! `HelloAck` (and our proof when a secret is set), read the peer's proof,
-//! send `AuthOk`. A connection of N streams is acknowledged only when all N
-//! have arrived, so a client never holds acks for a connection we dropped.
+//! Each accepted socket is non-blocking and owned by the accepting
+//! handshake's sans-IO machine (`accept.rs`): read the `Hello`, wait for
+//! the connection's other streams, send `HelloAck` (and our proof when a
+//! secret is set), read the peer's proof, send `AuthOk`. A connection of N
+//! streams is acknowledged only when all N have arrived (`admission.rs`,
+//! which also counts sockets per address and picks whom to evict), so a
+//! client never holds acks for a connection we dropped. This file is the
+//! epoll loop that moves their bytes.
 //!
 //! Bounds, all ours: at most `max_pending` sockets in handshake, at most
 //! `max_per_addr` from one address; a new socket over either bound evicts
@@ -23,7 +26,6 @@
 //! io_uring's gain on the control path is one-shot operations with linked
 //! timeouts (connects), not readiness of many sockets.
 
-use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
@@ -34,10 +36,10 @@ use mio::{Events, Interest, Poll, Token};
 use slab::Slab;
 use tracing::debug;
 
-use super::handshake::FrameReader;
-use crate::auth::{ct_eq, proof};
+use super::accept::AcceptHs;
+use super::admission::{eviction_scope, victim, Admission, Candidate, GroupKey};
 use crate::error::{Error, Result};
-use crate::wire::{ControlFrame, Hello, CAP_AUTH};
+use crate::wire::{ControlFrame, Hello};
 
 use super::handshake::REJECT_PROTOCOL;
 
@@ -92,40 +94,13 @@ pub(crate) struct GateStats {
     pub done: u64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Phase {
-    /// Reading the peer's `Hello`.
-    Hello,
-    /// `Hello` read; waiting for the connection's other streams.
-    Waiting,
-    /// Ack (and our proof) queued; with a secret, reading the peer's proof.
-    Proving,
-    /// Everything sent once the output drains.
-    Finished,
-}
-
-struct Hs {
+/// One accepted socket and its handshake.
+struct Stream {
     sock: TcpStream,
     peer: SocketAddr,
     since: Instant,
-    phase: Phase,
-    rx: FrameReader,
-    tx: Vec<u8>,
-    tx_at: usize,
-    /// Whether any byte has arrived (the first-bytes deadline).
-    heard: bool,
-    theirs: Option<Hello>,
-    ours: Option<Hello>,
+    hs: AcceptHs,
     group: Option<GroupKey>,
-}
-
-type GroupKey = (u64, u64);
-
-struct Group<S> {
-    /// Slab keys by stream index; `None` until that stream's Hello arrives.
-    members: Vec<Option<usize>>,
-    arrived: usize,
-    slot: Option<S>,
 }
 
 pub(crate) struct Gate<S> {
@@ -136,9 +111,8 @@ pub(crate) struct Gate<S> {
     events: Events,
     listener_fd: i32,
     limits: GateLimits,
-    socks: Slab<Hs>,
-    per_addr: HashMap<IpAddr, usize>,
-    groups: HashMap<GroupKey, Group<S>>,
+    socks: Slab<Stream>,
+    adm: Admission<S>,
     stats: GateStats,
     /// Sockets whose state changed outside an event and need a turn.
     kick: Vec<usize>,
@@ -173,8 +147,7 @@ impl<S> Gate<S> {
             listener_fd: fd,
             limits,
             socks: Slab::new(),
-            per_addr: HashMap::new(),
-            groups: HashMap::new(),
+            adm: Admission::default(),
             stats: GateStats::default(),
             kick: Vec::new(),
             backlog: false,
@@ -256,7 +229,7 @@ impl<S> Gate<S> {
         let mut next: Option<Instant> = None;
         let mut late = Vec::new();
         for (k, h) in self.socks.iter() {
-            let due = h.since + if h.heard { whole } else { first };
+            let due = h.since + if h.hs.heard() { whole } else { first };
             if due <= now {
                 late.push(k);
             } else {
@@ -298,14 +271,14 @@ impl<S> Gate<S> {
             };
             self.stats.accepted += 1;
             let ip = peer.ip();
-            let from_addr = self.per_addr.get(&ip).copied().unwrap_or(0);
-            let victim = if from_addr >= self.limits.max_per_addr {
-                self.oldest(Some(ip))
-            } else if self.socks.len() >= self.limits.max_pending {
-                self.oldest(None)
-            } else {
-                None
-            };
+            let victim = eviction_scope(
+                self.adm.count_of(ip),
+                self.socks.len(),
+                self.limits.max_per_addr,
+                self.limits.max_pending,
+                ip,
+            )
+            .and_then(|scope| self.oldest(scope));
             if let Some(k) = victim {
                 self.stats.evicted += 1;
                 self.drop_with_group(k, "evicted by a newer handshake");
@@ -328,20 +301,14 @@ impl<S> Gate<S> {
             {
                 continue;
             }
-            entry.insert(Hs {
+            entry.insert(Stream {
                 sock: s,
                 peer,
                 since: Instant::now(),
-                phase: Phase::Hello,
-                rx: FrameReader::new(),
-                tx: Vec::new(),
-                tx_at: 0,
-                heard: false,
-                theirs: None,
-                ours: None,
+                hs: AcceptHs::new(),
                 group: None,
             });
-            *self.per_addr.entry(ip).or_insert(0) += 1;
+            self.adm.arrived(ip);
             self.kick.push(key);
         }
     }
@@ -349,11 +316,13 @@ impl<S> Gate<S> {
     /// The socket to evict (from `ip` only, if given): the oldest of those
     /// that have sent nothing yet, else the oldest.
     fn oldest(&self, ip: Option<IpAddr>) -> Option<usize> {
-        self.socks
-            .iter()
-            .filter(|(_, h)| ip.map_or(true, |ip| h.peer.ip() == ip))
-            .min_by_key(|(_, h)| (h.heard, h.since))
-            .map(|(k, _)| k)
+        let cands = self.socks.iter().map(|(key, h)| Candidate {
+            key,
+            ip: h.peer.ip(),
+            heard: h.hs.heard(),
+            since: h.since,
+        });
+        victim(cands, ip)
     }
 
     /// Gives socket `key` a turn: write what is queued, read what is due.
@@ -368,8 +337,7 @@ impl<S> Gate<S> {
                 return;
             }
         }
-        let h = &self.socks[key];
-        if h.phase == Phase::Finished && h.tx_at == h.tx.len() {
+        if self.socks[key].hs.finished() {
             if let Some(d) = self.take_if_done(key) {
                 self.stats.done += 1;
                 done.push(d);
@@ -380,135 +348,54 @@ impl<S> Gate<S> {
     fn io<H: GateHooks<Slot = S>>(&mut self, key: usize, hooks: &H) -> Next {
         loop {
             let h = &mut self.socks[key];
-            while h.tx_at < h.tx.len() {
-                match (&h.sock).write(&h.tx[h.tx_at..]) {
-                    Ok(n) => h.tx_at += n,
+            while !h.hs.to_send().is_empty() {
+                match (&h.sock).write(h.hs.to_send()) {
+                    Ok(n) => h.hs.sent(n),
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Next::Keep,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                     Err(_) => return Next::Drop("send failed"),
                 }
             }
-            if !matches!(h.phase, Phase::Hello | Phase::Proving) {
+            if !h.hs.reading() {
                 return Next::Keep;
             }
-            let frame = match (&h.sock).read(h.rx.want()) {
+            let got = match (&h.sock).read(h.hs.rx_buf()) {
                 Ok(0) => return Next::Drop("closed by the peer"),
-                Ok(n) => {
-                    h.heard = true;
-                    match h.rx.filled(n) {
-                        Ok(None) => continue,
-                        Ok(Some(f)) => Ok(f),
-                        Err(e) => Err(e.to_string()),
-                    }
-                }
+                Ok(n) => h.hs.received(n, hooks.key()),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Next::Keep,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(_) => return Next::Drop("receive failed"),
             };
-            if let Err(why) = frame.and_then(|f| self.on_frame(key, f, hooks)) {
+            let joined = match got {
+                Ok(None) => Ok(()),
+                Ok(Some(theirs)) => self.join(key, theirs, hooks),
+                Err(why) => Err(why),
+            };
+            if let Err(why) = joined {
                 self.refuse(key, &why);
                 return Next::Drop("refused");
             }
         }
     }
 
-    fn on_frame<H: GateHooks<Slot = S>>(
-        &mut self,
-        key: usize,
-        frame: ControlFrame,
-        hooks: &H,
-    ) -> std::result::Result<(), String> {
-        let phase = self.socks[key].phase;
-        match (phase, frame) {
-            (Phase::Hello, ControlFrame::Hello(theirs)) => {
-                match (hooks.key().is_some(), theirs.caps & CAP_AUTH != 0) {
-                    (true, false) => {
-                        return Err(
-                            "authentication required: this endpoint has FERRY_AUTH_KEY set".into(),
-                        )
-                    }
-                    (false, true) => return Err(
-                        "the peer requires authentication and this endpoint has no FERRY_AUTH_KEY"
-                            .into(),
-                    ),
-                    _ => {}
-                }
-                self.join_group(key, theirs, hooks)
-            }
-            (Phase::Proving, ControlFrame::Auth(mac)) => {
-                let key_bytes = hooks.key().expect("proving only with a key");
-                let h = &mut self.socks[key];
-                let (ours, theirs) = (h.ours.expect("acked"), h.theirs.expect("hello read"));
-                let expected = proof(
-                    key_bytes,
-                    "client",
-                    ours.auth_nonce,
-                    theirs.auth_nonce,
-                    theirs.endpoint_id,
-                    ours.endpoint_id,
-                );
-                if !ct_eq(&mac, &expected) {
-                    return Err(
-                        "authentication failed: wrong or missing proof of FERRY_AUTH_KEY".into(),
-                    );
-                }
-                h.tx.extend_from_slice(&ControlFrame::AuthOk.encode());
-                h.phase = Phase::Finished;
-                Ok(())
-            }
-            (Phase::Hello, other) => Err(format!("expected Hello, got {other:?}")),
-            (_, _) => Err("authentication failed: wrong or missing proof of FERRY_AUTH_KEY".into()),
-        }
-    }
-
     /// Files a stream under its connection; acknowledges the whole
-    /// connection once every stream is here.
-    fn join_group<H: GateHooks<Slot = S>>(
+    /// connection once every stream is here and it is admitted.
+    fn join<H: GateHooks<Slot = S>>(
         &mut self,
         key: usize,
         theirs: Hello,
         hooks: &H,
     ) -> std::result::Result<(), String> {
+        let peer = self.socks[key].peer;
+        let socks = &self.socks;
+        let whole = self
+            .adm
+            .join(key, &theirs, peer.ip(), |k| socks[k].peer.ip())?;
         let gk = (theirs.endpoint_id, theirs.conn_nonce);
-        let h = &mut self.socks[key];
-        h.theirs = Some(theirs);
-        h.phase = Phase::Waiting;
-        let peer = h.peer;
-        let g = self.groups.entry(gk).or_insert_with(|| Group {
-            members: vec![None; theirs.stream_count as usize],
-            arrived: 0,
-            slot: None,
-        });
-        if g.members.len() != theirs.stream_count as usize {
-            return Err(format!(
-                "stream {} says {} streams, earlier ones said {}",
-                theirs.stream_idx,
-                theirs.stream_count,
-                g.members.len()
-            ));
-        }
-        let at = &mut g.members[theirs.stream_idx as usize];
-        if at.is_some() {
-            return Err(format!("stream {} arrived twice", theirs.stream_idx));
-        }
-        // Members of one connection must come from one address.
-        let first_peer = g
-            .members
-            .iter()
-            .flatten()
-            .next()
-            .map(|&k| self.socks[k].peer.ip());
-        if first_peer.is_some_and(|ip| ip != peer.ip()) {
-            return Err("streams of one connection come from different addresses".into());
-        }
-        let g = self.groups.get_mut(&gk).expect("present");
-        g.members[theirs.stream_idx as usize] = Some(key);
-        g.arrived += 1;
         self.socks[key].group = Some(gk);
-        if g.arrived < g.members.len() {
+        let Some(members) = whole else {
             return Ok(());
-        }
-        let members: Vec<usize> = g.members.iter().map(|m| m.expect("all arrived")).collect();
+        };
         let slot = match hooks.admit(&theirs, peer) {
             Ok(slot) => slot,
             Err(e) => {
@@ -520,31 +407,9 @@ impl<S> Gate<S> {
                 return Err(why);
             }
         };
-        self.groups.get_mut(&gk).expect("present").slot = Some(slot);
+        self.adm.admitted(gk, slot);
         for m in members {
-            let h = &mut self.socks[m];
-            let t = h.theirs.expect("hello read");
-            let mut ours = hooks.ours();
-            ours.conn_nonce = t.conn_nonce;
-            ours.stream_idx = t.stream_idx;
-            ours.stream_count = t.stream_count;
-            h.tx.extend_from_slice(&ControlFrame::HelloAck(ours).encode());
-            h.ours = Some(ours);
-            match hooks.key() {
-                Some(k) => {
-                    let mine = proof(
-                        k,
-                        "server",
-                        t.auth_nonce,
-                        ours.auth_nonce,
-                        ours.endpoint_id,
-                        t.endpoint_id,
-                    );
-                    h.tx.extend_from_slice(&ControlFrame::Auth(mine).encode());
-                    h.phase = Phase::Proving;
-                }
-                None => h.phase = Phase::Finished,
-            }
+            self.socks[m].hs.acknowledge(hooks.ours(), hooks.key());
             if m != key {
                 self.kick.push(m);
             }
@@ -556,23 +421,21 @@ impl<S> Gate<S> {
     /// has finished.
     fn take_if_done(&mut self, key: usize) -> Option<Done<S>> {
         let gk = self.socks[key].group?;
-        let g = self.groups.get(&gk)?;
-        let all = g.members.iter().all(|m| {
-            m.is_some_and(|k| {
-                let h = &self.socks[k];
-                h.phase == Phase::Finished && h.tx_at == h.tx.len()
-            })
-        });
+        let g = self.adm.group(gk)?;
+        let all = g
+            .members
+            .iter()
+            .all(|m| m.is_some_and(|k| self.socks[k].hs.finished()));
         if !all {
             return None;
         }
-        let g = self.groups.remove(&gk).expect("present");
+        let g = self.adm.take(gk).expect("present");
         let mut streams = Vec::with_capacity(g.members.len());
         let mut hellos = Vec::with_capacity(g.members.len());
         let mut peer = None;
         for k in g.members.into_iter().flatten() {
             let h = self.remove(k);
-            hellos.push((h.ours.expect("sent"), h.theirs.expect("read")));
+            hellos.push((h.hs.ours().expect("sent"), h.hs.theirs().expect("read")));
             peer.get_or_insert(h.peer);
             streams.push(h.sock);
         }
@@ -598,17 +461,11 @@ impl<S> Gate<S> {
         let _ = (&h.sock).write(&frame.encode());
     }
 
-    fn remove(&mut self, key: usize) -> Hs {
+    fn remove(&mut self, key: usize) -> Stream {
         let h = self.socks.remove(key);
         let fd = h.sock.as_raw_fd();
         let _ = self.poll.registry().deregister(&mut SourceFd(&fd));
-        let ip = h.peer.ip();
-        if let Some(n) = self.per_addr.get_mut(&ip) {
-            *n -= 1;
-            if *n == 0 {
-                self.per_addr.remove(&ip);
-            }
-        }
+        self.adm.left(h.peer.ip());
         h
     }
 
@@ -616,7 +473,7 @@ impl<S> Gate<S> {
     fn drop_with_group(&mut self, key: usize, why: &'static str) {
         let h = self.remove(key);
         debug!(peer = %h.peer, "handshake dropped: {why}");
-        if let Some(g) = h.group.and_then(|gk| self.groups.remove(&gk)) {
+        if let Some(g) = h.group.and_then(|gk| self.adm.take(gk)) {
             for k in g.members.into_iter().flatten() {
                 if k != key && self.socks.contains(k) {
                     self.remove(k);
@@ -637,6 +494,7 @@ impl<S> Drop for Gate<S> {
 mod tests {
     use super::*;
     use crate::oob::{handshake, Ctl, IoBackend};
+    use crate::wire::CAP_AUTH;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
 

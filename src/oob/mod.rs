@@ -10,6 +10,8 @@
 //! The control path is not the data path: it may block its caller (with a
 //! deadline) and allocates freely.
 
+mod accept;
+mod admission;
 mod epoll;
 pub(crate) mod gate;
 pub(crate) mod handshake;
