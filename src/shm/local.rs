@@ -16,6 +16,7 @@ use std::time::Instant;
 
 use slab::Slab;
 
+use super::copy_path::{self, CopyPath};
 use super::named_ring::ShmRing;
 use super::ring::SLOT_PAYLOAD;
 use crate::error::{ConnId, Error, OpKind, Result};
@@ -25,10 +26,6 @@ use crate::wire::shm_msg::{Msg, MsgKind, MAX_INLINE};
 use crate::wire::IpcRef;
 use crate::wire::{Status, MAX_NOTIFY_BYTES};
 use crate::xfer::{GpuReq, HostCopy, PeerBytes, PendingOp, Sink, Theirs};
-
-/// Host copies at least this long are spread over the shards (when there
-/// are several): below it one thread's copy is as fast as the hand-off.
-pub(crate) const SPREAD_COPY_MIN: usize = 1 << 20;
 
 /// IPC revocations one connection keeps for a peer whose ring is full.
 /// Past it the oldest is dropped: the peer's mapping then stays open (it
@@ -559,53 +556,41 @@ impl LocalConn {
             need,
         ) {
             Err(st) => st,
-            Ok(w) if m.status != 0 || w.is_device() => {
-                // A GPU side: the shard copies with CUDA and
-                // replies when the copy is done.
-                let theirs = if m.status & REQ_INITIATOR_GPU != 0 {
-                    IpcRef::decode(inline).map(Theirs::Ipc)
-                } else {
-                    self.mapped(maps, m.src_key, m.src_addr, m.len)
-                        .map(|(p, m)| Theirs::Host(p, m.clone()))
-                };
-                match theirs {
-                    // The initiator's host memory is not mapped here
-                    // (only alloc_host memory is), and the CPU
-                    // cannot copy into GPU memory across processes.
-                    None => Status::PeerMemory,
-                    Some(theirs) => {
-                        let req = GpuReq {
-                            conn: self.id,
-                            peer_id: self.peer_id,
-                            peer_pid: self.peer_pid,
-                            op_id: m.op_id,
-                            write,
-                            ours: w,
-                            theirs,
-                        };
-                        if sink.gpu_copy(req) {
+            Ok(w) => {
+                let path = copy_path::choose(&copy_path::Request {
+                    write,
+                    gpu: m.status != 0 || w.is_device(),
+                    inline_len: inline.len(),
+                    len: w.len(),
+                    max_inline: MAX_INLINE,
+                });
+                let copied = match path {
+                    CopyPath::Cuda => match self.cuda_copy(&m, inline, w, write, maps, sink) {
+                        // The shard copies and answers.
+                        Ok(()) => return Ok(()),
+                        Err(status) => {
+                            reply.status = status as u8;
+                            self.reply(&reply, &[]);
                             return Ok(());
                         }
-                        Status::DeviceMemory
+                    },
+                    CopyPath::FromRequest => {
+                        // SAFETY: both ranges are `len` long and distinct.
+                        unsafe { std::ptr::copy_nonoverlapping(inline.as_ptr(), w.ptr(), w.len()) };
+                        true
                     }
-                }
-            }
-            Ok(w) => {
-                let len = w.len();
-                let ours = w.ptr();
-                let copied = if write && inline.len() == len {
-                    // SAFETY: both ranges are `len` long and distinct.
-                    unsafe { std::ptr::copy_nonoverlapping(inline.as_ptr(), ours, len) };
-                    true
-                } else if !write && len <= MAX_INLINE {
-                    // SAFETY: `ours` is len readable bytes kept alive by `held`.
-                    out_inline = unsafe { std::slice::from_raw_parts(ours, len) };
-                    true
-                } else {
-                    match self.copy_host(&m, &w, write, maps, peer_mem, sink) {
-                        Some(copied) => copied,
-                        // A sibling shard copies; it answers.
-                        None => return Ok(()),
+                    CopyPath::InReply => {
+                        // SAFETY: `w` is len readable bytes kept alive by `held`.
+                        out_inline = unsafe { std::slice::from_raw_parts(w.ptr(), w.len()) };
+                        true
+                    }
+                    CopyPath::Spread | CopyPath::Here => {
+                        let spread = path == CopyPath::Spread;
+                        match self.copy_host(&m, &w, write, spread, maps, peer_mem, sink) {
+                            Some(copied) => copied,
+                            // A sibling shard copies; it answers.
+                            None => return Ok(()),
+                        }
                     }
                 };
                 held = Some(w);
@@ -625,15 +610,54 @@ impl LocalConn {
         Ok(())
     }
 
+    /// Hands a request with a GPU side to the shard's CUDA copies (they
+    /// answer); `Err` is the status to answer now.
+    fn cuda_copy(
+        &self,
+        m: &Msg,
+        inline: &[u8],
+        w: RegionSlice,
+        write: bool,
+        maps: &PeerMaps,
+        sink: &mut impl Sink,
+    ) -> Result<(), Status> {
+        let theirs = if m.status & REQ_INITIATOR_GPU != 0 {
+            IpcRef::decode(inline).map(Theirs::Ipc)
+        } else {
+            self.mapped(maps, m.src_key, m.src_addr, m.len)
+                .map(|(p, m)| Theirs::Host(p, m.clone()))
+        };
+        // The initiator's host memory is not mapped here (only alloc_host
+        // memory is), and the CPU cannot copy into GPU memory across
+        // processes.
+        let theirs = theirs.ok_or(Status::PeerMemory)?;
+        let req = GpuReq {
+            conn: self.id,
+            peer_id: self.peer_id,
+            peer_pid: self.peer_pid,
+            op_id: m.op_id,
+            write,
+            ours: w,
+            theirs,
+        };
+        if sink.gpu_copy(req) {
+            Ok(())
+        } else {
+            Err(Status::DeviceMemory)
+        }
+    }
+
     /// Copies a checked request's bytes between `w` (ours) and the
     /// initiator's memory: through its memfd mapping when we have one, else
     /// with CMA. Returns whether it copied, or None when a large copy was
     /// handed to the shards (they answer).
+    #[allow(clippy::too_many_arguments)]
     fn copy_host(
         &mut self,
         m: &Msg,
         w: &RegionSlice,
         write: bool,
+        spread: bool,
         maps: &PeerMaps,
         peer_mem: &mut impl PeerMemory,
         sink: &mut impl Sink,
@@ -642,7 +666,7 @@ impl LocalConn {
         let mapped = self.mapped(maps, m.src_key, m.src_addr, m.len);
         // A large copy is spread over the shards, which
         // answer when every slice is done.
-        if len >= SPREAD_COPY_MIN {
+        if spread {
             let theirs = match mapped {
                 Some((p, map)) => PeerBytes::Mapped {
                     off: p as usize - map.ptr() as usize,
