@@ -57,9 +57,9 @@ class Region:
     is registered; ``close()`` (or leaving its ``with`` block) deregisters
     it, waiting until no transfer uses it."""
 
-    def __init__(self, ep: "Endpoint", mr_id: int, buf: Buffer) -> None:
+    def __init__(self, ep: "Endpoint", native: "_native.Region", buf: Buffer) -> None:
         self._ep = ep
-        self.mr_id = mr_id
+        self._r = native
         self.buffer = buf
 
     @property
@@ -72,15 +72,13 @@ class Region:
 
     @property
     def is_gpu(self) -> bool:
-        return self.buffer.device
+        return self._r.is_gpu
 
     def _span(self, offset: int, size: Optional[int]) -> Tuple[int, int]:
+        """The absolute (pointer, size) of ``[offset, offset + size)``; the
+        native region checks the range."""
         if size is None:
             size = self.nbytes - offset
-        if offset < 0 or size < 0 or offset + size > self.nbytes:
-            raise _native.FerryError(
-                f"[{offset}, +{size}) is outside the region of {self.nbytes} bytes"
-            )
         return self.ptr + offset, size
 
     def advertise(
@@ -90,19 +88,13 @@ class Region:
         peer until deregistration, or with ``conn`` by that peer only until
         the connection closes."""
         ptr, size = self._span(offset, size)
-        n = self._ep._n
-        if conn is None:
-            _, b = n.advertise(self.mr_id, ptr, size)
-        else:
-            _, b = n.advertise(conn.id, self.mr_id, ptr, size)
-        return Window(b)
+        return Window(self._r.advertise(ptr, size, None if conn is None else conn._c))
 
     def advertise_ipc(self, conn: "Connection", offset: int = 0, size: Optional[int] = None) -> Window:
         """A CUDA IPC window (GPU memory) for the same-host peer on ``conn``;
         for host memory, an ordinary window for it."""
         ptr, size = self._span(offset, size)
-        _, b = self._ep._n.advertise_ipc(conn.id, ptr, size)
-        return Window(b)
+        return Window(self._r.advertise_ipc(ptr, size, conn._c))
 
     def view(self) -> memoryview:
         """The bytes (host memory only), as a writable memoryview."""
@@ -116,9 +108,7 @@ class Region:
         return memoryview((ctypes.c_char * self.nbytes).from_address(self.ptr)).cast("B")
 
     def close(self) -> None:
-        if self.mr_id is not None:
-            mr, self.mr_id = self.mr_id, None
-            self._ep._n.dereg(mr)
+        self._r.close()
 
     def __enter__(self) -> "Region":
         return self
@@ -128,35 +118,36 @@ class Region:
 
     def __repr__(self) -> str:
         kind = "gpu" if self.is_gpu else "host"
-        return f"<ferry.Region mr_id={self.mr_id} {kind} {self.nbytes} bytes at {self.ptr:#x}>"
+        state = " closed" if self._r.closed else ""
+        return f"<ferry.Region {kind} {self.nbytes} bytes at {self.ptr:#x}{state}>"
 
 
 class Transfer:
     """An operation in flight: ``done()``, ``wait(timeout)`` or ``await``."""
 
-    __slots__ = ("_ep", "id", "_done", "_keep")
+    __slots__ = ("_t", "_done", "_keep")
 
-    def __init__(self, ep: "Endpoint", transfer_id: int, keep: Any) -> None:
-        self._ep = ep
-        self.id = transfer_id
+    def __init__(self, native: "_native.Transfer", keep: Any) -> None:
+        self._t = native
         self._done = False
-        self._keep = keep  # the regions, alive while the transfer runs
+        self._keep = keep  # the buffers, alive while the transfer runs
 
     def done(self) -> bool:
         """Whether it has ended; raises ``FerryError`` if it failed."""
-        if not self._done:
-            _, self._done = self._ep._n.poll_async(self.id)
-            if self._done:
-                self._keep = None
+        if not self._done and self._t.done():
+            self._done = True
+            self._keep = None
         return self._done
 
     def wait(self, timeout: Optional[float] = None) -> None:
         """Blocks until it ends (GIL released; Ctrl-C interrupts); raises
         ``FerryError`` if it failed or ``timeout`` seconds passed first."""
-        if not self._done:
-            self._ep._n.wait(self.id, timeout)
-            self._done = True
-            self._keep = None
+        if self._done:
+            return
+        if not self._t.wait(timeout):
+            raise _native.FerryError(f"transfer not done after {timeout} s")
+        self._done = True
+        self._keep = None
 
     async def _wait_async(self) -> None:
         delay = 0.0
@@ -168,7 +159,7 @@ class Transfer:
         return self._wait_async().__await__()
 
     def __repr__(self) -> str:
-        return f"<ferry.Transfer id={self.id} {'done' if self._done else 'in flight'}>"
+        return f"<ferry.Transfer {'done' if self._done else 'in flight'}>"
 
 
 _Local = Union[Region, Tuple[Region, int, int]]
@@ -184,35 +175,24 @@ def _piece(p: _Local) -> Tuple[Region, int, int]:
 class Connection:
     """A connection to one peer (tcp, or shared memory on this host)."""
 
-    def __init__(self, ep: "Endpoint", conn_id: int) -> None:
+    def __init__(self, ep: "Endpoint", native: "_native.Connection") -> None:
         self._ep = ep
-        self.id = conn_id
+        self._c = native
+
+    @property
+    def id(self) -> int:
+        return self._c.id
 
     @property
     def peer(self) -> Optional[Tuple[str, str]]:
         """``("tcp", "ip:port")`` or ``("shm", peer endpoint id)``; None once closed."""
-        return self._ep._n.peer(self.id)
+        return self._c.peer
 
-    def _submit(
-        self, write: bool, locals_: Sequence[_Local], windows: Sequence[Window]
-    ) -> Transfer:
-        n = self._ep._n
-        if len(locals_) != len(windows):
-            raise _native.FerryError(f"{len(locals_)} local pieces but {len(windows)} windows")
+    def _submit(self, write: bool, locals_: Sequence[_Local], windows: Sequence[Window]) -> Transfer:
         pieces = [_piece(p) for p in locals_]
-        for r, _, _ in pieces:
-            if r._ep is not self._ep:
-                raise _native.FerryError(f"{r!r} belongs to another endpoint than this connection")
-        spans = [r._span(o, s) for r, o, s in pieces]
-        ws = [bytes(w) for w in windows]
-        if all(len(w) == _REMOTE_LEN for w in ws):
-            f = n.writev_async if write else n.readv_async
-            _, tid = f(self.id, [r.mr_id for r, _, _ in pieces], [p for p, _ in spans],
-                       [s for _, s in spans], ws, len(ws))
-        else:
-            f = n.writev_ipc_async if write else n.readv_ipc_async
-            _, tid = f(self.id, [p for p, _ in spans], [s for _, s in spans], ws)
-        return Transfer(self._ep, tid, pieces)
+        spans = [(r._r,) + r._span(o, s) for r, o, s in pieces]
+        t = self._c.submit(write, spans, [bytes(w) for w in windows])
+        return Transfer(t, pieces)
 
     def write_async(self, src: _Local, window: Window) -> Transfer:
         """Starts a WRITE of ``src`` (a region, or ``(region, offset, size)``)
@@ -243,10 +223,10 @@ class Connection:
 
     def notify(self, message: bytes) -> None:
         """Sends a small message (at most 4096 bytes) to the peer's inbox."""
-        self._ep._n.send_notification(self.id, bytes(message))
+        self._c.notify(bytes(message))
 
     def close(self) -> None:
-        self._ep._n.remove_remote_endpoint(self.id)
+        self._c.close()
 
     def __enter__(self) -> "Connection":
         return self
@@ -264,16 +244,16 @@ class Endpoint:
     memory registered picks it). Settings come from ``FERRY_*`` variables."""
 
     def __init__(self, gpu: Optional[int] = None) -> None:
-        self._n = _native.Endpoint(gpu, strict=True)
+        self._n = _native.Endpoint(gpu)
 
     @property
     def metadata(self) -> bytes:
         """What a peer needs to connect: send it by any channel."""
-        return self._n.get_metadata()
+        return self._n.metadata
 
     @property
     def id(self) -> int:
-        return self._n.endpoint_id
+        return self._n.id
 
     def listen(self) -> None:
         """Accepts connections in the background from now on."""
@@ -282,13 +262,12 @@ class Endpoint:
     def connect(self, metadata: bytes) -> Connection:
         """Connects to the peer whose metadata this is (once: a second call
         gives the same connection); a same-host peer over shared memory."""
-        _, cid = self._n.add_remote_endpoint(bytes(metadata))
-        return Connection(self, cid)
+        return Connection(self, self._n.add_remote(bytes(metadata)))
 
-    def accept(self) -> Connection:
+    def accept(self, timeout: Optional[float] = None) -> Connection:
         """Waits for one incoming connection (Ctrl-C interrupts)."""
-        _, _, _, cid = self._n.accept()
-        return Connection(self, cid)
+        conn, _peer = self._n.accept(timeout)
+        return Connection(self, conn)
 
     def register(self, obj: Any) -> Region:
         """Registers the memory of ``obj`` without copying it (see
@@ -298,21 +277,18 @@ class Endpoint:
         b = locate(obj)
         # Memory Python holds immutable (bytes, read-only arrays) is only
         # ever read by peers.
-        _, mr = self._n.reg(b.ptr, b.nbytes, readonly=b.readonly)
-        return Region(self, mr, b)
+        return Region(self, self._n.register(b.ptr, b.nbytes, b.readonly), b)
 
     def alloc(self, nbytes: int) -> Region:
         """``nbytes`` zeroed bytes of host memory owned by the engine and
         shared with same-host peers (their transfers are one memcpy);
         ``region.view()`` reads and writes them. Freed on ``close()``."""
-        _, mr, ptr = self._n.alloc_host(nbytes)
-        return Region(self, mr, Buffer(ptr, nbytes, False, False, None))
+        r = self._n.alloc_host(nbytes)
+        return Region(self, r, Buffer(r.ptr, nbytes, False, False, None))
 
     def recv_notification(self, timeout: Optional[float] = None) -> Tuple[int, bytes]:
         """The next message from any peer: ``(connection id, bytes)``."""
-        ms = -1 if timeout is None else int(timeout * 1000)
-        _, cid, msg = self._n.recv_notification(ms)
-        return cid, msg
+        return self._n.recv_notification(timeout)
 
     def close(self) -> None:
         """Shuts the endpoint down; its regions and connections end."""
@@ -325,4 +301,4 @@ class Endpoint:
         self.close()
 
     def __repr__(self) -> str:
-        return repr(self._n).replace("ferry P2P Endpoint", "ferry.Endpoint", 1)
+        return repr(self._n).replace("ferry Endpoint", "ferry.Endpoint", 1)

@@ -157,10 +157,18 @@ pub fn deserialize(b: &[u8]) -> Result<Vec<XferDesc>, String> {
     Ok(out)
 }
 
-pub fn to_bytes<'py>(py: Python<'py>, descs: &[XferDesc]) -> Bound<'py, PyBytes> {
-    PyBytes::new(py, &serialize(descs))
+/// The seed's `get_serialized_descs`: the descriptors as bytes.
+#[pyfunction]
+pub fn serialize_descs<'py>(
+    py: Python<'py>,
+    descs: Vec<PyRef<'py, XferDesc>>,
+) -> Bound<'py, PyBytes> {
+    let v: Vec<XferDesc> = descs.iter().map(|d| (**d).clone()).collect();
+    PyBytes::new(py, &serialize(&v))
 }
 
-pub fn from_bytes(b: &[u8]) -> PyResult<Vec<XferDesc>> {
+/// The seed's `deserialize_descs`.
+#[pyfunction]
+pub fn deserialize_descs(b: &[u8]) -> PyResult<Vec<XferDesc>> {
     deserialize(b).map_err(FerryError::new_err)
 }

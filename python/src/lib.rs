@@ -1,10 +1,9 @@
 //! `ferry._native`: the Python extension module behind the `ferry` package.
 //!
-//! * [`endpoint::P2pEndpoint`] is `ferry.p2p.Endpoint`: the seed's (UCCL
-//!   P2P's) Python API name for name — integer ids for connections,
-//!   registrations and transfers, `(ok, …)` tuples, raw pointers. With
-//!   `strict=True` it raises `FerryError` instead of returning `ok=False`;
-//!   the Pythonic `ferry.Endpoint` (ferry/_api.py) is built on that mode.
+//! * [`core`]: `Endpoint`, `Region`, `Connection`, `Transfer`, mirroring
+//!   the core's types; the Pythonic `ferry.Endpoint` (ferry/_api.py) and
+//!   the seed's `ferry.p2p.Endpoint` (ferry/p2p.py: integer ids, `(ok, …)`
+//!   tuples) are both Python on top of them.
 //! * [`desc::XferDesc`] and its byte format: `register_memory` /
 //!   `get_serialized_descs` / `transfer`.
 //!
@@ -13,8 +12,8 @@
 
 use pyo3::prelude::*;
 
+mod core;
 mod desc;
-mod endpoint;
 mod env;
 mod registry;
 
@@ -49,7 +48,15 @@ fn shm_unavailable() -> Option<String> {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FerryError", m.py().get_type::<FerryError>())?;
-    m.add_class::<endpoint::P2pEndpoint>()?;
+    m.add_class::<core::Endpoint>()?;
+    m.add_class::<core::Region>()?;
+    m.add_class::<core::Connection>()?;
+    m.add_class::<core::Transfer>()?;
+    m.add_function(wrap_pyfunction!(core::gpu_bus_id, m)?)?;
+    m.add_function(wrap_pyfunction!(core::endpoint_of_gpu, m)?)?;
+    m.add_function(wrap_pyfunction!(core::gpu_of_endpoint, m)?)?;
+    m.add_function(wrap_pyfunction!(desc::serialize_descs, m)?)?;
+    m.add_function(wrap_pyfunction!(desc::deserialize_descs, m)?)?;
     m.add_class::<desc::XferDesc>()?;
     m.add_class::<desc::FloatType>()?;
     m.add_function(wrap_pyfunction!(get_oob_ip, m)?)?;
