@@ -85,7 +85,7 @@ pub struct Endpoint {
     ep: Shared,
     /// Which GPU this endpoint serves, published for same-host peers'
     /// `connect_local(bus id)` once it has one.
-    published: Mutex<Option<crate::registry::Published>>,
+    published: Mutex<Option<ferry::endpoint::gpu_registry::Published>>,
 }
 
 impl Endpoint {
@@ -121,7 +121,7 @@ impl Endpoint {
         let Ok(bus) = ferry::gpu::cuda().and_then(|c| c.device(g).map(|d| d.bus_id.clone())) else {
             return;
         };
-        *p = crate::registry::publish(&bus, ep.id()).ok();
+        *p = ferry::endpoint::gpu_registry::publish(&bus, ep.id()).ok();
     }
 }
 
@@ -711,11 +711,11 @@ pub fn gpu_bus_id(index: usize) -> PyResult<String> {
 /// The same-host endpoint that published GPU `bus_id` (any spelling).
 #[pyfunction]
 pub fn endpoint_of_gpu(bus_id: &str) -> PyResult<u64> {
-    crate::registry::find(&ferry::wire::normalize_bus_id(bus_id)).map_err(FerryError::new_err)
+    ferry::endpoint::gpu_registry::find(bus_id).map_err(FerryError::new_err)
 }
 
 /// The GPU bus id endpoint `endpoint_id` published, or "".
 #[pyfunction]
 pub fn gpu_of_endpoint(endpoint_id: u64) -> String {
-    crate::registry::bus_id_of(endpoint_id).unwrap_or_default()
+    ferry::endpoint::gpu_registry::bus_id_of(endpoint_id).unwrap_or_default()
 }

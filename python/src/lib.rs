@@ -15,7 +15,6 @@ use pyo3::prelude::*;
 mod core;
 mod desc;
 mod env;
-mod registry;
 
 pyo3::create_exception!(
     _native,

@@ -6,6 +6,7 @@ mod accept;
 mod config;
 mod connect;
 mod gpu;
+pub mod gpu_registry;
 mod lanes;
 mod local;
 mod memory;

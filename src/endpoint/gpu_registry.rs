@@ -3,7 +3,8 @@
 //! `/dev/shm/ferry-gpu-u<uid>-<bus id>` (mode 0600: only this user's
 //! processes read it) holding its endpoint id and pid, and removes it when
 //! it closes. A reader trusts only a file owned by its own uid, private to
-//! it, naming a live process.
+//! it, naming a live process. (The seed's same-host connect by GPU; every
+//! face uses this one.)
 
 use std::io::Write;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
@@ -33,15 +34,8 @@ fn path_of(bus_id: &str) -> Result<String, String> {
     Ok(format!("{DIR}/{}{}", prefix(), bus_id.to_ascii_lowercase()))
 }
 
-fn pid_alive(pid: i32) -> bool {
-    // SAFETY: signal 0 only checks that the process exists.
-    pid > 0
-        && (unsafe { libc::kill(pid, 0) } == 0
-            || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM))
-}
-
 /// (endpoint id, pid) from a registry file we may trust.
-fn read(path: &str) -> Result<(u64, i32), String> {
+fn read(path: &str) -> Result<(u64, u32), String> {
     let f = std::fs::File::open(path).map_err(|e| format!("{path}: {e}"))?;
     let m = f.metadata().map_err(|e| format!("{path}: {e}"))?;
     if m.uid() != uid() || m.mode() & 0o077 != 0 || !m.is_file() {
@@ -61,13 +55,14 @@ fn read(path: &str) -> Result<(u64, i32), String> {
     let id = it.next().and_then(|v| u64::from_str_radix(v, 16).ok());
     let pid = it.next().and_then(|v| v.parse().ok());
     match (id, pid) {
-        (Some(id), Some(pid)) if pid_alive(pid) => Ok((id, pid)),
+        (Some(id), Some(pid)) if crate::sys::pid_alive(pid) => Ok((id, pid)),
         (Some(_), Some(pid)) => Err(format!("{path}: its endpoint's process {pid} is gone")),
         _ => Err(format!("{path}: not an endpoint record")),
     }
 }
 
 /// This endpoint's record; removed on drop if it is still ours.
+#[derive(Debug)]
 pub struct Published {
     path: String,
     id: u64,
@@ -104,9 +99,10 @@ pub fn publish(bus_id: &str, id: u64) -> Result<Published, String> {
     Ok(Published { path, id })
 }
 
-/// The endpoint id serving GPU `bus_id` on this host, for this user.
+/// The endpoint id serving GPU `bus_id` (any spelling) on this host, for
+/// this user.
 pub fn find(bus_id: &str) -> Result<u64, String> {
-    read(&path_of(bus_id)?).map(|(id, _)| id)
+    read(&path_of(&crate::wire::normalize_bus_id(bus_id))?).map(|(id, _)| id)
 }
 
 /// The GPU bus id endpoint `id` published, if any.
@@ -118,4 +114,24 @@ pub fn bus_id_of(id: u64) -> Option<String> {
         let path = format!("{DIR}/{name}");
         matches!(read(&path), Ok((i, _)) if i == id).then(|| bus.to_owned())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn publish_find_and_forget() {
+        // A bus id no real GPU has, unique to this process.
+        let bus = format!("00ff:{:02x}:1f.7", std::process::id() % 251);
+        let id = 0xfeed_0000_0000_0000 | u64::from(std::process::id());
+        let p = publish(&bus, id).unwrap();
+        assert_eq!(find(&bus.to_ascii_uppercase()).unwrap(), id);
+        assert_eq!(bus_id_of(id).as_deref(), Some(bus.as_str()));
+        // A second endpoint may not take it while the first lives.
+        assert!(publish(&bus, id + 1).unwrap_err().contains("already served"));
+        drop(p);
+        assert!(find(&bus).is_err());
+        assert!(find("not-a-bus").unwrap_err().contains("not a PCI bus id"));
+    }
 }
