@@ -129,7 +129,9 @@ mod tests {
         assert_eq!(find(&bus.to_ascii_uppercase()).unwrap(), id);
         assert_eq!(bus_id_of(id).as_deref(), Some(bus.as_str()));
         // A second endpoint may not take it while the first lives.
-        assert!(publish(&bus, id + 1).unwrap_err().contains("already served"));
+        assert!(publish(&bus, id + 1)
+            .unwrap_err()
+            .contains("already served"));
         drop(p);
         assert!(find(&bus).is_err());
         assert!(find("not-a-bus").unwrap_err().contains("not a PCI bus id"));

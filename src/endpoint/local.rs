@@ -3,41 +3,25 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use tracing::{info, warn};
 
 use super::{ConnInfo, Inner, Peer};
-use crate::auth::{ct_eq, proof};
 use crate::error::{ConnId, Error, Result};
 use crate::reactor::Command;
 use crate::region::Backing;
 use crate::shm::bell::RemoteBell;
-use crate::shm::cma::{probe_cma, CMA_CANARY};
+use crate::shm::cma::probe_cma;
+use crate::shm::connect;
 use crate::shm::fdpass::{self, Shared};
 use crate::shm::local::LocalConn;
 use crate::shm::named_ring::{accept_ring_name, pair_ring_name, ShmRing};
-use crate::shm::ring::SLOT_PAYLOAD;
-use crate::sys::{pid_alive, random_u64, this_pid};
-use crate::wire::shm_msg::{Msg, MsgKind};
+use crate::sys::{pid_alive, random_u64};
+use crate::wire::shm_msg::Msg;
 
 /// Slots of one connection direction's ring.
 pub(crate) const PAIR_RING_SLOTS: usize = 1024;
-
-fn push_msg(ring: &ShmRing, m: &Msg, inline: &[u8], deadline: Instant) -> Result<()> {
-    let mut buf = [0u8; SLOT_PAYLOAD];
-    let n = m.encode(inline, &mut buf);
-    while ring.push(&buf[..n]).is_err() {
-        if Instant::now() >= deadline {
-            return Err(Error::Timeout {
-                what: "room in a local peer's ring",
-                timeout_ms: 0,
-            });
-        }
-        std::thread::sleep(Duration::from_micros(50));
-    }
-    Ok(())
-}
 
 fn refuse(what: &'static str, reason: String) -> Error {
     Error::Unsupported { what, reason }
@@ -159,7 +143,8 @@ impl Inner {
         }
     }
 
-    /// Connects to the endpoint `peer_id` on this host through its accept ring.
+    /// Connects to the endpoint `peer_id` on this host through its accept
+    /// ring (the messages: `shm/connect.rs`).
     pub(crate) fn connect_local(&self, peer_id: u64) -> Result<ConnId> {
         if let Some(why) = &self.shm_note {
             return Err(refuse("a same-host connection", why.clone()));
@@ -174,83 +159,26 @@ impl Inner {
                 format!("peer process {} is gone", accept.owner_pid()),
             ));
         }
-        let mut m = Msg::new(MsgKind::Connect);
-        m.conn = conn.0 as u32;
-        m.addr = this_pid() as u64;
-        m.aux = self.id;
-        m.aux2 = random_u64();
-        m.src_key = self.cfg.stream_inflight as u32;
-        m.src_addr = &CMA_CANARY as *const u64 as u64;
-        // With a shared secret, CONNECT carries our proof of it, and the
-        // answer must carry the peer's.
-        let client_proof = self
-            .auth_key()
-            .map(|k| proof(k, "local-client", peer_id, m.aux2, self.id, peer_id));
-        push_msg(
-            &accept,
-            &m,
-            client_proof.as_ref().map_or(&[][..], |p| &p[..]),
-            deadline,
-        )?;
-        let mut buf = [0u8; SLOT_PAYLOAD];
-        let (ack, reason, ack_inline) = loop {
-            if let Some(n) = rx.ring.pop(&mut buf) {
-                let (a, inline) = Msg::decode(&buf[..n])?;
-                break (
-                    a,
-                    String::from_utf8_lossy(inline).into_owned(),
-                    inline.to_vec(),
-                );
-            }
-            if Instant::now() >= deadline {
-                return Err(Error::Timeout {
-                    what: "a local peer's CONNECT answer",
-                    timeout_ms: self.cfg.connect_timeout_ms,
-                });
-            }
-            std::thread::sleep(Duration::from_micros(20));
-        };
-        if ack.kind != MsgKind::ConnectAck || ack.aux != peer_id {
-            return Err(refuse(
-                "a same-host connection",
-                format!("peer answered {:?} from {:#x}", ack.kind, ack.aux),
-            ));
-        }
-        if ack.status != 0 {
-            return Err(refuse(
-                "a same-host connection",
-                format!("peer refused: {reason}"),
-            ));
-        }
-        if let Some(k) = self.auth_key() {
-            let expected = proof(k, "local-server", m.aux2, 0, peer_id, self.id);
-            if !ct_eq(&ack_inline, &expected) {
-                return Err(refuse(
-                    "a same-host connection",
-                    "the peer's authentication proof is wrong or missing".into(),
-                ));
-            }
-        }
-        let peer_pid = ack.addr as u32;
+        let me = connect::this_side(self.id, conn.0 as u32, self.cfg.stream_inflight as u32);
+        let nonce = random_u64();
+        let (m, client_proof) = connect::connect_msg(&me, nonce, peer_id, self.auth_key());
+        connect::push_msg(&accept, &m, &client_proof, deadline)?;
+        let (ack, inline) = connect::await_msg(&rx, deadline, self.cfg.connect_timeout_ms)?;
+        let peer = connect::check_ack(&ack, &inline, peer_id, self.id, nonce, self.auth_key())
+            .map_err(|why| refuse("a same-host connection", why))?;
         let tx = self.open_ring(&pair_ring_name(self.id, peer_id, conn.0 as u32), peer_id)?;
+        let inflight = self.agreed_inflight(peer.inflight as usize);
         let mut lc = LocalConn::new(
-            conn,
-            peer_id,
-            peer_pid,
-            ack.conn,
-            rx,
-            tx,
-            self.agreed_inflight(ack.src_key as usize),
-            self.agreed_inflight(ack.src_key as usize),
+            conn, peer_id, peer.pid, peer.conn, rx, tx, inflight, inflight,
         );
         // We serve the peer's requests by copying its memory: check we can.
-        if let Err(why) = probe_cma(peer_pid, ack.src_addr) {
+        if let Err(why) = probe_cma(peer.pid, peer.canary) {
             lc.send_close();
             return Err(refuse("a same-host connection", why));
         }
         self.share_with(peer_id, &self.my_shared_regions());
         self.local_peers.lock().expect("lock").insert(peer_id);
-        self.adopt_local(lc, peer_id, peer_pid, deadline)?;
+        self.adopt_local(lc, peer_id, peer.pid, deadline)?;
         Ok(conn)
     }
 
@@ -298,64 +226,42 @@ impl Inner {
 
     fn answer_connect(&self, m: &Msg, inline: &[u8]) -> Result<()> {
         let deadline = Instant::now() + self.cfg.connect_timeout();
-        let (peer_id, peer_pid) = (m.aux, m.addr as u32);
+        let peer_id = m.aux;
         // The connector made the ring we answer into.
         let tx = self.open_ring(&pair_ring_name(self.id, peer_id, m.conn), peer_id)?;
-        let mut ack = Msg::new(MsgKind::ConnectAck);
-        ack.aux = self.id;
-        ack.addr = this_pid() as u64;
-        let auth_refusal = self.auth_key().and_then(|k| {
-            let expected = proof(k, "local-client", self.id, m.aux2, peer_id, self.id);
-            (!ct_eq(inline, &expected)).then(|| {
-                "authentication failed: wrong or missing proof of FERRY_AUTH_KEY".to_owned()
-            })
-        });
-        let refusal = auth_refusal.or_else(|| self.check_conn_limit().err().map(|e| e.to_string()));
-        if let Some(why) = refusal.or_else(|| probe_cma(peer_pid, m.src_addr).err()) {
-            ack.status = 1;
-            let text = why.as_bytes();
-            push_msg(
-                &tx,
-                &ack,
-                &text[..text.len().min(crate::wire::shm_msg::MAX_INLINE)],
-                deadline,
-            )?;
-            return Err(refuse("a same-host connection", why));
-        }
         let conn = self.local_conn_id();
+        let me = connect::this_side(self.id, conn.0 as u32, self.cfg.stream_inflight as u32);
+        let checked =
+            connect::check_connect(m, inline, self.id, self.auth_key()).and_then(|peer| {
+                self.check_conn_limit().map_err(|e| e.to_string())?;
+                probe_cma(peer.pid, peer.canary)?;
+                Ok(peer)
+            });
+        let peer = match checked {
+            Ok(peer) => peer,
+            Err(why) => {
+                let (ack, text) = connect::ack_msg(&me, Err(&why), None, peer_id);
+                connect::push_msg(&tx, &ack, &text, deadline)?;
+                return Err(refuse("a same-host connection", why));
+            }
+        };
         let rx = self.create_ring(&pair_ring_name(peer_id, self.id, m.conn), conn)?;
-        ack.conn = conn.0 as u32;
-        ack.src_key = self.cfg.stream_inflight as u32;
-        ack.src_addr = &CMA_CANARY as *const u64 as u64;
+        let inflight = self.agreed_inflight(peer.inflight as usize);
         let lc = LocalConn::new(
-            conn,
-            peer_id,
-            peer_pid,
-            m.conn,
-            rx,
-            tx,
-            self.agreed_inflight(m.src_key as usize),
-            self.agreed_inflight(m.src_key as usize),
+            conn, peer_id, peer.pid, peer.conn, rx, tx, inflight, inflight,
         );
         // Adopt before answering, so the peer's first request finds us.
-        self.adopt_local(lc, peer_id, peer_pid, deadline)?;
+        self.adopt_local(lc, peer_id, peer.pid, deadline)?;
         let tx2 = self.open_ring(&pair_ring_name(self.id, peer_id, m.conn), peer_id)?;
-        let server_proof = self
-            .auth_key()
-            .map(|k| proof(k, "local-server", m.aux2, 0, self.id, peer_id));
-        push_msg(
-            &tx2,
-            &ack,
-            server_proof.as_ref().map_or(&[][..], |p| &p[..]),
-            deadline,
-        )?;
+        let (ack, server_proof) = connect::ack_msg(&me, Ok(m.aux2), self.auth_key(), peer_id);
+        connect::push_msg(&tx2, &ack, &server_proof, deadline)?;
         self.share_with(peer_id, &self.my_shared_regions());
         self.local_peers.lock().expect("lock").insert(peer_id);
         self.push_accepted(
             conn,
             Peer::Local {
                 endpoint_id: peer_id,
-                pid: peer_pid,
+                pid: peer.pid,
             },
         );
         Ok(())

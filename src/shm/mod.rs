@@ -11,6 +11,7 @@
 
 pub(crate) mod bell;
 pub(crate) mod cma;
+pub(crate) mod connect;
 pub(crate) mod copy_path;
 pub(crate) mod fdpass;
 pub(crate) mod local;
