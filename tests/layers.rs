@@ -371,12 +371,16 @@ fn the_file_checker_sees_imports_and_circles() {
     let edge = |a: &str, b: &str| g[&src.join(a)].contains(&src.join(b));
     assert!(edge("shm/bell.rs", "shm/object.rs"), "super::object");
     assert!(
-        edge("reactor/shard.rs", "reactor/spin.rs"),
+        edge("reactor/shard/mod.rs", "reactor/spin.rs"),
         "super::spin::{{..}}"
     );
     assert!(
-        edge("reactor/shard.rs", "region.rs"),
+        edge("reactor/shard/mod.rs", "region.rs"),
         "crate::region::{{..}}"
+    );
+    assert!(
+        edge("reactor/shard/glue.rs", "reactor/shard/mod.rs"),
+        "use super::*"
     );
     assert!(edge("shm/named_ring.rs", "shm/ring.rs"));
     assert!(!edge("shm/ring.rs", "shm/bell.rs"));

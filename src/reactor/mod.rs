@@ -16,6 +16,7 @@
 //!   `poll_or_park()`, the managed loop's step) from its own loop; the
 //!   engine starts no thread.
 
+mod backlog;
 pub(crate) mod completion;
 mod directory;
 mod gpu;

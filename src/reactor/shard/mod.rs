@@ -83,14 +83,11 @@ pub struct Shard {
     id: usize,
     cfg: ShardConfig,
     rx: Receiver<Command>,
-    /// Commands that found no room on their connection (a full stream or
-    /// ring), in order per connection, with when the oldest began to wait;
-    /// retried first on every pass. Later commands for such a connection
-    /// wait behind them; other connections' do not.
-    parked: crate::sys::IntMap<ConnId, (Instant, std::collections::VecDeque<Command>)>,
-    /// Commands parked, all connections together (at most
-    /// `PARKED_PER_DEPTH * sq_depth`; one connection at most `sq_depth`).
-    parked_count: usize,
+    /// Commands that found no room on their connection, retried first on
+    /// every pass; later commands for such a connection wait behind them,
+    /// other connections' do not. One connection parks at most `sq_depth`,
+    /// all together `PARKED_PER_DEPTH * sq_depth`.
+    parked: super::backlog::Backlog<Command>,
     region_rx: Receiver<RegionCmd>,
     regions: RegionTable,
     wake: Arc<WakeState>,
@@ -151,6 +148,9 @@ macro_rules! cx {
     };
 }
 
+mod glue;
+mod timeouts;
+
 impl Shard {
     pub(crate) fn new(
         id: usize,
@@ -190,13 +190,13 @@ impl Shard {
             )
         });
         let spin = super::spin::Spin::new(cfg.spin, cfg.spin_yield);
+        let parked = super::backlog::Backlog::new(cfg.sq_depth, PARKED_PER_DEPTH * cfg.sq_depth);
         let shard = Shard {
             id,
             ledger: OpLedger::new(table, cfg.max_conn_inflight_ops),
             cfg,
             rx,
-            parked: Default::default(),
-            parked_count: 0,
+            parked,
             region_rx,
             regions: RegionTable::default(),
             wake,
@@ -233,66 +233,6 @@ impl Shard {
         self.siblings = siblings;
     }
 
-    /// Cuts each large same-host copy of this pass into a slice per shard:
-    /// the siblings' go through their queues (one that is full gets none:
-    /// its slice is copied here), ours is copied now.
-    fn start_host_copies(&mut self) {
-        use std::sync::atomic::AtomicUsize;
-        for req in self.host_copies.drain(..) {
-            let len = req.ours.len();
-            let shards = self.siblings.len() + 1;
-            // Slices of whole 64 KiB blocks.
-            let slice = len.div_ceil(shards).next_multiple_of(64 << 10);
-            let count = len.div_ceil(slice);
-            let join = Arc::new(CopyJoin {
-                left: AtomicUsize::new(count),
-                ..Default::default()
-            });
-            let piece = |i: usize| {
-                let off = i * slice;
-                let ours = req.ours.sub(off, slice.min(len - off))?;
-                CopySlice::new(ours, req.theirs.at(off), req.write, join.clone())
-            };
-            // The siblings' slices first, so they copy while we copy ours.
-            for i in (1..count).chain(0..1) {
-                let Some(s) = piece(i) else {
-                    // Unreachable: the request's ranges were checked whole.
-                    join.failed.store(true, Ordering::Relaxed);
-                    join.left.fetch_sub(1, Ordering::Release);
-                    continue;
-                };
-                if i == 0 {
-                    s.run();
-                } else if let Err((_, Command::CopySlice(back))) =
-                    self.siblings[i - 1].submit(Command::CopySlice(s))
-                {
-                    back.run();
-                }
-            }
-            self.copy_waits.push((join, req.conn, req.op_id, req.write));
-        }
-    }
-
-    /// Answers the spread copies whose every slice is done.
-    fn finish_host_copies(&mut self) -> usize {
-        let before = self.copy_waits.len();
-        let replies = &mut self.gpu_replies;
-        self.copy_waits.retain(|(join, conn, op, write)| {
-            if join.left.load(Ordering::Acquire) == 0 {
-                let status = if join.failed.load(Ordering::Relaxed) {
-                    Status::PeerMemory
-                } else {
-                    Status::Ok
-                };
-                replies.push((*conn, *op, *write, status));
-                false
-            } else {
-                true
-            }
-        });
-        before - self.copy_waits.len()
-    }
-
     /// Connections this shard drives now.
     pub fn conn_count(&self) -> usize {
         self.tcp.conns.len() + self.local.conns.len()
@@ -321,14 +261,6 @@ impl Shard {
             self.check_timeouts(Instant::now());
         }
         work + self.publish()
-    }
-
-    /// Tells every same-host peer of this shard to close its mappings of
-    /// the IPC-exported allocations this endpoint deregistered.
-    fn send_ipc_revocations(&mut self) {
-        for base in std::mem::take(&mut self.regions.ipc_revoked) {
-            self.local.revoke_ipc(base);
-        }
     }
 
     /// One pass over every event source, and the glue between them.
@@ -477,19 +409,17 @@ impl Shard {
         // connection whose peer stops reading cannot fill the shard); all
         // together at most PARKED_PER_DEPTH times it, past which the queue
         // stays full: back-pressure reaches the submitters.
-        while n < COMMANDS_PER_POLL && self.parked_count < PARKED_PER_DEPTH * self.cfg.sq_depth {
+        while n < COMMANDS_PER_POLL && !self.parked.full() {
             match self.rx.try_recv() {
                 Ok(cmd) => {
                     n += 1;
                     match cmd.waits_on() {
-                        Some(c) if self.parked_len(c) >= self.cfg.sq_depth => {
-                            self.refuse_backlogged(c, cmd)
-                        }
-                        Some(c) if self.parked.contains_key(&c) => self.park_command(c, cmd),
+                        Some(c) if self.parked.at_share(c) => self.refuse_backlogged(c, cmd),
+                        Some(c) if self.parked.has(c) => self.parked.push(c, cmd),
                         _ => {
                             if let Some(back) = self.apply(cmd) {
                                 let c = back.waits_on().expect("only waiting commands come back");
-                                self.park_command(c, back);
+                                self.parked.push(c, back);
                             }
                         }
                     }
@@ -500,15 +430,11 @@ impl Shard {
         n
     }
 
-    fn parked_len(&self, conn: ConnId) -> usize {
-        self.parked.get(&conn).map_or(0, |(_, q)| q.len())
-    }
-
     /// A command for a connection that already has its share parked: an
     /// op fails at once; a notification (which has no outcome to report)
     /// fails the connection, so nothing is dropped silently.
     fn refuse_backlogged(&mut self, conn: ConnId, cmd: Command) {
-        let waiting = self.parked_len(conn);
+        let waiting = self.parked.len_of(conn);
         match cmd {
             Command::Op(op) => self
                 .ledger
@@ -526,43 +452,14 @@ impl Shard {
         }
     }
 
-    fn park_command(&mut self, conn: ConnId, cmd: Command) {
-        self.parked_count += 1;
-        self.parked
-            .entry(conn)
-            .or_insert_with(|| (Instant::now(), Default::default()))
-            .1
-            .push_back(cmd);
-    }
-
     /// Applies parked commands, each connection's in order, until one
     /// finds no room again. Returns how many went through.
     fn retry_parked(&mut self) -> usize {
         if self.parked.is_empty() {
             return 0;
         }
-        let mut parked = std::mem::take(&mut self.parked);
-        let mut n = 0;
-        for (since, q) in parked.values_mut() {
-            let mut moved = false;
-            while let Some(cmd) = q.pop_front() {
-                match self.apply(cmd) {
-                    None => {
-                        n += 1;
-                        moved = true;
-                        self.parked_count -= 1;
-                    }
-                    Some(back) => {
-                        q.push_front(back);
-                        break;
-                    }
-                }
-            }
-            if moved {
-                *since = Instant::now();
-            }
-        }
-        parked.retain(|_, (_, q)| !q.is_empty());
+        let mut parked = std::mem::replace(&mut self.parked, super::backlog::Backlog::new(0, 0));
+        let n = parked.retry(|cmd| self.apply(cmd));
         self.parked = parked;
         n
     }
@@ -666,275 +563,6 @@ impl Shard {
         t.submit(idx, op, &mut cx)
     }
 
-    /// Starts a CUDA IPC op. It counts against its connection's in-flight
-    /// limit like any op, and fails like one on an unknown connection.
-    fn apply_ipc(&mut self, cmd: super::queue::IpcCmd) {
-        let total = cmd.parts.len() as u32;
-        if !self.dir.contains(cmd.conn) {
-            let e = self.dir.error_of(cmd.conn);
-            return self.ledger.fail(cmd.slot, e);
-        }
-        if let Err(e) = self.ledger.open(cmd.slot, total, Some(cmd.conn)) {
-            return self.ledger.fail(cmd.slot, e);
-        }
-        self.gpu_work().start(cmd);
-    }
-
-    fn gpu_work(&mut self) -> &mut super::gpu::GpuWork {
-        let counters = &self.ipc_counters;
-        let streams = self.cfg.gpu_streams;
-        let (bounce, bounce_bytes) = (self.cfg.chunk_bytes, self.cfg.gpu_bounce_bytes);
-        self.gpu.get_or_insert_with(|| {
-            super::gpu::GpuWork::new(counters.clone(), streams, bounce, bounce_bytes)
-        })
-    }
-
-    /// Starts the CUDA copies same-host peers asked of our memory.
-    fn start_gpu_reqs(&mut self) {
-        // Taken and put back, so the vector keeps its capacity.
-        let mut reqs = std::mem::take(&mut self.gpu_reqs);
-        let g = self.gpu_work();
-        for r in reqs.drain(..) {
-            g.start_target(r);
-        }
-        self.gpu_reqs = reqs;
-    }
-
-    /// Releases gated tcp frames whose copies ended, and sends WRITE
-    /// chunks that reached their bounce buffers (later, if the stream is
-    /// full now).
-    fn deliver_tcp_staging(&mut self) {
-        let Some(g) = &mut self.gpu else { return };
-        for (conn, stream, gate, ok) in g.releases.drain(..) {
-            if let Some(ConnRef::Tcp(i)) = self.dir.get(conn) {
-                self.tcp.mark(i);
-                if let Some(s) = self.tcp.conns[i].streams.get_mut(stream as usize) {
-                    s.release(gate, ok);
-                }
-            }
-        }
-        let now = Instant::now();
-        let mut i = 0;
-        while i < g.sends.len() {
-            let (ts, bounce, r) = &g.sends[i];
-            let stream = match self.dir.get(ts.conn) {
-                Some(ConnRef::Tcp(ci)) => {
-                    self.tcp.mark(ci);
-                    self.tcp.conns[ci].streams.get_mut(ts.stream)
-                }
-                _ => None,
-            };
-            match (r, stream, bounce) {
-                (Ok(()), Some(s), Some(b)) => {
-                    if !s.can_request() {
-                        i += 1;
-                        continue;
-                    }
-                    let from = RegionSlice::new(b, 0, ts.len).expect("bounce fits a chunk");
-                    s.push_request(OpKind::Write, ts.slot, ts.op_id, ts.key, ts.addr, from, now);
-                }
-                (Err(e), _, _) => self.ledger.done.push((ts.slot, Err(e.duplicate()))),
-                _ => {
-                    let e = self.dir.error_of(ts.conn);
-                    self.ledger.done.push((ts.slot, Err(e)));
-                }
-            }
-            let _ = g.sends.swap_remove(i);
-        }
-    }
-
-    fn send_gpu_replies(&mut self) {
-        for (conn, op_id, write, status) in self.gpu_replies.drain(..) {
-            if let Some(ConnRef::Local(idx)) = self.dir.get(conn) {
-                self.local.heat(idx);
-                self.local.conns[idx].finish_gpu(op_id, write, status);
-            }
-        }
-    }
-
-    /// Applies revocations heard on same-host rings to the IPC cache.
-    fn apply_ipc_revocations(&mut self) {
-        for (conn, base) in self.ipc_revoked.drain(..) {
-            let Some(ConnRef::Local(idx)) = self.dir.get(conn) else {
-                continue;
-            };
-            if let Some(g) = &mut self.gpu {
-                g.revoke(self.local.conns[idx].peer_id, base);
-            }
-        }
-    }
-
-    fn remember_failed(&mut self, conn: ConnId, group: ConnId, reason: String) {
-        self.dir.remember_failed(conn, group, reason);
-        self.ledger.forget_conn_if_idle(conn);
-    }
-
-    /// Drops a connection: its transport fails what it had under way,
-    /// the shard forgets its grants and remembers why it died.
-    fn drop_at(&mut self, at: ConnRef, reason: String) {
-        let gone = {
-            let mut cx = cx!(self, None);
-            let (t, idx) = route(&mut self.tcp, &mut self.local, at);
-            t.remove(idx, &reason, &mut cx)
-        };
-        self.regions.revoke_conn(gone.group);
-        self.dir.remove(gone.id);
-        // Same-host peers with no connection left here: their IPC mappings
-        // on this shard go too.
-        for peer in self.local.peers_gone.drain(..) {
-            if let Some(g) = &mut self.gpu {
-                g.revoke_owner(peer);
-            }
-        }
-        self.remember_failed(gone.id, gone.group, reason);
-    }
-
-    /// The longest a connection goes between looks by the timeout checks.
-    fn check_interval(&self) -> Duration {
-        (self.cfg.op_timeout / 4).clamp(Duration::from_millis(1), MAX_CHECK_INTERVAL)
-    }
-
-    /// Arms the first look at a connection just added.
-    fn arm_new(&mut self, at: ConnRef, id: ConnId) {
-        let first = Instant::now() + self.check_interval();
-        self.timers.arm(first, at, id);
-    }
-
-    /// Runs the timeout checks that are due: the parked commands' (only
-    /// connections that found no room have any), then each connection whose
-    /// timer came due, re-armed at its next deadline. No connection is
-    /// looked at before its time.
-    fn check_timeouts(&mut self, now: Instant) {
-        self.tcp.broken_links(&mut self.to_fail);
-        let limit = self.cfg.op_timeout;
-        // A connection whose commands found no room for a whole op timeout
-        // (a peer that stopped reading) is failed; what it parked then
-        // fails with the reason on the next pass.
-        for (conn, (since, _)) in self.parked.iter() {
-            if now.duration_since(*since) > limit {
-                if let Some(at) = self.dir.get(*conn) {
-                    self.to_fail.push((
-                        at,
-                        format!(
-                            "commands found no room for {} ms (op timeout): the peer is not reading",
-                            limit.as_millis()
-                        ),
-                    ));
-                }
-            }
-        }
-        if now.saturating_duration_since(self.hot_checked) >= HOT_LOCAL_CHECK {
-            self.hot_checked = now;
-            let mut due = std::mem::take(&mut self.due);
-            for &idx in self.local.hot() {
-                if let Some(lc) = self.local.conns.get(idx).filter(|lc| lc.busy()) {
-                    due.push((ConnRef::Local(idx), lc.id));
-                }
-            }
-            let mut seen = None;
-            for (at, _) in due.drain(..) {
-                // Their timers stay armed; this look only adds to them.
-                let _ = self.check_conn(at, now, &mut seen);
-            }
-            self.due = due;
-        }
-        if self.timers.next().is_some_and(|t| t <= now) {
-            let mut due = std::mem::take(&mut self.due);
-            self.timers.due(now, MAX_DUE_PER_CHECK, &mut due);
-            // Many connections often share one peer process: one look each.
-            let mut seen = None;
-            for (at, id) in due.drain(..) {
-                if self.dir.get(id) != Some(at) {
-                    continue; // gone since it was armed
-                }
-                if let Some(next) = self.check_conn(at, now, &mut seen) {
-                    self.timers.arm(next, at, id);
-                }
-            }
-            self.due = due;
-        }
-        self.fail_marked();
-    }
-
-    /// Checks one connection: requests past the op timeout, a half-arrived
-    /// frame gone quiet, a vanished peer process, the idle timeout. Marks it
-    /// for failing (and returns `None`) or returns when to look again.
-    fn check_conn(
-        &mut self,
-        at: ConnRef,
-        now: Instant,
-        seen: &mut Option<(u32, bool)>,
-    ) -> Option<Instant> {
-        let limit = self.cfg.op_timeout;
-        let ConnCheck {
-            why,
-            busy,
-            last_active,
-            oldest,
-        } = {
-            let (t, idx) = route(&mut self.tcp, &mut self.local, at);
-            let c = t.check(idx, now, limit, seen);
-            let parked = self.parked.contains_key(&t.conn_id(idx));
-            ConnCheck {
-                busy: c.busy || parked,
-                ..c
-            }
-        };
-        if let Some(why) = why {
-            self.to_fail.push((at, why));
-            return None;
-        }
-        let tick = Duration::from_millis(1);
-        let mut next = now + self.check_interval();
-
-        if let Some(t) = oldest {
-            next = next.min(t + limit + tick);
-        }
-        if let (Some(idle), false) = (self.cfg.idle_timeout, busy) {
-            if now.saturating_duration_since(last_active) > idle {
-                self.to_fail.push((
-                    at,
-                    format!(
-                        "idle for more than {} ms (FERRY_IDLE_TIMEOUT_MS)",
-                        idle.as_millis()
-                    ),
-                ));
-                return None;
-            }
-            next = next.min(last_active + idle + tick);
-        }
-        Some(next.max(now + tick))
-    }
-
-    /// Drops the connections marked in `to_fail`, failing their requests;
-    /// a warning if requests were lost, a note if the connection was idle.
-    /// Returns how many were dropped.
-    fn fail_marked(&mut self) -> usize {
-        if self.to_fail.is_empty() {
-            return 0;
-        }
-        let mut to_fail = std::mem::take(&mut self.to_fail);
-        // A connection may be marked twice in a pass (say, late and
-        // stalled): drop it once, with the first reason.
-        to_fail.sort_by_key(|(at, _)| *at);
-        to_fail.dedup_by_key(|(at, _)| *at);
-        let n = to_fail.len();
-        for (at, reason) in to_fail.drain(..) {
-            let (conn, busy) = {
-                let (t, idx) = route(&mut self.tcp, &mut self.local, at);
-                (t.conn_id(idx), t.has_pending(idx))
-            };
-            if busy {
-                warn!(shard = self.id, %conn, "connection failed: {reason}");
-            } else {
-                info!(shard = self.id, %conn, "connection closed: {reason}");
-            }
-            self.drop_at(at, reason);
-        }
-        self.to_fail = to_fail;
-        n
-    }
-
     fn publish(&mut self) -> usize {
         let dir = &self.dir;
         self.ledger.publish(|c| dir.contains(c))
@@ -963,10 +591,7 @@ impl Drop for Shard {
         for at in all {
             self.drop_at(at, "the shard shut down".to_owned());
         }
-        let mut queued: Vec<Command> = std::mem::take(&mut self.parked)
-            .into_values()
-            .flat_map(|(_, q)| q)
-            .collect();
+        let mut queued: Vec<Command> = self.parked.drain().collect();
         while let Ok(c) = self.rx.try_recv() {
             queued.push(c);
         }
