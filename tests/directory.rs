@@ -170,6 +170,66 @@ fn a_peer_that_stops_renewing_vanishes_within_its_ttl_and_watch_says_so() {
     assert!(matches!(dir.lookup("p"), Err(DirError::NotFound { .. })));
 }
 
+/// A name held by a live endpoint cannot be taken by accident; taken on
+/// purpose, its first holder learns it and stops renewing, and the name
+/// goes with its new holder (issue 28 #4).
+#[test]
+fn a_held_name_is_refused_and_a_replaced_holder_learns_it() {
+    let e = etcd();
+    let dir = Directory::new(&e.url, "c1").unwrap();
+    let (first, second) = (endpoint(), endpoint());
+    let p1 = dir.publish(&first, "a", Duration::from_secs(2)).unwrap();
+    p1.add_window("w", &[1u8; 64]).unwrap();
+    let err = dir
+        .publish(&second, "a", Duration::from_secs(2))
+        .err()
+        .expect("a held name is refused");
+    assert!(
+        matches!(err, DirError::Taken { incarnation, .. } if incarnation == p1.incarnation()),
+        "{err}"
+    );
+    assert!(err.to_string().contains("--replace"), "{err}");
+    // The refusal touched nothing of the holder's.
+    let entry = dir.lookup("a").unwrap();
+    assert_eq!(entry.incarnation, p1.incarnation());
+    assert_eq!(entry.windows.len(), 1);
+
+    let p2 = dir
+        .publish_replacing(&second, "a", Duration::from_secs(2))
+        .unwrap();
+    assert_eq!(dir.lookup("a").unwrap().incarnation, p2.incarnation());
+    let t0 = Instant::now();
+    while p1.last_error().is_none() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the first holder never learned"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(p1.last_error().unwrap().contains("took the name over"));
+    // The second leaves: the name goes, and the first does not bring it back.
+    drop(p2);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(matches!(dir.lookup("a"), Err(DirError::NotFound { .. })));
+    drop(p1);
+}
+
+/// A holder that crashed (stopped renewing, lease not revoked) does not
+/// keep its name: a new publisher waits its lease out and takes it.
+#[test]
+fn a_crashed_holder_is_outlived() {
+    let e = etcd();
+    let dir = Directory::new(&e.url, "c1").unwrap();
+    let (first, second) = (endpoint(), endpoint());
+    dir.publish(&first, "b", Duration::from_secs(2))
+        .unwrap()
+        .abandon();
+    let t0 = Instant::now();
+    let p2 = dir.publish(&second, "b", Duration::from_secs(2)).unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    assert_eq!(dir.lookup("b").unwrap().incarnation, p2.incarnation());
+}
+
 #[test]
 fn a_restarted_peer_is_reached_at_its_new_incarnation() {
     let e = etcd();

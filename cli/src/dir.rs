@@ -33,6 +33,7 @@ pub fn publish(
     _: &str,
     _: &str,
     _: Duration,
+    _: bool,
     _: &[(&str, Vec<u8>)],
 ) -> Result<()> {
     Err(missing())
@@ -55,10 +56,15 @@ pub fn publish(
     cluster: &str,
     name: &str,
     ttl: Duration,
+    replace: bool,
     windows: &[(&str, Vec<u8>)],
 ) -> Result<ferry::directory::Publication> {
     let d = ferry::directory::Directory::new(url, cluster)?;
-    let p = d.publish(ep, name, ttl)?;
+    let p = if replace {
+        d.publish_replacing(ep, name, ttl)?
+    } else {
+        d.publish(ep, name, ttl)?
+    };
     for (w, b) in windows {
         p.add_window(w, b)?;
     }

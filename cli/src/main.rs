@@ -72,7 +72,7 @@ fn main() -> Result<()> {
         "info" if wants_help => println!("{}", info::HELP),
         "info" => info::run(Args::parse(rest, &[])?)?,
         "serve" if wants_help => println!("{}", serve::HELP),
-        "serve" => serve::run(Args::parse(rest, &[])?)?,
+        "serve" => serve::run(Args::parse(rest, &["replace"])?)?,
         "ls" if wants_help => println!("{}", dir::LS_HELP),
         "ls" => dir::ls(Args::parse(rest, &["json"])?)?,
         "raw-peer" => raw::serve()?,

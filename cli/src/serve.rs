@@ -49,6 +49,8 @@ Flags:
                    (cluster default ferry), with windows main, ro, wo
                    (and ipc, gpu with --gpu), under a lease of --ttl
                    seconds (default 10) that this process keeps alive;
+                   a NAME a live endpoint holds is refused unless
+                   --replace (that endpoint then stops renewing it);
                    needs a build with the `directory` feature
 Environment: every FERRY_* variable (see the README).";
 
@@ -90,12 +92,14 @@ pub fn run(mut a: Args) -> Result<()> {
         .map(|v| v.parse())
         .transpose()
         .context("--shards")?;
+    let replace = a.switch("replace");
     let directory = match (a.value("directory"), a.value("name")) {
         (Some(url), Some(name)) => Some((
             url,
             a.value("cluster").unwrap_or_else(|| "ferry".into()),
             name,
         )),
+        _ if replace => bail!("--replace goes with --directory and --name"),
         (None, None) => None,
         _ => bail!("--directory and --name go together"),
     };
@@ -159,9 +163,9 @@ pub fn run(mut a: Args) -> Result<()> {
         windows.push(("gpu", g.advertise(0, g.len())?.encode().to_vec()));
     }
     let _published = match &directory {
-        Some((url, cluster, name)) => {
-            Some(crate::dir::publish(&ep, url, cluster, name, ttl, &windows)?)
-        }
+        Some((url, cluster, name)) => Some(crate::dir::publish(
+            &ep, url, cluster, name, ttl, replace, &windows,
+        )?),
         None => None,
     };
     writeln!(out, "READY")?;

@@ -149,6 +149,18 @@ impl Etcd {
         Ok(r.get("TTL").and_then(int).unwrap_or(0))
     }
 
+    /// (Seconds lease `id` has left, seconds it was granted); the first is
+    /// 0 or less once it expired (or for an unknown lease).
+    pub fn time_to_live(&self, id: i64) -> R<(i64, i64)> {
+        let v = self.call(
+            "lease timetolive",
+            "/v3/lease/timetolive",
+            json!({ "ID": id.to_string() }),
+        )?;
+        let left = v.get("TTL").and_then(int).unwrap_or(0);
+        Ok((left, v.get("grantedTTL").and_then(int).unwrap_or(0)))
+    }
+
     pub fn revoke(&self, id: i64) -> R<()> {
         self.call(
             "lease revoke",
@@ -164,6 +176,41 @@ impl Etcd {
             body["lease"] = json!(lease.to_string());
         }
         self.call("put", "/v3/kv/put", body).map(|_| ())
+    }
+
+    /// Puts `value` at `key` only if no key is there (an etcd transaction
+    /// comparing its create revision with 0); `false`, writing nothing,
+    /// when one is.
+    pub fn create(&self, key: &[u8], value: &[u8], lease: i64) -> R<bool> {
+        let mut put = json!({ "key": b64(key), "value": b64(value) });
+        if lease != 0 {
+            put["lease"] = json!(lease.to_string());
+        }
+        let body = json!({
+            "compare": [{
+                "key": b64(key), "result": "EQUAL", "target": "CREATE", "create_revision": "0"
+            }],
+            "success": [{ "request_put": put }],
+        });
+        let v = self.call("txn", "/v3/kv/txn", body)?;
+        // The gateway leaves out a false "succeeded".
+        Ok(v.get("succeeded").and_then(Value::as_bool).unwrap_or(false))
+    }
+
+    /// The value at exactly `key`, if there is one.
+    pub fn get(&self, key: &[u8]) -> R<Option<Kv>> {
+        let v = self.call("range", "/v3/kv/range", json!({ "key": b64(key) }))?;
+        let Some(k) = v
+            .get("kvs")
+            .and_then(Value::as_array)
+            .and_then(|a| a.first())
+        else {
+            return Ok(None);
+        };
+        kv(k).map(Some).ok_or_else(|| EtcdError::Reply {
+            call: "range",
+            why: format!("bad key-value {k}"),
+        })
     }
 
     /// Every key under `prefix`, in key order.

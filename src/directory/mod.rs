@@ -22,7 +22,7 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use etcd::{Change, Etcd, EtcdError};
 
@@ -43,11 +43,22 @@ pub enum DirError {
     NotFound { cluster: String, name: String },
     #[error("directory: {name:?} has no window {window:?}")]
     NoWindow { name: String, window: String },
+    #[error(
+        "directory: {name:?} is held by a live endpoint (incarnation {incarnation:016x}); \
+         publish_replacing (ferry serve --replace) takes it over"
+    )]
+    Taken { name: String, incarnation: u64 },
     #[error("directory: {0}")]
     Endpoint(#[from] crate::error::Error),
 }
 
 pub type Result<T> = std::result::Result<T, DirError>;
+
+/// The longest `publish` waits for a holder of the name that has stopped
+/// renewing (a crashed process) to run out (else its lease's granted TTL
+/// and a second), and how often it looks.
+const MAX_OUTLIVE: Duration = Duration::from_secs(30);
+const OUTLIVE_POLL: Duration = Duration::from_millis(200);
 
 fn check_name(what: &'static str, s: &str) -> Result<()> {
     let ok = !s.is_empty()
@@ -161,9 +172,33 @@ impl Directory {
 
     /// Publishes `ep` as `name` under a lease of `ttl` (at least 2 s; the
     /// entries vanish at most `ttl` after this process stops renewing it).
-    /// A name another live publication holds is taken over (the newest
-    /// publisher wins, as after a restart).
+    /// A name a live publication holds is refused (`DirError::Taken`): the
+    /// record is created only if absent (an etcd transaction). A holder
+    /// that stopped renewing (a crashed process) is waited out: up to its
+    /// lease's TTL, which is also how long telling a live holder takes.
     pub fn publish(&self, ep: &Endpoint, name: &str, ttl: Duration) -> Result<Publication> {
+        self.publish_as(ep, name, ttl, false)
+    }
+
+    /// As `publish`, but a live holder of `name` is replaced; it learns so
+    /// on its next renewal (its `last_error`, a warning) and stops
+    /// renewing the name.
+    pub fn publish_replacing(
+        &self,
+        ep: &Endpoint,
+        name: &str,
+        ttl: Duration,
+    ) -> Result<Publication> {
+        self.publish_as(ep, name, ttl, true)
+    }
+
+    fn publish_as(
+        &self,
+        ep: &Endpoint,
+        name: &str,
+        ttl: Duration,
+        replace: bool,
+    ) -> Result<Publication> {
         check_name("name", name)?;
         let ttl_s = ttl.as_secs().max(2);
         let lease = self.etcd.grant(ttl_s)?;
@@ -179,10 +214,24 @@ impl Directory {
             windows: Mutex::new(Vec::new()),
             last_error: Mutex::new(None),
         });
-        // Windows of an earlier incarnation are not ours to keep.
+        let key = format!("{prefix}endpoint");
+        if replace {
+            self.etcd
+                .put(key.as_bytes(), shared.record.as_bytes(), lease)?;
+        } else if let Err(e) = self.create_or_outlive(&key, &shared.record, lease) {
+            let _ = self.etcd.revoke(lease);
+            return Err(match e {
+                Some(e) => e,
+                None => DirError::Taken {
+                    name: name.to_owned(),
+                    incarnation: self.lookup(name).map(|e| e.incarnation).unwrap_or_default(),
+                },
+            });
+        }
+        // The name is ours: windows of an earlier incarnation are not ours
+        // to keep.
         self.etcd
             .delete_prefix(format!("{prefix}windows/").as_bytes())?;
-        shared.put_all(lease)?;
         let stop = Arc::new(AtomicBool::new(false));
         let (s2, stop2) = (shared.clone(), stop.clone());
         let thread = std::thread::Builder::new()
@@ -195,6 +244,48 @@ impl Directory {
             stop,
             thread: Some(thread),
         })
+    }
+
+    /// Creates the record at `key` if it is absent. A holder that no
+    /// longer renews its lease (a crashed process) is outlived: its lease
+    /// runs out within its granted TTL, so we wait that long (plus a
+    /// second, at most `MAX_OUTLIVE`) for the record to go, and create ours
+    /// then; a record still there after that, or whose lease's time to live
+    /// went up meanwhile, has a live holder. `Err(None)`: held by one.
+    fn create_or_outlive(
+        &self,
+        key: &str,
+        record: &str,
+        lease: i64,
+    ) -> std::result::Result<(), Option<DirError>> {
+        let start = Instant::now();
+        let mut deadline = start + MAX_OUTLIVE;
+        let mut last_left = i64::MAX;
+        loop {
+            let created = self.etcd.create(key.as_bytes(), record.as_bytes(), lease);
+            if created.map_err(|e| Some(e.into()))? {
+                return Ok(());
+            }
+            let holder = self.etcd.get(key.as_bytes()).map_err(|e| Some(e.into()))?;
+            let Some(holder) = holder else { continue };
+            // A record under no lease never runs down.
+            if holder.lease == 0 {
+                return Err(None);
+            }
+            let (left, granted) = self
+                .etcd
+                .time_to_live(holder.lease)
+                .map_err(|e| Some(e.into()))?;
+            let outlived = start + Duration::from_secs(granted.max(0) as u64 + 1);
+            deadline = deadline.min(outlived);
+            if left > last_left || Instant::now() >= deadline {
+                return Err(None);
+            }
+            last_left = left;
+            std::thread::sleep(OUTLIVE_POLL);
+            // Our own lease lives through the wait.
+            self.etcd.keepalive(lease).map_err(|e| Some(e.into()))?;
+        }
     }
 
     fn entry_from(&self, name: &str, kvs: &[etcd::Kv]) -> Result<Option<Entry>> {
@@ -347,10 +438,17 @@ struct Shared {
 }
 
 impl Shared {
+    /// Publishes the record anew under `lease` (after the old one expired)
+    /// if nobody took the name meanwhile, then the windows.
     fn put_all(&self, lease: i64) -> Result<()> {
         let key = format!("{}endpoint", self.prefix);
-        self.etcd
-            .put(key.as_bytes(), self.record.as_bytes(), lease)?;
+        if !self
+            .etcd
+            .create(key.as_bytes(), self.record.as_bytes(), lease)?
+            && !self.still_ours()?
+        {
+            return Err(self.lost());
+        }
         for (w, b) in self.windows.lock().expect("lock").iter() {
             let key = format!("{}windows/{w}", self.prefix);
             self.etcd.put(key.as_bytes(), hex(b).as_bytes(), lease)?;
@@ -375,6 +473,16 @@ impl Shared {
                 waited += step;
             }
             let lease = *self.lease.lock().expect("lock");
+            // A record replaced by another publisher is not renewed.
+            if matches!(self.still_ours(), Ok(false)) {
+                let e = self.lost();
+                tracing::warn!("{e}");
+                *self.last_error.lock().expect("lock") = Some(e.to_string());
+                let _ = self.etcd.revoke(lease);
+                // Nothing left to revoke when the publication drops.
+                *self.lease.lock().expect("lock") = 0;
+                return;
+            }
             let r = match self.etcd.keepalive(lease) {
                 Ok(ttl) if ttl > 0 => Ok(()),
                 Ok(_) => self
@@ -388,6 +496,26 @@ impl Shared {
                 Err(e) => Err(e.into()),
             };
             *self.last_error.lock().expect("lock") = r.err().map(|e| e.to_string());
+        }
+    }
+}
+
+impl Shared {
+    /// Whether the name's record is still this publication's (absent, as
+    /// after our lease expired, counts as ours: we may create it again).
+    fn still_ours(&self) -> Result<bool> {
+        let key = format!("{}endpoint", self.prefix);
+        Ok(self
+            .etcd
+            .get(key.as_bytes())?
+            .map_or(true, |kv| kv.value == self.record.as_bytes()))
+    }
+
+    fn lost(&self) -> DirError {
+        DirError::Bad {
+            what: "publication",
+            value: self.prefix.clone(),
+            why: "another endpoint took the name over; this one no longer renews it".into(),
         }
     }
 }
@@ -459,6 +587,9 @@ impl Drop for Publication {
             let _ = t.join();
         }
         let lease = *self.shared.lease.lock().expect("lock");
+        if lease == 0 {
+            return;
+        }
         if let Err(e) = self.shared.etcd.revoke(lease) {
             tracing::warn!("directory: revoking lease {lease:x}: {e} (its entries expire with it)");
         }
