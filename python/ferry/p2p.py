@@ -98,6 +98,15 @@ class Endpoint:
 
     def __init__(self, local_gpu_idx: Optional[int] = None, *_ignored: Any, strict: bool = False) -> None:
         self._strict = strict
+        if local_gpu_idx is not None and _native.gpu_count() == 0:
+            # Clients written for GPU hosts pass GPU 0 everywhere (Ray's
+            # tensor transport does); with no GPU here, host memory is
+            # still served.
+            _log.warning(
+                "Endpoint(local_gpu_idx=%s): no GPU is visible here; serving host memory only",
+                local_gpu_idx,
+            )
+            local_gpu_idx = None
         self._n: Optional[_native.Endpoint] = _native.Endpoint(local_gpu_idx)
         self._lock = threading.Lock()
         self._regs: Dict[int, _native.Region] = {}

@@ -700,6 +700,12 @@ impl Transfer {
     }
 }
 
+/// How many GPUs are visible here (0 without a CUDA driver).
+#[pyfunction]
+pub fn gpu_count() -> usize {
+    ferry::gpu::cuda().map_or(0, |c| c.device_count())
+}
+
 /// The bus id of visible GPU `index`.
 #[pyfunction]
 pub fn gpu_bus_id(index: usize) -> PyResult<String> {

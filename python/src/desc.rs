@@ -31,11 +31,25 @@ pub struct XferDesc {
 
 #[pymethods]
 impl XferDesc {
+    /// Every field may be given, or set afterwards (clients build
+    /// descriptors by hand, e.g. a sub-range of a registered one).
     #[new]
-    fn py_new() -> Self {
+    #[pyo3(signature = (addr=0, size=0, mr_id=u64::MAX, lkeys=Vec::new(), rkeys=Vec::new(), info=Vec::new()))]
+    fn py_new(
+        addr: u64,
+        size: u64,
+        mr_id: u64,
+        lkeys: Vec<u32>,
+        rkeys: Vec<u32>,
+        info: Vec<u8>,
+    ) -> Self {
         XferDesc {
-            mr_id: u64::MAX,
-            ..Default::default()
+            addr,
+            size,
+            mr_id,
+            lkeys,
+            rkeys,
+            info,
         }
     }
 

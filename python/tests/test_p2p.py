@@ -458,3 +458,40 @@ def test_ctrl_c_interrupts_a_blocking_write_to_a_stopped_peer(transport):
         t.send_signal(signal.SIGCONT)
         t.kill()
         t.wait()
+
+
+@pytest.mark.skipif(ferry._native.gpu_count() > 0, reason="a GPU is visible here")
+def test_gpu_zero_on_a_host_without_gpus_serves_host_memory(caplog):
+    """Ray's transport passes GPU 0 everywhere: with no GPU that is a
+    warning and a host-memory endpoint, not an error (issue 28 #10)."""
+    with caplog.at_level(logging.WARNING, logger="ferry"):
+        ep = p2p.Endpoint(0)
+    assert ep.gpu is None
+    assert "no GPU is visible" in caplog.text
+    buf = np.zeros(64, np.uint8)
+    assert ep.reg(buf.ctypes.data, 64)[0]
+    ep.close()
+
+
+def test_hand_built_descriptors_name_a_sub_range(transport):
+    """XferDesc is built by hand with its fields set (clients cut a
+    registered buffer into pieces that way): a local piece of a registered
+    tensor moves with the registration's mr_id."""
+    a, b, conn = pair(transport)
+    dst = np.zeros(8192, np.uint8)
+    src = np.arange(8192, dtype=np.uint32).astype(np.uint8)
+    rdesc = a.register_memory([dst])[0]
+    ldesc = b.register_memory([src])[0]
+    piece = p2p.XferDesc()
+    piece.addr = ldesc.addr + 4096
+    piece.size = 4096
+    piece.mr_id = ldesc.mr_id
+    piece.lkeys, piece.rkeys = ldesc.lkeys, ldesc.rkeys
+    remote = p2p.XferDesc(addr=rdesc.addr, size=4096, mr_id=rdesc.mr_id, info=rdesc.info)
+    assert remote.size == 4096 and list(remote.info) == list(rdesc.info)
+    remote = b.deserialize_descs(a.get_serialized_descs([remote]))[0]
+    ok, tid = b.transfer(conn, "write", [piece], [remote])
+    assert ok and b.wait(tid, 10.0)
+    assert bytes(dst[:4096]) == bytes(src[4096:])
+    a.close()
+    b.close()

@@ -165,6 +165,11 @@ fn describe(ordinal: i32) -> Result<DeviceInfo> {
 }
 
 impl Cuda {
+    /// How many devices are visible.
+    pub fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
     /// Checks `idx` against the visible devices.
     pub fn device(&self, idx: usize) -> Result<&DeviceInfo> {
         self.devices.get(idx).ok_or(Error::GpuOutOfRange {
