@@ -101,6 +101,12 @@ pub enum Error {
     RemoteTooSmall { len: usize, remote_size: u32 },
     #[error("the region at {addr:#x} ({len} bytes) is read-only here: a READ cannot land in it")]
     ReadOnlyDestination { addr: u64, len: usize },
+    #[error("[{addr:#x}, +{len}) cannot be registered: {reason}")]
+    BadRange {
+        addr: u64,
+        len: usize,
+        reason: String,
+    },
     #[error("vectored op has {locals} local slices but {remotes} remote buffers")]
     VectorMismatch { locals: usize, remotes: usize },
     #[error("vectored op is empty")]

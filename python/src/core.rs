@@ -293,7 +293,12 @@ impl Endpoint {
         } else {
             Access::all()
         };
-        // SAFETY: the caller's promise (module docs), as with the seed's reg.
+        // A Python caller cannot be asked to prove its pointer: the range
+        // must be mapped with the access asked for (or lie in one GPU
+        // allocation).
+        ep.check_range(ptr, size, access).map_err(fe)?;
+        // SAFETY: mapped as checked; that it stays valid until the region
+        // closes is the caller's promise (module docs), as with the seed's reg.
         let mr = py
             .allow_threads(|| unsafe { ep.register_raw(ptr as *mut u8, size, access) })
             .map_err(fe)?;

@@ -495,3 +495,30 @@ def test_hand_built_descriptors_name_a_sub_range(transport):
     assert bytes(dst[:4096]) == bytes(src[4096:])
     a.close()
     b.close()
+
+
+def test_reg_refuses_pointers_that_are_not_mapped(caplog):
+    """A Python caller cannot prove its pointer: reg checks the range is
+    mapped with the access asked for, and names the address (issue 28 #3)."""
+    import mmap
+
+    ep = p2p.Endpoint()
+    for ptr, size in [(0x1, 4096), (0x1000, 4096), (0xDEAD0000, 4096), (2**63, 1 << 40)]:
+        with caplog.at_level(logging.WARNING, logger="ferry"):
+            assert ep.reg(ptr, size) == (False, 0)
+        assert f"{ptr:#x}" in caplog.text, caplog.text
+        caplog.clear()
+    # A read-only mapping registers read-only, not writable.
+    ro = mmap.mmap(-1, 4096, prot=mmap.PROT_READ)
+
+    buf = np.frombuffer(ro, np.uint8)
+    ptr = buf.ctypes.data
+    ok, _ = ep.reg(ptr, 4096)
+    assert not ok
+    assert "not readable and writable" in caplog.text or "r--" in caplog.text, caplog.text
+    assert ep.reg(ptr, 4096, readonly=True)[0]
+    strict = p2p.Endpoint(strict=True)
+    with pytest.raises(p2p.FerryError, match="0x1000"):
+        strict.reg(0x1000, 16)
+    ep.close()
+    strict.close()

@@ -479,6 +479,45 @@ impl Endpoint {
         bufs.into_iter().map(|b| self.register(b)).collect()
     }
 
+    /// Checks that `[ptr, ptr + len)` is memory this process can register
+    /// with `access`: inside one GPU allocation (the driver's pointer
+    /// attributes), or host memory mapped readable, and writable when
+    /// anyone may write it (`/proc/self/maps`, read once per call). For
+    /// the faces whose callers cannot be asked to prove it (Python, C)
+    /// before `register_raw`; it cannot say the memory stays valid, which
+    /// remains the caller's promise.
+    pub fn check_range(&self, ptr: u64, len: usize, access: Access) -> Result<()> {
+        let bad = |reason: String| Error::BadRange {
+            addr: ptr,
+            len,
+            reason,
+        };
+        if ptr == 0 {
+            return Err(bad("a null pointer".into()));
+        }
+        let end = ptr
+            .checked_add(len as u64)
+            .ok_or_else(|| bad("it runs past the end of the address space".into()))?;
+        match crate::gpu::memory::classify(ptr)? {
+            crate::gpu::MemKind::Device {
+                alloc_base,
+                alloc_len,
+                ..
+            } => {
+                if end > alloc_base.saturating_add(alloc_len as u64) {
+                    return Err(bad(format!(
+                        "it runs past its GPU allocation [{alloc_base:#x}, +{alloc_len})"
+                    )));
+                }
+                Ok(())
+            }
+            _ => {
+                let write = access.intersects(Access::REMOTE_WRITE | Access::LOCAL_WRITE);
+                crate::sys::range_mapped(ptr, len as u64, write).map_err(bad)
+            }
+        }
+    }
+
     /// Registers memory the caller owns.
     ///
     /// # Safety
