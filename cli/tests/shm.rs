@@ -459,7 +459,10 @@ fn a_neighbour_resizing_a_planted_object_crashes_no_start() {
         .unwrap();
     let t0 = Instant::now();
     while !std::path::Path::new(&planted).exists() {
-        assert!(t0.elapsed() < Duration::from_secs(5), "the resizer did not start");
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the resizer did not start"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
     let mut deaths = Vec::new();
@@ -483,5 +486,9 @@ fn a_neighbour_resizing_a_planted_object_crashes_no_start() {
     let _ = resizer.kill();
     let _ = resizer.wait();
     let _ = std::fs::remove_file(&planted);
-    assert!(deaths.is_empty(), "{} of 100 starts died: {deaths:?}", deaths.len());
+    assert!(
+        deaths.is_empty(),
+        "{} of 100 starts died: {deaths:?}",
+        deaths.len()
+    );
 }

@@ -12,7 +12,9 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferry::{Access, AnyWindow, ConnId, EndpointMetadata, MemKind, MemoryRegion, Peer};
+use ferry::{
+    Access, AnyWindow, ConnId, EndpointMetadata, MemKind, MemoryRegion, Peer, SharedRegion,
+};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
@@ -100,11 +102,11 @@ impl Endpoint {
         }
     }
 
-    fn region(&self, ep: &Arc<ferry::Endpoint>, mr: MemoryRegion) -> Region {
-        let gpu = ep.mem_kind(&mr).is_device();
+    fn region(&self, ep: &Arc<ferry::Endpoint>, held: Held) -> Region {
+        let gpu = ep.mem_kind(held.region()).is_device();
         let r = Region {
             ep: self.ep.clone(),
-            mr: Mutex::new(Some(Arc::new(mr))),
+            sh: Mutex::new(Some(held)),
             gpu,
         };
         self.publish_gpu(ep);
@@ -298,11 +300,13 @@ impl Endpoint {
         // allocation).
         ep.check_range(ptr, size, access).map_err(fe)?;
         // SAFETY: mapped as checked; that it stays valid until the region
-        // closes is the caller's promise (module docs), as with the seed's reg.
-        let mr = py
-            .allow_threads(|| unsafe { ep.register_raw(ptr as *mut u8, size, access) })
+        // closes is the caller's promise (module docs), as with the seed's
+        // reg. Through the registration cache: the same range or a part of
+        // a live registration shares it (UCCL's semantics).
+        let sh = py
+            .allow_threads(|| unsafe { ep.register_shared(ptr as *mut u8, size, access) })
             .map_err(fe)?;
-        Ok(self.region(&ep, mr))
+        Ok(self.region(&ep, Held::Shared(sh)))
     }
 
     /// The range the seed's `*_ipc` calls register for a bare pointer: the
@@ -323,7 +327,7 @@ impl Endpoint {
     fn alloc_host(&self, py: Python<'_>, size: usize) -> PyResult<Region> {
         let ep = self.get()?;
         let mr = py.allow_threads(|| ep.alloc_host(size)).map_err(fe)?;
-        Ok(self.region(&ep, mr))
+        Ok(self.region(&ep, Held::Own(Arc::new(mr))))
     }
 
     /// The next notification from any peer, waiting up to `timeout_s`
@@ -340,6 +344,12 @@ impl Endpoint {
         Ok((c.0, PyBytes::new(py, &m)))
     }
 
+    /// The registration cache's `(hits, misses)` so far.
+    fn reg_cache_stats(&self) -> PyResult<(u64, u64)> {
+        let s = self.get()?.reg_cache_stats();
+        Ok((s.hits, s.misses))
+    }
+
     /// Who is at the other end of `conn_id`: `("tcp", "ip:port")` or
     /// `("shm", "<endpoint id>")`; None for an unknown or closed one.
     fn peer(&self, conn_id: u64) -> PyResult<Option<(&'static str, String)>> {
@@ -347,37 +357,73 @@ impl Endpoint {
     }
 }
 
-/// `ferry::MemoryRegion`: registered memory.
+/// What a native `Region` holds: its own registration (engine memory), or
+/// one holder's share of a cached one (raw pointers).
+enum Held {
+    Own(Arc<MemoryRegion>),
+    Shared(SharedRegion),
+}
+
+impl Held {
+    fn region(&self) -> &Arc<MemoryRegion> {
+        match self {
+            Held::Own(mr) => mr,
+            Held::Shared(sh) => sh.region(),
+        }
+    }
+
+    /// This holder's part: (address, length).
+    fn span(&self) -> (u64, usize) {
+        match self {
+            Held::Own(mr) => (mr.addr(), mr.len()),
+            Held::Shared(sh) => (sh.addr(), sh.len()),
+        }
+    }
+}
+
+/// `ferry::MemoryRegion` (or a part of one the registration cache shares):
+/// registered memory.
 #[pyclass(module = "ferry._native", name = "Region", frozen)]
 pub struct Region {
     ep: Shared,
-    mr: Mutex<Option<Arc<MemoryRegion>>>,
+    sh: Mutex<Option<Held>>,
     gpu: bool,
+}
+
+/// A region's registration and its part, for one call.
+struct View {
+    mr: Arc<MemoryRegion>,
+    addr: u64,
+    len: usize,
 }
 
 impl Region {
     /// The registration, while it and its endpoint are open.
-    fn mr(&self) -> PyResult<Arc<MemoryRegion>> {
+    fn view(&self) -> PyResult<View> {
         self.ep.get()?;
-        self.mr
-            .lock()
-            .expect("lock")
-            .clone()
-            .ok_or_else(|| FerryError::new_err("the region is closed"))
+        let g = self.sh.lock().expect("lock");
+        let h = g
+            .as_ref()
+            .ok_or_else(|| FerryError::new_err("the region is closed"))?;
+        let (addr, len) = h.span();
+        Ok(View {
+            mr: h.region().clone(),
+            addr,
+            len,
+        })
     }
 
-    /// The offset of `[ptr, ptr + size)` in the region: the one range
-    /// check both faces rely on.
-    fn offset_of(&self, mr: &MemoryRegion, ptr: u64, size: usize) -> PyResult<usize> {
-        let off = ptr.wrapping_sub(mr.addr());
-        if ptr < mr.addr() || off.saturating_add(size as u64) > mr.len() as u64 {
+    /// The offset in the registration of `[ptr, ptr + size)`, which must
+    /// lie in this region's part: the one range check both faces rely on.
+    fn offset_of(&self, v: &View, ptr: u64, size: usize) -> PyResult<usize> {
+        let inside = ptr >= v.addr && (ptr - v.addr).saturating_add(size as u64) <= v.len as u64;
+        if !inside {
             return Err(FerryError::new_err(format!(
                 "[{ptr:#x}, +{size}) is outside the region [{:#x}, +{})",
-                mr.addr(),
-                mr.len()
+                v.addr, v.len
             )));
         }
-        Ok(off as usize)
+        Ok((ptr - v.mr.addr()) as usize)
     }
 }
 
@@ -385,12 +431,12 @@ impl Region {
 impl Region {
     #[getter]
     fn ptr(&self) -> PyResult<u64> {
-        Ok(self.mr()?.addr())
+        Ok(self.view()?.addr)
     }
 
     #[getter]
     fn nbytes(&self) -> PyResult<usize> {
-        Ok(self.mr()?.len())
+        Ok(self.view()?.len)
     }
 
     #[getter]
@@ -400,18 +446,18 @@ impl Region {
 
     #[getter]
     fn rkey(&self) -> PyResult<u32> {
-        Ok(self.mr()?.rkey())
+        Ok(self.view()?.mr.rkey())
     }
 
     #[getter]
     fn closed(&self) -> bool {
-        self.mr.lock().expect("lock").is_none()
+        self.sh.lock().expect("lock").is_none()
     }
 
     /// Whether `[ptr, ptr + size)` lies inside it.
     fn contains(&self, ptr: u64, size: usize) -> bool {
-        self.mr()
-            .is_ok_and(|mr| self.offset_of(&mr, ptr, size).is_ok())
+        self.view()
+            .is_ok_and(|v| self.offset_of(&v, ptr, size).is_ok())
     }
 
     /// A 64-byte window on `[ptr, ptr + size)`: for the peer on `conn`
@@ -425,8 +471,9 @@ impl Region {
         size: usize,
         conn: Option<&Connection>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let mr = self.mr()?;
-        let off = self.offset_of(&mr, ptr, size)?;
+        let v = self.view()?;
+        let off = self.offset_of(&v, ptr, size)?;
+        let mr = v.mr;
         let rb = match conn {
             Some(c) => self.ep.get()?.advertise(c.id, &mr, off, size),
             None => mr.advertise(off, size),
@@ -447,8 +494,9 @@ impl Region {
         size: usize,
         conn: Option<&Connection>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let mr = self.mr()?;
-        let off = self.offset_of(&mr, ptr, size)?;
+        let v = self.view()?;
+        let off = self.offset_of(&v, ptr, size)?;
+        let mr = v.mr;
         let w: AnyWindow = match (self.gpu, conn) {
             (true, Some(c)) => self
                 .ep
@@ -470,12 +518,20 @@ impl Region {
     /// Deregisters it, waiting until no transfer uses it (then the memory
     /// may be freed). Closing twice does nothing.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        let Some(mut mr) = self.mr.lock().expect("lock").take() else {
+        let Some(held) = self.sh.lock().expect("lock").take() else {
             return Ok(());
         };
         // A closed endpoint took its registrations with it.
         let Ok(ep) = self.ep.get() else {
             return Ok(());
+        };
+        let mut mr = match held {
+            Held::Own(mr) => mr,
+            Held::Shared(sh) => match ep.release_shared(sh) {
+                Some(mr) => mr,
+                // Other holders keep the registration.
+                None => return Ok(()),
+            },
         };
         py.allow_threads(|| {
             // A call submitting an operation may hold it a moment; the
@@ -500,12 +556,12 @@ impl Region {
     }
 
     fn __repr__(&self) -> String {
-        match self.mr() {
-            Ok(mr) => format!(
+        match self.view() {
+            Ok(v) => format!(
                 "<ferry Region {} {} bytes at {:#x}>",
                 if self.gpu { "gpu" } else { "host" },
-                mr.len(),
-                mr.addr()
+                v.len,
+                v.addr
             ),
             Err(_) => "<ferry Region (closed)>".to_owned(),
         }
@@ -568,9 +624,9 @@ impl Connection {
                     "a region of another endpoint than this connection's",
                 ));
             }
-            let mr = r.mr()?;
-            let off = r.offset_of(&mr, *ptr, *size)?;
-            held.push((mr, off, *size));
+            let v = r.view()?;
+            let off = r.offset_of(&v, *ptr, *size)?;
+            held.push((v.mr, off, *size));
         }
         let wins = windows
             .iter()

@@ -522,3 +522,32 @@ def test_reg_refuses_pointers_that_are_not_mapped(caplog):
         strict.reg(0x1000, 16)
     ep.close()
     strict.close()
+
+
+def test_register_memory_shares_a_live_registration_as_uccl_does():
+    """UCCL's registration cache (p2p/tests/test_register_memory_cache.py
+    with numpy arrays): the same buffer again or a part of it gets a new
+    mr_id and the same keys; dropping one keeps the others; a partial
+    overlap or another buffer gets its own (issue 28 #8)."""
+    ep = p2p.Endpoint()
+    t = np.arange(4096, dtype=np.float32)
+    d1, d2 = ep.register_memory([t])[0], ep.register_memory([t])[0]
+    assert d1.addr == d2.addr == t.ctypes.data and d1.size == d2.size == t.nbytes
+    assert d1.mr_id != d2.mr_id
+    assert d1.lkeys == d2.lkeys and d1.rkeys == d2.rkeys
+    ep.deregister_memory([d1])
+    d3 = ep.register_memory([t])[0]
+    assert d3.rkeys == d2.rkeys
+    sub = ep.register_memory([t[256:1280]])[0]
+    assert sub.rkeys == d2.rkeys and sub.addr == t[256:].ctypes.data
+    ep.deregister_memory([d2, d3])
+    assert ep.register_memory([t[256:1280]])[0].rkeys == sub.rkeys, "sub still holds it"
+    assert ep._n.reg_cache_stats() == (4, 1)
+    ep.close()
+    # A fresh endpoint: nothing registered that holds these.
+    ep = p2p.Endpoint()
+    base = ep.register_memory([t[:1024]])[0]
+    over = ep.register_memory([t[768:1792]])[0]
+    other = ep.register_memory([t.copy()])[0]
+    assert base.rkeys != over.rkeys and over.rkeys != other.rkeys and base.rkeys != other.rkeys
+    ep.close()

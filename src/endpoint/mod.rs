@@ -11,6 +11,7 @@ mod lanes;
 mod local;
 mod memory;
 mod ops;
+mod reg_cache;
 mod start;
 mod table;
 
@@ -31,6 +32,7 @@ use tracing::{info, warn};
 pub use config::{Config, Integrity, Mode, Secret, Transport};
 pub use memory::{MemoryRegion, MAX_WINDOWS};
 pub use ops::Window;
+pub use reg_cache::{RegCacheStats, SharedRegion};
 
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::oob::gate::{Done, Gate, GateHooks};
@@ -179,6 +181,8 @@ pub(crate) struct Inner {
     handshaking: Arc<Mutex<HashMap<IpAddr, usize>>>,
     /// Live registrations (for FERRY_MAX_REGISTRATIONS).
     pub(crate) registrations: Arc<AtomicUsize>,
+    /// Raw registrations that may be shared (`reg_cache.rs`).
+    reg_cache: reg_cache::RegCache,
     /// The endpoint's GPU ordinal, once given or picked (lazy mode).
     gpu: std::sync::OnceLock<i32>,
     ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,

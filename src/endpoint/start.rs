@@ -293,6 +293,7 @@ impl Endpoint {
             closed: Mutex::new(closed_rx),
             handshaking: Arc::new(Mutex::new(HashMap::new())),
             registrations: Arc::new(AtomicUsize::new(0)),
+            reg_cache: Default::default(),
             memfd_regions: Mutex::new(HashMap::new()),
             local_peers: Mutex::new(std::collections::HashSet::new()),
             local_bell,
