@@ -43,7 +43,13 @@ fn init_logs() {
         "info" => tracing::level_filters::LevelFilter::INFO,
         "debug" => tracing::level_filters::LevelFilter::DEBUG,
         "trace" => tracing::level_filters::LevelFilter::TRACE,
-        _ => tracing::level_filters::LevelFilter::WARN,
+        "warn" => tracing::level_filters::LevelFilter::WARN,
+        _ => {
+            eprintln!(
+                "ferry: FERRY_LOG={level:?} is not a level (off, error, warn, info, debug, trace); using warn"
+            );
+            tracing::level_filters::LevelFilter::WARN
+        }
     };
     tracing_subscriber::fmt()
         .with_max_level(filter)

@@ -462,6 +462,35 @@ mod tests {
         assert!(vars.len() >= 35, "{}", vars.len());
     }
 
+    /// The README's table of bad values: each `FERRY_*` row's input is
+    /// refused with the message the row quotes.
+    #[test]
+    fn every_bad_value_in_the_readme_gets_what_it_says() {
+        let readme = include_str!("../../README.md");
+        let table = readme
+            .split("### What a bad value gets")
+            .nth(1)
+            .expect("the README has the table")
+            .split("\n#")
+            .next()
+            .unwrap();
+        let mut n = 0;
+        for row in table.lines().filter(|l| l.starts_with("| `FERRY_")) {
+            let quoted: Vec<&str> = row.split('`').skip(1).step_by(2).collect();
+            let (input, want) = (quoted[0], quoted[quoted.len() - 1]);
+            let (var, value) = input.split_once('=').expect("VAR=value");
+            if var == "FERRY_LOG" {
+                continue; // the binary's (cli/tests/bad_values.rs)
+            }
+            let e = Config::from_lookup(env(&[(var, value)]))
+                .err()
+                .unwrap_or_else(|| panic!("{input} was accepted"));
+            assert!(e.to_string().contains(want), "{input}: {e}");
+            n += 1;
+        }
+        assert!(n >= 35, "{n} rows");
+    }
+
     #[test]
     fn validate_names_each_zero_field() {
         type Set = fn(&mut Config);
