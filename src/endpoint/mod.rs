@@ -233,6 +233,8 @@ impl Endpoint {
 
     /// Who is at the other end of `conn` (and so which path it uses).
     pub fn peer(&self, conn: ConnId) -> Option<Peer> {
+        // A connection the shards saw die is unknown from then on.
+        self.inner.reap_closed();
         self.inner
             .conns
             .lock()
