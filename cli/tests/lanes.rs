@@ -409,16 +409,26 @@ fn a_lane_killed_mid_transfer_ends_every_op_once_and_spares_the_other_path() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    // Same-host windows: exact; both targets: nothing past any window.
-    for (m, exact) in [(&mb, false), (&mc, true)] {
-        let mut got = vec![0u8; SLOTS * STRIDE];
+    check_windows(&mb, &mc, SLOTS, STRIDE, OP);
+}
+
+/// Same-host windows (`mc`): exact; both targets: nothing past any window.
+fn check_windows(
+    mb: &ferry::MemoryRegion,
+    mc: &ferry::MemoryRegion,
+    slots: usize,
+    stride: usize,
+    op: usize,
+) {
+    for (m, exact) in [(mb, false), (mc, true)] {
+        let mut got = vec![0u8; slots * stride];
         m.read_at(0, &mut got).unwrap();
-        for s in 0..SLOTS {
-            let w = &got[s * STRIDE..s * STRIDE + OP];
+        for s in 0..slots {
+            let w = &got[s * stride..s * stride + op];
             if exact {
                 assert_eq!(check_pattern(w, 0, 7), None, "same-host window {s}");
             }
-            let guard = &got[s * STRIDE + OP..(s + 1) * STRIDE];
+            let guard = &got[s * stride + op..(s + 1) * stride];
             assert!(guard.iter().all(|&x| x == 0), "bytes past window {s}");
         }
     }
