@@ -295,14 +295,12 @@ impl Endpoint {
         } else {
             Access::all()
         };
-        // A Python caller cannot be asked to prove its pointer: the range
-        // must be mapped with the access asked for (or lie in one GPU
-        // allocation).
-        ep.check_range(ptr, size, access).map_err(fe)?;
-        // SAFETY: mapped as checked; that it stays valid until the region
-        // closes is the caller's promise (module docs), as with the seed's
-        // reg. Through the registration cache: the same range or a part of
-        // a live registration shares it (UCCL's semantics).
+        // SAFETY: register_shared checks the range is mapped with `access`
+        // (a Python caller cannot be asked to prove its pointer); that it
+        // stays valid until the region closes is the caller's promise
+        // (module docs), as with the seed's reg. Through the registration
+        // cache: the same range or a part of a live registration shares it
+        // (UCCL's semantics).
         let sh = py
             .allow_threads(|| unsafe { ep.register_shared(ptr as *mut u8, size, access) })
             .map_err(fe)?;
@@ -413,6 +411,37 @@ impl Region {
         })
     }
 
+    /// A window on `[ptr, ptr + size)` for the peer on `conn` (any peer
+    /// with None): a CUDA IPC one when `ipc`, else a key window.
+    fn window<'py>(
+        &self,
+        py: Python<'py>,
+        ptr: u64,
+        size: usize,
+        conn: Option<&Connection>,
+        ipc: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let v = self.view()?;
+        let off = self.offset_of(&v, ptr, size)?;
+        let mr = &v.mr;
+        let w: AnyWindow = match (ipc, conn) {
+            (true, Some(c)) => self
+                .ep
+                .get()?
+                .advertise_ipc(c.id, mr, off, size)
+                .map(Into::into),
+            (true, None) => mr.advertise_ipc(off, size).map(Into::into),
+            (false, Some(c)) => self
+                .ep
+                .get()?
+                .advertise(c.id, mr, off, size)
+                .map(Into::into),
+            (false, None) => mr.advertise(off, size).map(Into::into),
+        }
+        .map_err(fe)?;
+        Ok(PyBytes::new(py, &w.encode()))
+    }
+
     /// The offset in the registration of `[ptr, ptr + size)`, which must
     /// lie in this region's part: the one range check both faces rely on.
     fn offset_of(&self, v: &View, ptr: u64, size: usize) -> PyResult<usize> {
@@ -471,15 +500,7 @@ impl Region {
         size: usize,
         conn: Option<&Connection>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let v = self.view()?;
-        let off = self.offset_of(&v, ptr, size)?;
-        let mr = v.mr;
-        let rb = match conn {
-            Some(c) => self.ep.get()?.advertise(c.id, &mr, off, size),
-            None => mr.advertise(off, size),
-        }
-        .map_err(fe)?;
-        Ok(PyBytes::new(py, &rb.encode()))
+        self.window(py, ptr, size, conn, false)
     }
 
     /// The window the seed's `advertise_ipc` gives for `[ptr, ptr + size)`:
@@ -494,25 +515,7 @@ impl Region {
         size: usize,
         conn: Option<&Connection>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let v = self.view()?;
-        let off = self.offset_of(&v, ptr, size)?;
-        let mr = v.mr;
-        let w: AnyWindow = match (self.gpu, conn) {
-            (true, Some(c)) => self
-                .ep
-                .get()?
-                .advertise_ipc(c.id, &mr, off, size)
-                .map(Into::into),
-            (true, None) => mr.advertise_ipc(off, size).map(Into::into),
-            (false, Some(c)) => self
-                .ep
-                .get()?
-                .advertise(c.id, &mr, off, size)
-                .map(Into::into),
-            (false, None) => mr.advertise(off, size).map(Into::into),
-        }
-        .map_err(fe)?;
-        Ok(PyBytes::new(py, &w.encode()))
+        self.window(py, ptr, size, conn, self.gpu)
     }
 
     /// Deregisters it, waiting until no transfer uses it (then the memory

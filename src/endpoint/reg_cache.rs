@@ -154,7 +154,10 @@ impl RegCache {
 impl Endpoint {
     /// Registers `[ptr, ptr + len)` through the registration cache: a live
     /// registration with the same access that holds the range is shared
-    /// (see the module docs), else a new one is made.
+    /// (see the module docs), else a new one is made once `check_range`
+    /// found the range mapped with that access (a hit needs no check: the
+    /// range lies in memory already checked and promised valid, so the
+    /// maps are read only for new registrations).
     ///
     /// # Safety
     /// As `register_raw`: the range stays valid for reads and writes until
@@ -170,6 +173,7 @@ impl Endpoint {
             cache.hits.fetch_add(1, Ordering::Relaxed);
             return Ok(hit);
         }
+        self.check_range(ptr as u64, len, access)?;
         // SAFETY: this function's contract is register_raw's.
         let mr = Arc::new(unsafe { self.register_raw(ptr, len, access) }?);
         cache.misses.fetch_add(1, Ordering::Relaxed);
