@@ -23,6 +23,8 @@ def figures(row):
             out["p99/raw_p99"] = row["p99_us"] / row["baseline_p99_us"]
     elif "gbps" in row:
         out["gbps"] = row["gbps"]
+        if "submit_ns" in row:
+            out["submit_ns/op"] = row["submit_ns"]
     return out
 
 

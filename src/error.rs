@@ -187,6 +187,10 @@ impl Error {
                 waiting: *waiting,
             },
             Error::LimitReached { limit, max } => Error::LimitReached { limit, max: *max },
+            Error::QueueFull { shard, capacity } => Error::QueueFull {
+                shard: *shard,
+                capacity: *capacity,
+            },
             other => Error::ConnFailed {
                 conn: ConnId(u64::MAX),
                 reason: other.to_string(),

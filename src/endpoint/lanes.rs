@@ -134,13 +134,21 @@ impl Inner {
         }
     }
 
-    pub(super) fn submit(&self, conn: ConnId, kind: OpKind, parts: OpParts) -> Result<Transfer> {
+    /// Claims a slot for an op on `conn` and sends its command(s) `via`
+    /// their shard's queue or a batch.
+    pub(super) fn submit(
+        &self,
+        conn: ConnId,
+        kind: OpKind,
+        parts: OpParts,
+        via: &mut Via<'_>,
+    ) -> Result<Transfer> {
         let t = self.table.claim().ok_or(Error::TooManyInflight {
             max: self.table.capacity(),
         })?;
         let (base, k) = lanes_of(conn);
         if k > 1 {
-            return self.submit_lanes(t, base, k, kind, parts);
+            return self.submit_lanes(t, base, k, kind, parts, via);
         }
         let cmd = OpCmd {
             conn,
@@ -150,9 +158,9 @@ impl Inner {
             at: Default::default(),
             total: None,
         };
-        match self.shard_of(conn).submit(Command::Op(cmd)) {
+        match self.send_op(self.shard_of(conn).id, cmd, via) {
             Ok(()) => Ok(t),
-            Err((e, _)) => {
+            Err(e) => {
                 // Never submitted: complete it ourselves so the slot frees.
                 self.table.complete(t.slot(), Ok(()));
                 drop(t);
@@ -166,24 +174,27 @@ impl Inner {
     /// one per lane; a vectored one deals its pairs over the lanes; a
     /// small one goes whole to the calling thread's lane. The pieces complete
     /// into one slot (`CompletionTable::set_parts`).
-    pub(super) fn submit_lanes(
+    fn submit_lanes(
         &self,
         t: Transfer,
         base: u64,
         k: usize,
         kind: OpKind,
         parts: OpParts,
+        via: &mut Via<'_>,
     ) -> Result<Transfer> {
         let slot = t.slot();
         let chunk = self.cfg.chunk_bytes as u64;
         let n = self.shards.len() as u64;
+        let pieces = cut(parts, k, chunk, || self.thread_lane());
+        self.table.set_parts(slot, pieces.len() as u32);
         let mut failed = None;
-        let mut send = |lane_idx: u64, piece: OpParts| {
+        for (lane_idx, piece) in pieces {
             let lane = base + lane_idx % k as u64;
             if failed.is_some() {
                 // An earlier piece was refused: this one is never sent.
                 self.table.complete(slot, Ok(()));
-                return;
+                continue;
             }
             let cmd = OpCmd {
                 conn: ConnId(lane),
@@ -193,17 +204,12 @@ impl Inner {
                 at: Default::default(),
                 total: None,
             };
-            if let Err((e, _)) = self.shards[(lane % n) as usize].submit(Command::Op(cmd)) {
+            if let Err(e) = self.send_op((lane % n) as usize, cmd, via) {
                 // Never submitted: its part is completed here, so the slot
                 // frees once the pieces already sent end.
                 self.table.complete(slot, Ok(()));
                 failed = Some(e);
             }
-        };
-        let pieces = cut(parts, k, chunk, || self.thread_lane());
-        self.table.set_parts(slot, pieces.len() as u32);
-        for (lane, piece) in pieces {
-            send(lane, piece);
         }
         match failed {
             None => Ok(t),
@@ -212,6 +218,63 @@ impl Inner {
                 Err(e)
             }
         }
+    }
+
+    /// Sends one op's command to shard `shard`: queued now, or staged in
+    /// a batch (which queues a shard's staged ops once it holds
+    /// `MAX_BATCH`). Only a command queued now can be refused here.
+    fn send_op(&self, shard: usize, cmd: OpCmd, via: &mut Via<'_>) -> Result<()> {
+        match &mut via.0 {
+            None => self.shards[shard]
+                .submit(Command::Op(cmd))
+                .map_err(|(e, _)| e),
+            Some(staged) => {
+                let q = &mut staged[shard];
+                q.push(cmd);
+                if q.len() >= MAX_BATCH {
+                    let _ = self.queue_staged(shard, q);
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Queues shard `shard`'s staged ops as one command: one queue push
+    /// and at most one wake for all. A refused command fails each of its
+    /// ops through its transfer (and the error is returned too).
+    pub(super) fn queue_staged(&self, shard: usize, q: &mut Vec<OpCmd>) -> Result<()> {
+        let cmd = match q.len() {
+            0 => return Ok(()),
+            1 => Command::Op(q.pop().expect("one op")),
+            _ => Command::Ops(std::mem::take(q)),
+        };
+        let Err((e, cmd)) = self.shards[shard].submit(cmd) else {
+            return Ok(());
+        };
+        let ops = match cmd {
+            Command::Op(op) => vec![op],
+            Command::Ops(ops) => ops,
+            _ => unreachable!("only ops are staged"),
+        };
+        for op in ops {
+            self.table.complete(op.slot, Err(e.duplicate()));
+        }
+        Err(e)
+    }
+}
+
+/// Where an op's commands go: straight onto their shards' queues, or into
+/// a batch's per-shard lists (queued when the batch is). Public only as
+/// a sealed trait's argument; nothing outside can make or read one.
+pub struct Via<'a>(Option<&'a mut [Vec<OpCmd>]>);
+
+impl<'a> Via<'a> {
+    pub(super) fn now() -> Self {
+        Via(None)
+    }
+
+    pub(super) fn staged(per_shard: &'a mut [Vec<OpCmd>]) -> Self {
+        Via(Some(per_shard))
     }
 }
 

@@ -3,6 +3,7 @@
 //! async) and notifications. Only this module knows every other one.
 
 mod accept;
+mod batch;
 mod config;
 mod connect;
 mod gpu;
@@ -16,6 +17,7 @@ mod start;
 mod table;
 
 use accept::PeerSlot;
+pub use batch::Batch;
 use lanes::{lanes_of, LANES_SHIFT};
 use table::ConnInfo;
 
@@ -39,7 +41,9 @@ use crate::oob::gate::{Done, Gate, GateHooks};
 use crate::oob::handshake;
 use crate::oob::{self, Ctl, IoBackend};
 use crate::reactor::completion::CompletionTable;
-use crate::reactor::{Command, OpCmd, OpDesc, OpParts, RegionCmd, Shard, ShardHandle, Transfer};
+use crate::reactor::{
+    Command, OpCmd, OpDesc, OpParts, RegionCmd, Shard, ShardHandle, Transfer, MAX_BATCH,
+};
 use crate::region::{Access, Backing, Region};
 use crate::sys::random_u64;
 use crate::tcp::StreamLimits;

@@ -4,6 +4,7 @@
 //! uses) or an [`IpcBuf`] (a CUDA IPC window on this host, copied by this
 //! endpoint's GPU streams; the seed's `write_ipc`/`read_ipc`).
 
+use super::lanes::Via;
 use super::{desc, Endpoint, MemoryRegion};
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::reactor::{IpcParts, OpParts, Transfer};
@@ -65,6 +66,7 @@ mod sealed {
             kind: OpKind,
             locals: &[(&MemoryRegion, usize, usize)],
             remotes: &[Self],
+            via: &mut Via<'_>,
         ) -> Result<Transfer>;
     }
 
@@ -75,6 +77,7 @@ mod sealed {
             kind: OpKind,
             locals: &[(&MemoryRegion, usize, usize)],
             remotes: &[Self],
+            via: &mut Via<'_>,
         ) -> Result<Transfer> {
             check_local(kind, locals)?;
             let same_host = || matches!(ep.peer(conn), Some(crate::endpoint::Peer::Local { .. }));
@@ -89,7 +92,7 @@ mod sealed {
                     )
                 }
             };
-            ep.inner.submit(conn, kind, parts)
+            ep.inner.submit(conn, kind, parts, via)
         }
     }
 
@@ -100,6 +103,7 @@ mod sealed {
             kind: OpKind,
             locals: &[(&MemoryRegion, usize, usize)],
             remotes: &[Self],
+            via: &mut Via<'_>,
         ) -> Result<Transfer> {
             check_local(kind, locals)?;
             let parts = match (locals, remotes) {
@@ -113,6 +117,9 @@ mod sealed {
                     IpcParts::Many(d.collect::<Result<_>>()?)
                 }
             };
+            // A CUDA IPC op is this endpoint's own GPU copy, queued at
+            // once even from a batch.
+            let _ = via;
             ep.inner.submit_ipc(conn, kind, parts)
         }
     }
@@ -124,20 +131,21 @@ mod sealed {
             kind: OpKind,
             locals: &[(&MemoryRegion, usize, usize)],
             remotes: &[Self],
+            via: &mut Via<'_>,
         ) -> Result<Transfer> {
             match remotes {
-                [AnyWindow::Key(r)] => RemoteBuf::submit(ep, conn, kind, locals, &[*r]),
-                [AnyWindow::Ipc(i)] => IpcBuf::submit(ep, conn, kind, locals, &[*i]),
+                [AnyWindow::Key(r)] => RemoteBuf::submit(ep, conn, kind, locals, &[*r], via),
+                [AnyWindow::Ipc(i)] => IpcBuf::submit(ep, conn, kind, locals, &[*i], via),
                 _ => {
                     let keys: Option<Vec<RemoteBuf>> =
                         remotes.iter().map(|w| w.key().copied()).collect();
                     if let Some(keys) = keys {
-                        return RemoteBuf::submit(ep, conn, kind, locals, &keys);
+                        return RemoteBuf::submit(ep, conn, kind, locals, &keys, via);
                     }
                     let ipcs: Option<Vec<IpcBuf>> =
                         remotes.iter().map(|w| w.ipc().copied()).collect();
                     match ipcs {
-                        Some(ipcs) => IpcBuf::submit(ep, conn, kind, locals, &ipcs),
+                        Some(ipcs) => IpcBuf::submit(ep, conn, kind, locals, &ipcs, via),
                         None => Err(Error::Unsupported {
                             what: "a vectored op",
                             reason: "its windows mix key windows and CUDA IPC windows".into(),
@@ -168,6 +176,7 @@ impl Endpoint {
             OpKind::Write,
             &[(mr, offset, len)],
             std::slice::from_ref(remote),
+            &mut Via::now(),
         )
     }
 
@@ -187,6 +196,7 @@ impl Endpoint {
             OpKind::Read,
             &[(mr, offset, len)],
             std::slice::from_ref(remote),
+            &mut Via::now(),
         )
     }
 
@@ -198,7 +208,7 @@ impl Endpoint {
         locals: &[(&MemoryRegion, usize, usize)],
         remotes: &[W],
     ) -> Result<Transfer> {
-        W::submit(self, conn, OpKind::Write, locals, remotes)
+        W::submit(self, conn, OpKind::Write, locals, remotes, &mut Via::now())
     }
 
     /// Starts one READ per (local slice, window) pair, as one transfer.
@@ -209,7 +219,7 @@ impl Endpoint {
         locals: &[(&MemoryRegion, usize, usize)],
         remotes: &[W],
     ) -> Result<Transfer> {
-        W::submit(self, conn, OpKind::Read, locals, remotes)
+        W::submit(self, conn, OpKind::Read, locals, remotes, &mut Via::now())
     }
 
     /// WRITE and wait. Needs managed shards, or embedded ones polled by

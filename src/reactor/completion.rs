@@ -30,6 +30,12 @@ const SPIN_ITERS: u32 = 20_000;
 #[cfg(loom)]
 const SPIN_ITERS: u32 = 1;
 
+/// One cache line per slot: neighbouring slots belong to ops on different
+/// shards, which complete them while the submitter claims the next;
+/// sharing lines made claims cache misses (claim was a third of the
+/// submitting thread's time with four shards on the 16-core machine,
+/// `perf`). The size stays what the fields took (~56 bytes).
+#[repr(align(64))]
 struct Slot {
     state: AtomicU32,
     /// Parts still to complete when the op was split over shards (0: not
@@ -44,7 +50,21 @@ struct Slot {
 
 pub(crate) struct CompletionTable {
     slots: Box<[Slot]>,
-    hint: AtomicUsize,
+    /// Written by submitters on every claim: on a line of its own, away
+    /// from `slots` (read by every completing shard) and from the `Arc`'s
+    /// counts (changed by every `Transfer`).
+    hint: Padded<AtomicUsize>,
+}
+
+/// A value alone on its cache lines.
+#[repr(align(128))]
+struct Padded<T>(T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
 }
 
 // SAFETY: `result` is accessed under the state protocol above, which hands
@@ -65,7 +85,7 @@ impl CompletionTable {
             .collect();
         Arc::new(Self {
             slots,
-            hint: AtomicUsize::new(0),
+            hint: Padded(AtomicUsize::new(0)),
         })
     }
 
@@ -84,9 +104,16 @@ impl CompletionTable {
     /// Claims a free slot, or `None` when all are in use.
     pub fn claim(self: &Arc<Self>) -> Option<Transfer> {
         let n = self.slots.len();
-        let start = self.hint.fetch_add(1, Ordering::Relaxed) % n;
+        // Only a hint: a plain load and store (not a read-modify-write)
+        // keeps concurrent claimers apart well enough; the CAS decides.
+        let start = self.hint.load(Ordering::Relaxed);
+        let start = if start >= n { 0 } else { start };
         for i in 0..n {
-            let j = (start + i) % n;
+            let j = if start + i >= n {
+                start + i - n
+            } else {
+                start + i
+            };
             let st = &self.slots[j].state;
             if st.load(Ordering::Relaxed) == FREE
                 && st

@@ -34,7 +34,7 @@ mod timers;
 
 pub use completion::Transfer;
 pub(crate) use queue::{
-    Command, IpcCmd, IpcDesc, IpcParts, OpCmd, OpDesc, OpParts, RegionCmd, ShardHandle,
+    Command, IpcCmd, IpcDesc, IpcParts, OpCmd, OpDesc, OpParts, RegionCmd, ShardHandle, MAX_BATCH,
 };
 pub(crate) use shard::{LocalInit, LocalSetup, ShardConfig};
 pub use shard::{Shard, SpinStats};

@@ -123,8 +123,17 @@ pub(crate) struct IpcCmd {
     pub parts: IpcParts,
 }
 
+/// Ops one command carries at most (a batch's ops for one shard go in
+/// commands of up to this many): the queue's depth in commands then bounds
+/// the ops queued at `MAX_BATCH` times it.
+pub(crate) const MAX_BATCH: usize = 64;
+
 pub(crate) enum Command {
     Op(OpCmd),
+    /// Several ops at once (an [`Endpoint::batch`](crate::Endpoint::batch)'s
+    /// for this shard): one queue push and one wake for all, each then
+    /// handled as if it came alone. At most `MAX_BATCH`.
+    Ops(Vec<OpCmd>),
     Ipc(IpcCmd),
     AddConn {
         /// The shard's id for it ...
@@ -154,6 +163,14 @@ pub(crate) enum Command {
 }
 
 impl Command {
+    /// How many commands this counts as in a shard's per-pass budget.
+    pub fn weight(&self) -> usize {
+        match self {
+            Command::Ops(ops) => ops.len(),
+            _ => 1,
+        }
+    }
+
     /// The connection a command may wait on for room (an op or a
     /// notification on a full stream or ring); `None` for those that never
     /// wait.

@@ -4,7 +4,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use ferry::{AnyWindow, ConnId, Endpoint, MemoryRegion, OpKind, Shard, Transfer};
+use ferry::{AnyWindow, Batch, ConnId, Endpoint, MemoryRegion, OpKind, Shard, Transfer};
 use ferry_cli::testkit::cpu_ns;
 
 use crate::args::fmt_size;
@@ -105,9 +105,11 @@ impl Window {
 }
 
 /// Starts one op of `size` bytes at `off` of both the local region and
-/// the remote window, on connection `c`.
+/// the remote window, on connection `c`: at once, or staged in `batch`.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn submit_on(
     ep: &Endpoint,
+    batch: Option<&mut Batch<'_>>,
     c: ConnId,
     local: &MemoryRegion,
     remote: &AnyWindow,
@@ -118,10 +120,49 @@ pub(super) fn submit_on(
     let rb = remote
         .slice(off as u64, size as u64)
         .context("remote window")?;
-    Ok(match op {
-        OpKind::Write => ep.write_async(c, local, off, size, &rb)?,
-        OpKind::Read => ep.read_async(c, local, off, size, &rb)?,
+    Ok(match (op, batch) {
+        (OpKind::Write, None) => ep.write_async(c, local, off, size, &rb)?,
+        (OpKind::Read, None) => ep.read_async(c, local, off, size, &rb)?,
+        (OpKind::Write, Some(b)) => b.write(c, local, off, size, &rb)?,
+        (OpKind::Read, Some(b)) => b.read(c, local, off, size, &rb)?,
     })
+}
+
+/// Keeps `inflight` at `batch` ops, each made by `submit(k)` for the
+/// next `k` (counting on from `*k`), staged in one `Endpoint::batch` when
+/// `batched`; returns how many it started.
+pub(super) fn refill(
+    ep: &Endpoint,
+    batched: bool,
+    inflight: &mut VecDeque<(Transfer, Instant)>,
+    batch: usize,
+    now: Instant,
+    k: &mut usize,
+    mut submit: impl FnMut(Option<&mut Batch<'_>>, usize) -> Result<Transfer>,
+) -> Result<usize> {
+    let before = *k;
+    let mut staged = batched.then(|| ep.batch());
+    while inflight.len() < batch {
+        inflight.push_back((submit(staged.as_mut(), *k)?, now));
+        *k += 1;
+    }
+    if let Some(b) = staged {
+        b.submit()?;
+    }
+    Ok(*k - before)
+}
+
+/// One throughput measurement.
+pub(super) struct Measured {
+    pub(super) gbps: f64,
+    pub(super) ops_per_s: f64,
+    /// Per-op latencies in µs.
+    pub(super) lat: Vec<f64>,
+    /// Ops kept in flight (the batch asked for, capped by the windows).
+    pub(super) batch: usize,
+    /// Mean ns the submitting thread spent inside submit calls per op
+    /// (one submitting thread only): what feeding the shards costs it.
+    pub(super) submit_ns: Option<f64>,
 }
 
 pub(super) struct Bench<'a> {
@@ -138,14 +179,27 @@ pub(super) struct Bench<'a> {
     pub(super) latency_bytes: usize,
     /// Submitting threads (`--threads`; > 1 only with managed shards).
     pub(super) threads: usize,
+    /// Refills go through `Endpoint::batch` (`--submit batch`).
+    pub(super) batched: bool,
 }
 
 impl Bench<'_> {
     pub(super) fn submit(&self, op: OpKind, off: usize, size: usize) -> Result<Transfer> {
+        self.submit_in(None, op, off, size)
+    }
+
+    /// The next op, on the next connection in turn (staged in `batch`).
+    fn submit_in(
+        &self,
+        batch: Option<&mut Batch<'_>>,
+        op: OpKind,
+        off: usize,
+        size: usize,
+    ) -> Result<Transfer> {
         let t = self.turn.get();
         self.turn.set(t.wrapping_add(1));
         let c = self.conns[t % self.conns.len()];
-        submit_on(self.ep, c, &self.local, &self.remote, op, off, size)
+        submit_on(self.ep, batch, c, &self.local, &self.remote, op, off, size)
     }
 
     /// Distinct `size`-byte windows the run cycles through.
@@ -155,14 +209,14 @@ impl Bench<'_> {
             .max(1)
     }
 
-    /// Keeps `batch` ops of `size` in flight; returns (GB/s, ops/s, latencies in us, batch used).
+    /// Keeps `batch` ops of `size` in flight.
     pub(super) fn throughput(
         &mut self,
         op: OpKind,
         size: usize,
         batch: usize,
         secs: f64,
-    ) -> Result<(f64, f64, Vec<f64>, usize)> {
+    ) -> Result<Measured> {
         if self.threads > 1 && self.shard.is_none() {
             return self.threaded(op, size, batch, secs);
         }
@@ -178,13 +232,24 @@ impl Bench<'_> {
         let mut inflight: VecDeque<(Transfer, Instant)> = VecDeque::with_capacity(batch);
         let mut w = Window::new(warm_end, end, 1 << 20);
         let mut k = 0usize;
+        // Time inside the refills, and the ops they submitted.
+        let (mut submit_time, mut submitted) = (Duration::ZERO, 0u64);
         loop {
             let now = Instant::now();
             if now < end {
-                while inflight.len() < batch {
-                    let t = self.submit(op, (k % slots) * size, size)?;
-                    inflight.push_back((t, now));
-                    k += 1;
+                let this = &*self;
+                let n = refill(
+                    this.ep,
+                    this.batched,
+                    &mut inflight,
+                    batch,
+                    now,
+                    &mut k,
+                    |b, k| this.submit_in(b, op, (k % slots) * size, size),
+                )?;
+                if n > 0 {
+                    submit_time += now.elapsed();
+                    submitted += n as u64;
                 }
             } else if inflight.is_empty() {
                 break;
@@ -204,8 +269,14 @@ impl Bench<'_> {
             }
             w.reap(&mut inflight, op, size)?;
         }
-        let (gbps, ops) = w.rate(op, size, secs)?;
-        Ok((gbps, ops, w.lat, batch))
+        let (gbps, ops_per_s) = w.rate(op, size, secs)?;
+        Ok(Measured {
+            gbps,
+            ops_per_s,
+            lat: w.lat,
+            batch,
+            submit_ns: Some(submit_time.as_nanos() as f64 / submitted.max(1) as f64),
+        })
     }
 
     /// `throughput` from `self.threads` threads (managed shards): thread
@@ -218,7 +289,7 @@ impl Bench<'_> {
         size: usize,
         batch: usize,
         secs: f64,
-    ) -> Result<(f64, f64, Vec<f64>, usize)> {
+    ) -> Result<Measured> {
         let n = self.threads;
         let per = (self.slots(size) / n).max(1);
         let batch = batch.min(per);
@@ -226,14 +297,16 @@ impl Bench<'_> {
         let warm_end = Instant::now() + warm;
         let end = warm_end + Duration::from_secs_f64(secs);
         let (ep, local, remote, conns) = (self.ep, &self.local, &self.remote, &self.conns);
+        let batched = self.batched;
         let results: Vec<Result<Window>> = std::thread::scope(|sc| {
             let hs: Vec<_> = (0..n)
                 .map(|i| {
                     sc.spawn(move || -> Result<Window> {
                         let c = conns[i % conns.len()];
                         let base = i * per;
-                        let submit = |k: usize| {
-                            submit_on(ep, c, local, remote, op, (base + k % per) * size, size)
+                        let submit = |b: Option<&mut Batch<'_>>, k: usize| {
+                            let off = (base + k % per) * size;
+                            submit_on(ep, b, c, local, remote, op, off, size)
                         };
                         let mut inflight: VecDeque<(Transfer, Instant)> =
                             VecDeque::with_capacity(batch);
@@ -242,10 +315,7 @@ impl Bench<'_> {
                         loop {
                             let now = Instant::now();
                             if now < end {
-                                while inflight.len() < batch {
-                                    inflight.push_back((submit(k)?, now));
-                                    k += 1;
-                                }
+                                refill(ep, batched, &mut inflight, batch, now, &mut k, submit)?;
                             } else if inflight.is_empty() {
                                 break;
                             }
@@ -269,8 +339,14 @@ impl Bench<'_> {
         for r in results {
             all.merge(r?);
         }
-        let (gbps, ops) = all.rate(op, size, secs)?;
-        Ok((gbps, ops, all.lat, batch * n))
+        let (gbps, ops_per_s) = all.rate(op, size, secs)?;
+        Ok(Measured {
+            gbps,
+            ops_per_s,
+            lat: all.lat,
+            batch: batch * n,
+            submit_ns: None,
+        })
     }
 
     /// Leaves the connections idle for `secs` (the initiator parks like a

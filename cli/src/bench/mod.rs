@@ -68,6 +68,7 @@ pub fn run(a: Args) -> Result<()> {
         remote,
         latency_bytes: if o.ipc { 4096 } else { 8 },
         threads: o.threads,
+        batched: o.batched,
     };
     let mut reference = make_reference(&o, &ep, shm, bytes, &served, peer_gpu)?;
     if !o.json {

@@ -82,6 +82,10 @@ Flags:
   --conns N              measure over N connections to the target, each
                          op on the next in turn (each connection on the
                          next shard: with --shards, the work of many peers)
+  --submit batch|each    how the ops in flight are refilled: staged in an
+                         Endpoint::batch and queued together, one queue
+                         push per shard per refill (default), or one
+                         write_async/read_async call each
   --threads N            submit from N threads (default 1), each keeping
                          --batch ops in flight on its own connection
                          (thread i on connection i mod --conns) and its own
@@ -138,6 +142,8 @@ pub(super) struct Opts {
     pub(super) conns: usize,
     /// `--threads`: submitting threads, each with its own batch.
     pub(super) threads: usize,
+    /// `--submit batch`: refills go through `Endpoint::batch`.
+    pub(super) batched: bool,
     pub(super) contend: usize,
     pub(super) plot: Option<String>,
     /// `--directory URL --peer NAME [--cluster C]`: measure against a
@@ -199,20 +205,7 @@ pub(super) fn parse(mut a: Args) -> Result<Opts> {
     if shards.is_some_and(|n| n == 0 || n > 256) {
         bail!("--shards: must be 1..=256");
     }
-    let conns: usize = a.parsed("conns", 1)?;
-    if conns == 0 || conns > 1024 {
-        bail!("--conns {conns}: must be 1..=1024");
-    }
-    let threads: usize = a.parsed("threads", 1)?;
-    if threads == 0 || threads > 256 {
-        bail!("--threads {threads}: must be 1..=256");
-    }
-    if threads > 1 && shards.unwrap_or(1) < 2 {
-        bail!(
-            "--threads {threads}: needs managed shards (--shards 2 or more); one \
-             embedded shard is driven by the one benchmark thread"
-        );
-    }
+    let (conns, threads, batched) = parse_feeding(&mut a, shards)?;
     let local_only = baseline || idle_conns > 1 || contend > 0 || streams_list.is_some();
     let directory = parse_directory(&mut a, local_only)?;
     let o = Opts {
@@ -220,6 +213,7 @@ pub(super) fn parse(mut a: Args) -> Result<Opts> {
         streams_list,
         conns,
         threads,
+        batched,
         streams,
         shards,
         plot: a.value("plot"),
@@ -243,6 +237,30 @@ pub(super) fn parse(mut a: Args) -> Result<Opts> {
     };
     a.finish()?;
     Ok(o)
+}
+
+/// How the ops are fed: `--conns`, `--threads`, `--submit`.
+fn parse_feeding(a: &mut Args, shards: Option<usize>) -> Result<(usize, usize, bool)> {
+    let conns: usize = a.parsed("conns", 1)?;
+    if conns == 0 || conns > 1024 {
+        bail!("--conns {conns}: must be 1..=1024");
+    }
+    let threads: usize = a.parsed("threads", 1)?;
+    if threads == 0 || threads > 256 {
+        bail!("--threads {threads}: must be 1..=256");
+    }
+    if threads > 1 && shards.unwrap_or(1) < 2 {
+        bail!(
+            "--threads {threads}: needs managed shards (--shards 2 or more); one \
+             embedded shard is driven by the one benchmark thread"
+        );
+    }
+    let batched = match a.value("submit").as_deref().unwrap_or("batch") {
+        "batch" => true,
+        "each" => false,
+        v => bail!("--submit {v}: expected batch or each"),
+    };
+    Ok((conns, threads, batched))
 }
 
 /// What the run moves and over which path.

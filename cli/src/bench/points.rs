@@ -40,6 +40,7 @@ pub(super) fn measure_points(
             let (mut gbps, mut opss, mut lat, mut base, mut ratios) =
                 (vec![], vec![], vec![], vec![], vec![]);
             let mut batch = o.batch;
+            let mut submit_ns = vec![];
             for r in 0..o.rounds {
                 eprintln!(
                     "[{i}/{total}] {} {} round {}/{} ...",
@@ -49,14 +50,16 @@ pub(super) fn measure_points(
                     o.rounds
                 );
                 let quiet = if o.contend > 0 {
-                    Some(b.throughput(op, size, o.batch, o.seconds)?.0)
+                    Some(b.throughput(op, size, o.batch, o.seconds)?.gbps)
                 } else {
                     None
                 };
                 let busy = (o.contend > 0)
                     .then(|| Contenders::start(o.contend))
                     .transpose()?;
-                let (g, ops_per_s, l, b_used) = b.throughput(op, size, o.batch, o.seconds)?;
+                let m = b.throughput(op, size, o.batch, o.seconds)?;
+                let (g, ops_per_s, l, b_used) = (m.gbps, m.ops_per_s, m.lat, m.batch);
+                submit_ns.extend(m.submit_ns);
                 drop(busy);
                 if let Some(q) = quiet {
                     base.push(q);
@@ -73,7 +76,7 @@ pub(super) fn measure_points(
                     let host = b.throughput(op, size, o.batch, o.seconds);
                     std::mem::swap(&mut b.local, hl);
                     std::mem::swap(&mut b.remote, hr);
-                    let host = host?.0;
+                    let host = host?.gbps;
                     base.push(host);
                     ratios.push(g / host);
                 } else if let Some(p) = reference {
@@ -104,6 +107,7 @@ pub(super) fn measure_points(
                     baseline_p50_us: None,
                     latency_ref: "",
                     baseline_p99_us: None,
+                    submit_ns: (!submit_ns.is_empty()).then(|| median(&submit_ns)),
                 },
                 o.json,
             );
@@ -175,6 +179,7 @@ pub(super) fn measure_latency(
                     "raw tcp ping-pong"
                 },
                 baseline_p99_us: (!b99.is_empty()).then(|| median(&b99)),
+                submit_ns: None,
             },
             o.json,
         );

@@ -29,6 +29,8 @@ pub(super) struct Row {
     /// What the baseline latencies are ("raw tcp ping-pong", "quiet").
     pub(super) latency_ref: &'static str,
     pub(super) baseline_p99_us: Option<f64>,
+    /// ns per op the submitting thread spent submitting (JSON only).
+    pub(super) submit_ns: Option<f64>,
 }
 
 pub(super) fn op_name(op: OpKind) -> &'static str {
@@ -56,6 +58,9 @@ pub(super) fn print_row(r: &Row, json: bool) {
         }
         if let (Some(p50), Some(p99)) = (r.baseline_p50_us, r.baseline_p99_us) {
             s += &format!(",\"baseline_p50_us\":{p50:.2},\"baseline_p99_us\":{p99:.2}");
+        }
+        if let Some(ns) = r.submit_ns {
+            s += &format!(",\"submit_ns\":{ns:.0}");
         }
         println!("{s}}}");
     } else if r.op.ends_with("_latency") {
