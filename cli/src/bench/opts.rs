@@ -82,10 +82,10 @@ Flags:
   --conns N              measure over N connections to the target, each
                          op on the next in turn (each connection on the
                          next shard: with --shards, the work of many peers)
-  --submit batch|each    how the ops in flight are refilled: staged in an
-                         Endpoint::batch and queued together, one queue
-                         push per shard per refill (default), or one
-                         write_async/read_async call each
+  --submit each|batch    how the ops in flight are refilled: one
+                         write_async/read_async call each (default), or
+                         staged in an Endpoint::batch and queued together,
+                         one queue push per shard per refill
   --threads N            submit from N threads (default 1), each keeping
                          --batch ops in flight on its own connection
                          (thread i on connection i mod --conns) and its own
@@ -255,10 +255,10 @@ fn parse_feeding(a: &mut Args, shards: Option<usize>) -> Result<(usize, usize, b
              embedded shard is driven by the one benchmark thread"
         );
     }
-    let batched = match a.value("submit").as_deref().unwrap_or("batch") {
+    let batched = match a.value("submit").as_deref().unwrap_or("each") {
         "batch" => true,
         "each" => false,
-        v => bail!("--submit {v}: expected batch or each"),
+        v => bail!("--submit {v}: expected each or batch"),
     };
     Ok((conns, threads, batched))
 }
