@@ -123,6 +123,12 @@ pub enum Error {
     Timeout { what: &'static str, timeout_ms: u64 },
     #[error("notification of {len} bytes exceeds the {max}-byte limit")]
     NotifyTooLong { len: usize, max: usize },
+    /// Two-sided: the message (`len` bytes) was longer than the buffer the
+    /// receiver posted for it (`posted` bytes); both sides get this.
+    #[error(
+        "a message of {len} bytes does not fit the {posted}-byte receive buffer posted for it"
+    )]
+    MessageTooLarge { len: u64, posted: u64 },
     #[error("invalid {name} = {value:?}: {reason}")]
     Config {
         name: &'static str,
@@ -187,6 +193,10 @@ impl Error {
                 waiting: *waiting,
             },
             Error::LimitReached { limit, max } => Error::LimitReached { limit, max: *max },
+            Error::MessageTooLarge { len, posted } => Error::MessageTooLarge {
+                len: *len,
+                posted: *posted,
+            },
             Error::QueueFull { shard, capacity } => Error::QueueFull {
                 shard: *shard,
                 capacity: *capacity,

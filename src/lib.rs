@@ -91,8 +91,8 @@ pub mod wire;
 pub(crate) mod xfer;
 
 pub use endpoint::{
-    Batch, Config, Endpoint, EndpointBuilder, Integrity, MemoryRegion, Mode, Peer, RegCacheStats,
-    Secret, SharedRegion, Transport, Window,
+    Batch, Config, Endpoint, EndpointBuilder, Integrity, MemoryRegion, MessageOp, Mode, Peer,
+    RegCacheStats, Secret, SharedRegion, Transport, Window,
 };
 pub use error::{ConnId, Error, OpKind, Result};
 pub use gpu::{IpcStats, MemKind};

@@ -15,11 +15,13 @@ mod ops;
 mod reg_cache;
 mod start;
 mod table;
+mod two_sided;
 
 use accept::PeerSlot;
 pub use batch::Batch;
 use lanes::{lanes_of, LANES_SHIFT};
 use table::ConnInfo;
+pub use two_sided::MessageOp;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, SocketAddr, TcpListener};
@@ -142,6 +144,8 @@ pub(crate) struct Inner {
     conns: Mutex<HashMap<ConnId, ConnInfo>>,
     remotes: Mutex<HashMap<SocketAddr, ConnId>>,
     inbox: Mutex<Receiver<(ConnId, Vec<u8>)>>,
+    /// Two-sided send/recv: the engine's own messages and the matching.
+    messages: two_sided::Messages,
     /// Incoming handshakes, driven by whoever accepts.
     gate: Mutex<Gate<PeerSlot>>,
     /// Ends the gate's wait early (a same-host CONNECT for the passive
@@ -603,10 +607,13 @@ impl Endpoint {
         // A connection spread over shards sends them on its first lane (in
         // order with each other; ops complete before they are reported).
         let (lane, shard) = self.inner.lanes(conn).next().expect("a lane");
+        let mut payload = Vec::with_capacity(1 + msg.len());
+        payload.push(crate::wire::NOTE_APP);
+        payload.extend_from_slice(msg);
         shard.submit_blocking(
             Command::Notify {
                 conn: lane,
-                payload: msg.to_vec(),
+                payload,
             },
             deadline,
         )
@@ -663,13 +670,22 @@ pub(super) fn desc(
     remote: &RemoteBuf,
     same_host: &dyn Fn() -> bool,
 ) -> Result<OpDesc> {
-    let local = mr.slice(offset, len)?;
-    if mr.inner.mem.is_device() && same_host() {
+    desc_of(mr.slice(offset, len)?, remote, same_host)
+}
+
+/// One part of an op from a checked slice of ours (see [`desc`]).
+pub(super) fn desc_of(
+    local: crate::region::RegionSlice,
+    remote: &RemoteBuf,
+    same_host: &dyn Fn() -> bool,
+) -> Result<OpDesc> {
+    let len = local.len();
+    if local.is_device() && same_host() {
         // A same-host target reaches GPU memory through its IPC handle;
         // export it now so that a failure is this call's error. Over tcp
         // and verbs nothing is exported: memory that cannot be (VMM,
         // cudaMallocAsync pools) still moves there.
-        mr.inner.export_ipc()?;
+        local.region().export_ipc()?;
     }
     if len > remote.size as usize {
         return Err(Error::RemoteTooSmall {

@@ -173,7 +173,7 @@ fn nic_side(
 /// What every shard shares.
 struct ShardShared {
     table: Arc<CompletionTable>,
-    inbox: SyncSender<(crate::error::ConnId, Vec<u8>)>,
+    inbox: crate::reactor::Inboxes,
     closed: mpsc::Sender<crate::error::ConnId>,
     ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
     shares: Arc<crate::shm::peers::PeerShares>,
@@ -271,11 +271,11 @@ impl Endpoint {
         let (verbs, nic) = nic_side(&cfg, &metadata);
         // Empty without same-host support: no shard has a doorbell.
         let local_bell: Vec<bool> = host.bells.iter().map(Option::is_some).collect();
-        let (inbox_tx, inbox_rx) = mpsc::sync_channel(cfg.inbox_depth);
+        let (inboxes, inbox_rx, ctl_rx) = crate::reactor::Inboxes::new(cfg.inbox_depth);
         let (closed_tx, closed_rx) = mpsc::channel();
         let shared = ShardShared {
             table: CompletionTable::new(cfg.max_inflight_ops),
-            inbox: inbox_tx,
+            inbox: inboxes,
             closed: closed_tx,
             ipc_counters: Arc::new(crate::gpu::ipc::IpcCounters::default()),
             shares: Arc::new(crate::shm::peers::PeerShares::default()),
@@ -313,6 +313,7 @@ impl Endpoint {
             conns: Mutex::new(HashMap::new()),
             remotes: Mutex::new(HashMap::new()),
             inbox: Mutex::new(inbox_rx),
+            messages: super::two_sided::Messages::new(ctl_rx),
             gate_waker: gate.waker(),
             gate: Mutex::new(gate),
             accepted: Mutex::new(VecDeque::new()),

@@ -38,3 +38,4 @@ pub(crate) use queue::{
 };
 pub(crate) use shard::{LocalInit, LocalSetup, ShardConfig};
 pub use shard::{Shard, SpinStats};
+pub(crate) use source::Inboxes;

@@ -59,7 +59,7 @@ pub(crate) struct Cx<'a> {
     pub updates: &'a Receiver<RegionCmd>,
     /// Piece completions for the ledger.
     pub done: &'a mut Vec<(u32, Result<()>)>,
-    pub inbox: &'a SyncSender<(ConnId, Vec<u8>)>,
+    pub inbox: &'a Inboxes,
     /// (connection, allocation base) revocations heard on same-host rings.
     pub ipc_revoked: &'a mut Vec<(ConnId, u64)>,
     /// Same-host requests for our memory that need a CUDA copy.
@@ -188,10 +188,61 @@ pub(crate) fn apply_region_updates(
     n
 }
 
+/// The receiving end of an inbox: (connection, message).
+pub(crate) type NoteRx = Receiver<(ConnId, Vec<u8>)>;
+
+/// Where a shard puts the notifications that arrive: the application's
+/// (`recv_notification`) and the engine's own (two-sided messages), told
+/// apart by the payload's first byte (`NOTE_APP` / `NOTE_CTL`), which is
+/// taken off. Each bounded: a full one hands the payload back (the
+/// transport holds it and stops reading that connection).
+#[derive(Clone)]
+pub(crate) struct Inboxes {
+    pub app: SyncSender<(ConnId, Vec<u8>)>,
+    pub ctl: SyncSender<(ConnId, Vec<u8>)>,
+}
+
+impl Inboxes {
+    /// Two inboxes of `depth` each, and their receiving ends (app, ctl).
+    pub fn new(depth: usize) -> (Inboxes, NoteRx, NoteRx) {
+        let (app, app_rx) = std::sync::mpsc::sync_channel(depth);
+        let (ctl, ctl_rx) = std::sync::mpsc::sync_channel(depth);
+        (Inboxes { app, ctl }, app_rx, ctl_rx)
+    }
+
+    pub fn deliver(&self, conn: ConnId, payload: Vec<u8>) -> std::result::Result<(), Vec<u8>> {
+        let to = match payload.first() {
+            Some(&crate::wire::NOTE_APP) => &self.app,
+            Some(&crate::wire::NOTE_CTL) => &self.ctl,
+            // Not ours to read: a peer speaking another protocol.
+            _ => {
+                tracing::warn!(%conn, "a notification of unknown kind: dropped");
+                return Ok(());
+            }
+        };
+        let mut msg = payload;
+        msg.remove(0);
+        match to.try_send((conn, msg)) {
+            Ok(()) => Ok(()),
+            Err(mpsc::TrySendError::Full((_, mut p))) => {
+                let kind = if std::ptr::eq(to, &self.app) {
+                    crate::wire::NOTE_APP
+                } else {
+                    crate::wire::NOTE_CTL
+                };
+                p.insert(0, kind);
+                Err(p)
+            }
+            // Nobody will ever read it: the endpoint is gone.
+            Err(mpsc::TrySendError::Disconnected(_)) => Ok(()),
+        }
+    }
+}
+
 /// Where one connection's transport reports what it finished.
 pub(crate) struct ShardSink<'a> {
     pub done: &'a mut Vec<(u32, Result<()>)>,
-    pub inbox: &'a SyncSender<(ConnId, Vec<u8>)>,
+    pub inbox: &'a Inboxes,
     pub conn: ConnId,
     pub ipc_revoked: &'a mut Vec<(ConnId, u64)>,
     /// Same-host requests that need a CUDA copy (None on tcp: refused).
@@ -226,12 +277,7 @@ impl Sink for ShardSink<'_> {
     }
 
     fn notify(&mut self, payload: Vec<u8>) -> std::result::Result<(), Vec<u8>> {
-        match self.inbox.try_send((self.conn, payload)) {
-            Ok(()) => Ok(()),
-            Err(mpsc::TrySendError::Full((_, p))) => Err(p),
-            // Nobody will ever read it: the endpoint is gone.
-            Err(mpsc::TrySendError::Disconnected(_)) => Ok(()),
-        }
+        self.inbox.deliver(self.conn, payload)
     }
 
     fn ipc_revoked(&mut self, alloc_base: u64) {
@@ -301,7 +347,7 @@ pub(crate) struct CxParts {
     regions: RegionTable,
     updates: Receiver<RegionCmd>,
     _updates_tx: std::sync::mpsc::Sender<RegionCmd>,
-    inbox: SyncSender<(ConnId, Vec<u8>)>,
+    inbox: Inboxes,
     done: Vec<(u32, Result<()>)>,
     revoked: Vec<(ConnId, u64)>,
     reqs: Vec<GpuReq>,
@@ -315,7 +361,7 @@ impl CxParts {
     /// notifications.
     pub fn new(inbox_cap: usize) -> (CxParts, Receiver<(ConnId, Vec<u8>)>) {
         let (tx, updates) = std::sync::mpsc::channel();
-        let (inbox, notes) = std::sync::mpsc::sync_channel(inbox_cap);
+        let (inbox, notes, _ctl) = Inboxes::new(inbox_cap);
         let parts = CxParts {
             regions: RegionTable::default(),
             updates,
@@ -358,5 +404,31 @@ impl CxParts {
             gpu: None,
             to_fail: &mut self.to_fail,
         }
+    }
+}
+
+#[cfg(test)]
+mod inbox_tests {
+    use super::*;
+
+    /// The kind byte picks the inbox and comes off; a full inbox hands the
+    /// payload back as it came; an unknown kind reaches nobody.
+    #[test]
+    fn notifications_are_routed_by_their_kind_byte() {
+        let (boxes, app, ctl) = Inboxes::new(1);
+        let c = ConnId(3);
+        assert_eq!(boxes.deliver(c, vec![crate::wire::NOTE_APP, 1, 2]), Ok(()));
+        assert_eq!(boxes.deliver(c, vec![crate::wire::NOTE_CTL, 9]), Ok(()));
+        assert_eq!(app.try_recv().unwrap(), (c, vec![1, 2]));
+        assert_eq!(ctl.try_recv().unwrap(), (c, vec![9]));
+        assert_eq!(boxes.deliver(c, vec![7, 7]), Ok(()));
+        assert_eq!(boxes.deliver(c, vec![]), Ok(()));
+        assert!(app.try_recv().is_err() && ctl.try_recv().is_err());
+        boxes.deliver(c, vec![crate::wire::NOTE_CTL, 1]).unwrap();
+        assert_eq!(
+            boxes.deliver(c, vec![crate::wire::NOTE_CTL, 2]),
+            Err(vec![crate::wire::NOTE_CTL, 2])
+        );
+        assert_eq!(ctl.try_recv().unwrap(), (c, vec![1]));
     }
 }

@@ -24,7 +24,7 @@ use crate::region::{Access, KeyRef, RegionSlice, Regions};
 use crate::sys::Mapping;
 use crate::wire::shm_msg::{Msg, MsgKind, MAX_INLINE};
 use crate::wire::IpcRef;
-use crate::wire::{Status, MAX_NOTIFY_BYTES};
+use crate::wire::{Status, MAX_NOTIFY_WIRE_BYTES};
 use crate::xfer::{GpuReq, HostCopy, PeerBytes, PendingOp, Sink, Theirs};
 
 /// IPC revocations one connection keeps for a peer whose ring is full.
@@ -759,8 +759,10 @@ impl LocalConn {
             }
             MsgKind::WriteAck | MsgKind::ReadResp => return self.on_reply(m, inline, sink),
             MsgKind::Notify => {
-                if self.notify.len() + inline.len() > MAX_NOTIFY_BYTES {
-                    return Err(format!("notification longer than {MAX_NOTIFY_BYTES} bytes"));
+                if self.notify.len() + inline.len() > MAX_NOTIFY_WIRE_BYTES {
+                    return Err(format!(
+                        "notification longer than {MAX_NOTIFY_WIRE_BYTES} bytes"
+                    ));
                 }
                 self.notify.extend_from_slice(inline);
                 if m.status == 0 {
@@ -1052,11 +1054,11 @@ mod tests {
         assert!(b.conn.push_notify(&[1u8; 3000]));
         a.poll(&mut mem).unwrap();
         assert_eq!(a.inbox.pop_front().unwrap(), vec![1u8; 3000]);
-        // Fragments that add up past MAX_NOTIFY_BYTES.
+        // Fragments that add up past MAX_NOTIFY_WIRE_BYTES.
         let mut m = Msg::new(MsgKind::Notify);
         m.conn = 7;
         m.status = 1;
-        for _ in 0..=(MAX_NOTIFY_BYTES / MAX_INLINE) {
+        for _ in 0..=(MAX_NOTIFY_WIRE_BYTES / MAX_INLINE) {
             assert!(b.conn.send(&m, &[0u8; MAX_INLINE]));
         }
         let e = a.poll(&mut mem).unwrap_err();

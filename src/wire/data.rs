@@ -21,8 +21,17 @@ pub const DATA_HEADER_LEN: usize = 40;
 /// Largest payload one request or response frame may carry. `RemoteBuf`
 /// sizes are u32, so no honest frame is larger.
 pub const MAX_FRAME_PAYLOAD: u64 = u32::MAX as u64;
-/// Largest notification payload.
+/// Largest notification an application may send.
 pub const MAX_NOTIFY_BYTES: usize = 4096;
+/// Largest notification payload on the wire: one kind byte
+/// ([`NOTE_APP`] or [`NOTE_CTL`]) and the message.
+pub const MAX_NOTIFY_WIRE_BYTES: usize = MAX_NOTIFY_BYTES + 1;
+/// A notification's first byte: the application's message follows (it
+/// reaches `recv_notification`) ...
+pub const NOTE_APP: u8 = 0;
+/// ... or the engine's own (two-sided send/recv: `wire::msg`), which never
+/// reaches the application's inbox.
+pub const NOTE_CTL: u8 = 1;
 
 const WHAT: &str = "data frame header";
 
@@ -160,7 +169,7 @@ impl DataHeader {
             )));
         }
         let cap = if kind == DataKind::Notify {
-            MAX_NOTIFY_BYTES as u64
+            MAX_NOTIFY_WIRE_BYTES as u64
         } else {
             MAX_FRAME_PAYLOAD
         };

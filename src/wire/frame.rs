@@ -20,8 +20,10 @@ pub const CONTROL_MAGIC: u32 = u32::from_le_bytes(*b"FRY1");
 /// client sends every stream's Hello before reading an ack; the server
 /// acknowledges a connection only once all its streams have arrived. 4: the
 /// verbs exchange ends with `VerbsReady` from both sides, and `VerbsInfo`
-/// carries a NIC table (queue pairs striped over several NICs).
-pub const PROTOCOL_VERSION: u16 = 4;
+/// carries a NIC table (queue pairs striped over several NICs). 5: every
+/// notification's payload starts with a kind byte (`NOTE_APP` / `NOTE_CTL`:
+/// the engine's own two-sided messages travel beside the application's).
+pub const PROTOCOL_VERSION: u16 = 5;
 pub const CONTROL_HEADER_LEN: usize = 12;
 /// No control frame body is longer; a peer claiming more is refused before
 /// any of it is read.

@@ -13,19 +13,24 @@ mod data;
 mod frame;
 mod ipc;
 mod metadata;
+mod msg;
 mod remote_buf;
 pub(crate) mod shm_msg;
 mod verbs;
 mod window;
 
 pub use cursor::DecodeError;
-pub use data::{DataHeader, DataKind, Status, DATA_HEADER_LEN, MAX_NOTIFY_BYTES};
+pub use data::{
+    DataHeader, DataKind, Status, DATA_HEADER_LEN, MAX_NOTIFY_BYTES, MAX_NOTIFY_WIRE_BYTES,
+    NOTE_APP, NOTE_CTL,
+};
 pub use frame::{
     ControlFrame, Hello, CAP_AUTH, CAP_INTEGRITY_FULL, CAP_SHM, CAP_VERBS, CONTROL_HEADER_LEN,
     CONTROL_MAGIC, MAX_CONTROL_BODY, MAX_STREAMS, PROTOCOL_VERSION,
 };
 pub use ipc::{IpcBuf, IpcRef, IPC_BUF_LEN};
 pub use metadata::{normalize_bus_id, EndpointMetadata, MAX_BDF_LEN};
+pub use msg::{CtlMsg, FinStatus};
 pub use remote_buf::{NicKeys, RemoteBuf, REMOTE_BUF_LEN, REMOTE_FLAG_DEVICE, REMOTE_FLAG_NIC_KEY};
 pub use shm_msg::{
     Msg as ShmMsg, MsgKind as ShmMsgKind, MAX_INLINE as SHM_MAX_INLINE,

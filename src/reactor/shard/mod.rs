@@ -18,7 +18,7 @@
 //! `park` asks every source whether the shard may sleep.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{self, Receiver, SyncSender, TryRecvError};
+use std::sync::mpsc::{self, Receiver, TryRecvError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -103,7 +103,7 @@ pub struct Shard {
     gpu: Option<GpuWork>,
     /// Every op this shard runs, its pieces and its one outcome.
     ledger: OpLedger,
-    inbox: SyncSender<(ConnId, Vec<u8>)>,
+    inbox: super::source::Inboxes,
     iter: u32,
     /// The clock as the ops of this pass were taken (read once per pass
     /// that submits: ~3 % of an embedded shard's time when read per op).
@@ -159,7 +159,7 @@ impl Shard {
         id: usize,
         cfg: ShardConfig,
         table: Arc<CompletionTable>,
-        inbox: SyncSender<(ConnId, Vec<u8>)>,
+        inbox: super::source::Inboxes,
         local_init: LocalInit,
         closed: mpsc::Sender<ConnId>,
         ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,

@@ -1,0 +1,167 @@
+//! Two-sided send/recv: messages matched in order per connection to the
+//! buffers the receiver posted, over tcp and on one host.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use ferry::{ConnId, Endpoint, Error, MessageOp};
+use ferry_cli::testkit::{check_pattern, fill_pattern};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn pair(path: Path) -> (Endpoint, Endpoint, ConnId, ConnId) {
+    path.require();
+    let a = path_client(path);
+    let b = path_client(path);
+    b.start_passive_accept().unwrap();
+    let ca = a.add_remote(&b.metadata_bytes()).unwrap();
+    let (cb, _) = b.accept(WAIT).unwrap();
+    (a, b, ca, cb)
+}
+
+fn done(ep: &Endpoint, op: MessageOp) -> ferry::Result<usize> {
+    ep.wait_message(op, WAIT)
+}
+
+/// Three messages of different sizes, buffers posted before and after
+/// they were sent: each lands whole in its own buffer, in order, with its
+/// length; a buffer larger than its registration is cut to it (as the
+/// seed's `recv(…, size)` callers expect); notifications never mix in.
+fn in_order(path: Path) {
+    let (a, b, ca, cb) = pair(path);
+    let src = a.alloc(1 << 20).unwrap();
+    let mut p = vec![0u8; 1 << 20];
+    fill_pattern(&mut p, 0, 5);
+    src.write_at(0, &p).unwrap();
+    let dst = b.alloc(3 << 20).unwrap();
+    let early = b.recv_async(cb, &dst, 0, 1 << 20).unwrap();
+    let sizes = [1 << 20, 17, 0];
+    let sends: Vec<_> = sizes
+        .iter()
+        .map(|&n| a.send_async(ca, &src, 0, n).unwrap())
+        .collect();
+    a.send_notification(ca, b"an app note").unwrap();
+    let later = [
+        b.recv_async(cb, &dst, 1 << 20, 1 << 20).unwrap(),
+        // More than the registration holds: cut to its end.
+        b.recv_async(cb, &dst, 2 << 20, 8 << 20).unwrap(),
+    ];
+    assert_eq!(done(&b, early).unwrap(), 1 << 20);
+    assert_eq!(done(&b, later[0]).unwrap(), 17);
+    assert_eq!(done(&b, later[1]).unwrap(), 0);
+    for (s, n) in sends.into_iter().zip(sizes) {
+        assert_eq!(done(&a, s).unwrap(), n, "{path:?}");
+    }
+    let mut got = vec![0u8; 1 << 20];
+    dst.read_at(0, &mut got).unwrap();
+    assert_eq!(
+        check_pattern(&got, 0, 5),
+        None,
+        "{path:?}: the first message"
+    );
+    dst.read_at(1 << 20, &mut got[..17]).unwrap();
+    assert_eq!(check_pattern(&got[..17], 0, 5), None);
+    // Only the application's note is in the application's inbox.
+    assert_eq!(
+        b.recv_notification(WAIT).unwrap(),
+        (cb, b"an app note".to_vec())
+    );
+    assert!(b.try_recv_notification().is_none());
+}
+
+#[test]
+fn messages_land_in_order_over_tcp() {
+    in_order(Path::TcpEpoll);
+}
+
+#[test]
+fn messages_land_in_order_on_one_host() {
+    in_order(Path::Shm);
+}
+
+#[test]
+fn a_message_longer_than_its_buffer_fails_both_sides() {
+    let (a, b, ca, cb) = pair(Path::TcpEpoll);
+    let src = a.alloc(4096).unwrap();
+    let dst = b.alloc(4096).unwrap();
+    dst.write_at(0, &[9u8; 4096]).unwrap();
+    let r = b.recv_async(cb, &dst, 0, 100).unwrap();
+    let s = a.send_async(ca, &src, 0, 200).unwrap();
+    for e in [done(&b, r).unwrap_err(), done(&a, s).unwrap_err()] {
+        assert!(
+            matches!(
+                e,
+                Error::MessageTooLarge {
+                    len: 200,
+                    posted: 100
+                }
+            ),
+            "{e}"
+        );
+    }
+    let mut got = [0u8; 4096];
+    dst.read_at(0, &mut got).unwrap();
+    assert!(got.iter().all(|&x| x == 9), "nothing landed");
+    // The connection goes on: the next message fits.
+    let r = b.recv_async(cb, &dst, 0, 4096).unwrap();
+    let s = a.send_async(ca, &src, 0, 64).unwrap();
+    assert_eq!(done(&b, r).unwrap(), 64);
+    assert_eq!(done(&a, s).unwrap(), 64);
+}
+
+/// A sender that announces more than the receiver will hold unmatched
+/// (`MAX_UNMATCHED`, 1024) has the rest refused; the receiver holds none
+/// of their bytes, and what it holds still matches later buffers.
+#[test]
+fn unmatched_announcements_are_bounded() {
+    let (a, b, ca, cb) = pair(Path::TcpEpoll);
+    let src = a.alloc(64).unwrap();
+    let dst = b.alloc(64).unwrap();
+    let sends: Vec<_> = (0..1100)
+        .map(|_| a.send_async(ca, &src, 0, 8).unwrap())
+        .collect();
+    // The receiver takes the announcements as it makes progress.
+    let first = b.recv_async(cb, &dst, 0, 64).unwrap();
+    assert_eq!(done(&b, first).unwrap(), 8);
+    let deadline = std::time::Instant::now() + WAIT;
+    let refused = loop {
+        let n = sends[1025..]
+            .iter()
+            .filter(|s| a.poll_message(**s).is_some())
+            .count();
+        let _ = b.poll_message(first);
+        if n == 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+            continue;
+        }
+        break n;
+    };
+    assert!(
+        refused > 0,
+        "some of the announcements past the bound were refused"
+    );
+    // Those held match later buffers.
+    let r = b.recv_async(cb, &dst, 0, 64).unwrap();
+    assert_eq!(done(&b, r).unwrap(), 8);
+    assert_eq!(done(&a, sends[1]).unwrap(), 8);
+}
+
+#[test]
+fn a_gone_connection_fails_its_messages() {
+    let (a, b, ca, cb) = pair(Path::TcpEpoll);
+    let dst = b.alloc(64).unwrap();
+    let src = a.alloc(64).unwrap();
+    let r = b.recv_async(cb, &dst, 0, 64).unwrap();
+    let s = a.send_async(ca, &src, 0, 200).unwrap_err();
+    assert!(matches!(s, Error::OutOfRange { .. }), "{s}");
+    a.remove_remote(ca).unwrap();
+    let e = done(&b, r).unwrap_err();
+    assert!(
+        matches!(e, Error::UnknownConn { .. } | Error::ConnFailed { .. }),
+        "{e}"
+    );
+    let e = a.send_async(ca, &src, 0, 8).unwrap_err();
+    assert!(matches!(e, Error::UnknownConn { .. }), "{e}");
+}
