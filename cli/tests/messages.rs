@@ -29,6 +29,8 @@ fn done(ep: &Endpoint, op: MessageOp) -> ferry::Result<usize> {
 /// they were sent: each lands whole in its own buffer, in order, with its
 /// length; a buffer larger than its registration is cut to it (as the
 /// seed's `recv(…, size)` callers expect); notifications never mix in.
+/// (One thread plays both sides: a side's work moves in its own calls, so
+/// the sender waits first.)
 fn in_order(path: Path) {
     let (a, b, ca, cb) = pair(path);
     let src = a.alloc(1 << 20).unwrap();
@@ -48,12 +50,14 @@ fn in_order(path: Path) {
         // More than the registration holds: cut to its end.
         b.recv_async(cb, &dst, 2 << 20, 8 << 20).unwrap(),
     ];
-    assert_eq!(done(&b, early).unwrap(), 1 << 20);
-    assert_eq!(done(&b, later[0]).unwrap(), 17);
-    assert_eq!(done(&b, later[1]).unwrap(), 0);
+    // The sender's calls move its sends (a send ends once its bytes are
+    // in the peer's buffer), then the receives have ended too.
     for (s, n) in sends.into_iter().zip(sizes) {
         assert_eq!(done(&a, s).unwrap(), n, "{path:?}");
     }
+    assert_eq!(done(&b, early).unwrap(), 1 << 20);
+    assert_eq!(done(&b, later[0]).unwrap(), 17);
+    assert_eq!(done(&b, later[1]).unwrap(), 0);
     let mut got = vec![0u8; 1 << 20];
     dst.read_at(0, &mut got).unwrap();
     assert_eq!(
@@ -89,7 +93,7 @@ fn a_message_longer_than_its_buffer_fails_both_sides() {
     dst.write_at(0, &[9u8; 4096]).unwrap();
     let r = b.recv_async(cb, &dst, 0, 100).unwrap();
     let s = a.send_async(ca, &src, 0, 200).unwrap();
-    for e in [done(&b, r).unwrap_err(), done(&a, s).unwrap_err()] {
+    for e in [done(&a, s).unwrap_err(), done(&b, r).unwrap_err()] {
         assert!(
             matches!(
                 e,
@@ -107,45 +111,43 @@ fn a_message_longer_than_its_buffer_fails_both_sides() {
     // The connection goes on: the next message fits.
     let r = b.recv_async(cb, &dst, 0, 4096).unwrap();
     let s = a.send_async(ca, &src, 0, 64).unwrap();
-    assert_eq!(done(&b, r).unwrap(), 64);
     assert_eq!(done(&a, s).unwrap(), 64);
+    assert_eq!(done(&b, r).unwrap(), 64);
 }
 
-/// A sender that announces more than the receiver will hold unmatched
-/// (`MAX_UNMATCHED`, 1024) has the rest refused; the receiver holds none
-/// of their bytes, and what it holds still matches later buffers.
+/// A receiver that offers more buffers than the sender holds unmatched
+/// (`MAX_UNMATCHED`, 1024) has the rest refused: those receives fail, the
+/// others are filled in order.
 #[test]
-fn unmatched_announcements_are_bounded() {
+fn unmatched_offers_are_bounded() {
     let (a, b, ca, cb) = pair(Path::TcpEpoll);
     let src = a.alloc(64).unwrap();
     let dst = b.alloc(64).unwrap();
-    let sends: Vec<_> = (0..1100)
-        .map(|_| a.send_async(ca, &src, 0, 8).unwrap())
+    let recvs: Vec<_> = (0..1100)
+        .map(|_| b.recv_async(cb, &dst, 0, 64).unwrap())
         .collect();
-    // The receiver takes the announcements as it makes progress.
-    let first = b.recv_async(cb, &dst, 0, 64).unwrap();
-    assert_eq!(done(&b, first).unwrap(), 8);
+    // The sender takes the offers as it makes progress.
+    let first = a.send_async(ca, &src, 0, 8).unwrap();
+    assert_eq!(done(&a, first).unwrap(), 8);
+    assert_eq!(done(&b, recvs[0]).unwrap(), 8);
     let deadline = std::time::Instant::now() + WAIT;
     let refused = loop {
-        let n = sends[1025..]
+        let _ = a.poll_message(first);
+        let n = recvs[1025..]
             .iter()
-            .filter(|s| a.poll_message(**s).is_some())
+            .filter(|r| matches!(b.poll_message(**r), Some(Err(Error::ConnFailed { .. }))))
             .count();
-        let _ = b.poll_message(first);
         if n == 0 && std::time::Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
             continue;
         }
         break n;
     };
-    assert!(
-        refused > 0,
-        "some of the announcements past the bound were refused"
-    );
-    // Those held match later buffers.
-    let r = b.recv_async(cb, &dst, 0, 64).unwrap();
-    assert_eq!(done(&b, r).unwrap(), 8);
-    assert_eq!(done(&a, sends[1]).unwrap(), 8);
+    assert!(refused > 0, "some offers past the bound were refused");
+    // Those held are filled by later sends, in order.
+    let s = a.send_async(ca, &src, 0, 16).unwrap();
+    assert_eq!(done(&a, s).unwrap(), 16);
+    assert_eq!(done(&b, recvs[1]).unwrap(), 16);
 }
 
 #[test]

@@ -14,12 +14,17 @@ script stays as it is. Differences a script may notice:
 * ``*_ipc`` calls also take host pointers: their windows are then ordinary
   ones, moved over shared memory or tcp;
 * the window and descriptor bytes are ferry's (a ferry peer reads them; a
-  UCCL peer does not), the metadata bytes are the seed's.
+  UCCL peer does not), the metadata bytes are the seed's;
+* two-sided ``send``/``recv`` (and their ``v``, ``_ipc`` and ``_async``
+  forms) are matched in order per connection as in the seed; the receiver
+  reads the message from the sender's memory, so ``send`` returns once the
+  peer took it, and a message longer than the posted buffer fails on both
+  sides (``recv``'s ``size`` is cut to its registration's end).
 
 This module is the seed's bookkeeping only: integer ids for registrations,
 connections and transfers, ``(ok, ...)`` tuples and the sixteen operation
-variants, over the native ``Endpoint``, ``Region``, ``Connection`` and
-``Transfer`` (which check every range, window and connection). Raw
+variants, over the native ``Endpoint``, ``Region``, ``Connection``,
+``Transfer`` and ``Message`` (which check every range, window and connection). Raw
 pointers are the caller's promise, as in the seed: memory given to ``reg``
 (or met by an ``*_ipc`` call, which registers the containing GPU
 allocation, or the exact host range, on first use) must stay valid until
@@ -64,6 +69,20 @@ class XferHandle:
 
     def __repr__(self) -> str:
         return f"<XferHandle conn_id={self.conn_id} op={self.op_name} id={self.transfer_id}>"
+
+
+class _Group:
+    """Several messages filed under one transfer id (``sendv_async``):
+    done when all are; the first failure is raised."""
+
+    def __init__(self, parts: List[Any]) -> None:
+        self._parts = parts
+
+    def done(self) -> bool:
+        return all([p.done() for p in self._parts])
+
+    def wait(self, timeout_s: Optional[float] = None) -> bool:
+        return all(p.wait(timeout_s) for p in self._parts)
 
 
 class _Failed(Exception):
@@ -537,6 +556,76 @@ class Endpoint:
 
     def readv_ipc_async(self, conn_id: int, ptr_v, size_v, info_v) -> Tuple[bool, int]:
         return self._ipc("readv_ipc_async", False, conn_id, ptr_v, size_v, info_v, False)
+
+    # ---- two-sided: send / recv ---------------------------------------------
+
+    def _msg(self, what: str, send: bool, conn_id: int, pieces: Callable[[], List[Tuple[_native.Region, int, int]]], blocking: bool) -> Tuple[bool, int]:
+        """Posts one message per piece (a send, or a receive buffer),
+        matched in order per connection; waits for all (``blocking``:
+        ``(ok, 0)``) or files them under one id (``(ok, transfer_id)``)."""
+        try:
+            conn = self._conn(conn_id)
+            ms = [conn.send(r, p, n) if send else conn.recv(r, p, n) for r, p, n in pieces()]
+        except (FerryError, _Failed) as e:
+            return self._fail(what, e, (False, 0))
+        if not blocking:
+            return True, self._keep(ms[0] if len(ms) == 1 else _Group(ms))
+        try:
+            for m in ms:
+                m.wait()
+        except FerryError as e:
+            return self._fail(what, e, (False, 0))
+        return True, 0
+
+    def _msgv(self, what: str, send: bool, conn_id: int, mr_id_v: Sequence[int], ptr_v: Sequence[int], size_v: Sequence[int], num_iovs: int, blocking: bool) -> Tuple[bool, int]:
+        if not (len(mr_id_v) == len(ptr_v) == len(size_v) == num_iovs):
+            return self._fail(what, _len_mismatch(what), (False, 0))
+        return self._msg(what, send, conn_id, lambda: [(self._mr(m), p, n) for m, p, n in zip(mr_id_v, ptr_v, size_v)], blocking)
+
+    def send(self, conn_id: int, mr_id: int, ptr: int, size: int) -> bool:
+        """Sends ``size`` bytes at ``ptr`` (inside ``mr_id``) as one message:
+        it fills the peer's next ``recv`` on this connection. Blocks until
+        the peer took it."""
+        return self._msg("send", True, conn_id, lambda: [(self._mr(mr_id), ptr, size)], True)[0]
+
+    def recv(self, conn_id: int, mr_id: int, ptr: int, size: int) -> bool:
+        """Receives the next message on this connection into ``ptr`` (at
+        most ``size`` bytes, cut to the registration's end). A longer
+        message fails here and at the sender."""
+        return self._msg("recv", False, conn_id, lambda: [(self._mr(mr_id), ptr, size)], True)[0]
+
+    def send_async(self, conn_id: int, mr_id: int, ptr: int, size: int) -> Tuple[bool, int]:
+        return self._msg("send_async", True, conn_id, lambda: [(self._mr(mr_id), ptr, size)], False)
+
+    def recv_async(self, conn_id: int, mr_id: int, ptr: int, size: int) -> Tuple[bool, int]:
+        return self._msg("recv_async", False, conn_id, lambda: [(self._mr(mr_id), ptr, size)], False)
+
+    def sendv(self, conn_id: int, mr_id_v: Sequence[int], ptr_v: Sequence[int], size_v: Sequence[int], num_iovs: int) -> bool:
+        """One message per piece, in order (the seed's ``sendv``)."""
+        return self._msgv("sendv", True, conn_id, mr_id_v, ptr_v, size_v, num_iovs, True)[0]
+
+    def recvv(self, conn_id: int, mr_id_v: Sequence[int], ptr_v: Sequence[int], size_v: Sequence[int], num_iovs: int) -> bool:
+        return self._msgv("recvv", False, conn_id, mr_id_v, ptr_v, size_v, num_iovs, True)[0]
+
+    def sendv_async(self, conn_id: int, mr_id_v: Sequence[int], ptr_v: Sequence[int], size_v: Sequence[int], num_iovs: int) -> Tuple[bool, int]:
+        return self._msgv("sendv_async", True, conn_id, mr_id_v, ptr_v, size_v, num_iovs, False)
+
+    def recvv_async(self, conn_id: int, mr_id_v: Sequence[int], ptr_v: Sequence[int], size_v: Sequence[int], num_iovs: int) -> Tuple[bool, int]:
+        return self._msgv("recvv_async", False, conn_id, mr_id_v, ptr_v, size_v, num_iovs, False)
+
+    def send_ipc(self, conn_id: int, ptr: int, size: int) -> bool:
+        """The seed's ``send_ipc``: a bare pointer (its allocation is
+        registered on first use); same semantics as ``send``."""
+        return self._msg("send_ipc", True, conn_id, lambda: [(self._by_ptr(ptr, size), ptr, size)], True)[0]
+
+    def recv_ipc(self, conn_id: int, ptr: int, size: int) -> bool:
+        return self._msg("recv_ipc", False, conn_id, lambda: [(self._by_ptr(ptr, size), ptr, size)], True)[0]
+
+    def send_ipc_async(self, conn_id: int, ptr: int, size: int) -> Tuple[bool, int]:
+        return self._msg("send_ipc_async", True, conn_id, lambda: [(self._by_ptr(ptr, size), ptr, size)], False)
+
+    def recv_ipc_async(self, conn_id: int, ptr: int, size: int) -> Tuple[bool, int]:
+        return self._msg("recv_ipc_async", False, conn_id, lambda: [(self._by_ptr(ptr, size), ptr, size)], False)
 
     # ---- transfers by id ------------------------------------------------------
 

@@ -578,6 +578,23 @@ pub struct Connection {
     id: ConnId,
 }
 
+impl Connection {
+    /// The endpoint and `region`'s registration, checked to be this
+    /// connection's endpoint's and the connection alive.
+    fn own(&self, region: &Region) -> PyResult<(Arc<ferry::Endpoint>, View)> {
+        let ep = self.ep.get()?;
+        if !region.ep.same(&self.ep) {
+            return Err(FerryError::new_err(
+                "a region of another endpoint than this connection's",
+            ));
+        }
+        if ep.peer(self.id).is_none() {
+            return Err(fe(ferry::Error::UnknownConn { conn: self.id }));
+        }
+        Ok((ep, region.view()?))
+    }
+}
+
 #[pymethods]
 impl Connection {
     #[getter]
@@ -647,6 +664,31 @@ impl Connection {
             })
             .map_err(fe)?;
         Ok(Transfer::new(t))
+    }
+
+    /// Two-sided: sends `[ptr, ptr + size)` of `region` as one message,
+    /// which fills the peer's next posted receive on this connection.
+    fn send(&self, region: PyRef<'_, Region>, ptr: u64, size: usize) -> PyResult<Message> {
+        let (ep, v) = self.own(&region)?;
+        let off = region.offset_of(&v, ptr, size)?;
+        let op = ep.send_async(self.id, &v.mr, off, size).map_err(fe)?;
+        Ok(Message::new(self.ep.clone(), op))
+    }
+
+    /// Two-sided: posts `[ptr, ptr + size)` of `region` (cut to the
+    /// region's end, as the seed's callers expect) for the peer's next
+    /// message on this connection; the Message's `length` says how much came.
+    fn recv(&self, region: PyRef<'_, Region>, ptr: u64, size: usize) -> PyResult<Message> {
+        let (ep, v) = self.own(&region)?;
+        let end = v.addr.saturating_add(v.len as u64);
+        let size = if ptr >= v.addr && ptr < end {
+            size.min((end - ptr) as usize)
+        } else {
+            size
+        };
+        let off = region.offset_of(&v, ptr, size)?;
+        let op = ep.recv_async(self.id, &v.mr, off, size).map_err(fe)?;
+        Ok(Message::new(self.ep.clone(), op))
     }
 
     /// Sends a small message (at most 4096 bytes) to the peer's inbox.
@@ -761,6 +803,79 @@ impl Transfer {
                 outcome.map(|()| true).map_err(fe)
             }
         }
+    }
+}
+
+/// A two-sided send or receive in flight (`Connection.send` / `recv`).
+#[pyclass(module = "ferry._native", name = "Message", frozen)]
+pub struct Message {
+    ep: Shared,
+    op: ferry::MessageOp,
+    /// The outcome once reported: the message's length.
+    ended: Mutex<Option<usize>>,
+}
+
+impl Message {
+    fn new(ep: Shared, op: ferry::MessageOp) -> Self {
+        Self {
+            ep,
+            op,
+            ended: Mutex::new(None),
+        }
+    }
+
+    fn ended(&self, r: ferry::Result<usize>) -> PyResult<bool> {
+        let n = r.map_err(fe)?;
+        *self.ended.lock().expect("lock") = Some(n);
+        Ok(true)
+    }
+}
+
+#[pymethods]
+impl Message {
+    /// Whether it has ended; raises `FerryError` (once) if it failed.
+    fn done(&self) -> PyResult<bool> {
+        if self.ended.lock().expect("lock").is_some() {
+            return Ok(true);
+        }
+        match self.ep.get()?.poll_message(self.op) {
+            None => Ok(false),
+            Some(r) => self.ended(r),
+        }
+    }
+
+    /// Waits up to `timeout_s` (None: no limit) with the GIL released
+    /// (Ctrl-C interrupts): True when it ended, False at the timeout;
+    /// raises `FerryError` (once) if it failed.
+    #[pyo3(signature = (timeout_s=None))]
+    fn wait(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<bool> {
+        if self.ended.lock().expect("lock").is_some() {
+            return Ok(true);
+        }
+        let ep = self.ep.get()?;
+        let deadline = deadline_of(timeout_s);
+        loop {
+            let left = deadline.map_or(SLICE, |d| {
+                d.saturating_duration_since(Instant::now()).min(SLICE)
+            });
+            match py.allow_threads(|| ep.wait_message(self.op, left)) {
+                Err(ferry::Error::Timeout {
+                    what: "a message", ..
+                }) => {
+                    py.check_signals()?;
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Ok(false);
+                    }
+                }
+                other => return self.ended(other),
+            }
+        }
+    }
+
+    /// The message's length once ended (a send: what was sent); None before.
+    #[getter]
+    fn length(&self) -> Option<usize> {
+        *self.ended.lock().expect("lock")
     }
 }
 

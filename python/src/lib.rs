@@ -51,6 +51,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<core::Region>()?;
     m.add_class::<core::Connection>()?;
     m.add_class::<core::Transfer>()?;
+    m.add_class::<core::Message>()?;
     m.add_function(wrap_pyfunction!(core::gpu_count, m)?)?;
     m.add_function(wrap_pyfunction!(core::gpu_bus_id, m)?)?;
     m.add_function(wrap_pyfunction!(core::endpoint_of_gpu, m)?)?;

@@ -37,6 +37,8 @@ def test_module_surface():
         "write_ipc_async", "read_ipc_async", "writev_ipc_async", "readv_ipc_async",
         "register_memory", "deregister_memory", "get_serialized_descs",
         "deserialize_descs", "transfer", "send_notification", "recv_notification",
+        "send", "recv", "send_async", "recv_async", "sendv", "recvv", "sendv_async",
+        "recvv_async", "send_ipc", "recv_ipc", "send_ipc_async", "recv_ipc_async",
     ]:
         assert hasattr(p2p.Endpoint, name), name
     assert p2p.kFloat16 == p2p.FloatType.kFloat16
@@ -113,6 +115,52 @@ def test_every_operation_in_one_process(transport):
     assert ok and len(ids) == 2 and all(a.dereg(i) for i in ids)
     assert b.remove_remote_endpoint(conn)
     assert b.write(conn, smr, src.ctypes.data, 16, meta_any) is False
+    a.close()
+    b.close()
+
+
+def test_two_sided_messages_in_order(transport):
+    """send/recv as the seed's callers use them: in order per connection,
+    a receive size past the registration cut to it (UCCL's own test posts
+    twice the tensor's bytes), a longer message refused on both sides,
+    the vectored and async forms, and notifications kept apart."""
+    a, b, conn = pair(transport)
+    ok, a_conn, _, _ = True, None, None, None
+    # a's id for the connection: from a notification b sends first.
+    assert b.send_notification(conn, b"hi")
+    ok, a_conn, msg = a.recv_notification(5000)
+    assert ok and msg == b"hi"
+    src = np.random.default_rng(4).integers(0, 256, 1 << 16, dtype=np.uint8)
+    dst = np.zeros(1 << 16, np.uint8)
+    _, smr = b.reg(src.ctypes.data, src.nbytes)
+    _, dmr = a.reg(dst.ctypes.data, dst.nbytes)
+    ok, rid = a.recv_async(a_conn, dmr, dst.ctypes.data, dst.nbytes * 2)
+    assert ok
+    assert b.send(conn, smr, src.ctypes.data, src.nbytes)
+    assert a.wait(rid, 10.0)
+    assert digest(dst) == digest(src)
+    # Vectored: one message per piece, in order.
+    dst[:] = 0
+    q = 1 << 14
+    # (One thread plays both sides, and a side's work moves in its own
+    # calls: the receiver posts, the sender waits, then the receiver.)
+    ok, rid = a.recvv_async(a_conn, [dmr] * 4, [dst.ctypes.data + i * q for i in range(4)], [q] * 4, 4)
+    assert ok
+    assert b.sendv(conn, [smr] * 4, [src.ctypes.data + i * q for i in range(4)], [q] * 4, 4)
+    assert a.wait(rid, 10.0)
+    assert digest(dst) == digest(src)
+    # Too long for the buffer: both sides fail, nothing lands.
+    dst[:] = 7
+    ok, rid = a.recv_async(a_conn, dmr, dst.ctypes.data, 100)
+    assert ok
+    assert b.send(conn, smr, src.ctypes.data, 200) is False
+    assert a.wait(rid, 10.0) is False
+    assert (dst == 7).all()
+    # Unknown ids are refused at once.
+    assert b.send_async(conn + 999, smr, src.ctypes.data, 8) == (False, 0)
+    assert b.send_async(conn, smr + 999, src.ctypes.data, 8) == (False, 0)
+    # The app's inbox saw only the app's note.
+    assert a.recv_notification(50) == (False, 0, b"")
     a.close()
     b.close()
 

@@ -1,20 +1,23 @@
 //! Two-sided send/recv (the seed's `send`/`recv`): messages matched in
 //! order per connection to the buffers the receiver posted.
 //!
-//! The receiver pulls (`wire::msg`): `send` grants the peer a read window
-//! over the message and sends `Rts{seq}`; the receiver's `recv` posts a
-//! buffer that takes the next sequence number; when both are there, the
-//! receiver checks the length against its buffer (longer: both sides fail
-//! with `MessageTooLarge`), READs the bytes (one-sided, bounds-checked by
-//! the sender's shard like any READ) and answers `Fin`, which ends the send
-//! and revokes its window. So the receiver never holds bytes it posted no
-//! buffer for, and unmatched announcements are bounded (`MAX_UNMATCHED`
-//! per connection; more fail at the sender).
+//! The receiver offers (`wire::msg`): `recv` grants the peer a write
+//! window over the buffer and sends `Cts{seq}`, numbered in posting order;
+//! `send` takes the next number on the sender's side. When a send and the
+//! offer of its number are both there, the sender checks the length
+//! against the buffer (longer: both sides fail with `MessageTooLarge`,
+//! nothing moves), WRITEs the bytes (one-sided, bounds-checked by the
+//! receiver's shard like any WRITE) and, once the WRITE completed, sends
+//! `Fin`, which ends the receive and revokes its window. So nothing lands
+//! where no buffer was posted, and unmatched offers a sender holds are
+//! bounded (`MAX_UNMATCHED` per connection; more are refused).
 //!
 //! Progress is made by the calls: posting, `poll_message` and
-//! `wait_message` (the READs themselves run on the shards as usual). The
-//! engine's messages travel as notifications of kind `NOTE_CTL`, into an
-//! inbox of their own: the application's notifications never see them.
+//! `wait_message` (the WRITEs themselves run on the shards as usual). A
+//! blocking `send` thus completes while its receiver only waits in
+//! `recv`. The engine's messages travel as notifications of kind
+//! `NOTE_CTL`, into an inbox of their own: the application's
+//! notifications never see them.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::mpsc::Receiver;
@@ -28,7 +31,7 @@ use crate::reactor::{Command, Transfer};
 use crate::region::RegionSlice;
 use crate::wire::{CtlMsg, FinStatus, RemoteBuf, NOTE_CTL};
 
-/// Announced messages a connection may have waiting for a posted receive.
+/// Offers of receive buffers a connection may have waiting for a send.
 pub(super) const MAX_UNMATCHED: usize = 1024;
 
 /// A send or receive in flight: poll it with [`Endpoint::poll_message`]
@@ -57,41 +60,40 @@ struct State {
 struct ConnMsgs {
     next_send: u64,
     next_recv: u64,
-    /// Sends awaiting the receiver's `Fin`, by sequence number.
-    sends: HashMap<u64, Send>,
-    /// Posted receives not yet matched, in posting order.
-    recvs: VecDeque<Posted>,
-    /// Announced messages not yet matched, by sequence number.
-    arrived: BTreeMap<u64, (u64, RemoteBuf)>,
-    /// Receives whose READ runs.
-    reading: Vec<Reading>,
+    /// Sends not yet matched, in order.
+    sends: VecDeque<Pending>,
+    /// The peer's offers not yet matched, by sequence number.
+    offers: BTreeMap<u64, RemoteBuf>,
+    /// Sends whose WRITE runs.
+    writing: Vec<Writing>,
+    /// Our posted receives awaiting the sender's `Fin`, by number.
+    recvs: HashMap<u64, Posted>,
 }
 
-struct Send {
-    id: u64,
-    len: u64,
-    /// The window's key, revoked once the receiver is done (0: none).
-    rkey: u32,
-}
-
-struct Posted {
+struct Pending {
     id: u64,
     seq: u64,
-    /// The whole buffer posted (it holds the registration).
-    buf: RegionSlice,
-    max: u64,
+    /// The message (it holds the registration).
+    msg: RegionSlice,
 }
 
-struct Reading {
+struct Writing {
     id: u64,
     seq: u64,
     len: u64,
     t: Transfer,
 }
 
+struct Posted {
+    id: u64,
+    max: u64,
+    /// The window's key, revoked once the message is in (0: none).
+    rkey: u32,
+}
+
 impl ConnMsgs {
     fn pending(&self) -> bool {
-        !self.sends.is_empty() || !self.recvs.is_empty() || !self.reading.is_empty()
+        !self.sends.is_empty() || !self.recvs.is_empty() || !self.writing.is_empty()
     }
 }
 
@@ -106,9 +108,9 @@ impl Messages {
 
 impl Endpoint {
     /// Sends `mr[offset..offset + len]` as one message to the peer on
-    /// `conn`, where it fills the next receive buffer posted there (in
-    /// order per connection). The bytes must stay unchanged until the
-    /// send ends; the receiver reads them from here.
+    /// `conn`, into the next receive buffer posted there (in order per
+    /// connection). The bytes must stay unchanged until the send ends
+    /// (once they are in the peer's buffer).
     pub fn send_async(
         &self,
         conn: ConnId,
@@ -116,40 +118,25 @@ impl Endpoint {
         offset: usize,
         len: usize,
     ) -> Result<MessageOp> {
-        let window = if len == 0 {
-            mr.slice(offset, 0)?;
-            if !self.inner.conns.lock().expect("lock").contains_key(&conn) {
-                return Err(Error::UnknownConn { conn });
-            }
-            RemoteBuf::default()
-        } else {
-            self.advertise(conn, mr, offset, len)?
-        };
+        let msg = mr.slice(offset, len)?;
+        if !self.inner.conns.lock().expect("lock").contains_key(&conn) {
+            return Err(Error::UnknownConn { conn });
+        }
         let mut st = self.inner.messages.state.lock().expect("lock");
         let id = st.new_id();
         let c = st.conns.entry(conn).or_default();
         let seq = c.next_send;
         c.next_send += 1;
-        c.sends.insert(
-            seq,
-            Send {
-                id,
-                len: len as u64,
-                rkey: window.rkey,
-            },
-        );
-        let len = len as u64;
-        st.outbox
-            .push_back((conn, ctl(CtlMsg::Rts { seq, len, window })));
+        c.sends.push_back(Pending { id, seq, msg });
         drop(st);
         self.progress();
         Ok(MessageOp(id))
     }
 
-    /// Posts `mr[offset..offset + max]` (cut to the registration's end)
-    /// for the next message from the peer on `conn`; ends with the
-    /// message's length. A longer message fails this receive and its send
-    /// with [`Error::MessageTooLarge`].
+    /// Posts `mr[offset..offset + max]` (cut to the registration's end and
+    /// to 4 GiB − 1) for the next message from the peer on `conn`; ends
+    /// with the message's length. A longer message fails this receive and
+    /// its send with [`Error::MessageTooLarge`].
     pub fn recv_async(
         &self,
         conn: ConnId,
@@ -162,36 +149,43 @@ impl Endpoint {
             len: max,
             region_len: mr.len(),
         })?;
-        let max = max.min(room);
-        let buf = mr.slice(offset, max)?;
-        // A READ lands there: the destination must be writable here.
+        let max = max.min(room).min(u32::MAX as usize);
+        // A WRITE lands there: the destination must be writable here.
         if max > 0 && !mr.inner.access.contains(crate::region::Access::LOCAL_WRITE) {
             return Err(Error::ReadOnlyDestination {
                 addr: mr.inner.addr(),
                 len: mr.len(),
             });
         }
-        if !self.inner.conns.lock().expect("lock").contains_key(&conn) {
-            return Err(Error::UnknownConn { conn });
-        }
+        let window = if max == 0 {
+            mr.slice(offset, 0)?;
+            if !self.inner.conns.lock().expect("lock").contains_key(&conn) {
+                return Err(Error::UnknownConn { conn });
+            }
+            RemoteBuf::default()
+        } else {
+            self.advertise(conn, mr, offset, max)?
+        };
         let mut st = self.inner.messages.state.lock().expect("lock");
         let id = st.new_id();
         let c = st.conns.entry(conn).or_default();
         let seq = c.next_recv;
         c.next_recv += 1;
-        c.recvs.push_back(Posted {
+        let posted = Posted {
             id,
-            seq,
-            buf,
             max: max as u64,
-        });
+            rkey: window.rkey,
+        };
+        c.recvs.insert(seq, posted);
+        st.outbox
+            .push_back((conn, ctl(CtlMsg::Cts { seq, window })));
         drop(st);
         self.progress();
         Ok(MessageOp(id))
     }
 
-    /// `None` while `op` runs; once it ended, its result (a receive: the
-    /// message's length; a send: its length), given once.
+    /// `None` while `op` runs; once it ended, its result (the message's
+    /// length, on both sides), given once.
     pub fn poll_message(&self, op: MessageOp) -> Option<Result<usize>> {
         self.progress();
         self.inner
@@ -229,7 +223,7 @@ impl Endpoint {
     }
 
     /// One step of every connection's two-sided work: take the engine's
-    /// messages that arrived, start the READs whose buffer and message
+    /// messages that arrived, start the WRITEs whose message and buffer
     /// are both there, end those that finished, fail what a dead
     /// connection held, and queue what is to be said.
     fn progress(&self) {
@@ -246,7 +240,7 @@ impl Endpoint {
         let conns: Vec<ConnId> = st
             .conns
             .iter()
-            .filter(|(_, c)| c.pending() || !c.arrived.is_empty())
+            .filter(|(_, c)| c.pending() || !c.offers.is_empty())
             .map(|(k, _)| *k)
             .collect();
         for conn in conns {
@@ -254,7 +248,7 @@ impl Endpoint {
                 st.fail_conn(conn);
                 continue;
             }
-            self.match_and_read(&mut st, conn);
+            self.match_and_write(&mut st, conn);
         }
         st.flush_outbox(self);
     }
@@ -269,70 +263,63 @@ impl Endpoint {
             }
         };
         match msg {
-            CtlMsg::Rts { seq, len, window } => {
+            CtlMsg::Cts { seq, window } => {
                 let c = st.conns.entry(conn).or_default();
-                let taken = c.recvs.front().map_or(c.next_recv, |p| p.seq);
-                if seq < taken || c.arrived.contains_key(&seq) {
-                    tracing::warn!(%conn, seq, "a message announced twice: ignored");
-                } else if c.arrived.len() >= MAX_UNMATCHED {
-                    // Refused: its sender learns it, we hold nothing.
+                let matched = c.sends.front().map_or(c.next_send, |p| p.seq);
+                if seq < matched || c.offers.contains_key(&seq) {
+                    tracing::warn!(%conn, seq, "a receive buffer offered twice: ignored");
+                } else if c.offers.len() >= MAX_UNMATCHED {
+                    // Refused: its receiver learns it, we hold nothing.
                     let fin = CtlMsg::Fin {
                         seq,
                         status: FinStatus::Failed,
-                        posted: 0,
+                        len: 0,
                     };
                     st.outbox.push_back((conn, ctl(fin)));
                 } else {
-                    c.arrived.insert(seq, (len, window));
+                    c.offers.insert(seq, window);
                 }
             }
-            CtlMsg::Fin {
-                seq,
-                status,
-                posted,
-            } => {
-                let Some(send) = st.conns.get_mut(&conn).and_then(|c| c.sends.remove(&seq)) else {
-                    tracing::warn!(%conn, seq, "an answer for no message of ours: ignored");
+            CtlMsg::Fin { seq, status, len } => {
+                let Some(posted) = st.conns.get_mut(&conn).and_then(|c| c.recvs.remove(&seq))
+                else {
+                    tracing::warn!(%conn, seq, "an answer for no receive of ours: ignored");
                     return;
                 };
-                if send.rkey != 0 {
-                    self.inner.forget_region(send.rkey);
+                if posted.rkey != 0 {
+                    self.inner.forget_region(posted.rkey);
                 }
                 let r = match status {
-                    FinStatus::Ok => Ok(send.len as usize),
+                    FinStatus::Ok if len <= posted.max => {
+                        // RDMA WRITEs into GPU memory: visible to GPU work
+                        // launched after this, as after a notification.
+                        self.inner.flush_for_notification(conn);
+                        Ok(len as usize)
+                    }
+                    FinStatus::Ok => Err(Error::ConnFailed {
+                        conn,
+                        reason: format!(
+                            "the peer says it sent {len} bytes into a {}-byte buffer",
+                            posted.max
+                        ),
+                    }),
                     FinStatus::TooLarge => Err(Error::MessageTooLarge {
-                        len: send.len,
-                        posted,
+                        len,
+                        posted: posted.max,
                     }),
                     FinStatus::Failed => Err(Error::ConnFailed {
                         conn,
-                        reason: format!("the receiver could not take message {seq}"),
+                        reason: format!("the sender could not fill receive buffer {seq}"),
                     }),
                 };
-                st.ended.insert(send.id, r);
+                st.ended.insert(posted.id, r);
             }
         }
     }
 
-    /// READs the first `len` bytes of `window` into the start of `buf`.
-    fn read_into(
-        &self,
-        conn: ConnId,
-        buf: &RegionSlice,
-        len: usize,
-        window: &RemoteBuf,
-    ) -> Result<Transfer> {
-        let local = buf.sub(0, len).expect("len checked against the buffer");
-        let same_host = || matches!(self.peer(conn), Some(super::Peer::Local { .. }));
-        let d = super::desc_of(local, window, &same_host)?;
-        let parts = crate::reactor::OpParts::One(d);
-        self.inner
-            .submit(conn, crate::error::OpKind::Read, parts, &mut Via::now())
-    }
-
-    /// Starts the READ of every posted receive whose message arrived, and
-    /// ends those whose READ finished.
-    fn match_and_read(&self, st: &mut State, conn: ConnId) {
+    /// Starts the WRITE of every send whose buffer was offered, and ends
+    /// those whose WRITE finished.
+    fn match_and_write(&self, st: &mut State, conn: ConnId) {
         let State {
             conns,
             ended,
@@ -342,30 +329,31 @@ impl Endpoint {
         let Some(c) = conns.get_mut(&conn) else {
             return;
         };
-        while let Some(p) = c.recvs.front() {
-            let Some((len, window)) = c.arrived.remove(&p.seq) else {
+        while let Some(p) = c.sends.front() {
+            let Some(window) = c.offers.remove(&p.seq) else {
                 break;
             };
-            let p = c.recvs.pop_front().expect("front");
-            let fin = |status, posted| {
+            let p = c.sends.pop_front().expect("front");
+            let (len, max) = (p.msg.len() as u64, window.size as u64);
+            let fin = |status| {
                 (
                     conn,
                     ctl(CtlMsg::Fin {
                         seq: p.seq,
                         status,
-                        posted,
+                        len,
                     }),
                 )
             };
-            if len > p.max {
-                ended.insert(p.id, Err(Error::MessageTooLarge { len, posted: p.max }));
-                outbox.push_back(fin(FinStatus::TooLarge, p.max));
+            if len > max {
+                ended.insert(p.id, Err(Error::MessageTooLarge { len, posted: max }));
+                outbox.push_back(fin(FinStatus::TooLarge));
             } else if len == 0 {
                 ended.insert(p.id, Ok(0));
-                outbox.push_back(fin(FinStatus::Ok, p.max));
+                outbox.push_back(fin(FinStatus::Ok));
             } else {
-                match self.read_into(conn, &p.buf, len as usize, &window) {
-                    Ok(t) => c.reading.push(Reading {
+                match self.write_from(conn, p.msg, &window) {
+                    Ok(t) => c.writing.push(Writing {
                         id: p.id,
                         seq: p.seq,
                         len,
@@ -373,18 +361,18 @@ impl Endpoint {
                     }),
                     Err(e) => {
                         ended.insert(p.id, Err(e));
-                        outbox.push_back(fin(FinStatus::Failed, p.max));
+                        outbox.push_back(fin(FinStatus::Failed));
                     }
                 }
             }
         }
         let mut i = 0;
-        while i < c.reading.len() {
-            let Some(r) = c.reading[i].t.poll() else {
+        while i < c.writing.len() {
+            let Some(r) = c.writing[i].t.poll() else {
                 i += 1;
                 continue;
             };
-            let done = c.reading.swap_remove(i);
+            let done = c.writing.swap_remove(i);
             let status = if r.is_ok() {
                 FinStatus::Ok
             } else {
@@ -394,10 +382,19 @@ impl Endpoint {
             let fin = CtlMsg::Fin {
                 seq: done.seq,
                 status,
-                posted: done.len,
+                len: done.len,
             };
             outbox.push_back((conn, ctl(fin)));
         }
+    }
+
+    /// WRITEs `msg` into the start of `window`.
+    fn write_from(&self, conn: ConnId, msg: RegionSlice, window: &RemoteBuf) -> Result<Transfer> {
+        let same_host = || matches!(self.peer(conn), Some(super::Peer::Local { .. }));
+        let d = super::desc_of(msg, window, &same_host)?;
+        let parts = crate::reactor::OpParts::One(d);
+        self.inner
+            .submit(conn, crate::error::OpKind::Write, parts, &mut Via::now())
     }
 }
 
@@ -412,9 +409,9 @@ impl State {
         let Some(c) = self.conns.remove(&conn) else {
             return;
         };
-        let ids = (c.sends.values().map(|s| s.id))
-            .chain(c.recvs.iter().map(|p| p.id))
-            .chain(c.reading.iter().map(|r| r.id));
+        let ids = (c.sends.iter().map(|s| s.id))
+            .chain(c.recvs.values().map(|p| p.id))
+            .chain(c.writing.iter().map(|w| w.id));
         for id in ids {
             self.ended.insert(id, Err(Error::UnknownConn { conn }));
         }

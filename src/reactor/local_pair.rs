@@ -294,7 +294,10 @@ impl LocalPair {
 
     pub fn notify(&mut self, from: usize, payload: Vec<u8>) {
         self.sent[from].push(payload.clone());
-        self.ends[from].notes_waiting.push_back(payload);
+        // As `send_notification` sends it: after the application's kind byte.
+        let mut wire = vec![crate::wire::NOTE_APP];
+        wire.extend_from_slice(&payload);
+        self.ends[from].notes_waiting.push_back(wire);
         let now = self.now();
         self.ends[from].retry(now);
     }

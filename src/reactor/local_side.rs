@@ -645,7 +645,7 @@ mod tests {
         assert!(most <= 1, "a pass looked at {most} quiet rings");
         // A notification on connection 17's ring: found within one turn
         // of the quiet ones, and the connection is hot again.
-        assert!(peers[17].push_notify(b"abc"));
+        assert!(peers[17].push_notify(b"\0abc"));
         let mut passes = 0;
         let got = loop {
             side.poll(&mut cx);
@@ -689,7 +689,7 @@ mod tests {
         // (Only the rare safety-net look at one quiet ring in turn.)
         assert!(total <= 1, "200 passes looked at {total} quiet rings");
         // A message on a cold ring: found on the next pass.
-        assert!(peers[17].push_notify(b"abc"));
+        assert!(peers[17].push_notify(b"\0abc"));
         side.poll(&mut cx);
         assert_eq!(notes.try_recv().unwrap(), (ConnId(17), b"abc".to_vec()));
         assert!(side.conns[17].hot);
@@ -700,7 +700,7 @@ mod tests {
             assert_eq!(side.poll(&mut cx), 0);
             assert_eq!(side.may_park(), Park::Yes);
             assert!(!readable(side.wake_fds()[0].unwrap(), 0));
-            assert!(peers[peer].push_notify(b"wake"));
+            assert!(peers[peer].push_notify(b"\0wake"));
             assert!(
                 readable(side.wake_fds()[0].unwrap(), 5000),
                 "a message on connection {conn} did not wake the sleeper"
@@ -734,7 +734,7 @@ mod tests {
         assert_eq!(side.poll(&mut cx), 0);
         peers[1].hot = true;
         for k in 0..3u8 {
-            assert!(peers[1].push_notify(&[k]));
+            assert!(peers[1].push_notify(&[0, k]));
         }
         assert!(!readable(fd, 20), "woken before the end of the pass");
         peers[1].ring_if_due();
@@ -750,7 +750,7 @@ mod tests {
         // A connection that is not polled every pass rings at once.
         side.park_begin();
         while side.poll(&mut cx) > 0 {}
-        assert!(peers[0].push_notify(b"now"));
+        assert!(peers[0].push_notify(b"\0now"));
         assert!(readable(fd, 5000), "a cold connection's push did not ring");
         side.park_end();
         side.poll(&mut cx);

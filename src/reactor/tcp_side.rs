@@ -818,10 +818,10 @@ mod tests {
         assert_eq!(side.visited, 0, "idle connections were visited");
         assert_eq!(side.may_park(), Park::Yes);
         // A notification on connection 17: one visit delivers it.
-        let mut frame = DataHeader::request(DataKind::Notify, 0, 0, 0, 0, 3)
+        let mut frame = DataHeader::request(DataKind::Notify, 0, 0, 0, 0, 4)
             .encode()
             .to_vec();
-        frame.extend_from_slice(b"abc");
+        frame.extend_from_slice(b"\0abc");
         peers[17].write_all(&frame).unwrap();
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
         let mut visits = 0;

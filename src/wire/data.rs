@@ -252,7 +252,7 @@ mod tests {
             DataHeader::decode(&n),
             Err(DecodeError::TooLong {
                 len: 5000,
-                max: 4096,
+                max: 4097,
                 ..
             })
         ));

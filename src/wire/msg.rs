@@ -1,16 +1,17 @@
 //! The engine's own messages for two-sided send/recv, carried as
 //! notifications of kind `NOTE_CTL` (never shown to the application).
 //!
-//! A send is a rendezvous the receiver pulls: the sender grants the peer a
-//! read window over the message and says so (`Rts`); the receiver matches
-//! it, in sequence order per connection, to its oldest posted receive,
-//! READs the bytes into that buffer (one-sided, bounds-checked like any
-//! READ), and answers `Fin`. No receiver holds a byte it did not post a
-//! buffer for, and a sender's memory is read only through its own grant.
+//! A receive is a buffer the receiver offers: it grants the peer a write
+//! window over it and says so (`Cts`, clear to send, numbered in posting
+//! order per connection); the sender matches its sends to those numbers,
+//! WRITEs each message into its window (one-sided, bounds-checked by the
+//! receiver's shard like any WRITE) and, once the WRITE completed, says
+//! `Fin` with the length. Nothing lands where no buffer was posted, and a
+//! message longer than its buffer is refused before a byte moves.
 //!
 //! ```text
-//! Rts: 1 u8 | seq u64 | len u64 | window 64 bytes (RemoteBuf)   = 81 bytes
-//! Fin: 2 u8 | seq u64 | status u8 | posted u64                  = 18 bytes
+//! Cts: 1 u8 | seq u64 | window 64 bytes (RemoteBuf: the buffer)  = 73 bytes
+//! Fin: 2 u8 | seq u64 | status u8 | len u64                      = 18 bytes
 //! ```
 
 use super::cursor::{DecodeError, Reader};
@@ -22,27 +23,24 @@ const WHAT: &str = "two-sided message";
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum FinStatus {
-    /// The bytes are in the receiver's buffer.
+    /// The message (`len` bytes) is in the receiver's buffer.
     Ok = 0,
-    /// The message was longer than the buffer posted for it (`posted`).
+    /// The message (`len` bytes) was longer than the buffer; nothing moved.
     TooLarge = 1,
-    /// The receiver's READ failed (its reason stays with the receiver).
+    /// The buffer was not used: the sender's WRITE failed, or the offer
+    /// was refused (more unmatched offers than the peer holds).
     Failed = 2,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CtlMsg {
-    /// Message `seq` of this connection: `len` bytes, readable at `window`.
-    Rts {
-        seq: u64,
-        len: u64,
-        window: RemoteBuf,
-    },
-    /// Message `seq` was taken (or refused); its window can go.
+    /// Receive buffer `seq` of this connection, writable at `window`.
+    Cts { seq: u64, window: RemoteBuf },
+    /// Buffer `seq` got its message (or never will); its window can go.
     Fin {
         seq: u64,
         status: FinStatus,
-        posted: u64,
+        len: u64,
     },
 }
 
@@ -50,21 +48,16 @@ impl CtlMsg {
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(1 + 16 + REMOTE_BUF_LEN);
         match self {
-            CtlMsg::Rts { seq, len, window } => {
+            CtlMsg::Cts { seq, window } => {
                 out.push(1);
                 out.extend_from_slice(&seq.to_le_bytes());
-                out.extend_from_slice(&len.to_le_bytes());
                 out.extend_from_slice(&window.encode());
             }
-            CtlMsg::Fin {
-                seq,
-                status,
-                posted,
-            } => {
+            CtlMsg::Fin { seq, status, len } => {
                 out.push(2);
                 out.extend_from_slice(&seq.to_le_bytes());
                 out.push(*status as u8);
-                out.extend_from_slice(&posted.to_le_bytes());
+                out.extend_from_slice(&len.to_le_bytes());
             }
         }
         out
@@ -73,18 +66,10 @@ impl CtlMsg {
     pub fn decode(buf: &[u8]) -> Result<CtlMsg, DecodeError> {
         let mut r = Reader::new(buf, WHAT);
         let msg = match r.u8()? {
-            1 => {
-                let seq = r.u64_le()?;
-                let len = r.u64_le()?;
-                let window = RemoteBuf::decode(r.bytes(REMOTE_BUF_LEN)?)?;
-                if len > window.size as u64 {
-                    return Err(DecodeError::Invalid {
-                        what: WHAT,
-                        reason: format!("{len} bytes in a window of {}", window.size),
-                    });
-                }
-                CtlMsg::Rts { seq, len, window }
-            }
+            1 => CtlMsg::Cts {
+                seq: r.u64_le()?,
+                window: RemoteBuf::decode(r.bytes(REMOTE_BUF_LEN)?)?,
+            },
             2 => {
                 let seq = r.u64_le()?;
                 let status = match r.u8()? {
@@ -101,7 +86,7 @@ impl CtlMsg {
                 CtlMsg::Fin {
                     seq,
                     status,
-                    posted: r.u64_le()?,
+                    len: r.u64_le()?,
                 }
             }
             got => return Err(DecodeError::UnknownKind { what: WHAT, got }),
@@ -124,32 +109,22 @@ mod tests {
             ..Default::default()
         };
         for m in [
-            CtlMsg::Rts {
-                seq: 3,
-                len: 100,
-                window,
-            },
+            CtlMsg::Cts { seq: 3, window },
             CtlMsg::Fin {
                 seq: 9,
                 status: FinStatus::TooLarge,
-                posted: 64,
+                len: 64,
             },
         ] {
             assert_eq!(CtlMsg::decode(&m.encode()).unwrap(), m);
         }
-        let long = CtlMsg::Rts {
-            seq: 0,
-            len: 101,
-            window,
-        };
-        assert!(
-            CtlMsg::decode(&long.encode()).is_err(),
-            "len past its window"
-        );
+        let mut cts = CtlMsg::Cts { seq: 0, window }.encode();
+        cts.pop();
+        assert!(CtlMsg::decode(&cts).is_err(), "a short window");
         let mut fin = CtlMsg::Fin {
             seq: 1,
             status: FinStatus::Ok,
-            posted: 0,
+            len: 0,
         }
         .encode();
         fin[9] = 7;
@@ -159,7 +134,7 @@ mod tests {
         let mut extra = CtlMsg::Fin {
             seq: 1,
             status: FinStatus::Ok,
-            posted: 0,
+            len: 0,
         }
         .encode();
         extra.push(0);
