@@ -1,0 +1,500 @@
+//! Config, endpoints, connections, registrations, windows, notifications.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_void, CStr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use engine::{Access, ConnId, Endpoint, SharedRegion};
+
+use crate::status::*;
+
+/// Settings for a new endpoint: the `FERRY_*` variables by name (values
+/// set here win over the environment's).
+pub struct ferry_config {
+    vars: HashMap<String, String>,
+}
+
+/// An endpoint (managed: ferry runs its own shard threads).
+pub struct ferry_endpoint {
+    pub(crate) ep: Arc<Endpoint>,
+    /// A notification too long for the caller's buffer, kept for the next call.
+    held_note: Mutex<Option<(ConnId, Vec<u8>)>>,
+}
+
+/// A registration of `[ptr, ptr + len)` (host or GPU memory).
+pub struct ferry_region {
+    pub(crate) ep: Arc<Endpoint>,
+    pub(crate) sh: Option<SharedRegion>,
+}
+
+/// `ferry_register` flag: peers may only READ it, and it is never the
+/// destination of this side's READs.
+pub const FERRY_ACCESS_READONLY: u32 = 1;
+/// `ferry_advertise` connection for a window any connected peer may use
+/// (the registration's own key, until deregistration).
+pub const FERRY_ANY_CONN: u64 = u64::MAX;
+/// Bytes of a key window (`ferry_advertise`).
+pub const FERRY_WINDOW_LEN: usize = 64;
+/// Bytes of a CUDA IPC window (`ferry_advertise_ipc`).
+pub const FERRY_IPC_WINDOW_LEN: usize = 136;
+/// Longest notification.
+pub const FERRY_MAX_NOTIFY: usize = 4096;
+
+/// A new, empty config.
+#[no_mangle]
+pub extern "C" fn ferry_config_new() -> *mut ferry_config {
+    Box::into_raw(Box::new(ferry_config {
+        vars: HashMap::new(),
+    }))
+}
+
+/// Sets variable `name` (e.g. "FERRY_SHARDS") to `value`. An unknown name
+/// or a bad value is refused when the endpoint is made.
+///
+/// # Safety
+/// `cfg` from `ferry_config_new`; `name` and `value` NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_config_set(
+    cfg: *mut ferry_config,
+    name: *const c_char,
+    value: *const c_char,
+) -> i32 {
+    guard("ferry_config_set", || {
+        // SAFETY: the caller's promise (a live config or NULL).
+        let cfg = unsafe { cfg.as_mut() }.ok_or_else(|| invalid("cfg is NULL"))?;
+        // SAFETY: the caller's promise (NUL-terminated or NULL).
+        let (n, v) = unsafe { (cstr(name, "name")?, cstr(value, "value")?) };
+        cfg.vars.insert(n, v);
+        Ok(FERRY_OK)
+    })
+}
+
+/// Frees a config (NULL: nothing).
+///
+/// # Safety
+/// `cfg` from `ferry_config_new`, not used again.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_config_free(cfg: *mut ferry_config) {
+    if !cfg.is_null() {
+        // SAFETY: made by Box::into_raw in ferry_config_new, freed once.
+        drop(unsafe { Box::from_raw(cfg) });
+    }
+}
+
+/// # Safety
+/// `p` is null or NUL-terminated.
+unsafe fn cstr(p: *const c_char, name: &str) -> Result<String, Fail> {
+    if p.is_null() {
+        return Err(invalid(format!("{name} is NULL")));
+    }
+    // SAFETY: non-null and NUL-terminated (the caller's promise).
+    let s = unsafe { CStr::from_ptr(p) };
+    s.to_str()
+        .map(str::to_owned)
+        .map_err(|_| invalid(format!("{name} is not UTF-8")))
+}
+
+/// Makes an endpoint from `cfg` (NULL: the environment alone) into `*out`.
+///
+/// # Safety
+/// `cfg` is NULL or a live config; `out` is valid for one pointer.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_endpoint_create(
+    cfg: *const ferry_config,
+    out: *mut *mut ferry_endpoint,
+) -> i32 {
+    guard("ferry_endpoint_create", || {
+        if out.is_null() {
+            return Err(invalid("out is NULL"));
+        }
+        // SAFETY: the caller's promise (NULL or live).
+        let vars = unsafe { cfg.as_ref() }
+            .map(|c| c.vars.clone())
+            .unwrap_or_default();
+        let asked = Mutex::new(Vec::new());
+        let config = engine::Config::from_lookup(|k| {
+            asked.lock().expect("lock").push(k.to_owned());
+            vars.get(k).cloned().or_else(|| std::env::var(k).ok())
+        })?;
+        let asked = asked.into_inner().expect("lock");
+        if let Some(unknown) = vars.keys().find(|k| !asked.contains(k)) {
+            return Err(invalid(format!("{unknown} is not a ferry setting")));
+        }
+        let ep = Endpoint::builder().config(config).build()?;
+        let h = Box::new(ferry_endpoint {
+            ep: Arc::new(ep),
+            held_note: Mutex::new(None),
+        });
+        // SAFETY: `out` is non-null and valid (the caller's promise).
+        unsafe { *out = Box::into_raw(h) };
+        Ok(FERRY_OK)
+    })
+}
+
+/// Releases the handle; the endpoint shuts down once its last region and
+/// transfer are released too. NULL: nothing.
+///
+/// # Safety
+/// `ep` from `ferry_endpoint_create`, not used again.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_endpoint_destroy(ep: *mut ferry_endpoint) {
+    if !ep.is_null() {
+        // SAFETY: made by Box::into_raw in ferry_endpoint_create, freed once.
+        let h = unsafe { Box::from_raw(ep) };
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(h)));
+    }
+}
+
+/// The endpoint's metadata (the seed's format; what peers pass to
+/// `ferry_add_remote`) into `buf` (`cap` bytes); its length in `*len`.
+///
+/// # Safety
+/// `ep` live; `buf` valid for `cap` bytes (or NULL); `len` valid or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_endpoint_metadata(
+    ep: *const ferry_endpoint,
+    buf: *mut u8,
+    cap: usize,
+    len: *mut usize,
+) -> i32 {
+    guard("ferry_endpoint_metadata", || {
+        // SAFETY: the caller's promises, as documented.
+        unsafe {
+            let ep = handle(ep, "ep")?;
+            give(&ep.ep.metadata_bytes(), buf, cap, len, "the metadata")
+        }
+    })
+}
+
+/// Connects to the peer whose metadata is `meta` (`len` bytes).
+///
+/// # Safety
+/// `ep` live; `meta` valid for `len` bytes; `conn` valid.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_add_remote(
+    ep: *const ferry_endpoint,
+    meta: *const u8,
+    len: usize,
+    conn: *mut u64,
+) -> i32 {
+    guard("ferry_add_remote", || {
+        // SAFETY: the caller's promises, as documented.
+        let (ep, meta) = unsafe { (handle(ep, "ep")?, bytes(meta, len, "meta")?) };
+        let c = ep.ep.add_remote(meta)?;
+        // SAFETY: as above.
+        unsafe { put(conn, c.0, "conn") }
+    })
+}
+
+/// Connects to `ip:port` (IPv4 or IPv6 text).
+///
+/// # Safety
+/// `ep` live; `ip` NUL-terminated; `conn` valid.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_connect(
+    ep: *const ferry_endpoint,
+    ip: *const c_char,
+    port: u16,
+    conn: *mut u64,
+) -> i32 {
+    guard("ferry_connect", || {
+        // SAFETY: the caller's promises, as documented.
+        let (ep, ip) = unsafe { (handle(ep, "ep")?, cstr(ip, "ip")?) };
+        let ip: std::net::IpAddr = ip
+            .parse()
+            .map_err(|_| invalid(format!("{ip:?} is not an IP address")))?;
+        let c = ep.ep.connect((ip, port).into())?;
+        // SAFETY: as above.
+        unsafe { put(conn, c.0, "conn") }
+    })
+}
+
+/// Accepts connections in the background from now on.
+///
+/// # Safety
+/// `ep` live.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_start_passive_accept(ep: *const ferry_endpoint) -> i32 {
+    guard("ferry_start_passive_accept", || {
+        // SAFETY: the caller's promise.
+        unsafe { handle(ep, "ep")? }.ep.start_passive_accept()?;
+        Ok(FERRY_OK)
+    })
+}
+
+/// Waits up to `timeout_ms` for a peer's connection.
+///
+/// # Safety
+/// `ep` live; `conn` valid.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_accept(
+    ep: *const ferry_endpoint,
+    timeout_ms: u32,
+    conn: *mut u64,
+) -> i32 {
+    guard("ferry_accept", || {
+        // SAFETY: the caller's promise.
+        let ep = unsafe { handle(ep, "ep")? };
+        let (c, _) = ep.ep.accept(Duration::from_millis(timeout_ms.into()))?;
+        // SAFETY: as above.
+        unsafe { put(conn, c.0, "conn") }
+    })
+}
+
+/// Closes a connection; what was under way on it fails.
+///
+/// # Safety
+/// `ep` live.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_remove_remote(ep: *const ferry_endpoint, conn: u64) -> i32 {
+    guard("ferry_remove_remote", || {
+        // SAFETY: the caller's promise.
+        unsafe { handle(ep, "ep")? }
+            .ep
+            .remove_remote(ConnId(conn))?;
+        Ok(FERRY_OK)
+    })
+}
+
+/// # Safety
+/// `p` is null or valid for one `T`.
+unsafe fn put<T>(p: *mut T, v: T, name: &str) -> Result<i32, Fail> {
+    if p.is_null() {
+        return Err(invalid(format!("{name} is NULL")));
+    }
+    // SAFETY: non-null and valid (the caller's promise).
+    unsafe { p.write(v) };
+    Ok(FERRY_OK)
+}
+
+/// Registers `[ptr, ptr + len)`, host or GPU memory (`flags`: 0 or
+/// `FERRY_ACCESS_READONLY`). The range must be mapped with that access
+/// (checked: an unmapped address is an error naming it) and stay valid
+/// until `ferry_deregister` returns. The same range again, or a part of a
+/// live registration, shares it (one NIC registration, same keys).
+///
+/// # Safety
+/// `ep` live; `out` valid; the memory stays valid until deregistered.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_register(
+    ep: *const ferry_endpoint,
+    ptr: *mut c_void,
+    len: usize,
+    flags: u32,
+    out: *mut *mut ferry_region,
+) -> i32 {
+    guard("ferry_register", || {
+        // SAFETY: the caller's promise.
+        let ep = unsafe { handle(ep, "ep")? };
+        if out.is_null() {
+            return Err(invalid("out is NULL"));
+        }
+        if flags & !FERRY_ACCESS_READONLY != 0 {
+            return Err(invalid(format!("unknown flags {flags:#x}")));
+        }
+        let access = if flags & FERRY_ACCESS_READONLY != 0 {
+            Access::REMOTE_READ
+        } else {
+            Access::all()
+        };
+        // SAFETY: register_shared checks that the range is mapped with
+        // `access`; that it stays valid until deregistered is this
+        // function's contract with its caller.
+        let sh = unsafe { ep.ep.register_shared(ptr.cast(), len, access) }?;
+        let r = Box::new(ferry_region {
+            ep: ep.ep.clone(),
+            sh: Some(sh),
+        });
+        // SAFETY: `out` non-null and valid (the caller's promise).
+        unsafe { *out = Box::into_raw(r) };
+        Ok(FERRY_OK)
+    })
+}
+
+/// Releases a registration (the last holder of a shared one ends it, once
+/// no call holds it: this may wait up to 10 s). NULL: nothing.
+///
+/// # Safety
+/// `r` from `ferry_register`, not used again.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_deregister(r: *mut ferry_region) -> i32 {
+    if r.is_null() {
+        return FERRY_OK;
+    }
+    // SAFETY: made by Box::into_raw in ferry_register, freed once.
+    let mut r = unsafe { Box::from_raw(r) };
+    guard("ferry_deregister", move || {
+        let Some(sh) = r.sh.take() else {
+            return Ok(FERRY_OK);
+        };
+        let Some(mut mr) = r.ep.release_shared(sh) else {
+            return Ok(FERRY_OK);
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match Arc::try_unwrap(mr) {
+                Ok(mr) => {
+                    r.ep.deregister(mr)?;
+                    return Ok(FERRY_OK);
+                }
+                Err(_) if Instant::now() >= deadline => {
+                    return Err(Fail(
+                        FERRY_ERR_BUSY,
+                        "still held by a call after 10 s; deregistered when it ends".into(),
+                    ))
+                }
+                Err(still) => {
+                    mr = still;
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            }
+        }
+    })
+}
+
+impl ferry_region {
+    /// The registration and where `[off, off + len)` of this handle's
+    /// range starts in it.
+    pub(crate) fn part(
+        &self,
+        off: usize,
+        len: usize,
+    ) -> Result<(&engine::MemoryRegion, usize), Fail> {
+        let sh = self
+            .sh
+            .as_ref()
+            .ok_or_else(|| invalid("the region is released"))?;
+        if off.checked_add(len).map_or(true, |end| end > sh.len()) {
+            return Err(invalid(format!(
+                "[{off}, +{len}) is outside the {}-byte region",
+                sh.len()
+            )));
+        }
+        Ok((sh.region(), sh.offset() + off))
+    }
+}
+
+/// A key window on `[off, off + len)` of `r` for the peer on `conn`
+/// (`FERRY_ANY_CONN`: any connected peer) into `out` (`out_len` ≥
+/// `FERRY_WINDOW_LEN`).
+///
+/// # Safety
+/// `ep`, `r` live; `out` valid for `out_len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_advertise(
+    ep: *const ferry_endpoint,
+    conn: u64,
+    r: *const ferry_region,
+    off: usize,
+    len: usize,
+    out: *mut u8,
+    out_len: usize,
+) -> i32 {
+    guard("ferry_advertise", || {
+        // SAFETY: the caller's promises.
+        let (ep, r) = unsafe { (handle(ep, "ep")?, handle(r, "region")?) };
+        let (mr, at) = r.part(off, len)?;
+        let w = if conn == FERRY_ANY_CONN {
+            mr.advertise(at, len)?
+        } else {
+            ep.ep.advertise(ConnId(conn), mr, at, len)?
+        };
+        // SAFETY: as above.
+        unsafe { give(&w.encode(), out, out_len, std::ptr::null_mut(), "a window") }
+    })
+}
+
+/// A CUDA IPC window on `[off, off + len)` of GPU region `r` for the
+/// same-host peer on `conn` into `out` (`out_len` ≥ `FERRY_IPC_WINDOW_LEN`).
+///
+/// # Safety
+/// `ep`, `r` live; `out` valid for `out_len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_advertise_ipc(
+    ep: *const ferry_endpoint,
+    conn: u64,
+    r: *const ferry_region,
+    off: usize,
+    len: usize,
+    out: *mut u8,
+    out_len: usize,
+) -> i32 {
+    guard("ferry_advertise_ipc", || {
+        // SAFETY: the caller's promises.
+        let (ep, r) = unsafe { (handle(ep, "ep")?, handle(r, "region")?) };
+        let (mr, at) = r.part(off, len)?;
+        let w = ep.ep.advertise_ipc(ConnId(conn), mr, at, len)?;
+        // SAFETY: as above.
+        unsafe {
+            give(
+                &w.encode(),
+                out,
+                out_len,
+                std::ptr::null_mut(),
+                "an IPC window",
+            )
+        }
+    })
+}
+
+/// Sends `len` bytes (at most `FERRY_MAX_NOTIFY`) to the peer's inbox.
+///
+/// # Safety
+/// `ep` live; `msg` valid for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_send_notification(
+    ep: *const ferry_endpoint,
+    conn: u64,
+    msg: *const u8,
+    len: usize,
+) -> i32 {
+    guard("ferry_send_notification", || {
+        // SAFETY: the caller's promises.
+        let (ep, msg) = unsafe { (handle(ep, "ep")?, bytes(msg, len, "msg")?) };
+        ep.ep.send_notification(ConnId(conn), msg)?;
+        Ok(FERRY_OK)
+    })
+}
+
+/// Waits up to `timeout_ms` for a notification: its connection in
+/// `*conn`, its bytes in `buf` (`cap` bytes), its length in `*len`. A
+/// buffer too short is `FERRY_ERR_INVALID` with `*len` the length needed;
+/// the notification is kept for the next call.
+///
+/// # Safety
+/// `ep` live; `conn`, `len` valid; `buf` valid for `cap` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_recv_notification(
+    ep: *const ferry_endpoint,
+    timeout_ms: u32,
+    conn: *mut u64,
+    buf: *mut u8,
+    cap: usize,
+    len: *mut usize,
+) -> i32 {
+    guard("ferry_recv_notification", || {
+        // SAFETY: the caller's promise.
+        let ep = unsafe { handle(ep, "ep")? };
+        if conn.is_null() || len.is_null() {
+            return Err(invalid("conn or len is NULL"));
+        }
+        let held = ep.held_note.lock().expect("lock").take();
+        let (c, msg) = match held {
+            Some(n) => n,
+            None => ep
+                .ep
+                .recv_notification(Duration::from_millis(timeout_ms.into()))?,
+        };
+        // SAFETY: checked non-null; valid (the caller's promise).
+        unsafe { *conn = c.0 };
+        // SAFETY: as above.
+        match unsafe { give(&msg, buf, cap, len, "the notification") } {
+            Ok(s) => Ok(s),
+            Err(e) => {
+                *ep.held_note.lock().expect("lock") = Some((c, msg));
+                Err(e)
+            }
+        }
+    })
+}

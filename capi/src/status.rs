@@ -1,0 +1,144 @@
+//! Status codes, the thread's last error, and the guard every entry runs in.
+
+use std::cell::RefCell;
+use std::ffi::{c_char, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+/// Done.
+pub const FERRY_OK: i32 = 0;
+/// Not done yet (a transfer or message still in flight).
+pub const FERRY_PENDING: i32 = 1;
+/// A null handle or pointer, a short buffer, a bad argument or range.
+pub const FERRY_ERR_INVALID: i32 = -1;
+/// A wait ran out; what it waited for goes on.
+pub const FERRY_ERR_TIMEOUT: i32 = -2;
+/// The connection is unknown, failed or gone (the peer died).
+pub const FERRY_ERR_DISCONNECTED: i32 = -3;
+/// The peer refused the operation (key, bounds or access).
+pub const FERRY_ERR_REMOTE: i32 = -4;
+/// No room now: a full submission queue or every in-flight slot taken.
+pub const FERRY_ERR_BUSY: i32 = -5;
+/// A panic inside ferry (a bug): the call did nothing further.
+pub const FERRY_ERR_PANIC: i32 = -6;
+/// Anything else (the message says what).
+pub const FERRY_ERR_INTERNAL: i32 = -7;
+
+thread_local! {
+    static LAST: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// The reason of the last failure of a ferry call on this thread ("" if
+/// none): valid until the next ferry call on this thread.
+#[no_mangle]
+pub extern "C" fn ferry_last_error() -> *const c_char {
+    LAST.with(|l| l.borrow().as_ptr())
+}
+
+fn set_last(msg: &str) {
+    let c = CString::new(msg.replace('\0', " ")).expect("no NUL left");
+    LAST.with(|l| *l.borrow_mut() = c);
+}
+
+/// A failure: its status and its message.
+pub(crate) struct Fail(pub i32, pub String);
+
+impl From<engine::Error> for Fail {
+    fn from(e: engine::Error) -> Fail {
+        use engine::Error as E;
+        let code = match &e {
+            E::Timeout { .. } => FERRY_ERR_TIMEOUT,
+            E::UnknownConn { .. } | E::ConnFailed { .. } | E::Shutdown => FERRY_ERR_DISCONNECTED,
+            E::Remote { .. } => FERRY_ERR_REMOTE,
+            E::QueueFull { .. } | E::TooManyInflight { .. } | E::Backlogged { .. } => {
+                FERRY_ERR_BUSY
+            }
+            E::OutOfRange { .. }
+            | E::RemoteTooSmall { .. }
+            | E::ReadOnlyDestination { .. }
+            | E::BadRange { .. }
+            | E::VectorMismatch { .. }
+            | E::EmptyVector
+            | E::NotifyTooLong { .. }
+            | E::MessageTooLarge { .. }
+            | E::Config { .. }
+            | E::Decode(_) => FERRY_ERR_INVALID,
+            _ => FERRY_ERR_INTERNAL,
+        };
+        Fail(code, e.to_string())
+    }
+}
+
+pub(crate) fn invalid(msg: impl Into<String>) -> Fail {
+    Fail(FERRY_ERR_INVALID, msg.into())
+}
+
+/// Runs one entry: its status, or the failure's (recorded as the thread's
+/// last error); a panic is `FERRY_ERR_PANIC`.
+pub(crate) fn guard(what: &str, f: impl FnOnce() -> Result<i32, Fail>) -> i32 {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(status)) => status,
+        Ok(Err(Fail(code, msg))) => {
+            set_last(&format!("{what}: {msg}"));
+            code
+        }
+        Err(_) => {
+            set_last(&format!("{what}: a panic inside ferry"));
+            FERRY_ERR_PANIC
+        }
+    }
+}
+
+/// `p` as a reference, or `FERRY_ERR_INVALID` naming `name`.
+///
+/// # Safety
+/// `p` is null or points to a live `T` (the caller's promise for a handle
+/// this library gave out and that is not yet released).
+pub(crate) unsafe fn handle<'a, T>(p: *const T, name: &str) -> Result<&'a T, Fail> {
+    // SAFETY: null is refused; otherwise the caller's promise above.
+    unsafe { p.as_ref() }.ok_or_else(|| invalid(format!("{name} is NULL")))
+}
+
+/// `len` bytes at `p` (empty for a zero length), or `FERRY_ERR_INVALID`.
+///
+/// # Safety
+/// `p` is null or valid for `len` bytes for the call's duration.
+pub(crate) unsafe fn bytes<'a>(p: *const u8, len: usize, name: &str) -> Result<&'a [u8], Fail> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    if p.is_null() {
+        return Err(invalid(format!("{name} is NULL with a length of {len}")));
+    }
+    // SAFETY: non-null, and the caller's promise of `len` valid bytes.
+    Ok(unsafe { std::slice::from_raw_parts(p, len) })
+}
+
+/// Writes `src` to `out` (which holds `cap` bytes) and its length to
+/// `len_out`; a short or null `out` is `FERRY_ERR_INVALID`, with the
+/// length needed still written to `len_out`.
+///
+/// # Safety
+/// `out` is null or valid for `cap` bytes; `len_out` is null or valid.
+pub(crate) unsafe fn give(
+    src: &[u8],
+    out: *mut u8,
+    cap: usize,
+    len_out: *mut usize,
+    name: &str,
+) -> Result<i32, Fail> {
+    if !len_out.is_null() {
+        // SAFETY: non-null, the caller's promise.
+        unsafe { *len_out = src.len() };
+    }
+    if out.is_null() || cap < src.len() {
+        return Err(invalid(format!(
+            "{name} needs {} bytes, the buffer holds {cap}{}",
+            src.len(),
+            if out.is_null() { " (NULL)" } else { "" }
+        )));
+    }
+    // SAFETY: `out` holds `cap` >= src.len() bytes (checked), distinct
+    // from `src` (ours).
+    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), out, src.len()) };
+    Ok(FERRY_OK)
+}

@@ -1,0 +1,217 @@
+//! One-sided transfers: a whole list of descriptors in one post, with an
+//! optional notification; poll, wait, release.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use engine::{AnyWindow, ConnId, Endpoint, MemoryRegion};
+
+use crate::endpoint::{ferry_endpoint, ferry_region};
+use crate::status::*;
+
+/// WRITE: local bytes into the peer's windows.
+pub const FERRY_WRITE: u32 = 0;
+/// READ: the peer's windows into local bytes.
+pub const FERRY_READ: u32 = 1;
+
+/// One piece of a transfer: `len` bytes at `local_offset` of `local` and
+/// at `remote_offset` of the peer's `window` (the bytes `ferry_advertise`
+/// or `ferry_advertise_ipc` gave it: `window_len` of 64 or 136).
+#[repr(C)]
+pub struct ferry_desc {
+    pub local: *const ferry_region,
+    pub local_offset: usize,
+    pub len: usize,
+    pub window: *const u8,
+    pub window_len: usize,
+    pub remote_offset: u64,
+}
+
+/// A transfer in flight (`ferry_post`).
+pub struct ferry_transfer {
+    ep: Arc<Endpoint>,
+    state: Mutex<State>,
+}
+
+struct State {
+    /// None once its outcome was reported.
+    t: Option<engine::Transfer>,
+    /// The notification to send once the data is in place.
+    note: Option<(ConnId, Vec<u8>)>,
+    /// The outcome, once known (reported again on every later call).
+    outcome: Option<i32>,
+}
+
+/// Starts one transfer of every descriptor in `descs` (`n` of them) on
+/// `conn`: one call into ferry for the whole list. With `notif` (`notif_len`
+/// bytes, at most `FERRY_MAX_NOTIFY`; NULL/0: none), a notification is
+/// sent to the peer once the transfer completed — when this side sees it
+/// complete, in `ferry_transfer_poll` or `ferry_transfer_wait`.
+///
+/// # Safety
+/// `ep` live; `descs` valid for `n` descriptors, each naming a live region
+/// and `window_len` valid bytes; `notif` valid for `notif_len` bytes;
+/// `out` valid.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_post(
+    ep: *const ferry_endpoint,
+    conn: u64,
+    op: u32,
+    descs: *const ferry_desc,
+    n: usize,
+    notif: *const u8,
+    notif_len: usize,
+    out: *mut *mut ferry_transfer,
+) -> i32 {
+    guard("ferry_post", || {
+        // SAFETY: the caller's promises, as documented.
+        let ep = unsafe { handle(ep, "ep")? };
+        if out.is_null() {
+            return Err(invalid("out is NULL"));
+        }
+        if n == 0 || descs.is_null() {
+            return Err(invalid("no descriptors"));
+        }
+        if notif_len > crate::endpoint::FERRY_MAX_NOTIFY {
+            return Err(invalid(format!(
+                "a notification of {notif_len} bytes is over 4096"
+            )));
+        }
+        // SAFETY: as above.
+        let note = unsafe { bytes(notif, notif_len, "notif")? };
+        // SAFETY: non-null, `n` descriptors (the caller's promise).
+        let descs = unsafe { std::slice::from_raw_parts(descs, n) };
+        let mut locals: Vec<(&MemoryRegion, usize, usize)> = Vec::with_capacity(n);
+        let mut windows: Vec<AnyWindow> = Vec::with_capacity(n);
+        for (i, d) in descs.iter().enumerate() {
+            let (l, w) = piece(d).map_err(|Fail(c, m)| Fail(c, format!("descriptor {i}: {m}")))?;
+            locals.push(l);
+            windows.push(w);
+        }
+        let c = ConnId(conn);
+        // As the seed: an unknown connection fails the post, not later.
+        if ep.ep.peer(c).is_none() {
+            return Err(engine::Error::UnknownConn { conn: c }.into());
+        }
+        let t = match op {
+            FERRY_WRITE => ep.ep.writev_async(c, &locals, &windows)?,
+            FERRY_READ => ep.ep.readv_async(c, &locals, &windows)?,
+            other => return Err(invalid(format!("unknown op {other}"))),
+        };
+        let h = Box::new(ferry_transfer {
+            ep: ep.ep.clone(),
+            state: Mutex::new(State {
+                t: Some(t),
+                note: (notif_len > 0 || !notif.is_null()).then(|| (c, note.to_vec())),
+                outcome: None,
+            }),
+        });
+        // SAFETY: `out` non-null and valid (the caller's promise).
+        unsafe { *out = Box::into_raw(h) };
+        Ok(FERRY_OK)
+    })
+}
+
+/// One descriptor's local slice and window, checked.
+fn piece(d: &ferry_desc) -> Result<((&MemoryRegion, usize, usize), AnyWindow), Fail> {
+    // SAFETY: a live region or NULL (ferry_post's contract).
+    let r = unsafe { handle(d.local, "local")? };
+    let (mr, at) = r.part(d.local_offset, d.len)?;
+    // SAFETY: `window_len` valid bytes (ferry_post's contract).
+    let raw = unsafe { bytes(d.window, d.window_len, "window")? };
+    let w = AnyWindow::decode(raw).map_err(|e| invalid(e.to_string()))?;
+    let w = w.slice(d.remote_offset, d.len as u64).ok_or_else(|| {
+        invalid(format!(
+            "[{}, +{}) is outside the {}-byte window",
+            d.remote_offset,
+            d.len,
+            w.len()
+        ))
+    })?;
+    Ok(((mr, at, d.len), w))
+}
+
+impl ferry_transfer {
+    /// Its outcome once ended (sending its notification then), or
+    /// `FERRY_PENDING`; `wait` waits up to that long first.
+    fn check(&self, wait: Option<Duration>) -> Result<i32, Fail> {
+        let mut st = self.state.lock().expect("lock");
+        if let Some(done) = st.outcome {
+            return match done {
+                FERRY_OK => Ok(FERRY_OK),
+                code => Err(Fail(code, "the transfer failed (reported before)".into())),
+            };
+        }
+        let t = st.t.as_mut().expect("running until its outcome is known");
+        let r = match wait {
+            None => t.poll(),
+            Some(d) => match t.wait_timeout(d) {
+                Err(engine::Error::Timeout {
+                    what: "transfer", ..
+                }) => None,
+                other => Some(other),
+            },
+        };
+        let Some(r) = r else {
+            return Ok(FERRY_PENDING);
+        };
+        st.t = None;
+        let r = r.and_then(|()| match st.note.take() {
+            Some((c, msg)) => self.ep.send_notification(c, &msg),
+            None => Ok(()),
+        });
+        match r {
+            Ok(()) => {
+                st.outcome = Some(FERRY_OK);
+                Ok(FERRY_OK)
+            }
+            Err(e) => {
+                let f = Fail::from(e);
+                st.outcome = Some(f.0);
+                Err(f)
+            }
+        }
+    }
+}
+
+/// `FERRY_OK` once the transfer ended well (its notification sent),
+/// `FERRY_PENDING` while it runs, its error if it failed.
+///
+/// # Safety
+/// `t` from `ferry_post`, not released.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_transfer_poll(t: *const ferry_transfer) -> i32 {
+    guard("ferry_transfer_poll", || {
+        // SAFETY: the caller's promise.
+        unsafe { handle(t, "transfer")? }.check(None)
+    })
+}
+
+/// As `ferry_transfer_poll`, waiting up to `timeout_ms` for the end
+/// (`FERRY_PENDING` at the timeout: it goes on).
+///
+/// # Safety
+/// `t` from `ferry_post`, not released.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_transfer_wait(t: *const ferry_transfer, timeout_ms: u32) -> i32 {
+    guard("ferry_transfer_wait", || {
+        // SAFETY: the caller's promise.
+        let t = unsafe { handle(t, "transfer")? };
+        t.check(Some(Duration::from_millis(timeout_ms.into())))
+    })
+}
+
+/// Releases a transfer. One still in flight runs to its end (its memory
+/// stays registered until then); its outcome and notification are
+/// dropped. NULL: nothing.
+///
+/// # Safety
+/// `t` from `ferry_post`, not used again.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_transfer_release(t: *mut ferry_transfer) {
+    if !t.is_null() {
+        // SAFETY: made by Box::into_raw in ferry_post, freed once.
+        let h = unsafe { Box::from_raw(t) };
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(h)));
+    }
+}

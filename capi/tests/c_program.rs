@@ -1,0 +1,79 @@
+//! The C face from C: `tests/c/two_process.c` (two processes: WRITE,
+//! READ, notifications, errors) and `examples/c/hello.c`, compiled
+//! against include/ferry.h and this build's libferry.so, then run.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// target/<profile>, where cargo put libferry.so (this test is in deps/).
+fn lib_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>")
+        .to_owned()
+}
+
+/// Builds libferry.so as it is now (cargo builds a cdylib for `build`,
+/// not for an integration test of its package).
+fn build_lib() {
+    let mut cmd = Command::new(env!("CARGO"));
+    cmd.args(["build", "-q", "-p", "ferry-capi"]);
+    if lib_dir().ends_with("release") {
+        cmd.arg("--release");
+    }
+    let status = cmd.status().expect("cargo");
+    assert!(status.success(), "cargo build -p ferry-capi failed");
+}
+
+/// Compiles `src` (relative to the workspace) into the target directory.
+fn compile(src: &str, out: &str) -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    build_lib();
+    let lib = lib_dir();
+    assert!(
+        lib.join("libferry.so").exists(),
+        "no libferry.so in {}: build the workspace first",
+        lib.display()
+    );
+    let bin = lib.join(out);
+    let status = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()))
+        .args([
+            "-std=c11",
+            "-D_DEFAULT_SOURCE",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-O1",
+            "-I",
+        ])
+        .arg(root.join("include"))
+        .arg(root.join(src))
+        .arg("-L")
+        .arg(&lib)
+        .arg(format!("-Wl,-rpath,{}", lib.display()))
+        .args(["-lferry", "-o"])
+        .arg(&bin)
+        .status()
+        .expect("a C compiler (cc) on PATH");
+    assert!(status.success(), "{src} did not compile");
+    bin
+}
+
+#[test]
+fn two_processes_drive_the_c_face() {
+    let bin = compile("capi/tests/c/two_process.c", "ferry-c-two-process");
+    let out = Command::new(&bin).output().expect("run the C test");
+    let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("all checks held"), "{text}");
+}
+
+#[test]
+fn the_c_example_runs() {
+    let bin = compile("examples/c/hello.c", "ferry-c-hello");
+    let out = Command::new(&bin).output().expect("run the example");
+    let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("the target holds \"hello from C\""), "{text}");
+}
