@@ -375,6 +375,32 @@ impl ferry_region {
     }
 }
 
+/// The window part of both advertise calls: `[off, off + len)` of `r`,
+/// made by `make` from the registration and the offset in it, into `out`.
+///
+/// # Safety
+/// `ep`, `r` live or NULL; `out` valid for `out_len` bytes or NULL.
+#[allow(clippy::too_many_arguments)]
+unsafe fn advertise_with(
+    what: &str,
+    ep: *const ferry_endpoint,
+    r: *const ferry_region,
+    off: usize,
+    len: usize,
+    out: *mut u8,
+    out_len: usize,
+    make: impl FnOnce(&Endpoint, &engine::MemoryRegion, usize) -> engine::Result<Vec<u8>>,
+) -> i32 {
+    guard(what, || {
+        // SAFETY: the caller's promises.
+        let (ep, r) = unsafe { (handle(ep, "ep")?, handle(r, "region")?) };
+        let (mr, at) = r.part(off, len)?;
+        let w = make(&ep.ep, mr, at)?;
+        // SAFETY: as above.
+        unsafe { give(&w, out, out_len, std::ptr::null_mut(), "the window") }
+    })
+}
+
 /// A key window on `[off, off + len)` of `r` for the peer on `conn`
 /// (`FERRY_ANY_CONN`: any connected peer) into `out` (`out_len` ≥
 /// `FERRY_WINDOW_LEN`).
@@ -391,18 +417,16 @@ pub unsafe extern "C" fn ferry_advertise(
     out: *mut u8,
     out_len: usize,
 ) -> i32 {
-    guard("ferry_advertise", || {
-        // SAFETY: the caller's promises.
-        let (ep, r) = unsafe { (handle(ep, "ep")?, handle(r, "region")?) };
-        let (mr, at) = r.part(off, len)?;
+    let make = |ep: &Endpoint, mr: &engine::MemoryRegion, at| {
         let w = if conn == FERRY_ANY_CONN {
             mr.advertise(at, len)?
         } else {
-            ep.ep.advertise(ConnId(conn), mr, at, len)?
+            ep.advertise(ConnId(conn), mr, at, len)?
         };
-        // SAFETY: as above.
-        unsafe { give(&w.encode(), out, out_len, std::ptr::null_mut(), "a window") }
-    })
+        Ok(w.encode().to_vec())
+    };
+    // SAFETY: this function's contract.
+    unsafe { advertise_with("ferry_advertise", ep, r, off, len, out, out_len, make) }
 }
 
 /// A CUDA IPC window on `[off, off + len)` of GPU region `r` for the
@@ -420,22 +444,14 @@ pub unsafe extern "C" fn ferry_advertise_ipc(
     out: *mut u8,
     out_len: usize,
 ) -> i32 {
-    guard("ferry_advertise_ipc", || {
-        // SAFETY: the caller's promises.
-        let (ep, r) = unsafe { (handle(ep, "ep")?, handle(r, "region")?) };
-        let (mr, at) = r.part(off, len)?;
-        let w = ep.ep.advertise_ipc(ConnId(conn), mr, at, len)?;
-        // SAFETY: as above.
-        unsafe {
-            give(
-                &w.encode(),
-                out,
-                out_len,
-                std::ptr::null_mut(),
-                "an IPC window",
-            )
-        }
-    })
+    let make = |ep: &Endpoint, mr: &engine::MemoryRegion, at| {
+        Ok(ep
+            .advertise_ipc(ConnId(conn), mr, at, len)?
+            .encode()
+            .to_vec())
+    };
+    // SAFETY: this function's contract.
+    unsafe { advertise_with("ferry_advertise_ipc", ep, r, off, len, out, out_len, make) }
 }
 
 /// Sends `len` bytes (at most `FERRY_MAX_NOTIFY`) to the peer's inbox.

@@ -60,20 +60,29 @@ fn compile(src: &str, out: &str) -> PathBuf {
     bin
 }
 
-#[test]
-fn two_processes_drive_the_c_face() {
-    let bin = compile("capi/tests/c/two_process.c", "ferry-c-two-process");
-    let out = Command::new(&bin).output().expect("run the C test");
+/// Compiles and runs `src`; it must succeed and print `says`.
+fn run_c(src: &str, out: &str, says: &str) {
+    let bin = compile(src, out);
+    let out = Command::new(&bin).output().expect("run the C program");
     let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{text}");
-    assert!(text.contains("all checks held"), "{text}");
+    assert!(text.contains(says), "{text}");
+}
+
+#[test]
+fn two_processes_drive_the_c_face() {
+    run_c(
+        "capi/tests/c/two_process.c",
+        "ferry-c-two-process",
+        "all checks held",
+    );
 }
 
 #[test]
 fn the_c_example_runs() {
-    let bin = compile("examples/c/hello.c", "ferry-c-hello");
-    let out = Command::new(&bin).output().expect("run the example");
-    let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{text}");
-    assert!(text.contains("the target holds \"hello from C\""), "{text}");
+    run_c(
+        "examples/c/hello.c",
+        "ferry-c-hello",
+        "the target holds \"hello from C\"",
+    );
 }
