@@ -66,6 +66,9 @@ typedef struct ferry_config ferry_config;
 // An endpoint (managed: ferry runs its own shard threads).
 typedef struct ferry_endpoint ferry_endpoint;
 
+// A send or receive in flight (`ferry_send` / `ferry_recv`).
+typedef struct ferry_message ferry_message;
+
 // A registration of `[ptr, ptr + len)` (host or GPU memory).
 typedef struct ferry_region ferry_region;
 
@@ -233,6 +236,51 @@ int32_t ferry_recv_notification(const struct ferry_endpoint *ep,
                                 uint8_t *buf,
                                 size_t cap,
                                 size_t *len);
+
+// Sends `[off, off + len)` of `r` as one message into the peer's next
+// posted receive on `conn`. The bytes must stay unchanged until the send
+// ends. A side's part moves in its own calls (poll, wait).
+//
+// # Safety
+// `ep`, `r` live; `out` valid.
+int32_t ferry_send(const struct ferry_endpoint *ep,
+                   uint64_t conn,
+                   const struct ferry_region *r,
+                   size_t off,
+                   size_t len,
+                   struct ferry_message **out);
+
+// Posts `[off, off + max)` of `r` (cut to the region's end) for the next
+// message from `conn`; a longer message fails here and at its sender.
+//
+// # Safety
+// `ep`, `r` live; `out` valid.
+int32_t ferry_recv(const struct ferry_endpoint *ep,
+                   uint64_t conn,
+                   const struct ferry_region *r,
+                   size_t off,
+                   size_t max,
+                   struct ferry_message **out);
+
+// `FERRY_OK` once the message moved (its length in `*len`, if not NULL),
+// `FERRY_PENDING` before, its error if it failed.
+//
+// # Safety
+// `m` from `ferry_send`/`ferry_recv`, not released; `len` valid or NULL.
+int32_t ferry_message_poll(const struct ferry_message *m, size_t *len);
+
+// As `ferry_message_poll`, waiting up to `timeout_ms` first.
+//
+// # Safety
+// `m` from `ferry_send`/`ferry_recv`, not released; `len` valid or NULL.
+int32_t ferry_message_wait(const struct ferry_message *m, uint32_t timeout_ms, size_t *len);
+
+// Releases a message handle (one in flight goes on; its outcome is
+// dropped). NULL: nothing.
+//
+// # Safety
+// `m` from `ferry_send`/`ferry_recv`, not used again.
+void ferry_message_release(struct ferry_message *m);
 
 // The reason of the last failure of a ferry call on this thread ("" if
 // none): valid until the next ferry call on this thread.

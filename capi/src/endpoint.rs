@@ -354,6 +354,11 @@ pub unsafe extern "C" fn ferry_deregister(r: *mut ferry_region) -> i32 {
 }
 
 impl ferry_region {
+    /// Bytes this handle's range holds (0 once released).
+    pub(crate) fn len(&self) -> usize {
+        self.sh.as_ref().map_or(0, SharedRegion::len)
+    }
+
     /// The registration and where `[off, off + len)` of this handle's
     /// range starts in it.
     pub(crate) fn part(

@@ -15,9 +15,11 @@
 #![allow(non_camel_case_types)]
 
 mod endpoint;
+mod msg;
 mod status;
 mod xfer;
 
 pub use endpoint::*;
+pub use msg::*;
 pub use status::*;
 pub use xfer::*;

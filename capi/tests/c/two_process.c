@@ -85,6 +85,22 @@ static int target(int to_client, int from_client) {
     CHECK(into[2] == 0 && into[3 + 4097] == 0);
     CHECK(ferry_send_notification(ep, conn, (const unsigned char *)"checked", 7) == FERRY_OK);
 
+    /* Two-sided: two buffers posted, in order; the second too small for
+     * its message (both sides fail, nothing lands). */
+    memset(into, 0, LEN);
+    ferry_message *m1 = NULL, *m2 = NULL;
+    CHECK(ferry_recv(ep, conn, r_into, 0, 1000, &m1) == FERRY_OK);
+    CHECK(ferry_recv(ep, conn, r_into, 1000, 10, &m2) == FERRY_OK);
+    size_t got = 0;
+    CHECK(ferry_message_wait(m1, 10000, &got) == FERRY_OK);
+    CHECK(got == 500);
+    for (size_t i = 0; i < 500; i++) CHECK(into[i] == pattern(i, 77));
+    CHECK(ferry_message_wait(m2, 10000, &got) == FERRY_ERR_INVALID);
+    CHECK(strstr(ferry_last_error(), "does not fit") != NULL);
+    CHECK(into[1000] == 0);
+    ferry_message_release(m1);
+    ferry_message_release(m2);
+
     char done = 0;
     get_all(from_client, &done, 1);
     CHECK(ferry_deregister(r_into) == FERRY_OK);
@@ -111,6 +127,14 @@ static void errors(ferry_endpoint *ep, uint64_t conn, ferry_region *local, const
     ferry_desc ok = {local, 0, 16, w, FERRY_WINDOW_LEN, 0};
     CHECK(ferry_post(ep, 987654, FERRY_WRITE, &ok, 1, NULL, 0, &t) == FERRY_ERR_DISCONNECTED);
     CHECK(ferry_post(ep, conn, FERRY_WRITE, NULL, 0, NULL, 0, &t) == FERRY_ERR_INVALID);
+    /* A region registered read-only here is never a READ's destination. */
+    static unsigned char ro_bytes[64];
+    ferry_region *ro = NULL;
+    CHECK(ferry_register(ep, ro_bytes, sizeof ro_bytes, FERRY_ACCESS_READONLY, &ro) == FERRY_OK);
+    ferry_desc into_ro = {ro, 0, 16, w, FERRY_WINDOW_LEN, 0};
+    CHECK(ferry_post(ep, conn, FERRY_READ, &into_ro, 1, NULL, 0, &t) == FERRY_ERR_INVALID);
+    CHECK(strstr(ferry_last_error(), "read-only") != NULL);
+    CHECK(ferry_deregister(ro) == FERRY_OK);
     /* A pointer that maps nothing is refused, naming it. */
     ferry_region *bad = NULL;
     CHECK(ferry_register(ep, (void *)0x1000, 4096, 0, &bad) == FERRY_ERR_INVALID);
@@ -186,6 +210,18 @@ static int client(int to_target, int from_target) {
     CHECK(ferry_post(ep, conn, FERRY_WRITE, &wr, 1, NULL, 0, &t) == FERRY_OK);
     CHECK(ferry_transfer_wait(t, 10000) == FERRY_ERR_REMOTE);
     ferry_transfer_release(t);
+
+    /* Two-sided: a message that fits, then one longer than its buffer. */
+    for (size_t i = 0; i < 500; i++) buf[i] = pattern(i, 77);
+    ferry_message *m = NULL;
+    size_t sent = 0;
+    CHECK(ferry_send(ep, conn, r, 0, 500, &m) == FERRY_OK);
+    CHECK(ferry_message_wait(m, 10000, &sent) == FERRY_OK && sent == 500);
+    ferry_message_release(m);
+    CHECK(ferry_send(ep, conn, r, 0, 20, &m) == FERRY_OK);
+    CHECK(ferry_message_wait(m, 10000, &sent) == FERRY_ERR_INVALID);
+    ferry_message_release(m);
+    CHECK(ferry_send(ep, conn, r, LEN - 4, 8, &m) == FERRY_ERR_INVALID);
 
     errors(ep, conn, r, w_into);
     char done = 1;
