@@ -51,8 +51,10 @@ impl Window {
         }
     }
 
-    /// Pops the finished ops at the front of `inflight` (they finish in
-    /// order), counting those that ended inside the window.
+    /// Takes every finished op out of `inflight`, wherever it stands,
+    /// counting those that ended inside the window. Ops on different
+    /// connections (shards) end out of order; waiting for the oldest
+    /// before refilling would let one slow connection idle the others.
     pub(super) fn reap(
         &mut self,
         inflight: &mut VecDeque<(Transfer, Instant)>,
@@ -60,10 +62,14 @@ impl Window {
         size: usize,
     ) -> Result<()> {
         let mut done_now = None;
-        while let Some((t, _)) = inflight.front_mut() {
-            let Some(r) = t.poll() else { break };
+        let mut i = 0;
+        while i < inflight.len() {
+            let Some(r) = inflight[i].0.poll() else {
+                i += 1;
+                continue;
+            };
             r.with_context(|| format!("{op} of {size} bytes"))?;
-            let (_, started) = inflight.pop_front().expect("front");
+            let (_, started) = inflight.swap_remove_back(i).expect("in range");
             // One clock read per loop pass: reading it per op costs the
             // initiator a visible share of its time.
             let done = *done_now.get_or_insert_with(Instant::now);
