@@ -288,9 +288,10 @@ const char *ferry_last_error(void);
 
 // Starts one transfer of every descriptor in `descs` (`n` of them) on
 // `conn`: one call into ferry for the whole list. With `notif` (`notif_len`
-// bytes, at most `FERRY_MAX_NOTIFY`; NULL/0: none), a notification is
-// sent to the peer once the transfer completed — when this side sees it
-// complete, in `ferry_transfer_poll` or `ferry_transfer_wait`.
+// bytes, at most `FERRY_MAX_NOTIFY`; NULL: none), ferry sends the peer a
+// notification once the transfer ended well — after the data is in place
+// (a WRITE: the peer applied it; a READ: it is here) — whether or not
+// anyone polls the transfer; a failed transfer sends none.
 //
 // # Safety
 // `ep` live; `descs` valid for `n` descriptors, each naming a live region
@@ -305,7 +306,7 @@ int32_t ferry_post(const struct ferry_endpoint *ep,
                    size_t notif_len,
                    struct ferry_transfer **out);
 
-// `FERRY_OK` once the transfer ended well (its notification sent),
+// `FERRY_OK` once the transfer ended well,
 // `FERRY_PENDING` while it runs, its error if it failed.
 //
 // # Safety
@@ -320,8 +321,8 @@ int32_t ferry_transfer_poll(const struct ferry_transfer *t);
 int32_t ferry_transfer_wait(const struct ferry_transfer *t, uint32_t timeout_ms);
 
 // Releases a transfer. One still in flight runs to its end (its memory
-// stays registered until then); its outcome and notification are
-// dropped. NULL: nothing.
+// stays registered until then, and its notification is still sent if it
+// ends well); its outcome is dropped. NULL: nothing.
 //
 // # Safety
 // `t` from `ferry_post`, not used again.

@@ -1,10 +1,10 @@
 //! One-sided transfers: a whole list of descriptors in one post, with an
 //! optional notification; poll, wait, release.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
-use engine::{AnyWindow, ConnId, Endpoint, MemoryRegion};
+use engine::{AnyWindow, ConnId, MemoryRegion};
 
 use crate::endpoint::{ferry_endpoint, ferry_region};
 use crate::status::*;
@@ -29,24 +29,22 @@ pub struct ferry_desc {
 
 /// A transfer in flight (`ferry_post`).
 pub struct ferry_transfer {
-    ep: Arc<Endpoint>,
     state: Mutex<State>,
 }
 
 struct State {
     /// None once its outcome was reported.
     t: Option<engine::Transfer>,
-    /// The notification to send once the data is in place.
-    note: Option<(ConnId, Vec<u8>)>,
     /// The outcome, once known (reported again on every later call).
     outcome: Option<i32>,
 }
 
 /// Starts one transfer of every descriptor in `descs` (`n` of them) on
 /// `conn`: one call into ferry for the whole list. With `notif` (`notif_len`
-/// bytes, at most `FERRY_MAX_NOTIFY`; NULL/0: none), a notification is
-/// sent to the peer once the transfer completed — when this side sees it
-/// complete, in `ferry_transfer_poll` or `ferry_transfer_wait`.
+/// bytes, at most `FERRY_MAX_NOTIFY`; NULL: none), ferry sends the peer a
+/// notification once the transfer ended well — after the data is in place
+/// (a WRITE: the peer applied it; a READ: it is here) — whether or not
+/// anyone polls the transfer; a failed transfer sends none.
 ///
 /// # Safety
 /// `ep` live; `descs` valid for `n` descriptors, each naming a live region
@@ -93,16 +91,23 @@ pub unsafe extern "C" fn ferry_post(
         if ep.ep.peer(c).is_none() {
             return Err(engine::Error::UnknownConn { conn: c }.into());
         }
-        let t = match op {
-            FERRY_WRITE => ep.ep.writev_async(c, &locals, &windows)?,
-            FERRY_READ => ep.ep.readv_async(c, &locals, &windows)?,
+        let kind = match op {
+            FERRY_WRITE => engine::OpKind::Write,
+            FERRY_READ => engine::OpKind::Read,
             other => return Err(invalid(format!("unknown op {other}"))),
         };
+        let t = if notif.is_null() {
+            match kind {
+                engine::OpKind::Write => ep.ep.writev_async(c, &locals, &windows)?,
+                engine::OpKind::Read => ep.ep.readv_async(c, &locals, &windows)?,
+            }
+        } else {
+            ep.ep
+                .transfer_notify_async(c, kind, &locals, &windows, note)?
+        };
         let h = Box::new(ferry_transfer {
-            ep: ep.ep.clone(),
             state: Mutex::new(State {
                 t: Some(t),
-                note: (notif_len > 0 || !notif.is_null()).then(|| (c, note.to_vec())),
                 outcome: None,
             }),
         });
@@ -132,8 +137,8 @@ fn piece(d: &ferry_desc) -> Result<((&MemoryRegion, usize, usize), AnyWindow), F
 }
 
 impl ferry_transfer {
-    /// Its outcome once ended (sending its notification then), or
-    /// `FERRY_PENDING`; `wait` waits up to that long first.
+    /// Its outcome once ended, or `FERRY_PENDING`; `wait` waits up to that
+    /// long first.
     fn check(&self, wait: Option<Duration>) -> Result<i32, Fail> {
         let mut st = self.state.lock().expect("lock");
         if let Some(done) = st.outcome {
@@ -156,10 +161,6 @@ impl ferry_transfer {
             return Ok(FERRY_PENDING);
         };
         st.t = None;
-        let r = r.and_then(|()| match st.note.take() {
-            Some((c, msg)) => self.ep.send_notification(c, &msg),
-            None => Ok(()),
-        });
         match r {
             Ok(()) => {
                 st.outcome = Some(FERRY_OK);
@@ -174,7 +175,7 @@ impl ferry_transfer {
     }
 }
 
-/// `FERRY_OK` once the transfer ended well (its notification sent),
+/// `FERRY_OK` once the transfer ended well,
 /// `FERRY_PENDING` while it runs, its error if it failed.
 ///
 /// # Safety
@@ -202,8 +203,8 @@ pub unsafe extern "C" fn ferry_transfer_wait(t: *const ferry_transfer, timeout_m
 }
 
 /// Releases a transfer. One still in flight runs to its end (its memory
-/// stays registered until then); its outcome and notification are
-/// dropped. NULL: nothing.
+/// stays registered until then, and its notification is still sent if it
+/// ends well); its outcome is dropped. NULL: nothing.
 ///
 /// # Safety
 /// `t` from `ferry_post`, not used again.

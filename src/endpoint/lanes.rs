@@ -143,9 +143,30 @@ impl Inner {
         parts: OpParts,
         via: &mut Via<'_>,
     ) -> Result<Transfer> {
+        if let Some(n) = via.1 {
+            if n.len() > MAX_NOTIFY_BYTES {
+                return Err(Error::NotifyTooLong {
+                    len: n.len(),
+                    max: MAX_NOTIFY_BYTES,
+                });
+            }
+        }
         let t = self.table.claim().ok_or(Error::TooManyInflight {
             max: self.table.capacity(),
         })?;
+        if let Some(n) = via.1 {
+            // Sent on the connection's first lane, as send_notification's.
+            let (lane, shard) = self.lanes(conn).next().expect("a lane");
+            let mut payload = Vec::with_capacity(1 + n.len());
+            payload.push(crate::wire::NOTE_APP);
+            payload.extend_from_slice(n);
+            let note = crate::reactor::completion::Note {
+                conn: lane,
+                shard: shard.id,
+                payload,
+            };
+            self.table.set_note(t.slot(), note);
+        }
         let (base, k) = lanes_of(conn);
         if k > 1 {
             return self.submit_lanes(t, base, k, kind, parts, via);
@@ -162,6 +183,7 @@ impl Inner {
             Ok(()) => Ok(t),
             Err(e) => {
                 // Never submitted: complete it ourselves so the slot frees.
+                self.table.cancel_note(t.slot());
                 self.table.complete(t.slot(), Ok(()));
                 drop(t);
                 Err(e)
@@ -206,7 +228,9 @@ impl Inner {
             };
             if let Err(e) = self.send_op((lane % n) as usize, cmd, via) {
                 // Never submitted: its part is completed here, so the slot
-                // frees once the pieces already sent end.
+                // frees once the pieces already sent end (and the note is
+                // never sent: the op is not whole).
+                self.table.cancel_note(slot);
                 self.table.complete(slot, Ok(()));
                 failed = Some(e);
             }
@@ -266,15 +290,27 @@ impl Inner {
 /// Where an op's commands go: straight onto their shards' queues, or into
 /// a batch's per-shard lists (queued when the batch is). Public only as
 /// a sealed trait's argument; nothing outside can make or read one.
-pub struct Via<'a>(Option<&'a mut [Vec<OpCmd>]>);
+pub struct Via<'a>(Option<&'a mut [Vec<OpCmd>]>, Option<&'a [u8]>);
 
 impl<'a> Via<'a> {
     pub(super) fn now() -> Self {
-        Via(None)
+        Via(None, None)
     }
 
     pub(super) fn staged(per_shard: &'a mut [Vec<OpCmd>]) -> Self {
-        Via(Some(per_shard))
+        Via(Some(per_shard), None)
+    }
+
+    /// Whether a notification rides with the op.
+    pub(super) fn has_note(&self) -> bool {
+        self.1.is_some()
+    }
+
+    /// With a notification for the peer, sent by a shard once the op
+    /// ended well.
+    pub(super) fn noting(mut self, note: &'a [u8]) -> Self {
+        self.1 = Some(note);
+        self
     }
 }
 

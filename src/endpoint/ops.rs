@@ -118,8 +118,13 @@ mod sealed {
                 }
             };
             // A CUDA IPC op is this endpoint's own GPU copy, queued at
-            // once even from a batch.
-            let _ = via;
+            // once even from a batch; no shard sees it end.
+            if via.has_note() {
+                return Err(Error::Unsupported {
+                    what: "a notification riding with a CUDA IPC op",
+                    reason: "send it with send_notification once the op ended".into(),
+                });
+            }
             ep.inner.submit_ipc(conn, kind, parts)
         }
     }
@@ -220,6 +225,24 @@ impl Endpoint {
         remotes: &[W],
     ) -> Result<Transfer> {
         W::submit(self, conn, OpKind::Read, locals, remotes, &mut Via::now())
+    }
+
+    /// Starts one `kind` (WRITE or READ) per (local slice, window) pair,
+    /// as one transfer, and has the shard send `notify` (at most 4096
+    /// bytes) to the peer once the transfer ended well: after the data is
+    /// in place (a WRITE: the peer applied it; a READ: it is here), whether
+    /// or not anyone polls the transfer. A transfer that fails sends none.
+    /// Key windows only (a CUDA IPC op is refused).
+    pub fn transfer_notify_async<W: Window>(
+        &self,
+        conn: ConnId,
+        kind: OpKind,
+        locals: &[(&MemoryRegion, usize, usize)],
+        remotes: &[W],
+        notify: &[u8],
+    ) -> Result<Transfer> {
+        let mut via = Via::now().noting(notify);
+        W::submit(self, conn, kind, locals, remotes, &mut via)
     }
 
     /// WRITE and wait. Needs managed shards, or embedded ones polled by

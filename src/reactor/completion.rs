@@ -34,7 +34,7 @@ const SPIN_ITERS: u32 = 1;
 /// shards, which complete them while the submitter claims the next;
 /// sharing lines made claims cache misses (claim was a third of the
 /// submitting thread's time with four shards on the 16-core machine,
-/// `perf`). The size stays what the fields took (~56 bytes).
+/// `perf`). 64 bytes (checked below): the error is boxed.
 #[repr(align(64))]
 struct Slot {
     state: AtomicU32,
@@ -45,8 +45,28 @@ struct Slot {
     erred: AtomicBool,
     /// Written by the completer while the state is PENDING, read by the
     /// owner only after it observed DONE (Acquire): never both at once.
-    result: UnsafeCell<Option<Error>>,
+    /// Boxed: an error is rare, and the slot then fits one cache line.
+    result: UnsafeCell<Option<Box<Error>>>,
+    /// A notification to send once the op ended well: written by the owner
+    /// before the op is submitted, taken by the one completer that ends it.
+    note: UnsafeCell<Option<Box<Note>>>,
+    /// The owner's submission failed: the completer drops the note.
+    note_cancelled: AtomicBool,
 }
+
+/// A notification for the peer, sent by a shard once its op ended well:
+/// on `conn` (the connection's first lane), which shard `shard` serves;
+/// `payload` is the wire's (kind byte first).
+#[derive(Debug)]
+pub(crate) struct Note {
+    pub conn: crate::error::ConnId,
+    pub shard: usize,
+    pub payload: Vec<u8>,
+}
+
+// One slot, one cache line (the error is boxed, the note too).
+#[cfg(not(loom))]
+const _: () = assert!(std::mem::size_of::<Slot>() == 64);
 
 pub(crate) struct CompletionTable {
     slots: Box<[Slot]>,
@@ -81,6 +101,8 @@ impl CompletionTable {
                 parts: AtomicU32::new(0),
                 erred: AtomicBool::new(false),
                 result: UnsafeCell::new(None),
+                note: UnsafeCell::new(None),
+                note_cancelled: AtomicBool::new(false),
             })
             .collect();
         Arc::new(Self {
@@ -123,6 +145,7 @@ impl CompletionTable {
                 self.hint.store(j + 1, Ordering::Relaxed);
                 self.slots[j].parts.store(0, Ordering::Relaxed);
                 self.slots[j].erred.store(false, Ordering::Relaxed);
+                self.slots[j].note_cancelled.store(false, Ordering::Relaxed);
                 return Some(Transfer {
                     table: self.clone(),
                     idx: j as u32,
@@ -143,12 +166,46 @@ impl CompletionTable {
         }
     }
 
+    /// Attaches `note` to the op in `idx`: the completer that ends it well
+    /// hands it back (`complete_noting`). The owner calls it after the
+    /// claim and before submitting any part.
+    pub fn set_note(&self, idx: u32, note: Note) {
+        // SAFETY: the op is claimed and not yet submitted: no completer
+        // can reach the slot until a part is queued (after this returns,
+        // the queue's synchronization publishes the write).
+        unsafe {
+            self.slots[idx as usize]
+                .note
+                .with_mut(|n| *n = Some(Box::new(note)))
+        };
+    }
+
+    /// The owner could not submit the op whole: its note is never sent.
+    pub fn cancel_note(&self, idx: u32) {
+        self.slots[idx as usize]
+            .note_cancelled
+            .store(true, Ordering::Release);
+    }
+
+    /// As `complete`; also hands back the op's note when this call ended it
+    /// well (the caller sends it).
+    pub fn complete_noting(&self, idx: u32, outcome: Result<()>) -> (bool, Option<Box<Note>>) {
+        let mut note = None;
+        let counted = self.complete_into(idx, outcome, &mut note);
+        (counted, note)
+    }
+
     /// Records the outcome of the operation in `idx` (of one part of a
     /// split one: the last part's call ends it). Returns `false` (and
     /// changes nothing) if the slot has no operation in flight or another
     /// completion got there first: only the first completion of a claim
     /// counts, so no caller can race the owner's read of the result.
     pub fn complete(&self, idx: u32, outcome: Result<()>) -> bool {
+        let mut note = None;
+        self.complete_into(idx, outcome, &mut note)
+    }
+
+    fn complete_into(&self, idx: u32, outcome: Result<()>, note: &mut Option<Box<Note>>) -> bool {
         let slot = &self.slots[idx as usize];
         if slot.parts.load(Ordering::Acquire) != 0 {
             if slot.state.load(Ordering::Relaxed) & (DONE | COMPLETING) != 0 {
@@ -159,21 +216,26 @@ impl CompletionTable {
                     // SAFETY: the `erred` swap admits one writer; the owner
                     // reads only after DONE, which the last part publishes
                     // after its AcqRel decrement below (ordered after this).
-                    unsafe { slot.result.with_mut(|r| *r = Some(e)) };
+                    unsafe { slot.result.with_mut(|r| *r = Some(Box::new(e))) };
                 }
             }
             if slot.parts.fetch_sub(1, Ordering::AcqRel) != 1 {
                 return true;
             }
             // The last part: publish with the error kept (if any).
-            return self.finish(slot, None);
+            return self.finish(slot, None, note);
         }
-        self.finish(slot, Some(outcome.err()))
+        self.finish(slot, Some(outcome.err()), note)
     }
 
     /// Ends the op in `slot`, storing `result` unless it is `None` (a split
     /// op's parts stored theirs).
-    fn finish(&self, slot: &Slot, result: Option<Option<Error>>) -> bool {
+    fn finish(
+        &self,
+        slot: &Slot,
+        result: Option<Option<Error>>,
+        note: &mut Option<Box<Note>>,
+    ) -> bool {
         let mut s = slot.state.load(Ordering::Relaxed);
         loop {
             if s & PENDING == 0 || s & (DONE | COMPLETING) != 0 {
@@ -189,10 +251,20 @@ impl CompletionTable {
                 Err(cur) => s = cur,
             }
         }
+        let ok = match &result {
+            Some(r) => r.is_none(),
+            None => !slot.erred.load(Ordering::Acquire),
+        };
         if let Some(r) = result {
             // SAFETY: our CAS set COMPLETING, which admits one completer;
             // the owner does not touch `result` until it sees DONE below.
-            unsafe { slot.result.with_mut(|p| *p = r) };
+            unsafe { slot.result.with_mut(|p| *p = r.map(Box::new)) };
+        }
+        // SAFETY: as for `result`: the one completer; the owner wrote the
+        // note before submitting and never touches it again.
+        let n = unsafe { slot.note.with_mut(|p| (*p).take()) };
+        if ok && !slot.note_cancelled.load(Ordering::Acquire) {
+            *note = n;
         }
         s |= COMPLETING;
         loop {
@@ -255,7 +327,7 @@ impl Transfer {
         let slot = &self.table.slots[self.idx as usize];
         // SAFETY: DONE was observed with Acquire; the completer is finished
         // with `result` and nobody else reads it.
-        let err = unsafe { slot.result.with_mut(|p| (*p).take()) };
+        let err = unsafe { slot.result.with_mut(|p| (*p).take()) }.map(|b| *b);
         slot.state.store(FREE, Ordering::Release);
         self.reaped = Some(err.map_or(Ok(()), Err));
         true

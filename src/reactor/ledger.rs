@@ -37,6 +37,8 @@ pub(crate) struct OpLedger {
     conn_ops: IntMap<ConnId, usize>,
     max_conn_ops: usize,
     table: Arc<CompletionTable>,
+    /// Notifications of ops that ended well, for the shard to send.
+    pub notes: Vec<super::completion::Note>,
 }
 
 impl OpLedger {
@@ -46,6 +48,7 @@ impl OpLedger {
             done: Vec::with_capacity(table.capacity()),
             conn_ops: Default::default(),
             max_conn_ops,
+            notes: Vec::new(),
             table,
         }
     }
@@ -133,8 +136,10 @@ impl OpLedger {
                         }
                     }
                 }
-                self.table
-                    .complete(slot, op.error.take().map_or(Ok(()), Err));
+                let result = op.error.take().map_or(Ok(()), Err);
+                if let (_, Some(note)) = self.table.complete_noting(slot, result) {
+                    self.notes.push(*note);
+                }
             }
         }
         n

@@ -108,6 +108,8 @@ pub struct Shard {
     /// The clock as the ops of this pass were taken (read once per pass
     /// that submits: ~3 % of an embedded shard's time when read per op).
     pass_now: Option<Instant>,
+    /// Notifications for a sibling whose queue was full.
+    notes_out: Vec<super::completion::Note>,
     /// When each connection is next looked at by the timeout checks.
     timers: super::timers::Timers,
     /// Scratch for the connections due in a check.
@@ -212,6 +214,7 @@ impl Shard {
             inbox,
             iter: 0,
             pass_now: None,
+            notes_out: Vec::new(),
             timers: Default::default(),
             due: Vec::new(),
             hot_checked: Instant::now(),
@@ -584,7 +587,46 @@ impl Shard {
 
     fn publish(&mut self) -> usize {
         let dir = &self.dir;
-        self.ledger.publish(|c| dir.contains(c))
+        let n = self.ledger.publish(|c| dir.contains(c));
+        if !self.ledger.notes.is_empty() || !self.notes_out.is_empty() {
+            self.send_notes();
+        }
+        n
+    }
+
+    /// Sends the notifications of ops that ended well: on this shard as a
+    /// notification command, to a sibling through its queue (one that is
+    /// full is tried again next pass; the notes are bounded by the ops in
+    /// flight, each having at most one).
+    fn send_notes(&mut self) {
+        let mut notes = std::mem::take(&mut self.ledger.notes);
+        notes.append(&mut self.notes_out);
+        for note in notes {
+            let super::completion::Note {
+                conn,
+                shard,
+                payload,
+            } = note;
+            let cmd = Command::Notify { conn, payload };
+            if shard == self.id {
+                self.take(cmd);
+                continue;
+            }
+            let Some(h) = self.siblings.iter().find(|h| h.id == shard) else {
+                continue;
+            };
+            match h.submit(cmd) {
+                Ok(()) => {}
+                Err((Error::QueueFull { .. }, Command::Notify { conn, payload })) => {
+                    self.notes_out.push(super::completion::Note {
+                        conn,
+                        shard,
+                        payload,
+                    })
+                }
+                Err(_) => {}
+            }
+        }
     }
 }
 
