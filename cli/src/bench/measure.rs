@@ -51,25 +51,37 @@ impl Window {
         }
     }
 
-    /// Takes every finished op out of `inflight`, wherever it stands,
-    /// counting those that ended inside the window. Ops on different
-    /// connections (shards) end out of order; waiting for the oldest
-    /// before refilling would let one slow connection idle the others.
+    /// Takes the finished ops out of `inflight`, counting those that
+    /// ended inside the window. `any_order` (ops over several connections,
+    /// which end out of order): every finished one, wherever it stands —
+    /// waiting for the oldest before refilling would let one slow
+    /// connection idle the others; else (one connection, ops end in order)
+    /// those at the front, without looking further.
     pub(super) fn reap(
         &mut self,
         inflight: &mut VecDeque<(Transfer, Instant)>,
         op: OpKind,
         size: usize,
+        any_order: bool,
     ) -> Result<()> {
         let mut done_now = None;
         let mut i = 0;
         while i < inflight.len() {
             let Some(r) = inflight[i].0.poll() else {
+                if !any_order {
+                    break;
+                }
                 i += 1;
                 continue;
             };
             r.with_context(|| format!("{op} of {size} bytes"))?;
-            let (_, started) = inflight.swap_remove_back(i).expect("in range");
+            // (In order, `i` is 0: the front goes and the rest keep their order.)
+            let (_, started) = if any_order {
+                inflight.swap_remove_back(i)
+            } else {
+                inflight.pop_front()
+            }
+            .expect("in range");
             // One clock read per loop pass: reading it per op costs the
             // initiator a visible share of its time.
             let done = *done_now.get_or_insert_with(Instant::now);
@@ -273,7 +285,7 @@ impl Bench<'_> {
                 }
                 (None, None) => {}
             }
-            w.reap(&mut inflight, op, size)?;
+            w.reap(&mut inflight, op, size, self.conns.len() > 1)?;
         }
         let (gbps, ops_per_s) = w.rate(op, size, secs)?;
         Ok(Measured {
@@ -328,7 +340,7 @@ impl Bench<'_> {
                             if let Some((t, _)) = inflight.front_mut() {
                                 let _ = t.wait_timeout(Duration::from_millis(1));
                             }
-                            w.reap(&mut inflight, op, size)?;
+                            w.reap(&mut inflight, op, size, false)?;
                         }
                         Ok(w)
                     })
