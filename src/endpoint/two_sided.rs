@@ -33,6 +33,10 @@ use crate::wire::{CtlMsg, FinStatus, RemoteBuf, NOTE_CTL};
 
 /// Offers of receive buffers a connection may have waiting for a send.
 pub(super) const MAX_UNMATCHED: usize = 1024;
+/// Messages waiting for room in a shard's queue, all connections together;
+/// past this a refusal owed to a peer that offers past its bound while
+/// not reading is not said (it is logged): no peer grows our memory.
+const MAX_OUTBOX: usize = 4 * MAX_UNMATCHED;
 
 /// A send or receive in flight: poll it with [`Endpoint::poll_message`]
 /// or [`Endpoint::wait_message`] until it ends (its result is kept until
@@ -275,7 +279,11 @@ impl Endpoint {
                         status: FinStatus::Failed,
                         len: 0,
                     };
-                    st.outbox.push_back((conn, ctl(fin)));
+                    if st.outbox.len() < MAX_OUTBOX {
+                        st.outbox.push_back((conn, ctl(fin)));
+                    } else {
+                        tracing::warn!(%conn, seq, "an offer past the bound, unanswered: the peer is not reading");
+                    }
                 } else {
                     c.offers.insert(seq, window);
                 }
