@@ -53,6 +53,9 @@
 // Anything else (the message says what).
 #define FERRY_ERR_INTERNAL -7
 
+// Cancelled by `ferry_transfer_cancel`.
+#define FERRY_ERR_CANCELLED -8
+
 // WRITE: local bytes into the peer's windows.
 #define FERRY_WRITE 0
 
@@ -319,6 +322,16 @@ int32_t ferry_transfer_poll(const struct ferry_transfer *t);
 // # Safety
 // `t` from `ferry_post`, not released.
 int32_t ferry_transfer_wait(const struct ferry_transfer *t, uint32_t timeout_ms);
+
+// Cancels a transfer: its notification is withdrawn unless it was already
+// sent, and its outcome becomes `FERRY_ERR_CANCELLED` unless it had
+// already ended. Bytes already on the wire still land (ferry cannot
+// recall them); its memory stays registered until they did, so the
+// regions may be deregistered (that waits) and freed afterwards.
+//
+// # Safety
+// `t` from `ferry_post`, not released.
+int32_t ferry_transfer_cancel(const struct ferry_transfer *t);
 
 // Releases a transfer. One still in flight runs to its end (its memory
 // stays registered until then, and its notification is still sent if it

@@ -22,6 +22,8 @@ pub const FERRY_ERR_BUSY: i32 = -5;
 pub const FERRY_ERR_PANIC: i32 = -6;
 /// Anything else (the message says what).
 pub const FERRY_ERR_INTERNAL: i32 = -7;
+/// Cancelled by `ferry_transfer_cancel`.
+pub const FERRY_ERR_CANCELLED: i32 = -8;
 
 thread_local! {
     static LAST: RefCell<CString> = RefCell::new(CString::default());

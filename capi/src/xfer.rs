@@ -144,6 +144,7 @@ impl ferry_transfer {
         if let Some(done) = st.outcome {
             return match done {
                 FERRY_OK => Ok(FERRY_OK),
+                FERRY_ERR_CANCELLED => Err(Fail(FERRY_ERR_CANCELLED, "the transfer was cancelled".into())),
                 code => Err(Fail(code, "the transfer failed (reported before)".into())),
             };
         }
@@ -199,6 +200,30 @@ pub unsafe extern "C" fn ferry_transfer_wait(t: *const ferry_transfer, timeout_m
         // SAFETY: the caller's promise.
         let t = unsafe { handle(t, "transfer")? };
         t.check(Some(Duration::from_millis(timeout_ms.into())))
+    })
+}
+
+/// Cancels a transfer: its notification is withdrawn unless it was already
+/// sent, and its outcome becomes `FERRY_ERR_CANCELLED` unless it had
+/// already ended. Bytes already on the wire still land (ferry cannot
+/// recall them); its memory stays registered until they did, so the
+/// regions may be deregistered (that waits) and freed afterwards.
+///
+/// # Safety
+/// `t` from `ferry_post`, not released.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_transfer_cancel(t: *const ferry_transfer) -> i32 {
+    guard("ferry_transfer_cancel", || {
+        // SAFETY: the caller's promise.
+        let t = unsafe { handle(t, "transfer")? };
+        let mut st = t.state.lock().expect("lock");
+        if st.outcome.is_none() {
+            if let Some(running) = st.t.take() {
+                running.withdraw_note();
+            }
+            st.outcome = Some(FERRY_ERR_CANCELLED);
+        }
+        Ok(FERRY_OK)
     })
 }
 

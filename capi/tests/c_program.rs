@@ -18,12 +18,12 @@ fn lib_dir() -> PathBuf {
 /// not for an integration test of its package).
 fn build_lib() {
     let mut cmd = Command::new(env!("CARGO"));
-    cmd.args(["build", "-q", "-p", "ferry-capi"]);
+    cmd.args(["build", "-q", "-p", "ferry-c"]);
     if lib_dir().ends_with("release") {
         cmd.arg("--release");
     }
     let status = cmd.status().expect("cargo");
-    assert!(status.success(), "cargo build -p ferry-capi failed");
+    assert!(status.success(), "cargo build -p ferry-c failed");
 }
 
 /// Compiles `src` (relative to the workspace) into the target directory.

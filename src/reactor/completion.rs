@@ -349,6 +349,19 @@ impl Transfer {
         self.try_reap()
     }
 
+    /// Withdraws the notification attached to this transfer
+    /// (`Endpoint::transfer_notify_async`) if it was not handed to its
+    /// connection yet: a caller cancelling the transfer. The data ops
+    /// already under way run to their end; only the note is dropped.
+    pub fn withdraw_note(&self) {
+        // Not reaped: the slot is still this transfer's (only `try_reap`,
+        // which needs `&mut self`, frees it), so the flag cannot reach an
+        // op that reused the slot.
+        if self.reaped.is_none() {
+            self.table.cancel_note(self.idx);
+        }
+    }
+
     /// Blocks until the operation ends. Needs a shard that is being polled:
     /// a managed one, or an embedded one driven by another thread.
     pub fn wait(mut self) -> Result<()> {
