@@ -144,7 +144,10 @@ impl ferry_transfer {
         if let Some(done) = st.outcome {
             return match done {
                 FERRY_OK => Ok(FERRY_OK),
-                FERRY_ERR_CANCELLED => Err(Fail(FERRY_ERR_CANCELLED, "the transfer was cancelled".into())),
+                FERRY_ERR_CANCELLED => Err(Fail(
+                    FERRY_ERR_CANCELLED,
+                    "the transfer was cancelled".into(),
+                )),
                 code => Err(Fail(code, "the transfer failed (reported before)".into())),
             };
         }

@@ -212,6 +212,19 @@ static int client(int to_target, int from_target) {
     CHECK(ferry_post(ep, conn, FERRY_WRITE, &wr, 1, NULL, 0, &t) == FERRY_OK);
     CHECK(ferry_transfer_wait(t, 10000) == FERRY_ERR_REMOTE);
     ferry_transfer_release(t);
+    /* Cancelled: its outcome says so from then on (the bytes on the wire
+     * still land); one that already reported keeps its outcome. */
+    CHECK(ferry_post(ep, conn, FERRY_READ, rd, 2, NULL, 0, &t) == FERRY_OK);
+    CHECK(ferry_transfer_cancel(t) == FERRY_OK);
+    CHECK(ferry_transfer_poll(t) == FERRY_ERR_CANCELLED);
+    CHECK(ferry_transfer_wait(t, 10) == FERRY_ERR_CANCELLED);
+    ferry_transfer_release(t);
+    CHECK(ferry_post(ep, conn, FERRY_READ, rd, 2, NULL, 0, &t) == FERRY_OK);
+    CHECK(ferry_transfer_wait(t, 10000) == FERRY_OK);
+    CHECK(ferry_transfer_cancel(t) == FERRY_OK);
+    CHECK(ferry_transfer_poll(t) == FERRY_OK);
+    ferry_transfer_release(t);
+    CHECK(ferry_transfer_cancel(NULL) == FERRY_ERR_INVALID);
 
     /* Two-sided: a message that fits, then one longer than its buffer. */
     for (size_t i = 0; i < 500; i++) buf[i] = pattern(i, 77);

@@ -1,0 +1,414 @@
+"""ferry as a NIXL backend, driven through NIXL's own Python API.
+
+Run by .ci/run (nixl/run_tests.sh): a throwaway venv with the `nixl` wheel
+from PyPI, NIXL_PLUGIN_DIR holding libplugin_FERRY.so beside links to the
+wheel's own plugins. Two agents in two processes: this one initiates, a
+child (`_target`) owns the far buffer and answers commands over a pipe.
+Every wait has a deadline.
+"""
+
+import multiprocessing as mp
+import os
+import re
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from nixl._api import nixl_agent, nixl_agent_config
+
+BACKEND = os.environ.get("FERRY_NIXL_BACKEND", "FERRY")
+TARGET_BYTES = 8 << 20
+DEADLINE_S = 30.0
+
+
+def make_agent(name):
+    return nixl_agent(name, nixl_agent_config(backends=[BACKEND]))
+
+
+def register(ag, arr):
+    descs = ag.get_reg_descs([(arr.ctypes.data, arr.nbytes, 0, "")], "DRAM")
+    ag.register_memory(descs)
+    return descs
+
+
+def pattern(n, seed):
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def wait_done(ag, h, deadline_s=DEADLINE_S):
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        st = ag.check_xfer_state(h)
+        if st != "PROC":
+            return st
+    raise AssertionError("the transfer did not end in time")
+
+
+def _target(pipe, name, nbytes):
+    """The far agent: a buffer of `nbytes` (pattern seed 1) and commands."""
+    ag = make_agent(name)
+    buf = pattern(nbytes, 1)
+    register(ag, buf)
+    pipe.send((ag.get_agent_metadata(), buf.ctypes.data))
+    seen = []
+
+    def await_note(msg):
+        end = time.monotonic() + DEADLINE_S
+        while time.monotonic() < end:
+            for agent, msgs in ag.get_new_notifs().items():
+                for m in msgs:
+                    seen.append((agent, m))
+            for i, (agent, m) in enumerate(seen):
+                if m == msg:
+                    del seen[i]
+                    return agent
+        return None
+
+    while True:
+        cmd, *args = pipe.recv()
+        if cmd == "meta":
+            pipe.send(ag.add_remote_agent(args[0]))
+        elif cmd == "get":
+            off, n = args
+            pipe.send(buf[off : off + n].tobytes())
+        elif cmd == "set":
+            off, data = args
+            buf[off : off + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            pipe.send(True)
+        elif cmd == "await_note":
+            # Snapshot the range the moment the note arrives: it must
+            # already hold the WRITE's bytes.
+            msg, off, n = args
+            who = await_note(msg)
+            pipe.send((who, buf[off : off + n].tobytes()))
+        elif cmd == "await_note_clobber":
+            # vLLM's prefill side: the note says the READ is done, so the
+            # blocks are freed (overwritten) at once.
+            msg, ranges = args
+            who = await_note(msg)
+            for off, n in ranges:
+                buf[off : off + n] = 0xEE
+            pipe.send(who)
+        elif cmd == "notifs":
+            want, deadline = args
+            end = time.monotonic() + deadline
+            while len(seen) < want and time.monotonic() < end:
+                for agent, msgs in ag.get_new_notifs().items():
+                    seen.extend((agent, m) for m in msgs)
+            out, seen[:] = list(seen), []
+            pipe.send(out)
+        elif cmd == "notify":
+            ag.send_notif(args[0], args[1])
+            pipe.send(True)
+        elif cmd == "exit":
+            pipe.send(True)
+            return
+
+
+class Peer:
+    """This process's agent and a target process."""
+
+    def __init__(self, name, target="target", nbytes=TARGET_BYTES):
+        ctx = mp.get_context("spawn")
+        self.pipe, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_target, args=(child, target, nbytes), daemon=True)
+        self.proc.start()
+        self.target = target
+        self.ag = make_agent(name)
+        meta, self.taddr = self.call_raw()
+        assert self.ag.add_remote_agent(meta) == target.encode()
+        assert self.call("meta", self.ag.get_agent_metadata()) == name.encode()
+
+    def call_raw(self):
+        assert self.pipe.poll(DEADLINE_S), "the target did not answer in time"
+        return self.pipe.recv()
+
+    def call(self, *cmd):
+        self.pipe.send(cmd)
+        return self.call_raw()
+
+    def remote(self, off, n):
+        return self.ag.get_xfer_descs([(self.taddr + off, n, 0)], "DRAM")
+
+    def close(self):
+        if self.proc.is_alive():
+            self.call("exit")
+        self.proc.join(10)
+
+
+@pytest.fixture(scope="module")
+def peer():
+    p = Peer("initiator")
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def local(peer):
+    """Makes registered local buffers (on `ag`, the shared peer's agent by
+    default), deregistered after the test."""
+    held = []
+
+    def make(nbytes, seed=7, ag=None):
+        ag = ag or peer.ag
+        arr = pattern(nbytes, seed)
+        held.append((ag, register(ag, arr), arr))
+        return arr
+
+    yield make
+    for ag, descs, _ in held:
+        ag.deregister_memory(descs)
+
+
+def xfer(peer, op, arr, loff, roff, n, note=b""):
+    l = peer.ag.get_xfer_descs([(arr.ctypes.data + loff, n, 0)], "DRAM")
+    h = peer.ag.initialize_xfer(op, l, peer.remote(roff, n), peer.target, note)
+    assert peer.ag.transfer(h) in ("PROC", "DONE")
+    assert wait_done(peer.ag, h) == "DONE"
+    peer.ag.release_xfer_handle(h)
+
+
+@pytest.mark.parametrize(
+    "loff,roff,n", [(0, 0, 1), (3, 5, 4097), (1, 12345, 1 << 20), (4095, 7, (3 << 20) + 11)]
+)
+def test_write_and_read_byte_exact(peer, local, loff, roff, n):
+    src = local(loff + n, seed=n)
+    xfer(peer, "WRITE", src, loff, roff, n)
+    assert peer.call("get", roff, n) == src[loff : loff + n].tobytes()
+    dst = local(loff + n + 64, seed=n + 1)
+    before = dst.copy()
+    xfer(peer, "READ", dst, loff, roff, n)
+    assert dst[loff : loff + n].tobytes() == src[loff : loff + n].tobytes()
+    # Nothing outside the range moved.
+    assert (dst[:loff] == before[:loff]).all() and (dst[loff + n :] == before[loff + n :]).all()
+
+
+def test_write_notification_arrives_after_its_data(peer, local):
+    n = 2 << 20
+    src = local(n, seed=21)
+    l = peer.ag.get_xfer_descs([(src.ctypes.data, n, 0)], "DRAM")
+    h = peer.ag.initialize_xfer("WRITE", l, peer.remote(0, n), peer.target, b"w-note")
+    peer.pipe.send(("await_note", b"w-note", 0, n))
+    peer.ag.transfer(h)
+    # No check_xfer call before the note must arrive: ferry sends it itself.
+    who, seen = peer.call_raw()
+    assert who == "initiator"
+    assert seen == src.tobytes()
+    assert wait_done(peer.ag, h) == "DONE"
+    peer.ag.release_xfer_handle(h)
+
+
+def test_read_notification_frees_blocks_safely(peer, local):
+    n = 1 << 20
+    orig = peer.call("get", 4 << 20, n)
+    dst = local(n, seed=22)
+    l = peer.ag.get_xfer_descs([(dst.ctypes.data, n, 0)], "DRAM")
+    h = peer.ag.initialize_xfer("READ", l, peer.remote(4 << 20, n), peer.target, b"r-note")
+    peer.pipe.send(("await_note_clobber", b"r-note", [(4 << 20, n)]))
+    peer.ag.transfer(h)
+    assert peer.call_raw() == "initiator"
+    assert wait_done(peer.ag, h) == "DONE"
+    assert dst.tobytes() == orig
+    peer.ag.release_xfer_handle(h)
+    peer.call("set", 4 << 20, orig)
+
+
+@pytest.mark.parametrize("size", [0, 64, 65, 4095, 4096, 100_000, 1 << 20])
+def test_standalone_notifications_any_length(peer, size):
+    msg = bytes(pattern(size, size))
+    peer.ag.send_notif(peer.target, msg)
+    got = peer.call("notifs", 1, DEADLINE_S)
+    assert got == [("initiator", msg)]
+
+
+def test_notifications_both_ways(peer):
+    peer.call("notify", "initiator", b"from the target")
+    end = time.monotonic() + DEADLINE_S
+    got = {}
+    while not got and time.monotonic() < end:
+        got = peer.ag.get_new_notifs()
+    assert got == {"target": [b"from the target"]}
+
+
+def test_reposted_handle_with_new_message(peer, local):
+    n = 64 << 10
+    src = local(n, seed=31)
+    l = peer.ag.get_xfer_descs([(src.ctypes.data, n, 0)], "DRAM")
+    h = peer.ag.initialize_xfer("WRITE", l, peer.remote(0, n), peer.target, b"first")
+    for round_, msg in enumerate([b"first", b"second", b"third" * 2000]):
+        src[:] = round_ + 1
+        peer.ag.transfer(h, msg)
+        assert wait_done(peer.ag, h) == "DONE"
+        who, seen = peer.call("await_note", msg, 0, n)
+        assert who == "initiator" and seen == src.tobytes()
+    peer.ag.release_xfer_handle(h)
+
+
+def test_handle_released_in_flight(peer, local):
+    n = 6 << 20
+    arr = pattern(n, 41)
+    descs = register(peer.ag, arr)
+    l = peer.ag.get_xfer_descs([(arr.ctypes.data, n, 0)], "DRAM")
+    for op in ("WRITE", "READ"):
+        h = peer.ag.initialize_xfer(op, l, peer.remote(0, n), peer.target, b"released")
+        peer.ag.transfer(h)
+        peer.ag.release_xfer_handle(h)
+    # Deregistration waits for what is still on the wire; then the memory
+    # is ours again.
+    peer.ag.deregister_memory(descs)
+    arr[:] = 0
+    # The connection goes on.
+    src = local(4096, seed=42)
+    xfer(peer, "WRITE", src, 0, 0, 4096)
+    assert peer.call("get", 0, 4096) == src.tobytes()
+    # Notes of released transfers may or may not have been sent (the
+    # transfer may have ended first); none other arrives.
+    assert all(m == b"released" for _, m in peer.call("notifs", 0, 0.5))
+
+
+def test_ten_thousand_descriptors_in_one_request(peer, local):
+    count, piece, gap = 10_000, 64, 16
+    span = count * (piece + gap)
+    src = local(span, seed=51)
+    loc = [(src.ctypes.data + i * (piece + gap), piece, 0) for i in range(count)]
+    rem = [(peer.taddr + i * (piece + gap) + 3, piece, 0) for i in range(count)]
+    h = peer.ag.initialize_xfer(
+        "WRITE",
+        peer.ag.get_xfer_descs(loc, "DRAM"),
+        peer.ag.get_xfer_descs(rem, "DRAM"),
+        peer.target,
+        b"10k",
+    )
+    peer.ag.transfer(h)
+    assert wait_done(peer.ag, h) == "DONE"
+    who, far = peer.call("await_note", b"10k", 3, span)
+    far = np.frombuffer(far, dtype=np.uint8)
+    for i in range(0, count, 97):
+        at = i * (piece + gap)
+        assert far[at : at + piece].tobytes() == src[at : at + piece].tobytes()
+    got = np.concatenate([far[i * (piece + gap) :][:piece] for i in range(count)])
+    want = np.concatenate([src[i * (piece + gap) :][:piece] for i in range(count)])
+    assert (got == want).all()
+    peer.ag.release_xfer_handle(h)
+
+
+def test_vllm_nixl_connector_pattern(peer, local):
+    """Decode READs KV blocks with a request id as the note; prefill frees
+    (overwrites) the blocks when the note arrives."""
+    layers, blocks, block = 4, 32, 4096
+    layer_bytes = blocks * block
+    kv = local(layers * layer_bytes, seed=61)
+    remote_base = 2 << 20
+    orig = np.frombuffer(peer.call("get", remote_base, layers * layer_bytes), dtype=np.uint8)
+
+    def block_descs(base):
+        return [(base + l * layer_bytes + b * block, block, 0) for l in range(layers) for b in range(blocks)]
+
+    local_h = peer.ag.prep_xfer_dlist("NIXL_INIT_AGENT", block_descs(kv.ctypes.data), "DRAM")
+    remote_h = peer.ag.prep_xfer_dlist(peer.target, block_descs(peer.taddr + remote_base), "DRAM")
+    for req in range(blocks // 2):
+        ids = [l * blocks + b for l in range(layers) for b in (2 * req, 2 * req + 1)]
+        req_id = f"cmpl-{req:04d}-{'x' * 200}".encode()
+        ranges = [(remote_base + i * block, block) for i in ids]
+        peer.pipe.send(("await_note_clobber", req_id, ranges))
+        h = peer.ag.make_prepped_xfer("READ", local_h, ids, remote_h, ids, req_id)
+        peer.ag.transfer(h)
+        assert peer.call_raw() == "initiator"
+        assert wait_done(peer.ag, h) == "DONE"
+        for i in ids:
+            assert (kv[i * block : (i + 1) * block] == orig[i * block : (i + 1) * block]).all()
+        peer.ag.release_xfer_handle(h)
+    peer.ag.release_dlist_handle(local_h)
+    peer.ag.release_dlist_handle(remote_h)
+    peer.call("set", remote_base, orig.tobytes())
+
+
+def test_bad_remote_metadata_is_an_error(peer):
+    with pytest.raises(Exception):
+        peer.ag.add_remote_agent(b"not metadata at all")
+    good = peer.ag.get_agent_metadata()
+    with pytest.raises(Exception):
+        peer.ag.add_remote_agent(good[: len(good) // 2])
+
+
+def test_killed_peer_is_an_error_not_a_hang(local):
+    p = Peer("initiator2", target="doomed")
+    src = local(1 << 20, seed=71, ag=p.ag)
+    xfer(p, "WRITE", src, 0, 0, 1 << 20)
+    os.kill(p.proc.pid, signal.SIGKILL)
+    p.proc.join(10)
+    l = p.ag.get_xfer_descs([(src.ctypes.data, 1 << 20, 0)], "DRAM")
+    end = time.monotonic() + DEADLINE_S
+    state = None
+    while time.monotonic() < end:
+        try:
+            h = p.ag.initialize_xfer("WRITE", l, p.remote(0, 1 << 20), "doomed")
+            state = p.ag.transfer(h)
+            if state != "ERR":
+                state = wait_done(p.ag, h)
+        except Exception as e:  # nixlRemoteDisconnectError and kin
+            state = type(e).__name__
+        if state != "DONE":
+            break
+        time.sleep(0.05)
+    assert state is not None and state != "DONE", state
+    with pytest.raises(Exception):
+        p.ag.send_notif("doomed", b"anyone?")
+
+
+def _vtable(so, cls):
+    """The slots of `vtable for cls` in `so`: demangled method names
+    without their class, as `nm`/`readelf` see them."""
+
+    def run(*a):
+        return subprocess.run(a, capture_output=True, text=True, check=True).stdout
+
+    syms, vt = {}, None
+    for line in run("nm", "-S", "-C", so).splitlines():
+        p = line.split(None, 3)
+        if len(p) == 4 and re.fullmatch(r"[0-9a-f]{8,}", p[0]) and re.fullmatch(r"[0-9a-f]{8,}", p[1]):
+            syms.setdefault(int(p[0], 16), p[3])
+            if p[3] == "vtable for " + cls:
+                vt = (int(p[0], 16), int(p[1], 16))
+    assert vt is not None, f"no vtable for {cls} in {so}"
+    relocs = {}
+    for line in run("readelf", "-rW", so).splitlines():
+        f = line.split()
+        if len(f) >= 4 and re.fullmatch(r"[0-9a-f]{12,}", f[0]) and f[2] == "R_X86_64_RELATIVE":
+            relocs[int(f[0], 16)] = syms.get(int(f[3], 16), "?")
+        elif len(f) >= 5 and re.fullmatch(r"[0-9a-f]{12,}", f[0]) and f[2] == "R_X86_64_64":
+            relocs[int(f[0], 16)] = " ".join(f[4:])
+    slots = [relocs.get(at, "?").split(" + ")[0] for at in range(vt[0] + 16, vt[0] + vt[1], 8)]
+    slots = run("c++filt", *[s.split("@")[0] for s in slots]).splitlines()
+    out = []
+    for name in slots:
+        name = name.replace("(anonymous namespace)::", "")
+        name = re.sub(r"^\w+::", "", name)  # the class
+        name = re.sub(r"^~\w+\(\)", "~()", name)
+        out.append(name)
+    return out
+
+
+@pytest.mark.skipif(not os.environ.get("NIXL_PLUGIN_DIR"), reason="needs NIXL_PLUGIN_DIR")
+def test_vtable_matches_nixl():
+    """Our declaration of NIXL's engine (nixl/cpp/nixl_abi.h) against the
+    one NIXL's own POSIX plugin of the installed wheel was built with."""
+    import nixl
+
+    pkg = os.path.dirname(nixl._bindings.__file__)
+    theirs = None
+    for d in os.listdir(os.path.dirname(pkg)):
+        cand = os.path.join(os.path.dirname(pkg), d, "plugins", "libplugin_POSIX.so")
+        if d.startswith(".nixl") and os.path.exists(cand):
+            theirs = cand
+    assert theirs, "the wheel's libplugin_POSIX.so"
+    ours = os.path.realpath(os.path.join(os.environ["NIXL_PLUGIN_DIR"], "libplugin_FERRY.so"))
+    want = _vtable(theirs, "nixlPosixEngine")
+    got = _vtable(ours, "(anonymous namespace)::nixlFerryEngine")
+    assert "checkXfer(nixlBackendReqH*) const" in want
+    assert len(got) == len(want), (got, want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"slot {i}: ours {g!r}, NIXL's {w!r}"
