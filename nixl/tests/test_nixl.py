@@ -326,6 +326,49 @@ def test_vllm_nixl_connector_pattern(peer, local):
     peer.call("set", remote_base, orig.tobytes())
 
 
+def test_threads_post_at_once(peer, local):
+    """Every entry is thread-safe: four threads post, poll and release
+    their own handles on one connection at the same time."""
+    import threading
+
+    threads, each, n = 4, 25, 8192
+    src = local(threads * each * n, seed=81)
+    errors = []
+
+    def run(t):
+        try:
+            for i in range(each):
+                at = (t * each + i) * n
+                l = peer.ag.get_xfer_descs([(src.ctypes.data + at, n, 0)], "DRAM")
+                h = peer.ag.initialize_xfer("WRITE", l, peer.remote(at, n), peer.target, f"t{t}-{i}".encode())
+                peer.ag.transfer(h)
+                assert wait_done(peer.ag, h) == "DONE"
+                peer.ag.release_xfer_handle(h)
+        except Exception as e:  # reported below, with the thread
+            errors.append((t, e))
+
+    ts = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(DEADLINE_S)
+    assert not errors, errors
+    want = sorted(f"t{t}-{i}".encode() for t in range(threads) for i in range(each))
+    got, end = [], time.monotonic() + DEADLINE_S
+    while len(got) < len(want) and time.monotonic() < end:
+        # (A note of an earlier test's released transfer may still come.)
+        got += [m for _, m in peer.call("notifs", 1, 1.0) if m != b"released"]
+    assert sorted(got) == want
+    assert peer.call("get", 0, threads * each * n) == src.tobytes()
+
+
+def test_ucx_stays_available_beside_ferry():
+    ag = nixl_agent("both", nixl_agent_config(backends=["FERRY", "UCX"]))
+    assert {"FERRY", "UCX"} <= set(ag.get_plugin_list())
+    assert {"FERRY", "UCX"} <= set(ag.backends)
+    assert ag.get_backend_mem_types("FERRY") == ["DRAM_SEG", "VRAM_SEG"]
+
+
 def test_bad_remote_metadata_is_an_error(peer):
     with pytest.raises(Exception):
         peer.ag.add_remote_agent(b"not metadata at all")

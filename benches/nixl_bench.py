@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""NIXL's Python API driven the same way for backend FERRY and backend UCX,
+in one run, alternating (A/B rounds), with the ratio.
+
+Two processes: this one initiates, a child owns the far buffer. Per size, a
+transfer handle is made once (`--batch` descriptors of `size` bytes at
+non-adjacent places, so NIXL cannot merge them) and posted again and again;
+the figure is payload bytes per second of the whole loop (post, poll to
+DONE). Medians over `--rounds`.
+
+    NIXL_PLUGIN_DIR=... python3 benches/nixl_bench.py [--transport shm|tcp]
+        [--op WRITE|READ] [--sizes 4K,64K,1M,16M,64M] [--batch-small 32]
+        [--rounds 3] [--plot out.png] [--json]
+
+--transport tcp runs both over 127.0.0.1 TCP (FERRY_TRANSPORT=tcp;
+UCX_TLS=tcp with UCX_NET_DEVICES=lo); shm leaves each backend its
+same-host path. nixl/run_bench.sh sets up the venv and plugin folder.
+"""
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+GAP = 4096
+POINT_S = 0.4
+
+
+def parse_size(s):
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(s[:-1]) * mult[s[-1]] if s[-1] in mult else int(s)
+
+
+def human(n):
+    for unit, m in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= m and n % m == 0:
+            return f"{n // m} {unit}"
+    return f"{n} B"
+
+
+def agent(name, backend):
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent(name, nixl_agent_config(backends=[backend]))
+
+
+def _target(pipe, backend, nbytes):
+    ag = agent("bench-target", backend)
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    ag.register_memory(ag.get_reg_descs([(buf.ctypes.data, nbytes, 0, "")], "DRAM"))
+    pipe.send((ag.get_agent_metadata(), buf.ctypes.data))
+    ag.add_remote_agent(pipe.recv())
+    pipe.recv()  # done
+
+
+def layout(size, batch):
+    """Offsets of `batch` pieces of `size` bytes, GAP apart."""
+    return [i * (size + GAP) for i in range(batch)]
+
+
+def measure(backend, points, op, rounds_in_call=1):
+    span = max(off + size for size, batch in points for off in layout(size, batch)[-1:])
+    ctx = mp.get_context("spawn")
+    pipe, child = ctx.Pipe()
+    proc = ctx.Process(target=_target, args=(child, backend, span), daemon=True)
+    proc.start()
+    ag = agent("bench-init", backend)
+    local = np.ones(span, dtype=np.uint8)
+    reg = ag.get_reg_descs([(local.ctypes.data, span, 0, "")], "DRAM")
+    ag.register_memory(reg)
+    assert pipe.poll(60), "target did not start"
+    meta, taddr = pipe.recv()
+    name = ag.add_remote_agent(meta)
+    pipe.send(ag.get_agent_metadata())
+    out = {}
+    for size, batch in points:
+        offs = layout(size, batch)
+        l = ag.get_xfer_descs([(local.ctypes.data + o, size, 0) for o in offs], "DRAM")
+        r = ag.get_xfer_descs([(taddr + o, size, 0) for o in offs], "DRAM")
+        h = ag.initialize_xfer(op, l, r, name)
+        # Warm up (connection, first touches), then a timed loop.
+        for _ in range(3):
+            post_wait(ag, h)
+        iters, t0 = 0, time.perf_counter()
+        while True:
+            post_wait(ag, h)
+            iters += 1
+            dt = time.perf_counter() - t0
+            if dt >= POINT_S and iters >= 5:
+                break
+        out[(size, batch)] = size * batch * iters / dt / 1e9
+        ag.release_xfer_handle(h)
+    ag.deregister_memory(reg)
+    pipe.send(True)
+    proc.join(10)
+    return out
+
+
+def post_wait(ag, h):
+    st = ag.transfer(h)
+    while st == "PROC":
+        st = ag.check_xfer_state(h)
+    if st != "DONE":
+        raise RuntimeError(f"transfer ended {st}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backends", default="FERRY,UCX", help="A,B: the ratio is A/B")
+    ap.add_argument("--transport", choices=["shm", "tcp"], default="shm")
+    ap.add_argument("--op", choices=["WRITE", "READ"], default="WRITE")
+    ap.add_argument("--sizes", default="4K,64K,1M,16M,64M")
+    ap.add_argument("--batch-small", type=int, default=32, help="descriptors per request at 4 KiB")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--plot", help="write a PNG of GB/s against size (needs matplotlib)")
+    ap.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    a = ap.parse_args()
+    if not os.environ.get("NIXL_PLUGIN_DIR"):
+        sys.exit("NIXL_PLUGIN_DIR must name a folder holding libplugin_FERRY.so (nixl/run_bench.sh makes one)")
+    if a.transport == "tcp":
+        os.environ.update(FERRY_TRANSPORT="tcp", UCX_TLS="tcp", UCX_NET_DEVICES="lo")
+    os.environ.setdefault("FERRY_LISTEN_ADDR", "127.0.0.1")
+    os.environ.setdefault("FERRY_ADVERTISE_ADDR", "127.0.0.1")
+    backends = a.backends.split(",")
+    sizes = [parse_size(s) for s in a.sizes.split(",")]
+    points = [(s, a.batch_small if s == 4096 else 1) for s in sizes]
+    runs = {b: {p: [] for p in points} for b in backends}
+    for rnd in range(a.rounds):
+        for b in backends if rnd % 2 == 0 else reversed(backends):
+            for p, gbs in measure(b, points, a.op).items():
+                runs[b][p].append(gbs)
+    med = {b: {p: statistics.median(v) for p, v in runs[b].items()} for b in backends}
+    A, B = backends[0], backends[-1]
+    if a.json:
+        for p in points:
+            print(json.dumps({"size": p[0], "batch": p[1], "op": a.op, "transport": a.transport,
+                              **{f"{b}_gbs": med[b][p] for b in backends},
+                              **{f"{b}_runs": runs[b][p] for b in backends},
+                              "ratio": med[A][p] / med[B][p]}))
+    else:
+        print(f"NIXL {a.op}, {a.transport}, medians of {a.rounds} rounds (GB/s of payload)")
+        print(f"{'size x batch':>16} " + " ".join(f"{b:>9}" for b in backends) + f" {A + '/' + B:>10}")
+        for p in points:
+            print(f"{human(p[0]) + ' x ' + str(p[1]):>16} " + " ".join(f"{med[b][p]:9.3f}" for b in backends)
+                  + f" {med[A][p] / med[B][p]:10.2f}")
+    if a.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots()
+        for b in backends:
+            ax.plot([p[0] for p in points], [med[b][p] for p in points], marker="o", label=b)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bytes per descriptor")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"NIXL {a.op} over {a.transport}")
+        ax.legend()
+        fig.savefig(a.plot)
+
+
+if __name__ == "__main__":
+    main()
