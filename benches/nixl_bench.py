@@ -12,6 +12,10 @@ DONE). Medians over `--rounds`.
         [--op WRITE|READ] [--sizes 4K,64K,1M,16M,64M] [--batch-small 32]
         [--rounds 3] [--plot out.png] [--json]
 
+--mem vram puts both sides' buffers in GPU memory (CuPy, GPU 0) and adds
+the reference of the same run: a device-to-device copy of the same bytes
+in one process (the peer-copy rate), with FERRY's ratio to it.
+
 --transport tcp runs both over 127.0.0.1 TCP (FERRY_TRANSPORT=tcp;
 UCX_TLS=tcp with UCX_NET_DEVICES=lo); shm leaves each backend its
 same-host path. nixl/run_bench.sh sets up the venv and plugin folder.
@@ -43,17 +47,50 @@ def human(n):
     return f"{n} B"
 
 
+MEM = {"dram": ("DRAM", 0), "vram": ("VRAM", 0)}
+
+
+def alloc(mem, n, fill):
+    if mem == "vram":
+        import cupy
+
+        return cupy.full(n, fill, dtype=cupy.uint8)
+    return np.full(n, fill, dtype=np.uint8)
+
+
+def addr(a):
+    return a.data.ptr if not isinstance(a, np.ndarray) else a.ctypes.data
+
+
+def copy_rate(nbytes):
+    """GB/s of a device-to-device copy of `nbytes` in one process (CuPy)."""
+    import cupy
+
+    a, b = cupy.ones(nbytes, dtype=cupy.uint8), cupy.zeros(nbytes, dtype=cupy.uint8)
+    b[:] = a
+    cupy.cuda.Device().synchronize()
+    iters, t0 = 0, time.perf_counter()
+    while True:
+        b[:] = a
+        cupy.cuda.Device().synchronize()
+        iters += 1
+        dt = time.perf_counter() - t0
+        if dt >= POINT_S and iters >= 5:
+            return nbytes * iters / dt / 1e9
+
+
 def agent(name, backend):
     from nixl._api import nixl_agent, nixl_agent_config
 
     return nixl_agent(name, nixl_agent_config(backends=[backend]))
 
 
-def _target(pipe, backend, nbytes):
+def _target(pipe, backend, nbytes, mem):
     ag = agent("bench-target", backend)
-    buf = np.zeros(nbytes, dtype=np.uint8)
-    ag.register_memory(ag.get_reg_descs([(buf.ctypes.data, nbytes, 0, "")], "DRAM"))
-    pipe.send((ag.get_agent_metadata(), buf.ctypes.data))
+    kind, dev = MEM[mem]
+    buf = alloc(mem, nbytes, 0)
+    ag.register_memory(ag.get_reg_descs([(addr(buf), nbytes, dev, "")], kind))
+    pipe.send((ag.get_agent_metadata(), addr(buf)))
     ag.add_remote_agent(pipe.recv())
     pipe.recv()  # done
 
@@ -63,15 +100,16 @@ def layout(size, batch):
     return [i * (size + GAP) for i in range(batch)]
 
 
-def measure(backend, points, op, rounds_in_call=1):
+def measure(backend, points, op, mem):
     span = max(off + size for size, batch in points for off in layout(size, batch)[-1:])
+    kind, dev = MEM[mem]
     ctx = mp.get_context("spawn")
     pipe, child = ctx.Pipe()
-    proc = ctx.Process(target=_target, args=(child, backend, span), daemon=True)
+    proc = ctx.Process(target=_target, args=(child, backend, span, mem), daemon=True)
     proc.start()
     ag = agent("bench-init", backend)
-    local = np.ones(span, dtype=np.uint8)
-    reg = ag.get_reg_descs([(local.ctypes.data, span, 0, "")], "DRAM")
+    local = alloc(mem, span, 1)
+    reg = ag.get_reg_descs([(addr(local), span, dev, "")], kind)
     ag.register_memory(reg)
     assert pipe.poll(60), "target did not start"
     meta, taddr = pipe.recv()
@@ -80,8 +118,8 @@ def measure(backend, points, op, rounds_in_call=1):
     out = {}
     for size, batch in points:
         offs = layout(size, batch)
-        l = ag.get_xfer_descs([(local.ctypes.data + o, size, 0) for o in offs], "DRAM")
-        r = ag.get_xfer_descs([(taddr + o, size, 0) for o in offs], "DRAM")
+        l = ag.get_xfer_descs([(addr(local) + o, size, dev) for o in offs], kind)
+        r = ag.get_xfer_descs([(taddr + o, size, dev) for o in offs], kind)
         h = ag.initialize_xfer(op, l, r, name)
         # Warm up (connection, first touches), then a timed loop.
         for _ in range(3):
@@ -111,7 +149,8 @@ def post_wait(ag, h):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backends", default="FERRY,UCX", help="A,B: the ratio is A/B")
+    ap.add_argument("--backends", help="A,B: the ratio is A/B (default FERRY,UCX; FERRY with --mem vram)")
+    ap.add_argument("--mem", choices=["dram", "vram"], default="dram")
     ap.add_argument("--transport", choices=["shm", "tcp"], default="shm")
     ap.add_argument("--op", choices=["WRITE", "READ"], default="WRITE")
     ap.add_argument("--sizes", default="4K,64K,1M,16M,64M")
@@ -126,24 +165,28 @@ def main():
         os.environ.update(FERRY_TRANSPORT="tcp", UCX_TLS="tcp", UCX_NET_DEVICES="lo")
     os.environ.setdefault("FERRY_LISTEN_ADDR", "127.0.0.1")
     os.environ.setdefault("FERRY_ADVERTISE_ADDR", "127.0.0.1")
-    backends = a.backends.split(",")
+    backends = (a.backends or ("FERRY" if a.mem == "vram" else "FERRY,UCX")).split(",")
     sizes = [parse_size(s) for s in a.sizes.split(",")]
     points = [(s, a.batch_small if s == 4096 else 1) for s in sizes]
     runs = {b: {p: [] for p in points} for b in backends}
     for rnd in range(a.rounds):
         for b in backends if rnd % 2 == 0 else reversed(backends):
-            for p, gbs in measure(b, points, a.op).items():
+            for p, gbs in measure(b, points, a.op, a.mem).items():
                 runs[b][p].append(gbs)
+    if a.mem == "vram":
+        # The reference, measured in the same run: "copy" is a backend.
+        runs["copy"] = {p: [copy_rate(p[0] * p[1]) for _ in range(a.rounds)] for p in points}
+        backends = backends + ["copy"]
     med = {b: {p: statistics.median(v) for p, v in runs[b].items()} for b in backends}
     A, B = backends[0], backends[-1]
     if a.json:
         for p in points:
-            print(json.dumps({"size": p[0], "batch": p[1], "op": a.op, "transport": a.transport,
+            print(json.dumps({"size": p[0], "batch": p[1], "op": a.op, "mem": a.mem, "transport": a.transport,
                               **{f"{b}_gbs": med[b][p] for b in backends},
                               **{f"{b}_runs": runs[b][p] for b in backends},
                               "ratio": med[A][p] / med[B][p]}))
     else:
-        print(f"NIXL {a.op}, {a.transport}, medians of {a.rounds} rounds (GB/s of payload)")
+        print(f"NIXL {a.op}, {a.mem}, {a.transport}, medians of {a.rounds} rounds (GB/s of payload)")
         print(f"{'size x batch':>16} " + " ".join(f"{b:>9}" for b in backends) + f" {A + '/' + B:>10}")
         for p in points:
             print(f"{human(p[0]) + ' x ' + str(p[1]):>16} " + " ".join(f"{med[b][p]:9.3f}" for b in backends)

@@ -163,6 +163,13 @@ int32_t ferry_start_passive_accept(const struct ferry_endpoint *ep);
 // `ep` live; `conn` valid.
 int32_t ferry_accept(const struct ferry_endpoint *ep, uint32_t timeout_ms, uint64_t *conn);
 
+// Whether the peer on `conn` is on this host (`*local` = 1: shared
+// memory, and CUDA IPC windows work) or reached over the network (0).
+//
+// # Safety
+// `ep` live; `local` valid.
+int32_t ferry_peer_is_local(const struct ferry_endpoint *ep, uint64_t conn, int32_t *local);
+
 // Closes a connection; what was under way on it fails.
 //
 // # Safety
@@ -205,7 +212,7 @@ int32_t ferry_advertise(const struct ferry_endpoint *ep,
                         size_t out_len);
 
 // A CUDA IPC window on `[off, off + len)` of GPU region `r` for the
-// same-host peer on `conn` into `out` (`out_len` ≥ `FERRY_IPC_WINDOW_LEN`).
+// same-host peer on `conn` (`FERRY_ANY_CONN`: any same-host peer) into `out` (`out_len` ≥ `FERRY_IPC_WINDOW_LEN`).
 //
 // # Safety
 // `ep`, `r` live; `out` valid for `out_len` bytes.

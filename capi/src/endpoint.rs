@@ -242,6 +242,31 @@ pub unsafe extern "C" fn ferry_accept(
     })
 }
 
+/// Whether the peer on `conn` is on this host (`*local` = 1: shared
+/// memory, and CUDA IPC windows work) or reached over the network (0).
+///
+/// # Safety
+/// `ep` live; `local` valid.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_peer_is_local(
+    ep: *const ferry_endpoint,
+    conn: u64,
+    local: *mut i32,
+) -> i32 {
+    guard("ferry_peer_is_local", || {
+        // SAFETY: the caller's promise.
+        let ep = unsafe { handle(ep, "ep")? };
+        let c = ConnId(conn);
+        let peer = ep
+            .ep
+            .peer(c)
+            .ok_or(engine::Error::UnknownConn { conn: c })?;
+        let is_local = i32::from(matches!(peer, engine::Peer::Local { .. }));
+        // SAFETY: as above.
+        unsafe { put(local, is_local, "local") }
+    })
+}
+
 /// Closes a connection; what was under way on it fails.
 ///
 /// # Safety
@@ -435,7 +460,7 @@ pub unsafe extern "C" fn ferry_advertise(
 }
 
 /// A CUDA IPC window on `[off, off + len)` of GPU region `r` for the
-/// same-host peer on `conn` into `out` (`out_len` ≥ `FERRY_IPC_WINDOW_LEN`).
+/// same-host peer on `conn` (`FERRY_ANY_CONN`: any same-host peer) into `out` (`out_len` ≥ `FERRY_IPC_WINDOW_LEN`).
 ///
 /// # Safety
 /// `ep`, `r` live; `out` valid for `out_len` bytes.
@@ -450,10 +475,12 @@ pub unsafe extern "C" fn ferry_advertise_ipc(
     out_len: usize,
 ) -> i32 {
     let make = |ep: &Endpoint, mr: &engine::MemoryRegion, at| {
-        Ok(ep
-            .advertise_ipc(ConnId(conn), mr, at, len)?
-            .encode()
-            .to_vec())
+        let w = if conn == FERRY_ANY_CONN {
+            mr.advertise_ipc(at, len)?
+        } else {
+            ep.advertise_ipc(ConnId(conn), mr, at, len)?
+        };
+        Ok(w.encode().to_vec())
     };
     // SAFETY: this function's contract.
     unsafe { advertise_with("ferry_advertise_ipc", ep, r, off, len, out, out_len, make) }

@@ -6,7 +6,10 @@
 // What peers exchange (all of it hostile until checked):
 //   - conn info (getConnInfo): the ferry endpoint's metadata;
 //   - public data of a registration (getPublicData): "F" + its 64-byte key
-//     window (ferry checks every access against it on the owner's side);
+//     window (ferry checks every access against it on the owner's side),
+//     and for GPU memory its 136-byte CUDA IPC window after it (a
+//     same-host peer then copies GPU to GPU itself: cuMemcpy through the
+//     IPC mapping, ferry's fastest same-host GPU path);
 //   - notifications, each one ferry notification whose first byte says what
 //     it is: 'H' + agent name (the first one on every connection this
 //     plugin opens: who is on it), 'N' + a whole message, 'L' + piece of a
@@ -14,6 +17,7 @@
 //     count bounded, at most MAX_PARTIAL_PER_CONN unfinished per connection).
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -68,7 +72,7 @@ struct LocalMD : nixlBackendMD {
     ferry_region *region = nullptr;
     uintptr_t base = 0;
     size_t len = 0;
-    std::string public_data; // "F" + window
+    std::string public_data; // "F" + window [+ IPC window]
     LocalMD() : nixlBackendMD(true) {}
 };
 
@@ -78,6 +82,7 @@ struct RemoteMD : nixlBackendMD {
     uintptr_t base = 0;
     size_t len = 0;
     std::string window; // FERRY_WINDOW_LEN bytes
+    std::string ipc;    // FERRY_IPC_WINDOW_LEN bytes, or none
     RemoteMD() : nixlBackendMD(false) {}
 };
 
@@ -158,6 +163,14 @@ public:
         }
         md->public_data = "F";
         md->public_data.append(reinterpret_cast<const char *>(w), sizeof w);
+        if (kind == VRAM_SEG) {
+            uint8_t iw[FERRY_IPC_WINDOW_LEN];
+            rc = ferry_advertise_ipc(ep_, FERRY_ANY_CONN, md->region, 0, mem.len, iw, sizeof iw);
+            if (rc == FERRY_OK)
+                md->public_data.append(reinterpret_cast<const char *>(iw), sizeof iw);
+            else
+                log_failure("advertise_ipc (same-host peers copy through ferry's shm path)", rc);
+        }
         out = md.release();
         return NIXL_SUCCESS;
     }
@@ -200,6 +213,19 @@ public:
                            nixlBackendReqH *&handle, const nixl_opt_b_args_t *) const override {
         if (local.descCount() != remote.descCount() || local.descCount() == 0)
             return NIXL_ERR_MISMATCH;
+        // GPU memory of a same-host peer: its IPC windows, if every
+        // descriptor has one (FERRY_NIXL_IPC=0: never).
+        bool ipc = ipc_allowed_;
+        for (size_t i = 0; ipc && i < remote.descCount(); i++) {
+            const RemoteMD *rm = as_remote(remote[i].metadataP);
+            ipc = rm != nullptr && !rm->ipc.empty();
+        }
+        if (ipc) {
+            uint64_t conn;
+            int is_local = 0;
+            ipc = conn_for(agent, conn) == NIXL_SUCCESS &&
+                  ferry_peer_is_local(ep_, conn, &is_local) == FERRY_OK && is_local == 1;
+        }
         auto h = std::make_unique<ReqH>();
         h->op = op == NIXL_READ ? FERRY_READ : FERRY_WRITE;
         h->agent = agent;
@@ -217,9 +243,10 @@ public:
                 return NIXL_ERR_INVALID_PARAM;
             if (r.addr < rm->base || r.addr - rm->base > rm->len || r.len > rm->len - (r.addr - rm->base))
                 return NIXL_ERR_INVALID_PARAM;
+            const std::string &w = ipc ? rm->ipc : rm->window;
             h->descs.push_back(ferry_desc{lm->region, l.addr - lm->base, l.len,
-                                          reinterpret_cast<const uint8_t *>(rm->window.data()),
-                                          rm->window.size(), r.addr - rm->base});
+                                          reinterpret_cast<const uint8_t *>(w.data()), w.size(),
+                                          r.addr - rm->base});
         }
         handle = h.release();
         return NIXL_SUCCESS;
@@ -304,7 +331,8 @@ public:
                                const std::string &agent, nixlBackendMD *&out) override {
         if (kind != DRAM_SEG && kind != VRAM_SEG) return NIXL_ERR_NOT_SUPPORTED;
         const std::string &pd = in.metaInfo;
-        if (pd.size() != 1 + FERRY_WINDOW_LEN || pd[0] != 'F') {
+        bool with_ipc = pd.size() == 1 + FERRY_WINDOW_LEN + FERRY_IPC_WINDOW_LEN;
+        if ((pd.size() != 1 + FERRY_WINDOW_LEN && !with_ipc) || pd[0] != 'F') {
             std::fprintf(stderr, "ferry nixl: %s's metadata for [%#zx, +%zu) is not ferry's "
                                  "(%zu bytes)\n", agent.c_str(), size_t(in.addr), in.len, pd.size());
             return NIXL_ERR_INVALID_PARAM;
@@ -313,7 +341,8 @@ public:
         md->agent = agent;
         md->base = in.addr;
         md->len = in.len;
-        md->window = pd.substr(1);
+        md->window = pd.substr(1, FERRY_WINDOW_LEN);
+        if (with_ipc) md->ipc = pd.substr(1 + FERRY_WINDOW_LEN);
         out = md.release();
         return NIXL_SUCCESS;
     }
@@ -364,6 +393,7 @@ private:
 
     ferry_endpoint *ep_ = nullptr;
     std::string conn_info_;
+    bool ipc_allowed_ = true;
     mutable std::mutex mu_;
     // Under mu_: conn info by agent; connection by agent (ours or theirs);
     // agent by connection; long messages being reassembled.
@@ -376,6 +406,8 @@ private:
 };
 
 bool nixlFerryEngine::start(const nixlBackendInitParams *p) {
+    const char *ipc = std::getenv("FERRY_NIXL_IPC");
+    ipc_allowed_ = ipc == nullptr || std::string(ipc) != "0";
     ferry_config *cfg = ferry_config_new();
     if (p->customParams != nullptr) {
         for (auto &kv : *p->customParams) {

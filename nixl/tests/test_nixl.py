@@ -4,7 +4,8 @@ Run by .ci/run (nixl/run_tests.sh): a throwaway venv with the `nixl` wheel
 from PyPI, NIXL_PLUGIN_DIR holding libplugin_FERRY.so beside links to the
 wheel's own plugins. Two agents in two processes: this one initiates, a
 child (`_target`) owns the far buffer and answers commands over a pipe.
-Every wait has a deadline.
+Every wait has a deadline. FERRY_NIXL_MEM=VRAM runs it all on GPU memory
+(CuPy arrays on GPU 0 in both processes) instead of host memory.
 """
 
 import multiprocessing as mp
@@ -20,6 +21,13 @@ import pytest
 from nixl._api import nixl_agent, nixl_agent_config
 
 BACKEND = os.environ.get("FERRY_NIXL_BACKEND", "FERRY")
+MEM = os.environ.get("FERRY_NIXL_MEM", "DRAM")
+VRAM = MEM == "VRAM"
+DEV = 0
+if VRAM:
+    import cupy as xp
+else:
+    xp = np
 TARGET_BYTES = 8 << 20
 DEADLINE_S = 30.0
 
@@ -29,13 +37,28 @@ def make_agent(name):
 
 
 def register(ag, arr):
-    descs = ag.get_reg_descs([(arr.ctypes.data, arr.nbytes, 0, "")], "DRAM")
+    descs = ag.get_reg_descs([(addr(arr), arr.nbytes, DEV, "")], MEM)
     ag.register_memory(descs)
     return descs
 
 
 def pattern(n, seed):
+    """`n` bytes of seed `seed`, on the host."""
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def new_buf(n, seed):
+    """`n` bytes of seed `seed` in the memory under test."""
+    return xp.asarray(pattern(n, seed))
+
+
+def addr(a):
+    return a.data.ptr if VRAM else a.ctypes.data
+
+
+def host(a):
+    """A host copy (or the array itself, for host memory)."""
+    return xp.asnumpy(a) if VRAM else a
 
 
 def wait_done(ag, h, deadline_s=DEADLINE_S):
@@ -50,9 +73,9 @@ def wait_done(ag, h, deadline_s=DEADLINE_S):
 def _target(pipe, name, nbytes):
     """The far agent: a buffer of `nbytes` (pattern seed 1) and commands."""
     ag = make_agent(name)
-    buf = pattern(nbytes, 1)
+    buf = new_buf(nbytes, 1)
     register(ag, buf)
-    pipe.send((ag.get_agent_metadata(), buf.ctypes.data))
+    pipe.send((ag.get_agent_metadata(), addr(buf)))
     seen = []
 
     def await_note(msg):
@@ -73,17 +96,17 @@ def _target(pipe, name, nbytes):
             pipe.send(ag.add_remote_agent(args[0]))
         elif cmd == "get":
             off, n = args
-            pipe.send(buf[off : off + n].tobytes())
+            pipe.send(host(buf[off : off + n]).tobytes())
         elif cmd == "set":
             off, data = args
-            buf[off : off + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            buf[off : off + len(data)] = xp.asarray(np.frombuffer(data, dtype=np.uint8))
             pipe.send(True)
         elif cmd == "await_note":
             # Snapshot the range the moment the note arrives: it must
             # already hold the WRITE's bytes.
             msg, off, n = args
             who = await_note(msg)
-            pipe.send((who, buf[off : off + n].tobytes()))
+            pipe.send((who, host(buf[off : off + n]).tobytes()))
         elif cmd == "await_note_clobber":
             # vLLM's prefill side: the note says the READ is done, so the
             # blocks are freed (overwritten) at once.
@@ -131,7 +154,7 @@ class Peer:
         return self.call_raw()
 
     def remote(self, off, n):
-        return self.ag.get_xfer_descs([(self.taddr + off, n, 0)], "DRAM")
+        return self.ag.get_xfer_descs([(self.taddr + off, n, DEV)], MEM)
 
     def close(self):
         if self.proc.is_alive():
@@ -154,7 +177,7 @@ def local(peer):
 
     def make(nbytes, seed=7, ag=None):
         ag = ag or peer.ag
-        arr = pattern(nbytes, seed)
+        arr = new_buf(nbytes, seed)
         held.append((ag, register(ag, arr), arr))
         return arr
 
@@ -164,7 +187,7 @@ def local(peer):
 
 
 def xfer(peer, op, arr, loff, roff, n, note=b""):
-    l = peer.ag.get_xfer_descs([(arr.ctypes.data + loff, n, 0)], "DRAM")
+    l = peer.ag.get_xfer_descs([(addr(arr) + loff, n, DEV)], MEM)
     h = peer.ag.initialize_xfer(op, l, peer.remote(roff, n), peer.target, note)
     assert peer.ag.transfer(h) in ("PROC", "DONE")
     assert wait_done(peer.ag, h) == "DONE"
@@ -177,10 +200,12 @@ def xfer(peer, op, arr, loff, roff, n, note=b""):
 def test_write_and_read_byte_exact(peer, local, loff, roff, n):
     src = local(loff + n, seed=n)
     xfer(peer, "WRITE", src, loff, roff, n)
+    src = host(src)
     assert peer.call("get", roff, n) == src[loff : loff + n].tobytes()
-    dst = local(loff + n + 64, seed=n + 1)
-    before = dst.copy()
-    xfer(peer, "READ", dst, loff, roff, n)
+    dst_mem = local(loff + n + 64, seed=n + 1)
+    before = host(dst_mem).copy()
+    xfer(peer, "READ", dst_mem, loff, roff, n)
+    dst = host(dst_mem)
     assert dst[loff : loff + n].tobytes() == src[loff : loff + n].tobytes()
     # Nothing outside the range moved.
     assert (dst[:loff] == before[:loff]).all() and (dst[loff + n :] == before[loff + n :]).all()
@@ -189,14 +214,14 @@ def test_write_and_read_byte_exact(peer, local, loff, roff, n):
 def test_write_notification_arrives_after_its_data(peer, local):
     n = 2 << 20
     src = local(n, seed=21)
-    l = peer.ag.get_xfer_descs([(src.ctypes.data, n, 0)], "DRAM")
+    l = peer.ag.get_xfer_descs([(addr(src), n, DEV)], MEM)
     h = peer.ag.initialize_xfer("WRITE", l, peer.remote(0, n), peer.target, b"w-note")
     peer.pipe.send(("await_note", b"w-note", 0, n))
     peer.ag.transfer(h)
     # No check_xfer call before the note must arrive: ferry sends it itself.
     who, seen = peer.call_raw()
     assert who == "initiator"
-    assert seen == src.tobytes()
+    assert seen == host(src).tobytes()
     assert wait_done(peer.ag, h) == "DONE"
     peer.ag.release_xfer_handle(h)
 
@@ -205,13 +230,13 @@ def test_read_notification_frees_blocks_safely(peer, local):
     n = 1 << 20
     orig = peer.call("get", 4 << 20, n)
     dst = local(n, seed=22)
-    l = peer.ag.get_xfer_descs([(dst.ctypes.data, n, 0)], "DRAM")
+    l = peer.ag.get_xfer_descs([(addr(dst), n, DEV)], MEM)
     h = peer.ag.initialize_xfer("READ", l, peer.remote(4 << 20, n), peer.target, b"r-note")
     peer.pipe.send(("await_note_clobber", b"r-note", [(4 << 20, n)]))
     peer.ag.transfer(h)
     assert peer.call_raw() == "initiator"
     assert wait_done(peer.ag, h) == "DONE"
-    assert dst.tobytes() == orig
+    assert host(dst).tobytes() == orig
     peer.ag.release_xfer_handle(h)
     peer.call("set", 4 << 20, orig)
 
@@ -236,22 +261,22 @@ def test_notifications_both_ways(peer):
 def test_reposted_handle_with_new_message(peer, local):
     n = 64 << 10
     src = local(n, seed=31)
-    l = peer.ag.get_xfer_descs([(src.ctypes.data, n, 0)], "DRAM")
+    l = peer.ag.get_xfer_descs([(addr(src), n, DEV)], MEM)
     h = peer.ag.initialize_xfer("WRITE", l, peer.remote(0, n), peer.target, b"first")
     for round_, msg in enumerate([b"first", b"second", b"third" * 2000]):
         src[:] = round_ + 1
         peer.ag.transfer(h, msg)
         assert wait_done(peer.ag, h) == "DONE"
         who, seen = peer.call("await_note", msg, 0, n)
-        assert who == "initiator" and seen == src.tobytes()
+        assert who == "initiator" and seen == host(src).tobytes()
     peer.ag.release_xfer_handle(h)
 
 
 def test_handle_released_in_flight(peer, local):
     n = 6 << 20
-    arr = pattern(n, 41)
+    arr = new_buf(n, 41)
     descs = register(peer.ag, arr)
-    l = peer.ag.get_xfer_descs([(arr.ctypes.data, n, 0)], "DRAM")
+    l = peer.ag.get_xfer_descs([(addr(arr), n, DEV)], MEM)
     for op in ("WRITE", "READ"):
         h = peer.ag.initialize_xfer(op, l, peer.remote(0, n), peer.target, b"released")
         peer.ag.transfer(h)
@@ -263,7 +288,7 @@ def test_handle_released_in_flight(peer, local):
     # The connection goes on.
     src = local(4096, seed=42)
     xfer(peer, "WRITE", src, 0, 0, 4096)
-    assert peer.call("get", 0, 4096) == src.tobytes()
+    assert peer.call("get", 0, 4096) == host(src).tobytes()
     # Notes of released transfers may or may not have been sent (the
     # transfer may have ended first); none other arrives.
     assert all(m == b"released" for _, m in peer.call("notifs", 0, 0.5))
@@ -273,12 +298,12 @@ def test_ten_thousand_descriptors_in_one_request(peer, local):
     count, piece, gap = 10_000, 64, 16
     span = count * (piece + gap)
     src = local(span, seed=51)
-    loc = [(src.ctypes.data + i * (piece + gap), piece, 0) for i in range(count)]
-    rem = [(peer.taddr + i * (piece + gap) + 3, piece, 0) for i in range(count)]
+    loc = [(addr(src) + i * (piece + gap), piece, DEV) for i in range(count)]
+    rem = [(peer.taddr + i * (piece + gap) + 3, piece, DEV) for i in range(count)]
     h = peer.ag.initialize_xfer(
         "WRITE",
-        peer.ag.get_xfer_descs(loc, "DRAM"),
-        peer.ag.get_xfer_descs(rem, "DRAM"),
+        peer.ag.get_xfer_descs(loc, MEM),
+        peer.ag.get_xfer_descs(rem, MEM),
         peer.target,
         b"10k",
     )
@@ -286,6 +311,7 @@ def test_ten_thousand_descriptors_in_one_request(peer, local):
     assert wait_done(peer.ag, h) == "DONE"
     who, far = peer.call("await_note", b"10k", 3, span)
     far = np.frombuffer(far, dtype=np.uint8)
+    src = host(src)
     for i in range(0, count, 97):
         at = i * (piece + gap)
         assert far[at : at + piece].tobytes() == src[at : at + piece].tobytes()
@@ -305,10 +331,10 @@ def test_vllm_nixl_connector_pattern(peer, local):
     orig = np.frombuffer(peer.call("get", remote_base, layers * layer_bytes), dtype=np.uint8)
 
     def block_descs(base):
-        return [(base + l * layer_bytes + b * block, block, 0) for l in range(layers) for b in range(blocks)]
+        return [(base + l * layer_bytes + b * block, block, DEV) for l in range(layers) for b in range(blocks)]
 
-    local_h = peer.ag.prep_xfer_dlist("NIXL_INIT_AGENT", block_descs(kv.ctypes.data), "DRAM")
-    remote_h = peer.ag.prep_xfer_dlist(peer.target, block_descs(peer.taddr + remote_base), "DRAM")
+    local_h = peer.ag.prep_xfer_dlist("NIXL_INIT_AGENT", block_descs(addr(kv)), MEM)
+    remote_h = peer.ag.prep_xfer_dlist(peer.target, block_descs(peer.taddr + remote_base), MEM)
     for req in range(blocks // 2):
         ids = [l * blocks + b for l in range(layers) for b in (2 * req, 2 * req + 1)]
         req_id = f"cmpl-{req:04d}-{'x' * 200}".encode()
@@ -318,8 +344,9 @@ def test_vllm_nixl_connector_pattern(peer, local):
         peer.ag.transfer(h)
         assert peer.call_raw() == "initiator"
         assert wait_done(peer.ag, h) == "DONE"
+        kv_now = host(kv)
         for i in ids:
-            assert (kv[i * block : (i + 1) * block] == orig[i * block : (i + 1) * block]).all()
+            assert (kv_now[i * block : (i + 1) * block] == orig[i * block : (i + 1) * block]).all()
         peer.ag.release_xfer_handle(h)
     peer.ag.release_dlist_handle(local_h)
     peer.ag.release_dlist_handle(remote_h)
@@ -339,7 +366,7 @@ def test_threads_post_at_once(peer, local):
         try:
             for i in range(each):
                 at = (t * each + i) * n
-                l = peer.ag.get_xfer_descs([(src.ctypes.data + at, n, 0)], "DRAM")
+                l = peer.ag.get_xfer_descs([(addr(src) + at, n, DEV)], MEM)
                 h = peer.ag.initialize_xfer("WRITE", l, peer.remote(at, n), peer.target, f"t{t}-{i}".encode())
                 peer.ag.transfer(h)
                 assert wait_done(peer.ag, h) == "DONE"
@@ -359,7 +386,7 @@ def test_threads_post_at_once(peer, local):
         # (A note of an earlier test's released transfer may still come.)
         got += [m for _, m in peer.call("notifs", 1, 1.0) if m != b"released"]
     assert sorted(got) == want
-    assert peer.call("get", 0, threads * each * n) == src.tobytes()
+    assert peer.call("get", 0, threads * each * n) == host(src).tobytes()
 
 
 def test_ucx_stays_available_beside_ferry():
@@ -383,7 +410,7 @@ def test_killed_peer_is_an_error_not_a_hang(local):
     xfer(p, "WRITE", src, 0, 0, 1 << 20)
     os.kill(p.proc.pid, signal.SIGKILL)
     p.proc.join(10)
-    l = p.ag.get_xfer_descs([(src.ctypes.data, 1 << 20, 0)], "DRAM")
+    l = p.ag.get_xfer_descs([(addr(src), 1 << 20, DEV)], MEM)
     end = time.monotonic() + DEADLINE_S
     state = None
     while time.monotonic() < end:

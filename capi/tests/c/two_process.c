@@ -166,6 +166,10 @@ static int client(int to_target, int from_target) {
     CHECK(ferry_endpoint_create(NULL, &ep) == FERRY_OK);
     uint64_t conn = 0;
     CHECK(ferry_add_remote(ep, meta, meta_len, &conn) == FERRY_OK);
+    /* The target runs tcp only: a network peer, though on this host. */
+    int is_local = -1;
+    CHECK(ferry_peer_is_local(ep, conn, &is_local) == FERRY_OK && is_local == 0);
+    CHECK(ferry_peer_is_local(ep, 987654, &is_local) == FERRY_ERR_DISCONNECTED);
     unsigned char w_into[FERRY_WINDOW_LEN], w_from[FERRY_WINDOW_LEN];
     get_all(from_target, w_into, sizeof w_into);
     get_all(from_target, w_from, sizeof w_from);
