@@ -430,35 +430,40 @@ def test_killed_peer_is_an_error_not_a_hang(local):
 
 
 def _vtable(so, cls):
-    """The slots of `vtable for cls` in `so`: demangled method names
-    without their class, as `nm`/`readelf` see them."""
+    """The slots of `vtable for cls` in `so`: for each, the set of
+    demangled method names (without their class) at its address — a set,
+    since a linker may fold identical functions (two `return true;`
+    methods) into one address."""
 
     def run(*a):
         return subprocess.run(a, capture_output=True, text=True, check=True).stdout
 
     syms, vt = {}, None
-    for line in run("nm", "-S", "-C", so).splitlines():
+    for line in run("nm", "-S", so).splitlines():
         p = line.split(None, 3)
         if len(p) == 4 and re.fullmatch(r"[0-9a-f]{8,}", p[0]) and re.fullmatch(r"[0-9a-f]{8,}", p[1]):
-            syms.setdefault(int(p[0], 16), p[3])
-            if p[3] == "vtable for " + cls:
-                vt = (int(p[0], 16), int(p[1], 16))
+            syms.setdefault(int(p[0], 16), []).append(p[3])
+    for line in run("nm", "-S", "-C", so).splitlines():
+        p = line.split(None, 3)
+        if len(p) == 4 and p[3] == "vtable for " + cls:
+            vt = (int(p[0], 16), int(p[1], 16))
     assert vt is not None, f"no vtable for {cls} in {so}"
     relocs = {}
     for line in run("readelf", "-rW", so).splitlines():
         f = line.split()
         if len(f) >= 4 and re.fullmatch(r"[0-9a-f]{12,}", f[0]) and f[2] == "R_X86_64_RELATIVE":
-            relocs[int(f[0], 16)] = syms.get(int(f[3], 16), "?")
+            relocs[int(f[0], 16)] = syms.get(int(f[3], 16), ["?"])
         elif len(f) >= 5 and re.fullmatch(r"[0-9a-f]{12,}", f[0]) and f[2] == "R_X86_64_64":
-            relocs[int(f[0], 16)] = " ".join(f[4:])
-    slots = [relocs.get(at, "?").split(" + ")[0] for at in range(vt[0] + 16, vt[0] + vt[1], 8)]
-    slots = run("c++filt", *[s.split("@")[0] for s in slots]).splitlines()
+            relocs[int(f[0], 16)] = [f[4].split("@")[0]]
     out = []
-    for name in slots:
-        name = name.replace("(anonymous namespace)::", "")
-        name = re.sub(r"^\w+::", "", name)  # the class
-        name = re.sub(r"^~\w+\(\)", "~()", name)
-        out.append(name)
+    for at in range(vt[0] + 16, vt[0] + vt[1], 8):
+        names = set()
+        for mangled in relocs.get(at, ["?"]):
+            name = run("c++filt", mangled).strip()
+            name = name.replace("(anonymous namespace)::", "")
+            name = re.sub(r"^\w+::", "", name)  # the class
+            names.add(re.sub(r"^~\w+\(\)", "~()", name))
+        out.append(names)
     return out
 
 
@@ -478,7 +483,7 @@ def test_vtable_matches_nixl():
     ours = os.path.realpath(os.path.join(os.environ["NIXL_PLUGIN_DIR"], "libplugin_FERRY.so"))
     want = _vtable(theirs, "nixlPosixEngine")
     got = _vtable(ours, "(anonymous namespace)::nixlFerryEngine")
-    assert "checkXfer(nixlBackendReqH*) const" in want
+    assert any("checkXfer(nixlBackendReqH*) const" in w for w in want)
     assert len(got) == len(want), (got, want)
     for i, (g, w) in enumerate(zip(got, want)):
-        assert g == w, f"slot {i}: ours {g!r}, NIXL's {w!r}"
+        assert g & w, f"slot {i}: ours {sorted(g)}, NIXL's {sorted(w)}"

@@ -177,7 +177,9 @@ impl Inner {
         conn: ConnId,
         kind: OpKind,
         parts: IpcParts,
+        note: Option<&[u8]>,
     ) -> Result<Transfer> {
+        super::lanes::check_note(note)?;
         let cuda = crate::gpu::cuda()?;
         // Copies run on the local buffer's GPU when it has one, else on the
         // endpoint's (GPU 0 in lazy mode).
@@ -193,6 +195,9 @@ impl Inner {
         let t = self.table.claim().ok_or(Error::TooManyInflight {
             max: self.table.capacity(),
         })?;
+        if let Some(n) = note {
+            self.attach_note(&t, conn, n);
+        }
         let cmd = IpcCmd {
             conn,
             kind,
@@ -203,6 +208,7 @@ impl Inner {
         match self.shard_of(conn).submit(Command::Ipc(cmd)) {
             Ok(()) => Ok(t),
             Err((e, _)) => {
+                self.table.cancel_note(t.slot());
                 self.table.complete(t.slot(), Ok(()));
                 drop(t);
                 Err(e)

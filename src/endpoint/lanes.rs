@@ -143,29 +143,12 @@ impl Inner {
         parts: OpParts,
         via: &mut Via<'_>,
     ) -> Result<Transfer> {
-        if let Some(n) = via.1 {
-            if n.len() > MAX_NOTIFY_BYTES {
-                return Err(Error::NotifyTooLong {
-                    len: n.len(),
-                    max: MAX_NOTIFY_BYTES,
-                });
-            }
-        }
+        check_note(via.1)?;
         let t = self.table.claim().ok_or(Error::TooManyInflight {
             max: self.table.capacity(),
         })?;
         if let Some(n) = via.1 {
-            // Sent on the connection's first lane, as send_notification's.
-            let (lane, shard) = self.lanes(conn).next().expect("a lane");
-            let mut payload = Vec::with_capacity(1 + n.len());
-            payload.push(crate::wire::NOTE_APP);
-            payload.extend_from_slice(n);
-            let note = crate::reactor::completion::Note {
-                conn: lane,
-                shard: shard.id,
-                payload,
-            };
-            self.table.set_note(t.slot(), note);
+            self.attach_note(&t, conn, n);
         }
         let (base, k) = lanes_of(conn);
         if k > 1 {
@@ -287,6 +270,36 @@ impl Inner {
     }
 }
 
+/// A notification that would ride with an op: refused before anything
+/// is claimed if it is too long.
+pub(super) fn check_note(note: Option<&[u8]>) -> Result<()> {
+    match note {
+        Some(n) if n.len() > MAX_NOTIFY_BYTES => Err(Error::NotifyTooLong {
+            len: n.len(),
+            max: MAX_NOTIFY_BYTES,
+        }),
+        _ => Ok(()),
+    }
+}
+
+impl Inner {
+    /// Stores `n` in `t`'s slot: the shard that ends the op sends it to
+    /// the peer on `conn`'s first lane (as send_notification's) if the op
+    /// ended well.
+    pub(super) fn attach_note(&self, t: &Transfer, conn: ConnId, n: &[u8]) {
+        let (lane, shard) = self.lanes(conn).next().expect("a lane");
+        let mut payload = Vec::with_capacity(1 + n.len());
+        payload.push(crate::wire::NOTE_APP);
+        payload.extend_from_slice(n);
+        let note = crate::reactor::completion::Note {
+            conn: lane,
+            shard: shard.id,
+            payload,
+        };
+        self.table.set_note(t.slot(), note);
+    }
+}
+
 /// Where an op's commands go: straight onto their shards' queues, or into
 /// a batch's per-shard lists (queued when the batch is). Public only as
 /// a sealed trait's argument; nothing outside can make or read one.
@@ -302,8 +315,8 @@ impl<'a> Via<'a> {
     }
 
     /// Whether a notification rides with the op.
-    pub(super) fn has_note(&self) -> bool {
-        self.1.is_some()
+    pub(super) fn note(&self) -> Option<&'a [u8]> {
+        self.1
     }
 
     /// With a notification for the peer, sent by a shard once the op

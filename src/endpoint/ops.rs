@@ -118,14 +118,9 @@ mod sealed {
                 }
             };
             // A CUDA IPC op is this endpoint's own GPU copy, queued at
-            // once even from a batch; no shard sees it end.
-            if via.has_note() {
-                return Err(Error::Unsupported {
-                    what: "a notification riding with a CUDA IPC op",
-                    reason: "send it with send_notification once the op ended".into(),
-                });
-            }
-            ep.inner.submit_ipc(conn, kind, parts)
+            // once even from a batch; the shard of its connection ends it
+            // (its ledger), and sends its note then.
+            ep.inner.submit_ipc(conn, kind, parts, via.note())
         }
     }
 
