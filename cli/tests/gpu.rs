@@ -391,6 +391,58 @@ fn same_process_needs_no_handle() {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU (cargo test --test gpu -- --ignored)"]
+fn ipc_ops_carry_a_notification_sent_after_their_data() {
+    let n = gpus();
+    let a = Endpoint::builder().config(cfg(0)).build().unwrap();
+    let b = Endpoint::builder()
+        .config(cfg(peer_gpu(n)))
+        .build()
+        .unwrap();
+    b.start_passive_accept().unwrap();
+    let conn = a.add_remote(&b.metadata_bytes()).unwrap();
+    let far = b.alloc_gpu(8 << 20).unwrap();
+    let win = far.advertise_ipc(0, 8 << 20).unwrap();
+    let near = a.alloc_gpu(8 << 20).unwrap();
+    for (i, kind) in [ferry::OpKind::Write, ferry::OpKind::Read]
+        .into_iter()
+        .enumerate()
+    {
+        let seed = 40 + i as u8;
+        let len = (6 << 20) + 7;
+        if kind == ferry::OpKind::Write {
+            gpu_fill(&near, 0, len, seed);
+        } else {
+            gpu_fill(&far, 0, len, seed);
+        }
+        let note = format!("done {i}");
+        let t = a
+            .transfer_notify_async(
+                conn,
+                kind,
+                &[(&near, 0, len)],
+                &[win.clone()],
+                note.as_bytes(),
+            )
+            .unwrap();
+        // Released unwatched: the note still comes, after the bytes.
+        drop(t);
+        let (_, got) = b.recv_notification(Duration::from_secs(10)).unwrap();
+        assert_eq!(got, note.as_bytes());
+        let landed = if kind == ferry::OpKind::Write {
+            &far
+        } else {
+            &near
+        };
+        assert_eq!(
+            check_pattern(&gpu_bytes(landed, 0, len), 0, seed),
+            None,
+            "{kind:?}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU (cargo test --test gpu -- --ignored)"]
 fn ipc_refuses_bad_requests_with_clear_errors() {
     let n = gpus();
     let p = pair(n, 1 << 20);
