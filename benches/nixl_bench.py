@@ -13,8 +13,8 @@ DONE). Medians over `--rounds`.
         [--rounds 3] [--plot out.png] [--json]
 
 --mem vram puts both sides' buffers in GPU memory (CuPy, GPU 0) and adds
-the reference of the same run: a device-to-device copy of the same bytes
-in one process (the peer-copy rate), with FERRY's ratio to it.
+the reference of the same run: a device-to-device cudaMemcpy of the same
+bytes in one process (the peer-copy rate), with FERRY's ratio to it.
 
 --transport tcp runs both over 127.0.0.1 TCP (FERRY_TRANSPORT=tcp;
 UCX_TLS=tcp with UCX_NET_DEVICES=lo); shm leaves each backend its
@@ -63,15 +63,22 @@ def addr(a):
 
 
 def copy_rate(nbytes):
-    """GB/s of a device-to-device copy of `nbytes` in one process (CuPy)."""
+    """GB/s of a device-to-device cudaMemcpy of `nbytes` in one process:
+    the peer-copy rate (what a CUDA IPC copy would cost without any
+    engine around it)."""
     import cupy
 
     a, b = cupy.ones(nbytes, dtype=cupy.uint8), cupy.zeros(nbytes, dtype=cupy.uint8)
-    b[:] = a
+    rt = cupy.cuda.runtime
+
+    def once():
+        rt.memcpy(b.data.ptr, a.data.ptr, nbytes, rt.memcpyDeviceToDevice)
+
+    once()
     cupy.cuda.Device().synchronize()
     iters, t0 = 0, time.perf_counter()
     while True:
-        b[:] = a
+        once()
         cupy.cuda.Device().synchronize()
         iters += 1
         dt = time.perf_counter() - t0

@@ -66,7 +66,8 @@
 // set here win over the environment's).
 typedef struct ferry_config ferry_config;
 
-// An endpoint (managed: ferry runs its own shard threads).
+// An endpoint (its shards run on ferry's threads, or with
+// `FERRY_DRIVE=caller` on the calling threads too).
 typedef struct ferry_endpoint ferry_endpoint;
 
 // A send or receive in flight (`ferry_send` / `ferry_recv`).

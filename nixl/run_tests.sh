@@ -8,9 +8,12 @@ here=$(cd "$(dirname "$0")" && pwd)
 rel=()
 if [ "${1:-}" = "--release" ]; then rel=(--release); shift; fi
 run() {
-    for transport in shm tcp; do
-        echo "== NIXL ${NIXL_VERSION:-1.5.1}, backend FERRY, FERRY_TRANSPORT=$transport"
-        FERRY_TRANSPORT=$transport "$NIXL_PY" -m pytest -q -p no:cacheprovider \
+    # The plugin's default (shards run by NIXL's polling threads and their
+    # helpers) over shm and tcp, then ferry's own shard threads.
+    for mode in shm,caller tcp,caller shm,threads; do
+        transport=${mode%,*} drive=${mode#*,}
+        echo "== NIXL ${NIXL_VERSION:-1.5.1}, backend FERRY, FERRY_TRANSPORT=$transport FERRY_DRIVE=$drive"
+        FERRY_TRANSPORT=$transport FERRY_DRIVE=$drive "$NIXL_PY" -m pytest -q -p no:cacheprovider \
             "$here/tests/test_nixl.py" "$@"
     done
 }

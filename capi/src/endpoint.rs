@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use engine::{Access, ConnId, Endpoint, SharedRegion};
 
+use crate::drive::{Driver, Engine};
 use crate::status::*;
 
 /// Settings for a new endpoint: the `FERRY_*` variables by name (values
@@ -15,16 +16,17 @@ pub struct ferry_config {
     vars: HashMap<String, String>,
 }
 
-/// An endpoint (managed: ferry runs its own shard threads).
+/// An endpoint (its shards run on ferry's threads, or with
+/// `FERRY_DRIVE=caller` on the calling threads too).
 pub struct ferry_endpoint {
-    pub(crate) ep: Arc<Endpoint>,
+    pub(crate) ep: Arc<Engine>,
     /// A notification too long for the caller's buffer, kept for the next call.
     held_note: Mutex<Option<(ConnId, Vec<u8>)>>,
 }
 
 /// A registration of `[ptr, ptr + len)` (host or GPU memory).
 pub struct ferry_region {
-    pub(crate) ep: Arc<Endpoint>,
+    pub(crate) ep: Arc<Engine>,
     pub(crate) sh: Option<SharedRegion>,
 }
 
@@ -118,12 +120,37 @@ pub unsafe extern "C" fn ferry_endpoint_create(
             vars.get(k).cloned().or_else(|| std::env::var(k).ok())
         })?;
         let asked = asked.into_inner().expect("lock");
-        if let Some(unknown) = vars.keys().find(|k| !asked.contains(k)) {
+        let ours = |k: &String| k == "FERRY_DRIVE";
+        if let Some(unknown) = vars.keys().find(|k| !asked.contains(k) && !ours(k)) {
             return Err(invalid(format!("{unknown} is not a ferry setting")));
         }
+        let drive = vars
+            .get("FERRY_DRIVE")
+            .cloned()
+            .or_else(|| std::env::var("FERRY_DRIVE").ok());
+        let caller = match drive.as_deref() {
+            None | Some("threads") => false,
+            Some("caller") => true,
+            Some(other) => {
+                return Err(invalid(format!(
+                    "invalid FERRY_DRIVE = {other:?}: expected threads or caller"
+                )))
+            }
+        };
+        let mut config = config;
+        if caller {
+            config.mode = engine::Mode::Embedded;
+        }
         let ep = Endpoint::builder().config(config).build()?;
+        let drive = if caller {
+            let d = Driver::start(&ep)
+                .map_err(|e| Fail(FERRY_ERR_INTERNAL, format!("a shard helper thread: {e}")))?;
+            Some(d)
+        } else {
+            None
+        };
         let h = Box::new(ferry_endpoint {
-            ep: Arc::new(ep),
+            ep: Arc::new(Engine { ep, drive }),
             held_note: Mutex::new(None),
         });
         // SAFETY: `out` is non-null and valid (the caller's promise).
@@ -181,6 +208,7 @@ pub unsafe extern "C" fn ferry_add_remote(
     guard("ferry_add_remote", || {
         // SAFETY: the caller's promises, as documented.
         let (ep, meta) = unsafe { (handle(ep, "ep")?, bytes(meta, len, "meta")?) };
+        ep.ep.hand_over();
         let c = ep.ep.add_remote(meta)?;
         // SAFETY: as above.
         unsafe { put(conn, c.0, "conn") }
@@ -204,6 +232,7 @@ pub unsafe extern "C" fn ferry_connect(
         let ip: std::net::IpAddr = ip
             .parse()
             .map_err(|_| invalid(format!("{ip:?} is not an IP address")))?;
+        ep.ep.hand_over();
         let c = ep.ep.connect((ip, port).into())?;
         // SAFETY: as above.
         unsafe { put(conn, c.0, "conn") }
@@ -501,6 +530,7 @@ pub unsafe extern "C" fn ferry_send_notification(
         // SAFETY: the caller's promises.
         let (ep, msg) = unsafe { (handle(ep, "ep")?, bytes(msg, len, "msg")?) };
         ep.ep.send_notification(ConnId(conn), msg)?;
+        ep.ep.assist();
         Ok(FERRY_OK)
     })
 }
@@ -530,9 +560,15 @@ pub unsafe extern "C" fn ferry_recv_notification(
         let held = ep.held_note.lock().expect("lock").take();
         let (c, msg) = match held {
             Some(n) => n,
-            None => ep
-                .ep
-                .recv_notification(Duration::from_millis(timeout_ms.into()))?,
+            None => {
+                if timeout_ms == 0 {
+                    ep.ep.assist();
+                } else {
+                    ep.ep.hand_over();
+                }
+                ep.ep
+                    .recv_notification(Duration::from_millis(timeout_ms.into()))?
+            }
         };
         // SAFETY: checked non-null; valid (the caller's promise).
         unsafe { *conn = c.0 };

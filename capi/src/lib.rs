@@ -14,6 +14,7 @@
 // The C names are the C face's (`ferry_endpoint`, not `FerryEndpoint`).
 #![allow(non_camel_case_types)]
 
+mod drive;
 mod endpoint;
 mod msg;
 mod status;

@@ -11,7 +11,7 @@ use crate::status::*;
 
 /// A send or receive in flight (`ferry_send` / `ferry_recv`).
 pub struct ferry_message {
-    ep: Arc<Endpoint>,
+    ep: Arc<crate::drive::Engine>,
     op: MessageOp,
     /// The outcome once known: the length, or the failure's status.
     outcome: Mutex<Option<Result<usize, i32>>>,
@@ -108,12 +108,21 @@ pub unsafe extern "C" fn ferry_recv(
 }
 
 impl ferry_message {
+    /// Waits (the shards' helpers run them meanwhile).
+    fn waited(&self, d: Duration) -> engine::Result<usize> {
+        self.ep.hand_over();
+        self.ep.wait_message(self.op, d)
+    }
+
     fn check(&self, wait: Option<Duration>, len: *mut usize) -> Result<i32, Fail> {
         let mut st = self.outcome.lock().expect("lock");
         if st.is_none() {
             let r = match wait {
-                None => self.ep.poll_message(self.op),
-                Some(d) => match self.ep.wait_message(self.op, d) {
+                None => {
+                    self.ep.assist();
+                    self.ep.poll_message(self.op)
+                }
+                Some(d) => match self.waited(d) {
                     Err(engine::Error::Timeout { .. }) => None,
                     other => Some(other),
                 },

@@ -1,11 +1,12 @@
 //! One-sided transfers: a whole list of descriptors in one post, with an
 //! optional notification; poll, wait, release.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use engine::{AnyWindow, ConnId, MemoryRegion};
 
+use crate::drive::Engine;
 use crate::endpoint::{ferry_endpoint, ferry_region};
 use crate::status::*;
 
@@ -30,6 +31,9 @@ pub struct ferry_desc {
 /// A transfer in flight (`ferry_post`).
 pub struct ferry_transfer {
     state: Mutex<State>,
+    /// Its endpoint: kept alive until the transfer is released, and run
+    /// by a polling caller (`FERRY_DRIVE=caller`).
+    eng: Arc<Engine>,
 }
 
 struct State {
@@ -105,11 +109,13 @@ pub unsafe extern "C" fn ferry_post(
             ep.ep
                 .transfer_notify_async(c, kind, &locals, &windows, note)?
         };
+        ep.ep.assist();
         let h = Box::new(ferry_transfer {
             state: Mutex::new(State {
                 t: Some(t),
                 outcome: None,
             }),
+            eng: ep.ep.clone(),
         });
         // SAFETY: `out` non-null and valid (the caller's promise).
         unsafe { *out = Box::into_raw(h) };
@@ -137,6 +143,12 @@ fn piece(d: &ferry_desc) -> Result<((&MemoryRegion, usize, usize), AnyWindow), F
 }
 
 impl ferry_transfer {
+    /// Waits (the shards' helpers run them meanwhile).
+    fn waited(&self, t: &mut engine::Transfer, d: Duration) -> engine::Result<()> {
+        self.eng.hand_over();
+        t.wait_timeout(d)
+    }
+
     /// Its outcome once ended, or `FERRY_PENDING`; `wait` waits up to that
     /// long first.
     fn check(&self, wait: Option<Duration>) -> Result<i32, Fail> {
@@ -153,8 +165,11 @@ impl ferry_transfer {
         }
         let t = st.t.as_mut().expect("running until its outcome is known");
         let r = match wait {
-            None => t.poll(),
-            Some(d) => match t.wait_timeout(d) {
+            None => t.poll().or_else(|| {
+                self.eng.assist();
+                t.poll()
+            }),
+            Some(d) => match self.waited(t, d) {
                 Err(engine::Error::Timeout {
                     what: "transfer", ..
                 }) => None,

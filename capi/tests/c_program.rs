@@ -60,10 +60,14 @@ fn compile(src: &str, out: &str) -> PathBuf {
     bin
 }
 
-/// Compiles and runs `src`; it must succeed and print `says`.
-fn run_c(src: &str, out: &str, says: &str) {
+/// Compiles and runs `src` (with `env` set); it must succeed and print
+/// `says`.
+fn run_c(src: &str, out: &str, says: &str, env: &[(&str, &str)]) {
     let bin = compile(src, out);
-    let out = Command::new(&bin).output().expect("run the C program");
+    let out = Command::new(&bin)
+        .envs(env.iter().copied())
+        .output()
+        .expect("run the C program");
     let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{text}");
     assert!(text.contains(says), "{text}");
@@ -75,6 +79,19 @@ fn two_processes_drive_the_c_face() {
         "capi/tests/c/two_process.c",
         "ferry-c-two-process",
         "all checks held",
+        &[],
+    );
+}
+
+/// The same checks with the shards run by the calling threads (and their
+/// helpers): `FERRY_DRIVE=caller`.
+#[test]
+fn two_processes_drive_the_c_face_with_caller_driven_shards() {
+    run_c(
+        "capi/tests/c/two_process.c",
+        "ferry-c-two-process-caller",
+        "all checks held",
+        &[("FERRY_DRIVE", "caller")],
     );
 }
 
@@ -84,5 +101,6 @@ fn the_c_example_runs() {
         "examples/c/hello.c",
         "ferry-c-hello",
         "the target holds \"hello from C\"",
+        &[],
     );
 }

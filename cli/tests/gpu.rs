@@ -416,13 +416,7 @@ fn ipc_ops_carry_a_notification_sent_after_their_data() {
         }
         let note = format!("done {i}");
         let t = a
-            .transfer_notify_async(
-                conn,
-                kind,
-                &[(&near, 0, len)],
-                &[win.clone()],
-                note.as_bytes(),
-            )
+            .transfer_notify_async(conn, kind, &[(&near, 0, len)], &[win], note.as_bytes())
             .unwrap();
         // Released unwatched: the note still comes, after the bytes.
         drop(t);

@@ -409,6 +409,12 @@ bool nixlFerryEngine::start(const nixlBackendInitParams *p) {
     const char *ipc = std::getenv("FERRY_NIXL_IPC");
     ipc_allowed_ = ipc == nullptr || std::string(ipc) != "0";
     ferry_config *cfg = ferry_config_new();
+    // NIXL's users poll (checkXfer, getNotifs) from their own threads: let
+    // those polls run ferry's shards (helpers run them otherwise), unless
+    // FERRY_DRIVE says otherwise (environment or backend parameter).
+    bool drive_set = std::getenv("FERRY_DRIVE") != nullptr ||
+                     (p->customParams != nullptr && p->customParams->count("FERRY_DRIVE") != 0);
+    if (!drive_set) ferry_config_set(cfg, "FERRY_DRIVE", "caller");
     if (p->customParams != nullptr) {
         for (auto &kv : *p->customParams) {
             // ferry's own settings by their names; NIXL's are not ours.

@@ -152,6 +152,11 @@ static void errors(ferry_endpoint *ep, uint64_t conn, ferry_region *local, const
     CHECK(ferry_endpoint_create(cfg, &other) == FERRY_ERR_INVALID);
     CHECK(strstr(ferry_last_error(), "FERRY_SHARDS") != NULL);
     ferry_config_free(cfg);
+    cfg = ferry_config_new();
+    CHECK(ferry_config_set(cfg, "FERRY_DRIVE", "pigeon") == FERRY_OK);
+    CHECK(ferry_endpoint_create(cfg, &other) == FERRY_ERR_INVALID);
+    CHECK(strstr(ferry_last_error(), "FERRY_DRIVE") != NULL);
+    ferry_config_free(cfg);
     ferry_transfer_release(NULL);
     CHECK(ferry_deregister(NULL) == FERRY_OK);
 }
