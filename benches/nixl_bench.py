@@ -169,7 +169,10 @@ def main():
     if not os.environ.get("NIXL_PLUGIN_DIR"):
         sys.exit("NIXL_PLUGIN_DIR must name a folder holding libplugin_FERRY.so (nixl/run_bench.sh makes one)")
     if a.transport == "tcp":
-        os.environ.update(FERRY_TRANSPORT="tcp", UCX_TLS="tcp,cuda_copy", UCX_NET_DEVICES="lo")
+        # UCX's NIXL backend refuses a UCX_TLS without cuda_copy where a GPU
+        # is, and warns about it where none is.
+        tls = "tcp,cuda_copy" if os.path.exists("/dev/nvidia0") else "tcp"
+        os.environ.update(FERRY_TRANSPORT="tcp", UCX_TLS=tls, UCX_NET_DEVICES="lo")
     os.environ.setdefault("FERRY_LISTEN_ADDR", "127.0.0.1")
     os.environ.setdefault("FERRY_ADVERTISE_ADDR", "127.0.0.1")
     backends = (a.backends or ("FERRY" if a.mem == "vram" else "FERRY,UCX")).split(",")
