@@ -368,9 +368,9 @@ fn peer_removal_closes_its_mappings() {
     }
 }
 
-#[test]
-#[ignore = "needs an NVIDIA GPU (cargo test --test gpu -- --ignored)"]
-fn same_process_needs_no_handle() {
+/// Two endpoints in this process (on GPU 0 and the peer GPU), `a`
+/// connected to `b`.
+fn same_process_pair() -> (Endpoint, Endpoint, ConnId) {
     let n = gpus();
     let a = Endpoint::builder().config(cfg(0)).build().unwrap();
     let b = Endpoint::builder()
@@ -379,6 +379,13 @@ fn same_process_needs_no_handle() {
         .unwrap();
     b.start_passive_accept().unwrap();
     let conn = a.add_remote(&b.metadata_bytes()).unwrap();
+    (a, b, conn)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU (cargo test --test gpu -- --ignored)"]
+fn same_process_needs_no_handle() {
+    let (a, b, conn) = same_process_pair();
     let dst = b.alloc_gpu(1 << 20).unwrap();
     let win = dst.advertise_ipc(4096, 65536).unwrap();
     let src = a.alloc_gpu(1 << 20).unwrap();
@@ -392,14 +399,7 @@ fn same_process_needs_no_handle() {
 #[test]
 #[ignore = "needs an NVIDIA GPU (cargo test --test gpu -- --ignored)"]
 fn ipc_ops_carry_a_notification_sent_after_their_data() {
-    let n = gpus();
-    let a = Endpoint::builder().config(cfg(0)).build().unwrap();
-    let b = Endpoint::builder()
-        .config(cfg(peer_gpu(n)))
-        .build()
-        .unwrap();
-    b.start_passive_accept().unwrap();
-    let conn = a.add_remote(&b.metadata_bytes()).unwrap();
+    let (a, b, conn) = same_process_pair();
     let far = b.alloc_gpu(8 << 20).unwrap();
     let win = far.advertise_ipc(0, 8 << 20).unwrap();
     let near = a.alloc_gpu(8 << 20).unwrap();
