@@ -14,7 +14,8 @@
 //     it is: 'H' + agent name (the first one on every connection this
 //     plugin opens: who is on it), 'N' + a whole message, 'L' + piece of a
 //     long message (u64 id, u32 index, u32 count, bytes; reassembled, the
-//     count bounded, at most MAX_PARTIAL_PER_CONN unfinished per connection).
+//     count bounded, at most MAX_PARTIAL_PER_CONN unfinished and
+//     MAX_PARTIAL_BYTES_PER_CONN held per connection: the oldest go).
 
 #include <cstdio>
 #include <cstdlib>
@@ -37,8 +38,11 @@ constexpr size_t WHOLE_MAX = FERRY_MAX_NOTIFY - 1;
 constexpr size_t PIECE_HEADER = 1 + 8 + 4 + 4;
 constexpr size_t PIECE_MAX = FERRY_MAX_NOTIFY - PIECE_HEADER;
 constexpr size_t MAX_PIECES = (MAX_NOTIF_BYTES + PIECE_MAX - 1) / PIECE_MAX;
-// Long messages being reassembled per connection; past it the oldest goes.
+// Long messages being reassembled per connection, and their bytes; past
+// either the oldest go (a peer that never finishes its messages holds at
+// most this much of our memory per connection).
 constexpr size_t MAX_PARTIAL_PER_CONN = 64;
+constexpr size_t MAX_PARTIAL_BYTES_PER_CONN = 2 * MAX_NOTIF_BYTES + FERRY_MAX_NOTIFY;
 // Notifications taken per getNotifs call (the rest wait for the next).
 constexpr int MAX_NOTIFS_PER_CALL = 4096;
 
@@ -120,8 +124,28 @@ uint64_t get_le(const uint8_t *p, int n) {
 struct Partial {
     std::vector<std::string> pieces;
     size_t have = 0;
+    size_t bytes = 0;
     uint64_t order = 0; // arrival order, to drop the oldest
 };
+
+// Drops the oldest unfinished messages of one connection (never `keep`,
+// the one a piece just joined) while they hold more than the bound.
+void drop_oldest_past_bytes(std::map<uint64_t, Partial> &mine, uint64_t keep,
+                            const std::string &who) {
+    for (;;) {
+        size_t total = 0;
+        auto oldest = mine.end();
+        for (auto j = mine.begin(); j != mine.end(); ++j) {
+            total += j->second.bytes;
+            if (j->first != keep && (oldest == mine.end() || j->second.order < oldest->second.order))
+                oldest = j;
+        }
+        if (total <= MAX_PARTIAL_BYTES_PER_CONN || oldest == mine.end()) return;
+        std::fprintf(stderr, "ferry nixl: %s holds %zu bytes of unfinished long messages: the "
+                             "oldest is dropped\n", who.c_str(), total);
+        mine.erase(oldest);
+    }
+}
 
 class nixlFerryEngine : public nixlBackendEngine {
 public:
@@ -586,7 +610,11 @@ void nixlFerryEngine::take(uint64_t conn, const uint8_t *p, size_t n, notif_list
         return;
     }
     m.pieces[idx].assign(reinterpret_cast<const char *>(p + PIECE_HEADER), body);
-    if (++m.have < count) return;
+    m.bytes += body;
+    if (++m.have < count) {
+        drop_oldest_past_bytes(mine, id, who->second);
+        return;
+    }
     std::string whole;
     for (auto &s : m.pieces) whole += s;
     list.emplace_back(who->second, std::move(whole));

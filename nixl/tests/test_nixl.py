@@ -396,6 +396,85 @@ def test_ucx_stays_available_beside_ferry():
     assert ag.get_backend_mem_types("FERRY") == ["DRAM_SEG", "VRAM_SEG"]
 
 
+def _ferry_meta(agent_metadata):
+    """The FERRY conn info (ferry metadata) inside NIXL agent metadata."""
+    at = agent_metadata.index(b"FERRY|c") + len(b"FERRY|c")
+    n = int.from_bytes(agent_metadata[at : at + 8], "little")
+    return agent_metadata[at + 8 : at + 8 + n]
+
+
+class RawFerry:
+    """A peer speaking ferry itself (the plugin's own C face, by ctypes):
+    it can send the plugin notifications NIXL never would."""
+
+    def __init__(self, meta):
+        import ctypes
+
+        so = os.path.join(os.environ["NIXL_PLUGIN_DIR"], "libplugin_FERRY.so")
+        self.c = ctypes
+        self.lib = ctypes.CDLL(so)
+        self.ep = ctypes.c_void_p()
+        assert self.lib.ferry_endpoint_create(None, ctypes.byref(self.ep)) == 0
+        self.conn = ctypes.c_uint64()
+        assert self.lib.ferry_add_remote(self.ep, meta, len(meta), ctypes.byref(self.conn)) == 0
+
+    def note(self, b):
+        assert self.lib.ferry_send_notification(self.ep, self.conn, b, len(b)) == 0
+
+    def piece(self, msg_id, idx, count, body):
+        hdr = b"L" + msg_id.to_bytes(8, "little") + idx.to_bytes(4, "little") + count.to_bytes(4, "little")
+        self.note(hdr + body)
+
+    def close(self):
+        self.lib.ferry_endpoint_destroy(self.ep)
+
+
+PIECE = 4096 - 17
+
+
+def test_hostile_notifications_are_bounded_and_dropped(peer):
+    raw = RawFerry(_ferry_meta(peer.ag.get_agent_metadata()))
+
+    def drain(deadline=2.0):
+        got, end = [], time.monotonic() + deadline
+        while time.monotonic() < end:
+            for agent, msgs in peer.ag.get_new_notifs().items():
+                got += [(agent, m) for m in msgs]
+            time.sleep(0.01)
+        return got
+
+    try:
+        raw.note(b"Nbefore hello")  # no hello yet: dropped
+        raw.note(b"Hmallory")
+        raw.note(b"Xunknown kind")  # dropped
+        raw.note(b"L\x01\x02")  # a short piece: dropped
+        raw.piece(1, 5, 2, b"x")  # index past count: dropped
+        raw.piece(2, 0, 1 << 20, b"x" * PIECE)  # count past the bound: dropped
+        # 65 unfinished messages: the first goes when the 65th comes.
+        for i in range(65):
+            raw.piece(100 + i, 0, 2, b"a" * PIECE)
+        raw.piece(100, 1, 2, b"end")
+        raw.piece(164, 1, 2, b"end")
+        # Two messages of ~1 MiB each, unfinished, then a third: past the
+        # byte bound the oldest goes.
+        count = (1 << 20) // PIECE
+        for msg_id in (200, 201, 202):
+            for i in range(count - 1):
+                raw.piece(msg_id, i, count, bytes([msg_id % 256]) * PIECE)
+        for msg_id in (200, 202):
+            raw.piece(msg_id, count - 1, count, b"!")
+        raw.note(b"Nafter")
+        got = drain()
+        want_long = bytes([202 % 256]) * (PIECE * (count - 1)) + b"!"
+        assert [a for a, _ in got] == ["mallory"] * 3, [(a, m[:20]) for a, m in got]
+        msgs = [m for _, m in got]
+        assert msgs[0] == b"a" * PIECE + b"end"
+        assert msgs[1] == want_long
+        assert msgs[2] == b"after"
+    finally:
+        raw.close()
+
+
 def test_bad_remote_metadata_is_an_error(peer):
     with pytest.raises(Exception):
         peer.ag.add_remote_agent(b"not metadata at all")
