@@ -252,9 +252,22 @@ impl GpuWork {
     /// `kernel_ok`: both sides are device memory or our pinned bounce
     /// buffers (see `Copier::stage`).
     fn stage(&mut self, ci: usize, entry: Entry, dst: u64, src: u64, len: usize, kernel_ok: bool) {
+        // A large copy between two buffers of the copier's own GPU (CUDA
+        // IPC on one device) runs whole: pieces on parallel streams only
+        // compete there (`Copier::stage`). Asked of the driver only for
+        // copies that would be split.
+        let split_ok = len < crate::gpu::copy::SPLIT_MIN_BYTES || {
+            let ord = self.copiers[ci].ordinal();
+            let on_ours = |p: u64| {
+                matches!(crate::gpu::memory::classify(p),
+                    Ok(crate::gpu::MemKind::Device { ordinal, .. }) if ordinal == ord)
+            };
+            !(on_ours(dst) && on_ours(src))
+        };
         // SAFETY: both ranges stay valid until the entry returns (see above);
         // the copier returns it only once the copy has ended or failed.
-        if let Err((e, failed)) = unsafe { self.copiers[ci].stage(entry, dst, src, len, kernel_ok) }
+        if let Err((e, failed)) =
+            unsafe { self.copiers[ci].stage(entry, dst, src, len, kernel_ok, split_ok) }
         {
             self.fail_all(e, failed);
         }
