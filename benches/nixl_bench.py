@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 GAP = 4096
-POINT_S = 0.4
+POINT_S = float(os.environ.get("NIXL_BENCH_POINT_S", "0.4"))
 
 
 def parse_size(s):

@@ -9,15 +9,21 @@
 #
 # NIXL_VERSION picks the release (checked: 1.5.1, the newest installable:
 # the `nixl` 1.5.2 meta-package requires nixl-cu12==1.5.2, which PyPI does
-# not have). FERRY_NIXL_VENV reuses a venv instead of making one.
+# not have). FERRY_NIXL_VENV reuses a venv instead of making one;
+# FERRY_NIXL_PLUGIN uses that libplugin_FERRY.so instead of building one.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 profile=debug
 if [ "${1:-}" = "--release" ]; then profile=release; shift; fi
 version=${NIXL_VERSION:-1.5.1}
 
-(cd "$root" && cargo build -q -p ferry-nixl $([ "$profile" = release ] && echo --release))
-plugin="$root/target/$profile/libplugin_FERRY.so"
+# FERRY_NIXL_PLUGIN: a plugin built elsewhere (an A/B of two builds).
+if [ -n "${FERRY_NIXL_PLUGIN:-}" ]; then
+    plugin=$FERRY_NIXL_PLUGIN
+else
+    (cd "$root" && cargo build -q -p ferry-nixl $([ "$profile" = release ] && echo --release))
+    plugin="$root/target/$profile/libplugin_FERRY.so"
+fi
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

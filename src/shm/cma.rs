@@ -11,10 +11,58 @@ use crate::region::RegionSlice;
 /// The driver's `PeerMemory`.
 pub(crate) struct Cma;
 
+/// Pairs per syscall (the kernel's UIO_MAXIOV is 1024).
+const IOV_MAX: usize = 1024;
+
 impl PeerMemory for Cma {
     fn copy(&mut self, pid: u32, ours: &RegionSlice, addr: u64, from_peer: bool) -> io::Result<()> {
         // SAFETY: a checked slice of `len` live bytes, held for the call.
         unsafe { cma(pid, ours.ptr(), addr, ours.len(), from_peer) }
+    }
+
+    fn copy_many(
+        &mut self,
+        pid: u32,
+        pairs: &[(&RegionSlice, u64)],
+        from_peer: bool,
+    ) -> io::Result<()> {
+        let mut local = Vec::with_capacity(pairs.len().min(IOV_MAX));
+        let mut remote = Vec::with_capacity(pairs.len().min(IOV_MAX));
+        for chunk in pairs.chunks(IOV_MAX) {
+            local.clear();
+            remote.clear();
+            let mut want = 0usize;
+            for (ours, addr) in chunk {
+                local.push(libc::iovec {
+                    iov_base: ours.ptr().cast(),
+                    iov_len: ours.len(),
+                });
+                remote.push(libc::iovec {
+                    iov_base: *addr as *mut _,
+                    iov_len: ours.len(),
+                });
+                want += ours.len();
+            }
+            let (l, r) = (local.as_ptr(), remote.as_ptr());
+            let n = local.len() as libc::c_ulong;
+            // SAFETY: each local iovec is a checked slice of live bytes the
+            // caller holds for the call; remote ones are only dereferenced
+            // by the kernel, in the peer, with its own checks.
+            let got = unsafe {
+                if from_peer {
+                    libc::process_vm_readv(pid as i32, l, n, r, n, 0)
+                } else {
+                    libc::process_vm_writev(pid as i32, l, n, r, n, 0)
+                }
+            };
+            if got < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if got as usize != want {
+                return Err(io::Error::other("process_vm copied part of a batch"));
+            }
+        }
+        Ok(())
     }
 }
 

@@ -89,6 +89,20 @@ pub(crate) struct LocalConn {
     pub bell_bit: Option<u32>,
     /// Pushed quietly since the last `ring_if_due`.
     ring_due: bool,
+    /// Served requests whose CMA copy waits for the end of the run of such
+    /// requests (`flush_cma`): one syscall per direction for all of them.
+    /// Bounded by `peer_max` (each is a request the peer has out).
+    cma_batch: Vec<DeferredCma>,
+}
+
+/// A checked request to be copied with CMA and answered by `flush_cma`.
+struct DeferredCma {
+    op_id: u64,
+    write: bool,
+    /// Our side (held: the region stays alive until the copy).
+    ours: RegionSlice,
+    /// The initiator's address.
+    addr: u64,
 }
 
 // SAFETY: the raw pointers in `pending` point into regions kept alive by the
@@ -153,6 +167,19 @@ pub(crate) trait PeerMemory {
     /// Copies between `ours` and the peer's `[addr, addr + ours.len())`:
     /// from the peer into `ours` when `from_peer`, else the other way.
     fn copy(&mut self, pid: u32, ours: &RegionSlice, addr: u64, from_peer: bool) -> io::Result<()>;
+
+    /// Copies every `(ours, addr)` pair in one go, all from the peer when
+    /// `from_peer`, else all to it. `Err` (or a partial copy) leaves each
+    /// one's fate unknown: the caller copies them one by one to learn it.
+    fn copy_many(
+        &mut self,
+        pid: u32,
+        pairs: &[(&RegionSlice, u64)],
+        from_peer: bool,
+    ) -> io::Result<()> {
+        let _ = (pid, pairs, from_peer);
+        Err(io::Error::from(io::ErrorKind::Unsupported))
+    }
 }
 
 impl LocalConn {
@@ -187,6 +214,7 @@ impl LocalConn {
             quiet_passes: 0,
             bell_bit: None,
             ring_due: false,
+            cma_batch: Vec::with_capacity(peer_max),
         }
     }
 
@@ -479,7 +507,44 @@ impl LocalConn {
             let (m, inline) = Msg::decode(&buf[..n]).map_err(|e| e.to_string())?;
             self.on_msg(m, inline, regions, maps, peer_mem, sink)?;
         }
+        self.flush_cma(peer_mem);
         Ok(work)
+    }
+
+    /// Copies and answers the requests put off for CMA: one syscall per
+    /// direction for the run (the kernel's per-call checks — the peer's
+    /// task, its mm, ptrace access — were most of a small copy's cost),
+    /// each on its own if the batch fails, to learn which one did.
+    fn flush_cma(&mut self, peer_mem: &mut impl PeerMemory) {
+        if self.cma_batch.is_empty() {
+            return;
+        }
+        let mut batch = std::mem::take(&mut self.cma_batch);
+        for write in [true, false] {
+            let pairs: Vec<(&RegionSlice, u64)> = batch
+                .iter()
+                .filter(|d| d.write == write)
+                .map(|d| (&d.ours, d.addr))
+                .collect();
+            if pairs.is_empty() {
+                continue;
+            }
+            let all_ok = peer_mem.copy_many(self.peer_pid, &pairs, write).is_ok();
+            for d in batch.iter().filter(|d| d.write == write) {
+                let ok = all_ok || peer_mem.copy(self.peer_pid, &d.ours, d.addr, write).is_ok();
+                let mut reply = Msg::new(if write {
+                    MsgKind::WriteAck
+                } else {
+                    MsgKind::ReadResp
+                });
+                reply.conn = self.peer_conn;
+                reply.op_id = d.op_id;
+                reply.status = if ok { Status::Ok } else { Status::PeerMemory } as u8;
+                self.reply(&reply, &[]);
+            }
+        }
+        batch.clear();
+        self.cma_batch = batch;
     }
 
     fn reply(&mut self, m: &Msg, inline: &[u8]) {
@@ -564,6 +629,23 @@ impl LocalConn {
                     len: w.len(),
                     max_inline: MAX_INLINE,
                 });
+                if path != CopyPath::Here
+                    || self.mapped(maps, m.src_key, m.src_addr, m.len).is_some()
+                {
+                    // Requests are served in order: the copies put off so
+                    // far happen before this one's.
+                    self.flush_cma(peer_mem);
+                } else {
+                    // Copied with CMA with the rest of this run of such
+                    // requests (`flush_cma` copies and answers).
+                    self.cma_batch.push(DeferredCma {
+                        op_id: m.op_id,
+                        write,
+                        ours: w,
+                        addr: m.src_addr,
+                    });
+                    return Ok(());
+                }
                 let copied = match path {
                     CopyPath::Cuda => match self.cuda_copy(&m, inline, w, write, maps, sink) {
                         // The shard copies and answers.
@@ -818,12 +900,34 @@ mod tests {
     /// The peer is this process, so its addresses are ours: copies the way
     /// process_vm_* would, without the syscall; or refuses, as a kernel
     /// with ptrace restrictions does.
+    #[derive(Default)]
     struct SameProcess {
         refuse: bool,
         calls: usize,
+        /// Sizes of the `copy_many` batches it took (`None`: it refuses
+        /// batches, as a kernel that fails one of them would).
+        batches: Option<Vec<usize>>,
+        /// An address whose copy fails.
+        bad_addr: Option<u64>,
     }
 
     impl PeerMemory for SameProcess {
+        fn copy_many(
+            &mut self,
+            pid: u32,
+            pairs: &[(&RegionSlice, u64)],
+            from_peer: bool,
+        ) -> io::Result<()> {
+            if self.batches.is_none() || pairs.iter().any(|p| Some(p.1) == self.bad_addr) {
+                return Err(io::Error::from_raw_os_error(libc::EFAULT));
+            }
+            for (ours, addr) in pairs {
+                self.copy(pid, ours, *addr, from_peer)?;
+            }
+            self.batches.as_mut().expect("checked").push(pairs.len());
+            Ok(())
+        }
+
         fn copy(
             &mut self,
             _pid: u32,
@@ -832,7 +936,7 @@ mod tests {
             from_peer: bool,
         ) -> io::Result<()> {
             self.calls += 1;
-            if self.refuse {
+            if self.refuse || Some(addr) == self.bad_addr {
                 return Err(io::Error::from_raw_os_error(libc::EPERM));
             }
             // SAFETY: `addr` is a live region of this test (the "peer"),
@@ -919,10 +1023,7 @@ mod tests {
     #[test]
     fn inline_and_copied_transfers_are_byte_exact() {
         let (mut a, mut b) = pair("exact");
-        let mut mem = SameProcess {
-            refuse: false,
-            calls: 0,
-        };
+        let mut mem = SameProcess::default();
         let data: Vec<u8> = (0..70_000u32).map(|i| (i * 13 + i / 256) as u8).collect();
         for (kind, off, len) in [
             (OpKind::Write, 3, 100),
@@ -942,12 +1043,103 @@ mod tests {
         assert_eq!(mem.calls, 2);
     }
 
+    /// `a` starts `ops` (kind, offset, length) at once; `b` serves them in
+    /// one pass; their outcomes in the order they were pushed.
+    fn ops_in_one_pass(
+        a: &mut Side,
+        b: &mut Side,
+        mem: &mut SameProcess,
+        ops: &[(OpKind, usize, usize)],
+    ) -> Vec<Result<()>> {
+        for (i, &(kind, off, len)) in ops.iter().enumerate() {
+            let local = RegionSlice::new(&a.mem, off, len).unwrap();
+            let addr = b.mem.addr() + off as u64;
+            assert!(a
+                .conn
+                .push_request(kind, i as u32, KEY, addr, &local, false, Instant::now()));
+        }
+        b.poll(mem).unwrap();
+        a.poll(mem).unwrap();
+        assert_eq!(a.done.len(), ops.len(), "each op ended once");
+        let mut done = std::mem::take(&mut a.done);
+        done.sort_by_key(|d| d.0);
+        done.into_iter().map(|d| d.1).collect()
+    }
+
+    #[test]
+    fn a_pass_copies_its_requests_in_one_batch_per_direction_in_order() {
+        let (mut a, mut b) = pair("batch");
+        let mut mem = SameProcess {
+            batches: Some(Vec::new()),
+            ..Default::default()
+        };
+        let data: Vec<u8> = (0..8192u32).map(|i| (i * 7 + 1) as u8).collect();
+        write_into(&a.mem, 0, &data);
+        write_into(&b.mem, 65_536, &data);
+        // Four WRITEs of 4 KiB, then an inline READ of bytes the first one
+        // writes (it must see them: the batch is copied before the READ is
+        // answered), then two READs of 4 KiB.
+        let ops = [
+            (OpKind::Write, 0, 4096),
+            (OpKind::Write, 4096, 4096),
+            (OpKind::Write, 8192, 4096),
+            (OpKind::Write, 12_288, 4096),
+            (OpKind::Read, 0, 100),
+            (OpKind::Read, 65_536, 4096),
+            (OpKind::Read, 65_536 + 4096, 4096),
+        ];
+        for r in ops_in_one_pass(&mut a, &mut b, &mut mem, &ops[..4]) {
+            r.unwrap();
+        }
+        assert_eq!(bytes_of(&b.mem, 0, 8192), &data[..]);
+        let fresh: Vec<u8> = (0..4096u32).map(|i| (i * 3 + 5) as u8).collect();
+        write_into(&a.mem, 0, &fresh);
+        for r in ops_in_one_pass(&mut a, &mut b, &mut mem, &ops) {
+            r.unwrap();
+        }
+        assert_eq!(bytes_of(&b.mem, 0, 4096), &fresh[..]);
+        assert_eq!(
+            bytes_of(&a.mem, 0, 100),
+            &fresh[..100],
+            "the READ saw the WRITE"
+        );
+        assert_eq!(bytes_of(&a.mem, 65_536, 8192), &data[..]);
+        // The first pass: one batch of 4; the second: the 4 WRITEs before
+        // the inline READ, then the 2 READs.
+        assert_eq!(mem.batches.as_deref(), Some(&[4, 4, 2][..]));
+    }
+
+    #[test]
+    fn a_failed_batch_fails_only_the_op_that_cannot_be_copied() {
+        let (mut a, mut b) = pair("batchfail");
+        let mut mem = SameProcess {
+            batches: Some(Vec::new()),
+            bad_addr: Some(a.mem.addr() + 8192),
+            ..Default::default()
+        };
+        let ops = [
+            (OpKind::Write, 0, 4096),
+            (OpKind::Write, 4096, 4096),
+            (OpKind::Write, 8192, 4096),
+            (OpKind::Write, 12_288, 4096),
+        ];
+        let out = ops_in_one_pass(&mut a, &mut b, &mut mem, &ops);
+        for (i, r) in out.iter().enumerate() {
+            assert_eq!(r.is_err(), i == 2, "op {i}: {r:?}");
+        }
+        // The connection goes on.
+        mem.bad_addr = None;
+        for r in ops_in_one_pass(&mut a, &mut b, &mut mem, &ops) {
+            r.unwrap();
+        }
+    }
+
     #[test]
     fn unreachable_peer_memory_fails_the_op_not_the_connection() {
         let (mut a, mut b) = pair("refuse");
         let mut mem = SameProcess {
             refuse: true,
-            calls: 0,
+            ..Default::default()
         };
         let e = op(&mut a, &mut b, &mut mem, OpKind::Write, 0, 10_000).unwrap_err();
         assert!(
@@ -981,10 +1173,7 @@ mod tests {
     #[test]
     fn revocations_wait_for_room_in_a_full_ring_and_are_never_refused() {
         let (mut a, mut b) = pair("revoke");
-        let mut mem = SameProcess {
-            refuse: false,
-            calls: 0,
-        };
+        let mut mem = SameProcess::default();
         // The peer stops reading: its ring fills with notifications' worth
         // of other messages.
         let filler = Msg::new(MsgKind::Close);
@@ -1032,10 +1221,7 @@ mod tests {
     #[test]
     fn a_reply_to_nothing_breaks_the_connection() {
         let (mut a, mut b) = pair("stray");
-        let mut mem = SameProcess {
-            refuse: false,
-            calls: 0,
-        };
+        let mut mem = SameProcess::default();
         let mut m = Msg::new(MsgKind::WriteAck);
         m.conn = 7;
         m.op_id = 999;
@@ -1047,10 +1233,7 @@ mod tests {
     #[test]
     fn a_notification_past_the_cap_breaks_the_connection() {
         let (mut a, mut b) = pair("notify");
-        let mut mem = SameProcess {
-            refuse: false,
-            calls: 0,
-        };
+        let mut mem = SameProcess::default();
         assert!(b.conn.push_notify(&[1u8; 3000]));
         a.poll(&mut mem).unwrap();
         assert_eq!(a.inbox.pop_front().unwrap(), vec![1u8; 3000]);
