@@ -264,11 +264,11 @@ impl GpuWork {
             };
             !(on_ours(dst) && on_ours(src))
         };
+        let copier = &mut self.copiers[ci];
         // SAFETY: both ranges stay valid until the entry returns (see above);
         // the copier returns it only once the copy has ended or failed.
-        if let Err((e, failed)) =
-            unsafe { self.copiers[ci].stage(entry, dst, src, len, kernel_ok, split_ok) }
-        {
+        let staged = unsafe { copier.stage(entry, dst, src, len, kernel_ok, split_ok) };
+        if let Err((e, failed)) = staged {
             self.fail_all(e, failed);
         }
     }
