@@ -8,7 +8,9 @@
 //! shard it can lock, on its own thread; one helper thread per shard runs
 //! them whenever no caller has for `CALLER_HOLD` (and parks as a managed
 //! shard would), so transfers and notifications still progress with nobody
-//! polling. A caller that waits hands the shards to the helpers at once.
+//! polling — noticed within `NAP_MAX` at worst, the helper's longest nap
+//! while callers are busy. A caller that waits hands the shards to the
+//! helpers at once.
 //!
 //! Why: an application that polls in a loop (NIXL's users do) keeps a core
 //! busy; with managed shards its post and its completion each cross to a
@@ -26,6 +28,10 @@ use engine::{Endpoint, Shard};
 /// A caller that ran the shards this recently is taken to go on doing so:
 /// the helpers stay off the locks (and off the cores) meanwhile.
 const CALLER_HOLD: Duration = Duration::from_micros(100);
+/// While callers keep running the shards, a helper's naps double up to
+/// this (each nap is a wake-up: at 10 kHz they cost a 2-core host ~10 % of
+/// a core); it is also how late a helper may notice that callers stopped.
+const NAP_MAX: Duration = Duration::from_micros(800);
 /// The longest a helper parks in one go (a submit or a peer wakes it
 /// sooner; this bounds how late it notices the endpoint closing).
 const HELPER_PARK: Duration = Duration::from_millis(10);
@@ -119,13 +125,16 @@ impl Driver {
         // SAFETY: prctl with an integer argument; no memory is passed.
         unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000u64) };
         let hold = CALLER_HOLD.as_nanos() as u64;
+        let mut nap = hold;
         while !self.stop.load(Ordering::Relaxed) {
             let last = self.last_caller_ns.load(Ordering::Relaxed);
             let since = self.now_ns().saturating_sub(last);
             if last != 0 && since < hold {
-                std::thread::sleep(Duration::from_nanos(hold - since));
+                std::thread::sleep(Duration::from_nanos(nap.max(hold - since)));
+                nap = (nap * 2).min(NAP_MAX.as_nanos() as u64);
                 continue;
             }
+            nap = hold;
             match self.shards[i].try_lock() {
                 Ok(mut g) => {
                     g.poll_or_park(HELPER_PARK);
