@@ -2,14 +2,15 @@
 """NIXL's Python API driven the same way for backend FERRY and backend UCX,
 in one run, alternating (A/B rounds), with the ratio.
 
-Two processes: this one initiates, a child owns the far buffer. Per size, a
-transfer handle is made once (`--batch` descriptors of `size` bytes at
-non-adjacent places, so NIXL cannot merge them) and posted again and again;
+Two processes: this one initiates, a child owns the far buffer. Per point
+(`--sizes`: SIZE or SIZExN, N descriptors of SIZE bytes per request), a
+transfer handle is made once (the descriptors at non-adjacent places, so
+NIXL cannot merge them) and posted again and again;
 the figure is payload bytes per second of the whole loop (post, poll to
 DONE). Medians over `--rounds`.
 
     NIXL_PLUGIN_DIR=... python3 benches/nixl_bench.py [--transport shm|tcp]
-        [--op WRITE|READ] [--sizes 4K,64K,1M,16M,64M] [--batch-small 32]
+        [--op WRITE|READ] [--sizes 4K,4Kx32,64K,256K,1M,4M,16M,64M]
         [--rounds 3] [--plot out.png] [--json]
 
 --mem vram puts both sides' buffers in GPU memory (CuPy, GPU 0) and adds
@@ -38,6 +39,12 @@ POINT_S = float(os.environ.get("NIXL_BENCH_POINT_S", "0.4"))
 def parse_size(s):
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     return int(s[:-1]) * mult[s[-1]] if s[-1] in mult else int(s)
+
+
+def parse_point(s):
+    """SIZE or SIZExN: (bytes per descriptor, descriptors per request)."""
+    size, _, n = s.partition("x")
+    return parse_size(size), int(n) if n else 1
 
 
 def human(n):
@@ -160,8 +167,11 @@ def main():
     ap.add_argument("--mem", choices=["dram", "vram"], default="dram")
     ap.add_argument("--transport", choices=["shm", "tcp"], default="shm")
     ap.add_argument("--op", choices=["WRITE", "READ"], default="WRITE")
-    ap.add_argument("--sizes", default="4K,64K,1M,16M,64M")
-    ap.add_argument("--batch-small", type=int, default=32, help="descriptors per request at 4 KiB")
+    ap.add_argument(
+        "--sizes",
+        default="4K,4Kx32,64K,256K,1M,4M,16M,64M",
+        help="points: SIZE or SIZExN (N descriptors per request)",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--plot", help="write a PNG of GB/s against size (needs matplotlib)")
     ap.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
@@ -176,8 +186,7 @@ def main():
     os.environ.setdefault("FERRY_LISTEN_ADDR", "127.0.0.1")
     os.environ.setdefault("FERRY_ADVERTISE_ADDR", "127.0.0.1")
     backends = (a.backends or ("FERRY" if a.mem == "vram" else "FERRY,UCX")).split(",")
-    sizes = [parse_size(s) for s in a.sizes.split(",")]
-    points = [(s, a.batch_small if s == 4096 else 1) for s in sizes]
+    points = [parse_point(p) for p in a.sizes.split(",")]
     runs = {b: {p: [] for p in points} for b in backends}
     for rnd in range(a.rounds):
         for b in backends if rnd % 2 == 0 else reversed(backends):
@@ -208,10 +217,11 @@ def main():
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots()
+        by_bytes = sorted(points, key=lambda p: p[0] * p[1])
         for b in backends:
-            ax.plot([p[0] for p in points], [med[b][p] for p in points], marker="o", label=b)
+            ax.plot([p[0] * p[1] for p in by_bytes], [med[b][p] for p in by_bytes], marker="o", label=b)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("bytes per descriptor")
+        ax.set_xlabel("bytes per request")
         ax.set_ylabel("GB/s")
         ax.set_title(f"NIXL {a.op} over {a.transport}")
         ax.legend()
