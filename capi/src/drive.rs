@@ -80,6 +80,8 @@ pub(crate) struct Driver {
     last_caller_ns: AtomicU64,
     stop: AtomicBool,
     helpers: Mutex<Vec<JoinHandle<()>>>,
+    /// The helpers, to wake from a nap (`hand_over`).
+    threads: Mutex<Vec<std::thread::Thread>>,
 }
 
 impl Driver {
@@ -91,12 +93,14 @@ impl Driver {
             last_caller_ns: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             helpers: Mutex::new(Vec::new()),
+            threads: Mutex::new(Vec::new()),
         });
         for i in 0..d.shards.len() {
             let me = d.clone();
             let t = std::thread::Builder::new()
                 .name(format!("ferry-drive-{i}"))
                 .spawn(move || me.helper(i))?;
+            d.threads.lock().expect("lock").push(t.thread().clone());
             d.helpers.lock().expect("lock").push(t);
         }
         Ok(d)
@@ -118,6 +122,11 @@ impl Driver {
 
     fn hand_over(&self) {
         self.last_caller_ns.store(0, Ordering::Relaxed);
+        // A helper napping while callers were busy takes over now, not
+        // at the end of its nap.
+        for t in self.threads.lock().expect("lock").iter() {
+            t.unpark();
+        }
     }
 
     fn helper(&self, i: usize) {
@@ -130,7 +139,7 @@ impl Driver {
             let last = self.last_caller_ns.load(Ordering::Relaxed);
             let since = self.now_ns().saturating_sub(last);
             if last != 0 && since < hold {
-                std::thread::sleep(Duration::from_nanos(nap.max(hold - since)));
+                std::thread::park_timeout(Duration::from_nanos(nap.max(hold - since)));
                 nap = (nap * 2).min(NAP_MAX.as_nanos() as u64);
                 continue;
             }
@@ -146,6 +155,9 @@ impl Driver {
 
     fn stop(&self) {
         self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.lock().expect("lock").iter() {
+            t.unpark();
+        }
         for t in self.helpers.lock().expect("lock").drain(..) {
             let _ = t.join();
         }
