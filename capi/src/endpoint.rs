@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use engine::{Access, ConnId, Endpoint, SharedRegion};
 
@@ -382,27 +382,15 @@ pub unsafe extern "C" fn ferry_deregister(r: *mut ferry_region) -> i32 {
         let Some(sh) = r.sh.take() else {
             return Ok(FERRY_OK);
         };
-        let Some(mut mr) = r.ep.release_shared(sh) else {
+        let Some(mr) = r.ep.release_shared(sh) else {
             return Ok(FERRY_OK);
         };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            match Arc::try_unwrap(mr) {
-                Ok(mr) => {
-                    r.ep.deregister(mr)?;
-                    return Ok(FERRY_OK);
-                }
-                Err(_) if Instant::now() >= deadline => {
-                    return Err(Fail(
-                        FERRY_ERR_BUSY,
-                        "still held by a call after 10 s; deregistered when it ends".into(),
-                    ))
-                }
-                Err(still) => {
-                    mr = still;
-                    std::thread::sleep(Duration::from_micros(200));
-                }
-            }
+        match r.ep.deregister_when_free(mr, Duration::from_secs(10)) {
+            Err(engine::Error::Timeout { .. }) => Err(Fail(
+                FERRY_ERR_BUSY,
+                "still held by a call after 10 s; deregistered when it ends".into(),
+            )),
+            other => Ok(other.map(|()| FERRY_OK)?),
         }
     })
 }

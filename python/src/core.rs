@@ -528,7 +528,7 @@ impl Region {
         let Ok(ep) = self.ep.get() else {
             return Ok(());
         };
-        let mut mr = match held {
+        let mr = match held {
             Held::Own(mr) => mr,
             Held::Shared(sh) => match ep.release_shared(sh) {
                 Some(mr) => mr,
@@ -536,25 +536,18 @@ impl Region {
                 None => return Ok(()),
             },
         };
-        py.allow_threads(|| {
-            // A call submitting an operation may hold it a moment; the
-            // memory may be freed once this returns, so wait for it.
-            let deadline = Instant::now() + Duration::from_secs(10);
-            loop {
-                match Arc::try_unwrap(mr) {
-                    Ok(mr) => return ep.deregister(mr).map_err(|e| e.to_string()),
-                    Err(_) if Instant::now() >= deadline => {
-                        return Err("the region is still held by a call after 10 s; it is \
-                                    deregistered when that call ends"
-                            .to_owned())
-                    }
-                    Err(still) => {
-                        mr = still;
-                        std::thread::sleep(Duration::from_micros(200));
-                    }
+        // A call submitting an operation may hold it a moment; the memory
+        // may be freed once this returns, so wait for it.
+        py.allow_threads(
+            || match ep.deregister_when_free(mr, Duration::from_secs(10)) {
+                Err(ferry::Error::Timeout { .. }) => {
+                    Err("the region is still held by a call after \
+                                                     10 s; it is deregistered when that call ends"
+                        .to_owned())
                 }
-            }
-        })
+                other => other.map_err(|e| e.to_string()),
+            },
+        )
         .map_err(FerryError::new_err)
     }
 

@@ -553,6 +553,35 @@ impl Endpoint {
         mr.retire(self.inner.cfg.op_timeout())
     }
 
+    /// Deregisters a shared handle to a registration (what
+    /// [`Endpoint::release_shared`] hands back) once no call holds it any
+    /// more — one submitting an operation may, for a moment — waiting up
+    /// to `timeout` for that: the memory may be freed once this returns.
+    /// `Err(Error::Timeout { what: "a region still held by a call", .. })`
+    /// leaves it to be deregistered when the last holder lets go.
+    pub fn deregister_when_free(
+        &self,
+        mut mr: std::sync::Arc<MemoryRegion>,
+        timeout: std::time::Duration,
+    ) -> Result<()> {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            match std::sync::Arc::try_unwrap(mr) {
+                Ok(mr) => return self.deregister(mr),
+                Err(_) if std::time::Instant::now() >= deadline => {
+                    return Err(Error::Timeout {
+                        what: "a region still held by a call",
+                        timeout_ms: timeout.as_millis() as u64,
+                    })
+                }
+                Err(still) => {
+                    mr = still;
+                    std::thread::sleep(std::time::Duration::from_micros(200));
+                }
+            }
+        }
+    }
+
     /// Describes `[offset, offset + len)` of `mr` for the peer on `conn`
     /// (the seed's `advertise(conn_id, …)`): the key works only on that
     /// connection, only inside that window, and is revoked when the
