@@ -511,6 +511,18 @@ impl LocalConn {
         Ok(work)
     }
 
+    /// The reply to the peer's request `op_id` (status Ok until set).
+    fn answer(&self, write: bool, op_id: u64) -> Msg {
+        let mut reply = Msg::new(if write {
+            MsgKind::WriteAck
+        } else {
+            MsgKind::ReadResp
+        });
+        reply.conn = self.peer_conn;
+        reply.op_id = op_id;
+        reply
+    }
+
     /// Copies and answers the requests put off for CMA: one syscall per
     /// direction for the run (the kernel's per-call checks — the peer's
     /// task, its mm, ptrace access — were most of a small copy's cost),
@@ -532,13 +544,7 @@ impl LocalConn {
             let all_ok = peer_mem.copy_many(self.peer_pid, &pairs, write).is_ok();
             for d in batch.iter().filter(|d| d.write == write) {
                 let ok = all_ok || peer_mem.copy(self.peer_pid, &d.ours, d.addr, write).is_ok();
-                let mut reply = Msg::new(if write {
-                    MsgKind::WriteAck
-                } else {
-                    MsgKind::ReadResp
-                });
-                reply.conn = self.peer_conn;
-                reply.op_id = d.op_id;
+                let mut reply = self.answer(write, d.op_id);
                 reply.status = if ok { Status::Ok } else { Status::PeerMemory } as u8;
                 self.reply(&reply, &[]);
             }
@@ -600,13 +606,7 @@ impl LocalConn {
         } else {
             Access::REMOTE_READ
         };
-        let mut reply = Msg::new(if write {
-            MsgKind::WriteAck
-        } else {
-            MsgKind::ReadResp
-        });
-        reply.conn = self.peer_conn;
-        reply.op_id = m.op_id;
+        let mut reply = self.answer(write, m.op_id);
         // Holds the region (and so the bytes an inline reply copies)
         // until the reply is encoded.
         let mut held: Option<RegionSlice> = None;
