@@ -396,17 +396,10 @@ impl LocalConn {
         true
     }
 
-    /// Answers a request the shard finished with a CUDA copy.
     /// Answers a request whose copy ran elsewhere (CUDA, or a host copy
     /// spread over the shards).
     pub fn finish_gpu(&mut self, op_id: u64, write: bool, status: Status) {
-        let mut reply = Msg::new(if write {
-            MsgKind::WriteAck
-        } else {
-            MsgKind::ReadResp
-        });
-        reply.conn = self.peer_conn;
-        reply.op_id = op_id;
+        let mut reply = self.answer(write, op_id);
         reply.status = status as u8;
         reply.aux = REPLY_GPU_COPIED;
         self.reply(&reply, &[]);
