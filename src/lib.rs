@@ -74,6 +74,7 @@
 //! ```
 
 pub(crate) mod auth;
+pub mod codec;
 #[cfg(feature = "directory")]
 pub mod directory;
 pub mod endpoint;
