@@ -15,7 +15,8 @@ use std::path::{Path, PathBuf};
 /// Layers, lowest first. A module may import only modules of a strictly
 /// lower layer (modules of one layer never import each other).
 const LAYERS: &[&[&str]] = &[
-    &["wire"],
+    // Pure formats: the wire's, and the compressed frames' codec.
+    &["wire", "codec"],
     &["error"],
     &["sync"],
     &["sys", "auth"],
