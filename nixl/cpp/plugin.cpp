@@ -538,7 +538,9 @@ nixl_status_t nixlFerryEngine::send_note(uint64_t conn, const std::string &note)
 }
 
 nixl_status_t nixlFerryEngine::getNotifs(notif_list_t &list) {
-    std::vector<uint8_t> buf(FERRY_MAX_NOTIFY);
+    // NIXL's users call this in their polling loops: one buffer per thread,
+    // not an allocation per call.
+    thread_local std::vector<uint8_t> buf(FERRY_MAX_NOTIFY);
     for (int i = 0; i < MAX_NOTIFS_PER_CALL; i++) {
         uint64_t conn = 0;
         size_t len = 0;

@@ -11,8 +11,9 @@ use crate::region::RegionSlice;
 /// The driver's `PeerMemory`.
 pub(crate) struct Cma;
 
-/// Pairs per syscall (the kernel's UIO_MAXIOV is 1024).
-const IOV_MAX: usize = 1024;
+/// Pairs per syscall (the kernel takes up to 1024): the iovecs live on
+/// the stack, so a batch allocates nothing; a longer run takes a few calls.
+const IOV_BATCH: usize = 64;
 
 impl PeerMemory for Cma {
     fn copy(&mut self, pid: u32, ours: &RegionSlice, addr: u64, from_peer: bool) -> io::Result<()> {
@@ -20,50 +21,78 @@ impl PeerMemory for Cma {
         unsafe { cma(pid, ours.ptr(), addr, ours.len(), from_peer) }
     }
 
-    fn copy_many(
+    fn copy_many<'a>(
         &mut self,
         pid: u32,
-        pairs: &[(&RegionSlice, u64)],
+        pairs: impl Iterator<Item = (&'a RegionSlice, u64)>,
         from_peer: bool,
     ) -> io::Result<()> {
-        let mut local = Vec::with_capacity(pairs.len().min(IOV_MAX));
-        let mut remote = Vec::with_capacity(pairs.len().min(IOV_MAX));
-        for chunk in pairs.chunks(IOV_MAX) {
-            local.clear();
-            remote.clear();
-            let mut want = 0usize;
-            for (ours, addr) in chunk {
-                local.push(libc::iovec {
-                    iov_base: ours.ptr().cast(),
-                    iov_len: ours.len(),
-                });
-                remote.push(libc::iovec {
-                    iov_base: *addr as *mut _,
-                    iov_len: ours.len(),
-                });
-                want += ours.len();
-            }
-            let (l, r) = (local.as_ptr(), remote.as_ptr());
-            let n = local.len() as libc::c_ulong;
-            // SAFETY: each local iovec is a checked slice of live bytes the
-            // caller holds for the call; remote ones are only dereferenced
-            // by the kernel, in the peer, with its own checks.
-            let got = unsafe {
-                if from_peer {
-                    libc::process_vm_readv(pid as i32, l, n, r, n, 0)
-                } else {
-                    libc::process_vm_writev(pid as i32, l, n, r, n, 0)
-                }
+        let none = libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        };
+        let (mut local, mut remote) = ([none; IOV_BATCH], [none; IOV_BATCH]);
+        let (mut n, mut want) = (0, 0);
+        for (ours, addr) in pairs {
+            local[n] = libc::iovec {
+                iov_base: ours.ptr().cast(),
+                iov_len: ours.len(),
             };
-            if got < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            if got as usize != want {
-                return Err(io::Error::other("process_vm copied part of a batch"));
+            remote[n] = libc::iovec {
+                iov_base: addr as *mut _,
+                iov_len: ours.len(),
+            };
+            want += ours.len();
+            n += 1;
+            if n == IOV_BATCH {
+                // SAFETY: the local iovecs are checked slices the caller
+                // holds for the call.
+                unsafe { cma_v(pid, &local[..n], &remote[..n], want, from_peer) }?;
+                (n, want) = (0, 0);
             }
         }
-        Ok(())
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: as above.
+        unsafe { cma_v(pid, &local[..n], &remote[..n], want, from_peer) }
     }
+}
+
+/// One `process_vm_readv/writev` of `local.len()` pairs, `want` bytes in
+/// all; a partial copy is an error (the caller retries op by op).
+///
+/// # Safety
+/// Each local iovec is live memory of this process for the call (written
+/// when `read_from_peer`); remote ones are only dereferenced by the kernel,
+/// in the peer, with its own checks.
+unsafe fn cma_v(
+    pid: u32,
+    local: &[libc::iovec],
+    remote: &[libc::iovec],
+    want: usize,
+    read_from_peer: bool,
+) -> io::Result<()> {
+    let (l, r, n) = (
+        local.as_ptr(),
+        remote.as_ptr(),
+        local.len() as libc::c_ulong,
+    );
+    // SAFETY: the caller's contract; `n` iovecs on both sides.
+    let got = unsafe {
+        if read_from_peer {
+            libc::process_vm_readv(pid as i32, l, n, r, n, 0)
+        } else {
+            libc::process_vm_writev(pid as i32, l, n, r, n, 0)
+        }
+    };
+    if got < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if got as usize != want {
+        return Err(io::Error::other("process_vm copied part of a batch"));
+    }
+    Ok(())
 }
 
 /// Copies `len` bytes between our memory and the peer process's, with

@@ -171,13 +171,13 @@ pub(crate) trait PeerMemory {
     /// Copies every `(ours, addr)` pair in one go, all from the peer when
     /// `from_peer`, else all to it. `Err` (or a partial copy) leaves each
     /// one's fate unknown: the caller copies them one by one to learn it.
-    fn copy_many(
+    fn copy_many<'a>(
         &mut self,
         pid: u32,
-        pairs: &[(&RegionSlice, u64)],
+        pairs: impl Iterator<Item = (&'a RegionSlice, u64)>,
         from_peer: bool,
     ) -> io::Result<()> {
-        let _ = (pid, pairs, from_peer);
+        let _ = (pid, pairs.count(), from_peer);
         Err(io::Error::from(io::ErrorKind::Unsupported))
     }
 }
@@ -526,15 +526,12 @@ impl LocalConn {
         }
         let mut batch = std::mem::take(&mut self.cma_batch);
         for write in [true, false] {
-            let pairs: Vec<(&RegionSlice, u64)> = batch
-                .iter()
-                .filter(|d| d.write == write)
-                .map(|d| (&d.ours, d.addr))
-                .collect();
-            if pairs.is_empty() {
+            let mut pairs = batch.iter().filter(|d| d.write == write).peekable();
+            if pairs.peek().is_none() {
                 continue;
             }
-            let all_ok = peer_mem.copy_many(self.peer_pid, &pairs, write).is_ok();
+            let pairs = pairs.map(|d| (&d.ours, d.addr));
+            let all_ok = peer_mem.copy_many(self.peer_pid, pairs, write).is_ok();
             for d in batch.iter().filter(|d| d.write == write) {
                 let ok = all_ok || peer_mem.copy(self.peer_pid, &d.ours, d.addr, write).is_ok();
                 let mut reply = self.answer(write, d.op_id);
@@ -905,16 +902,17 @@ mod tests {
     }
 
     impl PeerMemory for SameProcess {
-        fn copy_many(
+        fn copy_many<'a>(
             &mut self,
             pid: u32,
-            pairs: &[(&RegionSlice, u64)],
+            pairs: impl Iterator<Item = (&'a RegionSlice, u64)>,
             from_peer: bool,
         ) -> io::Result<()> {
+            let pairs: Vec<_> = pairs.collect();
             if self.batches.is_none() || pairs.iter().any(|p| Some(p.1) == self.bad_addr) {
                 return Err(io::Error::from_raw_os_error(libc::EFAULT));
             }
-            for (ours, addr) in pairs {
+            for (ours, addr) in &pairs {
                 self.copy(pid, ours, *addr, from_peer)?;
             }
             self.batches.as_mut().expect("checked").push(pairs.len());
