@@ -152,39 +152,50 @@ impl Codec {
         chunk: &[u8],
         out: &mut Vec<u8>,
     ) -> Result<(), CodecError> {
+        if !self.pack(dtype, chunk, out)? {
+            out.clear();
+            out.resize(FRAME_HEADER, 0);
+            out.extend_from_slice(chunk);
+            put_header(out, RAW, dtype, chunk.len(), 0);
+        }
+        Ok(())
+    }
+
+    /// Puts the packed frame of `chunk` in `out` (cleared first) when that
+    /// saves at least `MIN_GAIN`; `false` (and `out` undefined) when it
+    /// does not, so a caller that can send the chunk as it is need not
+    /// copy it into a raw frame.
+    pub fn pack(
+        &mut self,
+        dtype: FloatType,
+        chunk: &[u8],
+        out: &mut Vec<u8>,
+    ) -> Result<bool, CodecError> {
         if chunk.len() > MAX_CHUNK {
             return Err(CodecError::TooLarge { len: chunk.len() });
         }
         out.clear();
         let w = dtype.width();
         let n = chunk.len() / w;
+        if n == 0 {
+            return Ok(false);
+        }
         split(dtype, chunk, n, &mut self.top);
         self.packed.clear();
         self.packed.reserve(zstd::zstd_safe::compress_bound(n));
-        out.resize(FRAME_HEADER, 0);
         let budget = (chunk.len() as f64 * (1.0 - MIN_GAIN)) as usize;
-        let packed = if n == 0 {
-            None
-        } else {
-            self.cctx
-                .compress_to_buffer(&self.top[..n], &mut self.packed)
-                .ok()
+        let p = match self.cctx.compress_to_buffer(&self.top[..n], &mut self.packed) {
+            Ok(p) if FRAME_HEADER + p + (chunk.len() - n) <= budget => p,
+            _ => return Ok(false),
         };
-        match packed {
-            Some(p) if p + (chunk.len() - n) <= budget => {
-                out.extend_from_slice(&self.packed[..p]);
-                let rest_at = out.len();
-                out.resize(rest_at + chunk.len() - n, 0);
-                rest(dtype, chunk, n, &mut out[rest_at..]);
-                put_header(out, 0, dtype, chunk.len(), p);
-            }
-            _ => {
-                out.truncate(FRAME_HEADER);
-                out.extend_from_slice(chunk);
-                put_header(out, RAW, dtype, chunk.len(), 0);
-            }
-        }
-        Ok(())
+        out.reserve(FRAME_HEADER + p + chunk.len() - n);
+        out.resize(FRAME_HEADER, 0);
+        out.extend_from_slice(&self.packed[..p]);
+        let rest_at = out.len();
+        out.resize(rest_at + chunk.len() - n, 0);
+        rest(dtype, chunk, n, &mut out[rest_at..]);
+        put_header(out, 0, dtype, chunk.len(), p);
+        Ok(true)
     }
 
     /// Decodes `frame` into `dst`, whose length is the chunk's as the

@@ -62,6 +62,9 @@ pub(crate) struct Region {
     /// are freed. Opaque here: the region layer knows no transport.
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     pub nic_attach: std::sync::OnceLock<Arc<dyn std::any::Any + Send + Sync>>,
+    /// The values' type for the codec (`FloatType` + 1; 0: none said):
+    /// advertised in its windows, and what a READ of it is packed as.
+    dtype: std::sync::atomic::AtomicU8,
     pub _backing: Backing,
 }
 
@@ -113,8 +116,20 @@ impl Region {
             ipc_exported: Default::default(),
             ipc_handle: Default::default(),
             nic_attach: Default::default(),
+            dtype: Default::default(),
             _backing: backing,
         }
+    }
+
+    /// The values' type, if the owner said one (`set_dtype`).
+    pub fn dtype(&self) -> Option<crate::codec::FloatType> {
+        let b = self.dtype.load(std::sync::atomic::Ordering::Relaxed);
+        b.checked_sub(1).and_then(crate::codec::FloatType::from_u8)
+    }
+
+    pub fn set_dtype(&self, dtype: Option<crate::codec::FloatType>) {
+        let b = dtype.map_or(0, |d| d as u8 + 1);
+        self.dtype.store(b, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The first byte.
@@ -149,6 +164,7 @@ impl Region {
             ipc_exported: Default::default(),
             ipc_handle: Default::default(),
             nic_attach: Default::default(),
+            dtype: Default::default(),
             _backing: Backing::Pinned(buf),
         }
     }
@@ -378,6 +394,7 @@ pub(crate) fn test_region(buf: &mut [u8]) -> Arc<Region> {
         ipc_exported: Default::default(),
         ipc_handle: Default::default(),
         nic_attach: Default::default(),
+        dtype: Default::default(),
         _backing: Backing::Raw,
     })
 }
@@ -400,6 +417,7 @@ mod tests {
             ipc_exported: Default::default(),
             ipc_handle: Default::default(),
             nic_attach: Default::default(),
+            dtype: Default::default(),
             _backing: Backing::Raw,
         });
         let base = r.addr();

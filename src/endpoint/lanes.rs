@@ -340,6 +340,7 @@ mod tests {
             rkey: 1,
             tag: 2,
             remote_device: false,
+            dtype: None,
             nic_rkeys: None,
         }
     }

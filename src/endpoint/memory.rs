@@ -81,6 +81,26 @@ impl MemoryRegion {
         self.inner.ptr()
     }
 
+    /// Says what the region's values are (the seed's `float_type`), so the
+    /// network paths may compress them losslessly (`FERRY_COMPRESS`): its
+    /// windows advertised from now on carry the type, a peer WRITing into
+    /// one packs its frames for it, and READs of it are answered packed.
+    /// `None` (the default) sends the bytes as they are. Only a hint: a
+    /// wrong type costs ratio, never bytes.
+    pub fn set_dtype(&self, dtype: Option<crate::codec::FloatType>) {
+        self.inner.set_dtype(dtype);
+    }
+
+    /// The builder form of `set_dtype`.
+    pub fn with_dtype(self, dtype: crate::codec::FloatType) -> Self {
+        self.set_dtype(Some(dtype));
+        self
+    }
+
+    pub fn dtype(&self) -> Option<crate::codec::FloatType> {
+        self.inner.dtype()
+    }
+
     pub(crate) fn check_range(&self, offset: usize, len: usize) -> Result<()> {
         match offset.checked_add(len) {
             Some(end) if end <= self.inner.len() => Ok(()),
@@ -228,6 +248,7 @@ impl MemoryRegion {
         if let Some(keys) = crate::verbs::remote_keys(nic, &self.inner) {
             rb.set_nic_rkeys(&keys);
         }
+        rb.set_dtype(self.inner.dtype().map(|d| d as u8));
         Ok(rb)
     }
 

@@ -723,12 +723,16 @@ pub(super) fn desc_of(
         });
     }
     Ok(OpDesc {
-        local,
         remote_addr: remote.addr,
         rkey: remote.rkey,
         tag: remote.key_tag(),
         remote_device: remote.is_device(),
         nic_rkeys: remote.nic_rkeys(),
+        dtype: remote
+            .dtype()
+            .and_then(crate::codec::FloatType::from_u8)
+            .or_else(|| local.region().dtype()),
+        local,
     })
 }
 

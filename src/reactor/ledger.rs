@@ -174,6 +174,7 @@ mod tests {
                 rkey: 1,
                 tag: 0,
                 remote_device: false,
+                dtype: None,
                 nic_rkeys: crate::wire::NicKeys::new(&[9]),
             }),
             at: Default::default(),

@@ -275,6 +275,7 @@ impl LocalPair {
                 rkey: KEY.rkey,
                 tag: KEY.tag,
                 remote_device: false,
+                dtype: None,
                 nic_rkeys: None,
             }),
             at: Default::default(),

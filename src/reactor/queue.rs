@@ -23,6 +23,9 @@ pub(crate) struct OpDesc {
     /// The window's RDMA rkeys (one per NIC of the advertiser), when its
     /// NICs registered it.
     pub nic_rkeys: Option<crate::wire::NicKeys>,
+    /// What the bytes are, for the codec: the window's advertised type,
+    /// else our region's (None: plain bytes on the wire).
+    pub dtype: Option<crate::codec::FloatType>,
 }
 
 impl OpDesc {
@@ -44,6 +47,7 @@ impl OpDesc {
             tag: self.tag,
             remote_device: self.remote_device,
             nic_rkeys: self.nic_rkeys,
+            dtype: self.dtype,
         }
     }
 }

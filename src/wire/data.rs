@@ -1,9 +1,17 @@
 //! The tcp data path's fixed 40-byte frame header.
 //!
 //! ```text
-//! 0 kind u8 | 1 status u8 | 2 reserved u16 (0) | 4 rkey u32 | 8 op_id u64
+//! 0 kind u8 | 1 status u8 | 2 flags u16 | 4 rkey u32 | 8 op_id u64
 //! 16 addr u64 | 24 len u64 | 32 tag u64                     (little-endian)
 //! ```
+//!
+//! `flags` bit 0 (`FLAG_PACKED`, only on a `WriteReq` or an `Ok`
+//! `ReadResp`, only between peers that both offered `CAP_CODEC`): the
+//! payload is a frame of the float-aware codec (`crate::codec`), not the
+//! bytes. `len` then holds two u32s: the low half is the bytes the frame
+//! decodes to (what the request moves, checked as ever), the high half the
+//! frame's own length on the wire (at most `MAX_PACKED_FRAME` and not more
+//! than the decoded length: no peer makes us buffer more than that).
 //!
 //! `tag` is the random half of a key (the advertised `RemoteBuf`'s first 8
 //! reserved bytes); requests carry it, everything else carries 0.
@@ -21,6 +29,12 @@ pub const DATA_HEADER_LEN: usize = 40;
 /// Largest payload one request or response frame may carry. `RemoteBuf`
 /// sizes are u32, so no honest frame is larger.
 pub const MAX_FRAME_PAYLOAD: u64 = u32::MAX as u64;
+/// `flags` bit: the payload is a codec frame (see the module doc).
+pub const FLAG_PACKED: u16 = 1;
+/// The longest codec frame a peer may send: each one is buffered whole
+/// before it is decoded, so this (times the frames in decoding) is what a
+/// peer can make us hold.
+pub const MAX_PACKED_FRAME: u32 = 16 << 20;
 /// Largest notification an application may send.
 pub const MAX_NOTIFY_BYTES: usize = 4096;
 /// Largest notification payload on the wire: one kind byte
@@ -91,6 +105,9 @@ pub struct DataHeader {
     pub addr: u64,
     pub len: u64,
     pub tag: u64,
+    /// Non-zero: the payload is a codec frame of this many bytes, which
+    /// decodes to `len` (`FLAG_PACKED`).
+    pub packed_len: u32,
 }
 
 impl DataHeader {
@@ -103,6 +120,7 @@ impl DataHeader {
             addr,
             len,
             tag,
+            packed_len: 0,
         }
     }
 
@@ -115,12 +133,20 @@ impl DataHeader {
             addr: 0,
             len,
             tag: 0,
+            packed_len: 0,
         }
+    }
+
+    /// The same header for a payload packed into a `packed_len`-byte codec
+    /// frame.
+    pub fn packed(self, packed_len: u32) -> Self {
+        Self { packed_len, ..self }
     }
 
     /// Bytes of payload that follow this header on the wire.
     pub fn payload_len(&self) -> u64 {
         match self.kind {
+            _ if self.packed_len != 0 => self.packed_len as u64,
             DataKind::WriteReq | DataKind::Notify | DataKind::ReadResp => self.len,
             DataKind::ReadReq | DataKind::WriteAck => 0,
         }
@@ -130,10 +156,16 @@ impl DataHeader {
         let mut b = [0u8; DATA_HEADER_LEN];
         b[0] = self.kind as u8;
         b[1] = self.status as u8;
+        let (flags, len) = if self.packed_len != 0 {
+            (FLAG_PACKED, (self.packed_len as u64) << 32 | self.len)
+        } else {
+            (0, self.len)
+        };
+        b[2..4].copy_from_slice(&flags.to_le_bytes());
         b[4..8].copy_from_slice(&self.rkey.to_le_bytes());
         b[8..16].copy_from_slice(&self.op_id.to_le_bytes());
         b[16..24].copy_from_slice(&self.addr.to_le_bytes());
-        b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b[24..32].copy_from_slice(&len.to_le_bytes());
         b[32..40].copy_from_slice(&self.tag.to_le_bytes());
         b
     }
@@ -152,8 +184,8 @@ impl DataHeader {
         let status_byte = r.u8()?;
         let status = Status::from_u8(status_byte)
             .ok_or_else(|| invalid(format!("unknown status {status_byte}")))?;
-        let reserved = r.u16_le()?;
-        let h = DataHeader {
+        let flags = r.u16_le()?;
+        let mut h = DataHeader {
             kind,
             status,
             rkey: r.u32_le()?,
@@ -161,12 +193,14 @@ impl DataHeader {
             addr: r.u64_le()?,
             len: r.u64_le()?,
             tag: r.u64_le()?,
+            packed_len: 0,
         };
         r.finish()?;
-        if reserved != 0 {
-            return Err(invalid(format!(
-                "reserved field is {reserved:#06x}, must be 0"
-            )));
+        if flags & !FLAG_PACKED != 0 {
+            return Err(invalid(format!("unknown flags {flags:#06x}")));
+        }
+        if flags & FLAG_PACKED != 0 {
+            check_packed(&mut h)?;
         }
         let cap = if kind == DataKind::Notify {
             MAX_NOTIFY_WIRE_BYTES as u64
@@ -209,6 +243,28 @@ impl DataHeader {
     }
 }
 
+/// Splits a packed frame's `len` into its two halves and checks them.
+fn check_packed(h: &mut DataHeader) -> Result<(), DecodeError> {
+    let ok_kind = h.kind == DataKind::WriteReq
+        || (h.kind == DataKind::ReadResp && h.status == Status::Ok);
+    if !ok_kind {
+        return Err(invalid(format!(
+            "{:?} with status {:?} marked packed",
+            h.kind, h.status
+        )));
+    }
+    let (packed, decoded) = ((h.len >> 32) as u32, h.len & u32::MAX as u64);
+    if packed == 0 || packed > MAX_PACKED_FRAME || packed as u64 > decoded {
+        return Err(invalid(format!(
+            "a packed frame of {packed} bytes for {decoded} (at most {MAX_PACKED_FRAME}, \
+             and not more than it decodes to)"
+        )));
+    }
+    h.len = decoded;
+    h.packed_len = packed;
+    Ok(())
+}
+
 fn invalid(reason: String) -> DecodeError {
     DecodeError::Invalid { what: WHAT, reason }
 }
@@ -242,8 +298,8 @@ mod tests {
             Err(DecodeError::UnknownKind { got: 7, .. })
         ));
         let mut b = good;
-        b[2] = 1;
-        assert!(DataHeader::decode(&b).is_err());
+        b[2] = 2;
+        assert!(DataHeader::decode(&b).is_err(), "unknown flag");
         let mut b = good;
         b[1] = 2;
         assert!(DataHeader::decode(&b).is_err(), "requests carry no status");
@@ -268,13 +324,34 @@ mod tests {
     }
 
     #[test]
+    fn packed_frames_round_trip_and_are_bounded() {
+        let w = DataHeader::request(DataKind::WriteReq, 5, 7, 9, 0x1000, 4 << 20).packed(3 << 20);
+        let back = DataHeader::decode(&w.encode()).unwrap();
+        assert_eq!(back, w);
+        assert_eq!(back.payload_len(), 3 << 20);
+        let r = DataHeader::response(DataKind::ReadResp, Status::Ok, 10, 100).packed(60);
+        assert_eq!(DataHeader::decode(&r.encode()).unwrap().payload_len(), 60);
+        // More packed than decoded (a peer making us buffer more than the
+        // request moves), past the bound, or on a frame with no data.
+        for bad in [
+            DataHeader::request(DataKind::WriteReq, 5, 7, 9, 0, 100).packed(101),
+            DataHeader::request(DataKind::WriteReq, 5, 7, 9, 0, u32::MAX as u64)
+                .packed(MAX_PACKED_FRAME + 1),
+            DataHeader::request(DataKind::ReadReq, 5, 7, 9, 0, 100).packed(50),
+            DataHeader::response(DataKind::WriteAck, Status::Ok, 9, 0).packed(1),
+        ] {
+            assert!(DataHeader::decode(&bad.encode()).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
     fn random_bytes_never_panic_and_round_trip() {
         let mut rng = Rng(11);
         for _ in 0..50000 {
             let mut b = rng.bytes(40);
             b[0] = [1u8, 2, 3, 0x81, 0x82, 9][rng.below(6) as usize];
             b[1] = rng.below(5) as u8;
-            b[2] = 0;
+            b[2] = rng.below(2) as u8;
             b[3] = 0;
             if rng.below(2) == 0 {
                 b[4..8].fill(0);

@@ -79,6 +79,12 @@ pub const CAP_VERBS: u32 = 4;
 /// The sender asks for MACs over payloads too (`FERRY_INTEGRITY=full`);
 /// with `CAP_AUTH` on both sides, either side asking is enough.
 pub const CAP_INTEGRITY_FULL: u32 = 8;
+/// The sender decodes packed data frames (`FLAG_PACKED`, the float-aware
+/// codec) and may send them (`FERRY_COMPRESS` is not `off`). Packed frames
+/// flow only when both hellos carry it, so a peer that predates the codec
+/// (or turned it off) gets plain frames, not an error: a capability rather
+/// than a version bump, which would refuse such a peer outright.
+pub const CAP_CODEC: u32 = 16;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ControlFrame {

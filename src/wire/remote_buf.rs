@@ -19,6 +19,9 @@ pub const REMOTE_FLAG_DEVICE: u8 = 1;
 /// of the advertiser, `reserved[9] + 1` of them (1..=4), the first in
 /// `reserved[12..16]`, the others in `reserved[16..28]`.
 pub const REMOTE_FLAG_NIC_KEY: u8 = 2;
+/// `reserved[10]`: the registration's value type for the codec
+/// (`crate::codec::FloatType` + 1; 0: none said).
+const DTYPE_AT: usize = 10;
 
 /// A window's RDMA rkeys, one per NIC of its advertiser; queue pair `i` of
 /// a connection (on the advertiser's NIC `i % len`) uses key `i % len`.
@@ -124,6 +127,17 @@ impl RemoteBuf {
         self.reserved[8] & REMOTE_FLAG_DEVICE != 0
     }
 
+    /// The value type the advertiser registered the memory with (the
+    /// codec's `FloatType` as a byte), if it said one.
+    pub fn dtype(&self) -> Option<u8> {
+        self.reserved[DTYPE_AT].checked_sub(1)
+    }
+
+    /// Says the window's values are of type `dtype` (a `FloatType` byte).
+    pub fn set_dtype(&mut self, dtype: Option<u8>) {
+        self.reserved[DTYPE_AT] = dtype.map_or(0, |d| d.saturating_add(1));
+    }
+
     /// The RDMA rkey the advertiser's (first) NIC honours for this window,
     /// if any.
     pub fn nic_rkey(&self) -> Option<u32> {
@@ -194,6 +208,19 @@ mod tests {
         }
         assert_eq!(NicKeys::new(&[]), None);
         assert_eq!(NicKeys::new(&[1; 5]), None);
+    }
+
+    #[test]
+    fn dtype_rides_in_its_own_byte() {
+        let mut rb = RemoteBuf::default();
+        assert_eq!(rb.dtype(), None);
+        rb.set_nic_rkeys(&NicKeys::new(&[1, 2, 3, 4]).unwrap());
+        rb.set_dtype(Some(1));
+        let back = RemoteBuf::decode(&rb.encode()).unwrap();
+        assert_eq!(back.dtype(), Some(1));
+        assert_eq!(back.nic_rkeys(), NicKeys::new(&[1, 2, 3, 4]));
+        rb.set_dtype(None);
+        assert_eq!(rb.dtype(), None);
     }
 
     #[test]

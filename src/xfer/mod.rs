@@ -194,3 +194,44 @@ impl Progress {
         }
     }
 }
+
+/// Which frame a codec job belongs to, so its end finds it: stream
+/// `stream`'s gated frame `gate` (a packed request or response waiting for
+/// its bytes, a WriteAck waiting for the decode), or with `gate` 0 one
+/// frame of op `slot` (a READ's packed data, decoded into its memory, and
+/// copied on into GPU memory `post` when it landed in a bounce buffer).
+pub(crate) struct CodecTicket {
+    pub stream: u8,
+    pub gate: u64,
+    pub slot: u32,
+    pub post: Option<RegionSlice>,
+}
+
+/// Work for the codec pool: it runs off the shard, which goes on polling.
+pub(crate) enum CodecWork {
+    /// Pack `src` (values of `dtype`) into `out` (a spare buffer).
+    Encode {
+        dtype: crate::codec::FloatType,
+        src: RegionSlice,
+        out: Vec<u8>,
+    },
+    /// Unpack a peer's codec frame into `dst` (its length is the request's).
+    Decode { frame: Vec<u8>, dst: RegionSlice },
+}
+
+pub(crate) struct CodecJob {
+    pub ticket: CodecTicket,
+    pub work: CodecWork,
+}
+
+/// What a codec job came back with; its buffer returns either way.
+pub(crate) enum CodecOutcome {
+    /// `buf` is the frame when `packed`; else the chunk did not shrink
+    /// enough and goes as it is (`buf` is spare again).
+    Encoded { buf: Vec<u8>, packed: bool },
+    /// The frame (spare again) and whether it decoded exactly into place.
+    Decoded {
+        buf: Vec<u8>,
+        result: std::result::Result<(), String>,
+    },
+}
