@@ -92,12 +92,12 @@ pub mod wire;
 pub(crate) mod xfer;
 
 pub use endpoint::{
-    Batch, Config, Endpoint, EndpointBuilder, Integrity, MemoryRegion, MessageOp, Mode, Peer,
+    Batch, Compress, Config, Endpoint, EndpointBuilder, Integrity, MemoryRegion, MessageOp, Mode, Peer,
     RegCacheStats, Secret, SharedRegion, Transport, Window,
 };
 pub use error::{ConnId, Error, OpKind, Result};
 pub use gpu::{IpcStats, MemKind};
-pub use reactor::{Shard, SpinStats, Transfer};
+pub use reactor::{CompressStats, Shard, SpinStats, Transfer};
 pub use region::Access;
 pub use wire::{AnyWindow, EndpointMetadata, IpcBuf, RemoteBuf};
 

@@ -42,6 +42,23 @@ pub enum Integrity {
     Full,
 }
 
+/// Whether tcp frames of typed values are compressed (`FERRY_COMPRESS`;
+/// UCCL's `UCCL_P2P_COMPRESS_STRATEGY` is read when it is unset: `none`,
+/// `off` or `0` is `Off`, any strategy `On`). Only between peers that both
+/// allow it, only memory registered with a value type
+/// (`MemoryRegion::set_dtype`), never on shm, CUDA IPC or RDMA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Compress {
+    /// Never; the handshake tells the peer not to either.
+    Off,
+    /// While a connection's measured link rate (how fast its socket
+    /// drains when full) is below what the codec threads sustain: a slow
+    /// link gains, loopback and fast links are left alone.
+    Auto,
+    /// Every chunk of typed values (at least 16 KiB) is tried.
+    On,
+}
+
 /// A shared secret; its bytes never appear in `Debug` output or logs.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Secret(Vec<u8>);
@@ -188,6 +205,13 @@ macro_rules! settings {
             /// Log filter for the `ferry` binary (`FERRY_LOG`, default "warn"); the
             /// library itself only emits `tracing` events.
             log: String = "warn".to_owned(), "FERRY_LOG", with(string);
+            /// Lossless compression of typed values on tcp
+            /// (`FERRY_COMPRESS=off|auto|on`, default auto; see [`Compress`]).
+            compress: Compress = Compress::Auto, "FERRY_COMPRESS", with(compress);
+            /// Codec threads of the endpoint (`FERRY_COMPRESS_THREADS`, default
+            /// 0: half the cores, 1 to 4); they start with the first
+            /// connection that agrees to compress.
+            compress_threads: usize = 0, "FERRY_COMPRESS_THREADS", range(0, 256);
         }
     };
 }
@@ -308,6 +332,24 @@ fn transport(name: &'static str, v: String) -> Result<Transport> {
     })
 }
 
+fn compress(name: &'static str, v: String) -> Result<Compress> {
+    Ok(match v.trim().to_ascii_lowercase().as_str() {
+        "off" | "none" | "0" => Compress::Off,
+        "auto" => Compress::Auto,
+        "on" | "1" => Compress::On,
+        _ => return Err(bad(name, &v, "expected off, auto or on")),
+    })
+}
+
+/// UCCL's variable: any strategy it knows compresses.
+fn uccl_compress(name: &'static str, v: String) -> Result<Compress> {
+    Ok(match v.trim().to_ascii_lowercase().as_str() {
+        "" | "none" | "off" | "0" => Compress::Off,
+        "split" | "split_only" | "encode" | "full" | "split_encode" => Compress::On,
+        _ => return Err(bad(name, &v, "expected none, split_only, encode or full")),
+    })
+}
+
 fn flag(name: &'static str, v: String) -> Result<bool> {
     match v.trim() {
         "1" | "true" | "yes" => Ok(true),
@@ -397,6 +439,11 @@ impl Config {
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config> {
         let mut c = Config::default();
         c.read_vars(&get)?;
+        if get("FERRY_COMPRESS").is_none() {
+            if let Some(v) = get("UCCL_P2P_COMPRESS_STRATEGY") {
+                c.compress = uccl_compress("UCCL_P2P_COMPRESS_STRATEGY", v)?;
+            }
+        }
         c.validate()?;
         Ok(c)
     }

@@ -58,6 +58,11 @@ impl Inner {
                     CAP_INTEGRITY_FULL
                 } else {
                     0
+                }
+                | if self.cfg.compress == super::config::Compress::Off {
+                    0
+                } else {
+                    crate::wire::CAP_CODEC
                 },
             auth_nonce: random_u64(),
             host_token: self.host_token,
@@ -162,6 +167,7 @@ impl Inner {
         let limits = StreamLimits {
             own_max: agreed,
             peer_max: agreed,
+            codec: hellos[0].0.both_offer(&peer_hello, crate::wire::CAP_CODEC),
         };
         let deadline = Instant::now() + self.cfg.connect_timeout();
         // Each side spreads its streams over its own shards: a stream's

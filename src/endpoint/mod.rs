@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
-pub use config::{Config, Integrity, Mode, Secret, Transport};
+pub use config::{Compress, Config, Integrity, Mode, Secret, Transport};
 pub use memory::{MemoryRegion, MAX_WINDOWS};
 pub use ops::Window;
 pub use reg_cache::{RegCacheStats, SharedRegion};
@@ -132,6 +132,8 @@ impl std::fmt::Display for Peer {
 
 pub(crate) struct Inner {
     pub(crate) cfg: Config,
+    /// The codec threads (None: `FERRY_COMPRESS=off`).
+    codec: Option<Arc<crate::reactor::codec_pool::LazyCodecPool>>,
     id: u64,
     backend: IoBackend,
     backend_note: Option<String>,
@@ -486,6 +488,11 @@ impl Endpoint {
             None => Ok(()),
             Some(why) => Err(why),
         }
+    }
+
+    /// What the codec did so far (`FERRY_COMPRESS`); None when it is off.
+    pub fn compress_stats(&self) -> Option<crate::CompressStats> {
+        self.inner.codec.as_ref().map(|c| c.stats())
     }
 
     /// Registers several buffers (the seed's `regv`).

@@ -61,7 +61,10 @@ fn own_metadata(cfg: &Config, local: SocketAddr) -> Result<EndpointMetadata> {
     Ok(EndpointMetadata::new(adv, local.port(), &bus_id)?)
 }
 
-fn shard_config(cfg: &Config) -> ShardConfig {
+fn shard_config(
+    cfg: &Config,
+    codec: Option<Arc<crate::reactor::codec_pool::LazyCodecPool>>,
+) -> ShardConfig {
     ShardConfig {
         spin: Duration::from_micros(cfg.spin_us),
         spin_yield: Duration::from_micros(cfg.spin_yield_us),
@@ -72,7 +75,23 @@ fn shard_config(cfg: &Config) -> ShardConfig {
         max_conn_inflight_ops: cfg.max_conn_inflight_ops,
         gpu_streams: cfg.gpu_streams,
         gpu_bounce_bytes: cfg.gpu_bounce_bytes,
+        codec,
     }
+}
+
+/// The endpoint's codec pool (not started yet), unless compression is off.
+pub(super) fn codec_pool(cfg: &Config) -> Option<Arc<crate::reactor::codec_pool::LazyCodecPool>> {
+    use crate::endpoint::config::Compress;
+    use crate::tcp::PackMode;
+    let mode = match cfg.compress {
+        Compress::Off => return None,
+        Compress::Auto => PackMode::Auto,
+        Compress::On => PackMode::On,
+    };
+    Some(crate::reactor::codec_pool::LazyCodecPool::new(
+        mode,
+        cfg.compress_threads,
+    ))
 }
 
 /// The same-host side: shard 0's accept ring and fd-passing socket, and
@@ -177,6 +196,7 @@ struct ShardShared {
     closed: mpsc::Sender<crate::error::ConnId>,
     ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
     shares: Arc<crate::shm::peers::PeerShares>,
+    codec: Option<Arc<crate::reactor::codec_pool::LazyCodecPool>>,
 }
 
 /// The shards and their handles; each can hand slices of a large
@@ -186,7 +206,7 @@ fn shard_set(
     mut host: HostSide,
     sh: &ShardShared,
 ) -> Result<(Vec<Shard>, Vec<ShardHandle>)> {
-    let scfg = shard_config(cfg);
+    let scfg = shard_config(cfg, sh.codec.clone());
     let mut bells = host.bells.into_iter();
     let mut shards = Vec::new();
     let mut handles = Vec::new();
@@ -279,9 +299,11 @@ impl Endpoint {
             closed: closed_tx,
             ipc_counters: Arc::new(crate::gpu::ipc::IpcCounters::default()),
             shares: Arc::new(crate::shm::peers::PeerShares::default()),
+            codec: codec_pool(&cfg),
         };
         let (shards, handles) = shard_set(&cfg, host, &shared)?;
         let inner = Arc::new(Inner {
+            codec: shared.codec.clone(),
             gpu,
             ipc_counters: shared.ipc_counters,
             id,

@@ -14,9 +14,13 @@
 //!   `Waker`) wakes it;
 //! * **embedded** mode: the caller owns each `Shard` and calls `poll()` (or
 //!   `poll_or_park()`, the managed loop's step) from its own loop; the
-//!   engine starts no thread.
+//!   engine starts no shard thread (only the codec threads, when a tcp
+//!   connection agrees to compress: `codec_pool.rs`, `FERRY_COMPRESS=off`
+//!   for none).
 
 mod backlog;
+pub(crate) mod codec_pool;
+mod codec_side;
 pub(crate) mod completion;
 mod directory;
 mod gpu;
@@ -32,6 +36,7 @@ mod spin;
 mod tcp_side;
 mod timers;
 
+pub use codec_pool::CompressStats;
 pub use completion::Transfer;
 pub(crate) use queue::{
     Command, IpcCmd, IpcDesc, IpcParts, OpCmd, OpDesc, OpParts, RegionCmd, ShardHandle, MAX_BATCH,

@@ -57,6 +57,14 @@ impl crate::tcp::conn::FramePart for OpDesc {
         &self.local
     }
 
+    fn dtype(&self) -> Option<crate::codec::FloatType> {
+        self.dtype
+    }
+
+    fn remote_device(&self) -> bool {
+        self.remote_device
+    }
+
     fn key(&self) -> crate::region::KeyRef {
         crate::region::KeyRef {
             rkey: self.rkey,

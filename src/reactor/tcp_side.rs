@@ -102,6 +102,8 @@ pub(crate) struct TcpSide {
     /// Sent data unacknowledged this long kills a socket (TCP_USER_TIMEOUT):
     /// the op timeout, so a half-open peer is not kept for minutes.
     user_timeout: Duration,
+    /// The endpoint's codec threads and this shard's channel from them.
+    codec: Option<super::codec_side::CodecSide>,
 }
 
 impl TcpSide {
@@ -193,8 +195,19 @@ impl TcpSide {
             passes: 0,
             shard,
             user_timeout,
+            codec: None,
         };
         Ok((side, waker))
+    }
+
+    /// Lets connections that agree to the codec pack their frames (on
+    /// the endpoint's pool, which wakes the shard through `wake`).
+    pub fn set_codec(
+        &mut self,
+        pool: std::sync::Arc<super::codec_pool::LazyCodecPool>,
+        wake: std::sync::Arc<super::queue::WakeState>,
+    ) {
+        self.codec = Some(super::codec_side::CodecSide::new(pool, wake));
     }
 
     /// With few streams, trying each socket directly costs fewer syscalls
@@ -309,7 +322,13 @@ impl TcpSide {
                     Interest::READABLE | Interest::WRITABLE,
                 )
                 .map_err(|e| Error::io("epoll_ctl", e))?;
-            out.push(Stream::new(m, limits, i as u8, macs.next()));
+            let mut s = Stream::new(m, limits, i as u8, macs.next());
+            if limits.codec {
+                if let Some(shared) = self.codec.as_mut().and_then(|c| c.shared()) {
+                    s.enable_pack(shared);
+                }
+            }
+            out.push(s);
         }
         self.stream_count += out.len();
         self.verbs_conns += verbs.is_some() as usize;
@@ -445,6 +464,13 @@ impl TcpSide {
                 }
                 Ok::<usize, String>(w)
             })();
+            // Jobs go out even if the stream just failed: their ends are
+            // settled (a READ completes) whatever became of it.
+            if s.has_codec_jobs() {
+                if let Some(c) = self.codec.as_mut() {
+                    c.hand_over(idx, conn.id, s);
+                }
+            }
             match step {
                 Ok(w) => work += w,
                 Err(reason) => {
@@ -481,8 +507,11 @@ impl Source for TcpSide {
             return 0;
         }
         self.passes += 1;
-        let direct = self.gather_ready();
         let mut work = 0;
+        if self.codec.is_some() {
+            work += self.apply_codec_done(cx);
+        }
+        let direct = self.gather_ready();
         if self.verbs_conns > 0 {
             work += self.poll_cqs(cx);
         }
@@ -519,6 +548,51 @@ impl Source for TcpSide {
 }
 
 impl TcpSide {
+    /// Hands each codec job that ended to its stream: a packed frame goes,
+    /// a decoded WRITE is acknowledged, a decoded READ completes. A peer's
+    /// frame that did not decode fails its connection. A job whose
+    /// connection is gone still settles what it owes (a READ's op, the
+    /// endpoint's count of held bytes).
+    fn apply_codec_done(&mut self, cx: &mut Cx<'_>) -> usize {
+        let mut n = 0;
+        while let Some(d) = self.codec.as_mut().and_then(|c| c.next_done()) {
+            n += 1;
+            let Some(conn) = self.conns.get_mut(d.idx).filter(|c| c.id == d.conn) else {
+                if let Some(c) = self.codec.as_mut() {
+                    c.orphan(d, cx.done);
+                }
+                continue;
+            };
+            let (slot, read) = (d.ticket.slot, d.ticket.gate == 0);
+            let mut sink = ShardSink {
+                done: cx.done,
+                inbox: cx.inbox,
+                conn: conn.group,
+                ipc_revoked: cx.ipc_revoked,
+                gpu_reqs: None,
+                host_copies: None,
+                gpu: cx.gpu.as_deref_mut(),
+            };
+            let group = conn.group;
+            let r = match conn.streams.get_mut(d.ticket.stream as usize) {
+                Some(s) => s.codec_done(d.ticket, d.outcome, &mut sink),
+                None => Ok(()),
+            };
+            if let Err(reason) = r {
+                if read {
+                    let e = Error::ConnFailed {
+                        conn: group,
+                        reason: reason.clone(),
+                    };
+                    cx.done.push((slot, Err(e)));
+                }
+                cx.to_fail.push((ConnRef::Tcp(d.idx), reason));
+            }
+            self.mark(d.idx);
+        }
+        n
+    }
+
     /// Whether `op` goes over connection `idx`'s RDMA queue pairs: it has
     /// them, every window carries the peer NIC's key, every local region is
     /// registered with the NIC (a refusal, remembered on the region, means
@@ -773,6 +847,7 @@ mod tests {
         let limits = StreamLimits {
             own_max: 4,
             peer_max: 4,
+            codec: false,
         };
         let idx = add_plain(&mut side, 1, a, limits);
         let sock = socket2::SockRef::from(&side.conns[idx].streams[0].sock);
@@ -799,6 +874,7 @@ mod tests {
         let limits = StreamLimits {
             own_max: 4,
             peer_max: 4,
+            codec: false,
         };
         let mut peers = Vec::new();
         for i in 0..40 {

@@ -7,7 +7,7 @@
 use std::borrow::{Borrow, BorrowMut};
 use std::time::{Duration, Instant};
 
-use super::proto::StreamProto;
+use super::proto::{PackChoice, StreamProto};
 use crate::error::OpKind;
 use crate::region::{KeyRef, RegionSlice};
 use crate::xfer::Progress;
@@ -18,6 +18,14 @@ pub(crate) trait FramePart {
     fn local(&self) -> &RegionSlice;
     fn key(&self) -> KeyRef;
     fn remote_addr(&self) -> u64;
+    /// What the bytes are, for the codec (None: sent as they are).
+    fn dtype(&self) -> Option<crate::codec::FloatType> {
+        None
+    }
+    /// The peer's window is GPU memory (nothing is packed for it).
+    fn remote_device(&self) -> bool {
+        false
+    }
 }
 
 /// A frame of GPU memory: it goes through a bounce buffer the caller has
@@ -94,7 +102,14 @@ pub(crate) fn deal<S: BorrowMut<StreamProto>, P: FramePart>(
                 DeviceStep::Failed => return Dealt::Failed,
             }
         } else {
-            s.push_request(kind, slot, op_id, key, addr, local, now);
+            // A WRITE of typed values may go packed (the codec); a READ's
+            // data is packed, or not, by the target.
+            let dtype = p.dtype().filter(|_| kind == OpKind::Write && !p.remote_device());
+            match s.pack_choice(dtype, n) {
+                PackChoice::Pack(d) => s.push_write_packed(d, slot, op_id, key, addr, local, now),
+                PackChoice::Plain => s.push_request(kind, slot, op_id, key, addr, local, now),
+                PackChoice::Wait => return Dealt::Full,
+            }
         }
         *next = next.wrapping_add(1);
         at.advance(n, p.local().len());

@@ -271,6 +271,7 @@ impl Pair {
         let limits = StreamLimits {
             own_max: 8,
             peer_max: 8,
+            codec: false,
         };
         // Both sides' keys as a handshake would derive them (side 0 is the
         // client), one pair per stream.

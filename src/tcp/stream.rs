@@ -94,6 +94,9 @@ impl Stream {
                 match e.kind() {
                     io::ErrorKind::WouldBlock => {
                         self.writable = false;
+                        if let Some(m) = self.proto.link_meter() {
+                            m.blocked(std::time::Instant::now());
+                        }
                         return Ok(progress);
                     }
                     io::ErrorKind::Interrupted => continue,
@@ -102,6 +105,14 @@ impl Stream {
             }
             progress = true;
             self.proto.on_sent(n as usize);
+            if let Some(m) = self.proto.link_meter() {
+                m.sent(n as usize, std::time::Instant::now());
+            }
+        }
+        if !self.proto.tx_ready() {
+            if let Some(m) = self.proto.link_meter() {
+                m.drained();
+            }
         }
         Ok(progress)
     }

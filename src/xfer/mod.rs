@@ -204,7 +204,38 @@ pub(crate) struct CodecTicket {
     pub stream: u8,
     pub gate: u64,
     pub slot: u32,
-    pub post: Option<RegionSlice>,
+    /// (GPU memory, the bounce buffer the READ was decoded into).
+    pub post: Option<(RegionSlice, RegionSlice)>,
+    /// A peer's packed bytes counted against the endpoint's bound until
+    /// the job's end is handled (or dropped).
+    pub _held: Option<Held>,
+}
+
+/// Bytes counted in a shared total while this lives.
+pub(crate) struct Held {
+    n: usize,
+    of: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Held {
+    /// Counts `n` more bytes in `of` unless that passes `max` (one claim
+    /// is let through when nothing is held, so a lone frame never waits).
+    pub fn claim(of: &Arc<std::sync::atomic::AtomicUsize>, n: usize, max: usize) -> Option<Held> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let before = of.fetch_add(n, Relaxed);
+        if before > 0 && before + n > max {
+            of.fetch_sub(n, Relaxed);
+            return None;
+        }
+        Some(Held { n, of: of.clone() })
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.of
+            .fetch_sub(self.n, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// Work for the codec pool: it runs off the shard, which goes on polling.

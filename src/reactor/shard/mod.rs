@@ -75,6 +75,8 @@ pub(crate) struct ShardConfig {
     pub chunk_bytes: usize,
     pub sq_depth: usize,
     pub max_conn_inflight_ops: usize,
+    /// The endpoint's codec threads (None: compression is off).
+    pub codec: Option<Arc<super::codec_pool::LazyCodecPool>>,
 }
 
 /// One shard: its connections, its view of the registrations, and its loop.
@@ -166,7 +168,7 @@ impl Shard {
         closed: mpsc::Sender<ConnId>,
         ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
     ) -> Result<(Shard, ShardHandle)> {
-        let (tcp, waker) = TcpSide::new(id, cfg.op_timeout)?;
+        let (mut tcp, waker) = TcpSide::new(id, cfg.op_timeout)?;
         let local = LocalSide::new(id, local_init);
         for fd in local.wake_fds().into_iter().flatten() {
             tcp.watch_wake_fd(fd)?;
@@ -176,6 +178,9 @@ impl Shard {
             waker,
             shutdown: AtomicBool::new(false),
         });
+        if let Some(pool) = &cfg.codec {
+            tcp.set_codec(pool.clone(), wake.clone());
+        }
         let (tx, rx) = mpsc::sync_channel(cfg.sq_depth);
         let (rtx, region_rx) = mpsc::channel();
         let handle = ShardHandle {

@@ -31,6 +31,7 @@
 //! completes (a READ's data) or is acknowledged (a WRITE's).
 
 mod integrity;
+mod pack;
 mod rx;
 mod target;
 mod tx;
@@ -43,6 +44,8 @@ use crate::error::{Error, OpKind};
 use crate::region::{Access, KeyRef, RegionSlice, Regions};
 use crate::wire::{DataHeader, DataKind, Status, DATA_HEADER_LEN};
 use crate::xfer::{Bounce, PendingOp, Sink, Stage};
+
+pub(crate) use pack::{CodecCounters, PackChoice, PackMode, PackShared};
 
 const HDR: usize = DATA_HEADER_LEN;
 /// Receive buffer for headers (and payload bytes that share their read).
@@ -70,6 +73,8 @@ pub(crate) struct StreamLimits {
     pub own_max: usize,
     /// Requests the peer declared it keeps outstanding at most.
     pub peer_max: usize,
+    /// Both sides offered the codec (`CAP_CODEC`): packed frames may flow.
+    pub codec: bool,
 }
 
 /// What a frame's payload is, and what keeps it alive until it is sent.
@@ -77,6 +82,8 @@ enum TxPayload {
     None,
     Slice(RegionSlice),
     Bytes(Vec<u8>),
+    /// A codec frame (its buffer is reused once sent).
+    Packed(Vec<u8>),
 }
 
 impl TxPayload {
@@ -84,7 +91,7 @@ impl TxPayload {
         match self {
             TxPayload::None => (std::ptr::null(), 0),
             TxPayload::Slice(s) => (s.ptr(), s.len()),
-            TxPayload::Bytes(b) => (b.as_ptr(), b.len()),
+            TxPayload::Bytes(b) | TxPayload::Packed(b) => (b.as_ptr(), b.len()),
         }
     }
 }
@@ -150,6 +157,15 @@ enum Rx {
         want: usize,
     },
     NotifyBlocked(Vec<u8>),
+    /// A packed payload arriving into a buffer of its own, to be decoded
+    /// into `dst`.
+    Packed {
+        buf: Vec<u8>,
+        done: usize,
+        dst: RegionSlice,
+        then: pack::Unpack,
+        held: crate::xfer::Held,
+    },
     /// A payload is in; its tag (`full` integrity) must match `expected`
     /// before `then` happens.
     Trailer {
@@ -162,6 +178,7 @@ enum Rx {
 enum Then {
     Finish(After),
     Deliver(Vec<u8>),
+    Unpack(Vec<u8>, RegionSlice, pack::Unpack, crate::xfer::Held),
 }
 
 /// What `step` did.
@@ -198,6 +215,8 @@ pub(crate) struct StreamProto {
     /// Numbers of the next frame we send and the next we receive.
     tx_seq: u64,
     rx_seq: u64,
+    /// Packed frames, when both sides offered the codec.
+    pack: Option<pack::PackState>,
 }
 
 // SAFETY: the only raw pointers a StreamProto makes are derived on demand
@@ -229,6 +248,7 @@ impl StreamProto {
             mac,
             tx_seq: 0,
             rx_seq: 0,
+            pack: None,
         }
     }
 

@@ -20,15 +20,23 @@ impl StreamProto {
             self.rs = 0;
         }
         let mut n_iov = 0;
-        if let Rx::Payload { into, done, .. } = &self.rx {
-            if *done < into.len() {
+        match &mut self.rx {
+            Rx::Payload { into, done, .. } if *done < into.len() => {
                 iov[0] = libc::iovec {
                     // In bounds: done < len.
                     iov_base: into.ptr().wrapping_add(*done) as *mut _,
-                    iov_len: into.len() - done,
+                    iov_len: into.len() - *done,
                 };
                 n_iov = 1;
             }
+            Rx::Packed { buf, done, .. } if *done < buf.len() => {
+                iov[0] = libc::iovec {
+                    iov_base: buf[*done..].as_mut_ptr() as *mut _,
+                    iov_len: buf.len() - *done,
+                };
+                n_iov = 1;
+            }
+            _ => {}
         }
         let spare = &mut self.rbuf[self.re..];
         iov[n_iov] = libc::iovec {
@@ -53,9 +61,11 @@ impl StreamProto {
         let mid_frame = match &self.rx {
             Rx::Header => (1..self.hdr_len()).contains(&(self.re - self.rs)),
             Rx::NotifyBlocked(_) => false,
-            Rx::Payload { .. } | Rx::Discard { .. } | Rx::Notify { .. } | Rx::Trailer { .. } => {
-                true
-            }
+            Rx::Payload { .. }
+            | Rx::Discard { .. }
+            | Rx::Notify { .. }
+            | Rx::Trailer { .. }
+            | Rx::Packed { .. } => true,
         };
         mid_frame
             && self
@@ -67,8 +77,13 @@ impl StreamProto {
     pub fn on_received(&mut self, n: usize, now: Instant) {
         self.last_rx = Some(now);
         let mut n = n;
-        if let Rx::Payload { into, done, .. } = &mut self.rx {
-            let got = n.min(into.len() - *done);
+        let room = match &mut self.rx {
+            Rx::Payload { into, done, .. } => Some((into.len(), done)),
+            Rx::Packed { buf, done, .. } => Some((buf.len(), done)),
+            _ => None,
+        };
+        if let Some((len, done)) = room {
+            let got = n.min(len - *done);
             *done += got;
             n -= got;
         }
@@ -110,6 +125,7 @@ impl StreamProto {
             Rx::Trailer { .. } => self.step_trailer(sink),
             Rx::Notify { .. } => self.step_notify(sink),
             Rx::NotifyBlocked(_) => self.step_blocked(sink),
+            Rx::Packed { .. } => self.step_packed(),
         }
     }
 
@@ -182,6 +198,39 @@ impl StreamProto {
         Ok(Step::Progress)
     }
 
+    /// A packed payload arriving into its buffer; whole, it is decoded.
+    pub(super) fn step_packed(&mut self) -> Result<Step, String> {
+        let Rx::Packed { buf, done, .. } = &mut self.rx else {
+            unreachable!("step dispatches on the state")
+        };
+        let n = (self.re - self.rs).min(buf.len() - *done);
+        buf[*done..*done + n].copy_from_slice(&self.rbuf[self.rs..self.rs + n]);
+        self.rs += n;
+        *done += n;
+        if *done < buf.len() {
+            return Ok(Step::NeedBytes);
+        }
+        let Rx::Packed {
+            buf,
+            dst,
+            then,
+            held,
+            ..
+        } = std::mem::replace(&mut self.rx, Rx::Header)
+        else {
+            unreachable!()
+        };
+        if let Some(m) = self.mac.as_ref().filter(|m| m.full) {
+            self.rx = Rx::Trailer {
+                expected: m.rx.tag(self.rx_seq - 1, &[TAG_PAYLOAD, &buf]),
+                then: Then::Unpack(buf, dst, then, held),
+            };
+            return Ok(Step::Progress);
+        }
+        self.unpack(buf, dst, then, held);
+        Ok(Step::Progress)
+    }
+
     /// Payload of a refused WRITE, read and dropped (the stream stays in step).
     pub(super) fn step_discard(&mut self, sink: &mut impl Sink) -> Result<Step, String> {
         let Rx::Discard { left, run, .. } = &mut self.rx else {
@@ -235,6 +284,10 @@ impl StreamProto {
                 Ok(Step::Progress)
             }
             Then::Deliver(buf) => self.deliver(buf, sink),
+            Then::Unpack(buf, dst, then, held) => {
+                self.unpack(buf, dst, then, held);
+                Ok(Step::Progress)
+            }
         }
     }
 
@@ -345,6 +398,13 @@ impl StreamProto {
                     p.op.local.len()
                 ));
             }
+            if h.packed_len != 0 {
+                let dst = p.op.local.clone();
+                if !self.take_packed(h, dst, pack::Unpack::Read)? {
+                    return Ok(self.unread_header());
+                }
+                return Ok(true);
+            }
             self.rx = Rx::Payload {
                 into: p.op.local.clone(),
                 done: 0,
@@ -360,9 +420,14 @@ impl StreamProto {
 
     /// Puts back the request header just taken (no bounce buffer free).
     pub(super) fn unread_request(&mut self) -> bool {
+        self.peer_owed -= 1;
+        self.unread_header()
+    }
+
+    /// Puts back the header just taken, to be handled again later.
+    pub(super) fn unread_header(&mut self) -> bool {
         self.rs -= self.hdr_len();
         self.rx_seq -= 1;
-        self.peer_owed -= 1;
         false
     }
 

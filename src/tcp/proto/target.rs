@@ -3,6 +3,7 @@
 //! answered from our memory.
 
 use super::*;
+use super::pack;
 
 /// The key a request header names.
 pub(super) fn key_of(h: &DataHeader) -> KeyRef {
@@ -29,7 +30,32 @@ impl StreamProto {
             status,
         };
         let len = h.len as usize;
-        self.rx = match regions.check(key, h.addr, h.len, Access::REMOTE_WRITE) {
+        let wire = h.payload_len() as usize;
+        let checked = regions.check(key, h.addr, h.len, Access::REMOTE_WRITE);
+        if h.packed_len != 0 {
+            return match checked {
+                // Packed frames go to host memory only: a sender packs no
+                // chunk for a window advertised as GPU memory.
+                Ok(w) if !w.is_device() => {
+                    let then = pack::Unpack::Ack { op_id: h.op_id };
+                    if self.take_packed(h, w, then)? {
+                        Ok(true)
+                    } else {
+                        Ok(self.unread_request())
+                    }
+                }
+                refused => {
+                    let status = refused.err().unwrap_or(Status::DeviceMemory);
+                    self.rx = Rx::Discard {
+                        left: wire,
+                        then: then_ok(status),
+                        run: self.payload_run(wire),
+                    };
+                    Ok(true)
+                }
+            };
+        }
+        self.rx = match checked {
             Ok(w) if w.is_device() => match sink.bounce(len) {
                 Bounce::Ready(b) => {
                     let into = RegionSlice::new(&b, 0, len).expect("bounce fits len");
@@ -99,10 +125,14 @@ impl StreamProto {
                     self.push_response(refuse(Status::DeviceMemory), TxPayload::None, 0)
                 }
             },
-            Ok(w) => {
-                let hdr = DataHeader::response(DataKind::ReadResp, Status::Ok, h.op_id, h.len);
-                self.push_response(hdr, TxPayload::Slice(w), 0);
-            }
+            Ok(w) => match self.respond_packed(h.op_id, &w) {
+                Some(true) => {}
+                Some(false) => {
+                    let hdr = DataHeader::response(DataKind::ReadResp, Status::Ok, h.op_id, h.len);
+                    self.push_response(hdr, TxPayload::Slice(w), 0);
+                }
+                None => return Ok(self.unread_request()),
+            },
             Err(status) => self.push_response(refuse(status), TxPayload::None, 0),
         }
 

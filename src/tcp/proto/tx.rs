@@ -164,6 +164,9 @@ impl StreamProto {
                 FrameClass::Notify => self.notify_queued -= 1,
                 FrameClass::Request => {}
             }
+            if let TxPayload::Packed(buf) = f.payload {
+                self.reuse(buf);
+            }
         }
     }
 
