@@ -48,6 +48,33 @@ impl FloatType {
         })
     }
 
+    /// The name `parse` takes (and the bench prints).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Bytes => "bytes",
+            Self::Bf16 => "bf16",
+            Self::Fp16 => "fp16",
+            Self::Fp32 => "fp32",
+            Self::Fp8E4m3 => "fp8-e4m3",
+            Self::Fp8E5m2 => "fp8-e5m2",
+        }
+    }
+
+    /// `bytes`, `bf16` (`bfloat16`), `fp16` (`float16`, `half`), `fp32`
+    /// (`float32`, `float`), `fp8` or `fp8-e4m3` (`float8_e4m3fn`),
+    /// `fp8-e5m2` (`float8_e5m2`): the bench's names and torch's.
+    pub fn parse(name: &str) -> Option<Self> {
+        Some(match name.trim().to_ascii_lowercase().as_str() {
+            "bytes" | "uint8" | "int8" => Self::Bytes,
+            "bf16" | "bfloat16" => Self::Bf16,
+            "fp16" | "float16" | "half" => Self::Fp16,
+            "fp32" | "float32" | "float" => Self::Fp32,
+            "fp8" | "fp8-e4m3" | "fp8_e4m3" | "float8_e4m3fn" | "float8_e4m3fnuz" => Self::Fp8E4m3,
+            "fp8-e5m2" | "fp8_e5m2" | "float8_e5m2" | "float8_e5m2fnuz" => Self::Fp8E5m2,
+            _ => return None,
+        })
+    }
+
     /// Bytes per value.
     pub fn width(self) -> usize {
         match self {

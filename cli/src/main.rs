@@ -73,7 +73,7 @@ fn main() -> Result<()> {
     let wants_help = rest.iter().any(|a| a == "--help" || a == "-h");
     match cmd.as_str() {
         "help" | "--help" | "-h" => println!("{HELP}"),
-        "bench" if wants_help => println!("{}", bench::HELP),
+        "bench" if wants_help => println!("{}\n\n{}", bench::HELP, bench::compress::HELP),
         "bench" => bench::run(Args::parse(rest, &["latency", "baseline", "json"])?)?,
         "info" if wants_help => println!("{}", info::HELP),
         "info" => info::run(Args::parse(rest, &[])?)?,

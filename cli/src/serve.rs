@@ -42,6 +42,12 @@ Flags:
   --listen ADDR    address to listen on (default 127.0.0.1)
   --port N         port to listen on (default: FERRY_LISTEN_PORT, else any)
   --shards N       shards (default: FERRY_SHARDS, else 1)
+  --dtype T        register the memory with value type T (bf16, fp16,
+                   fp32, fp8, fp8-e5m2, bytes): peers may compress
+                   what they move of it (FERRY_COMPRESS)
+  --data FILE|random
+                   fill the memory with FILE's bytes (repeated) or
+                   random bytes instead of the pattern
   --gpu IDX        also allocate --bytes on GPU IDX, filled with the
                    pattern, advertised for CUDA IPC (IPCBUF line)
   --directory URL --name NAME [--cluster C]
@@ -104,6 +110,13 @@ pub fn run(mut a: Args) -> Result<()> {
         _ => bail!("--directory and --name go together"),
     };
     let ttl = Duration::from_secs(a.parsed("ttl", 10u64)?);
+    let dtype = match a.value("dtype") {
+        Some(t) => Some(
+            ferry::codec::FloatType::parse(&t).with_context(|| format!("--dtype {t}: unknown"))?,
+        ),
+        None => None,
+    };
+    let data = a.value("data");
     let gpu: Option<usize> = a
         .value("gpu")
         .map(|v| v.parse())
@@ -122,9 +135,16 @@ pub fn run(mut a: Args) -> Result<()> {
     }
     cfg.gpu = gpu;
     let ep = Endpoint::builder().config(cfg).build()?;
-    let mut buf = vec![0u8; bytes];
-    fill_pattern(&mut buf, 0, seed);
+    let buf = match &data {
+        Some(spec) => crate::bench::compress::load_data(spec, bytes)?,
+        None => {
+            let mut buf = vec![0u8; bytes];
+            fill_pattern(&mut buf, 0, seed);
+            buf
+        }
+    };
     let main = ep.register(buf)?;
+    main.set_dtype(dtype);
     let ro = ep.register_with(vec![7u8; 4096], Access::REMOTE_READ)?;
     let wo = ep.register_with(vec![0u8; 4096], Access::REMOTE_WRITE)?;
     let gmr = match gpu {

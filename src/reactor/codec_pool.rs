@@ -46,6 +46,7 @@ pub struct CompressStats {
     /// Packed frames received from peers, and the bytes they decode to.
     pub unpacked: u64,
     pub unpacked_bytes: u64,
+    pub unpacked_wire_bytes: u64,
 }
 
 /// Where a job's end goes: its connection on its shard.
@@ -241,6 +242,7 @@ impl LazyCodecPool {
             wire_bytes: s.wire_bytes.load(Relaxed),
             unpacked: s.unpacked.load(Relaxed),
             unpacked_bytes: s.unpacked_bytes.load(Relaxed),
+            unpacked_wire_bytes: s.unpacked_wire_bytes.load(Relaxed),
         }
     }
 

@@ -3,6 +3,8 @@
 //! process it spawns (`ferry serve`), optionally against raw TCP measured in
 //! the same run.
 
+pub(crate) mod compress;
+mod link;
 mod measure;
 mod opts;
 mod points;
@@ -27,7 +29,10 @@ use setup::{
     transport_name, warn_spinners,
 };
 
-pub fn run(a: Args) -> Result<()> {
+pub fn run(mut a: Args) -> Result<()> {
+    if let Some(mode) = a.value("compress") {
+        return compress::run(&mode, a);
+    }
     let o = parse(a)?;
     if let Some(list) = &o.streams_list {
         return scaling(&o, list);
