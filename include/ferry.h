@@ -17,6 +17,22 @@
 // (the registration's own key, until deregistration).
 #define FERRY_ANY_CONN UINT64_MAX
 
+// `ferry_region_set_dtype` value types (the seed's `FloatType` numbers,
+// and `FERRY_DTYPE_BYTES` for opaque bytes).
+#define FERRY_DTYPE_NONE 0
+
+#define FERRY_DTYPE_FP16 1
+
+#define FERRY_DTYPE_BF16 2
+
+#define FERRY_DTYPE_FP32 3
+
+#define FERRY_DTYPE_FP8_E4M3 4
+
+#define FERRY_DTYPE_FP8_E5M2 5
+
+#define FERRY_DTYPE_BYTES 6
+
 // Bytes of a key window (`ferry_advertise`).
 #define FERRY_WINDOW_LEN 64
 
@@ -190,6 +206,16 @@ int32_t ferry_register(const struct ferry_endpoint *ep,
                        size_t len,
                        uint32_t flags,
                        struct ferry_region **out);
+
+// Says what a registration's values are (`FERRY_DTYPE_*`), so tcp
+// transfers of it may be compressed losslessly (`FERRY_COMPRESS`): windows
+// advertised from now on carry the type. `FERRY_DTYPE_NONE` undoes it.
+// A registration shared by several `ferry_register` calls of one range
+// has one type: the last one set.
+//
+// # Safety
+// `r` from `ferry_register`, live.
+int32_t ferry_region_set_dtype(const struct ferry_region *r, uint32_t dtype);
 
 // Releases a registration (the last holder of a shared one ends it, once
 // no call holds it: this may wait up to 10 s). NULL: nothing.

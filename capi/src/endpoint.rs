@@ -36,6 +36,16 @@ pub const FERRY_ACCESS_READONLY: u32 = 1;
 /// `ferry_advertise` connection for a window any connected peer may use
 /// (the registration's own key, until deregistration).
 pub const FERRY_ANY_CONN: u64 = u64::MAX;
+
+/// `ferry_region_set_dtype` value types (the seed's `FloatType` numbers,
+/// and `FERRY_DTYPE_BYTES` for opaque bytes).
+pub const FERRY_DTYPE_NONE: u32 = 0;
+pub const FERRY_DTYPE_FP16: u32 = 1;
+pub const FERRY_DTYPE_BF16: u32 = 2;
+pub const FERRY_DTYPE_FP32: u32 = 3;
+pub const FERRY_DTYPE_FP8_E4M3: u32 = 4;
+pub const FERRY_DTYPE_FP8_E5M2: u32 = 5;
+pub const FERRY_DTYPE_BYTES: u32 = 6;
 /// Bytes of a key window (`ferry_advertise`).
 pub const FERRY_WINDOW_LEN: usize = 64;
 /// Bytes of a CUDA IPC window (`ferry_advertise_ipc`).
@@ -362,6 +372,36 @@ pub unsafe extern "C" fn ferry_register(
         });
         // SAFETY: `out` non-null and valid (the caller's promise).
         unsafe { *out = Box::into_raw(r) };
+        Ok(FERRY_OK)
+    })
+}
+
+/// Says what a registration's values are (`FERRY_DTYPE_*`), so tcp
+/// transfers of it may be compressed losslessly (`FERRY_COMPRESS`): windows
+/// advertised from now on carry the type. `FERRY_DTYPE_NONE` undoes it.
+/// A registration shared by several `ferry_register` calls of one range
+/// has one type: the last one set.
+///
+/// # Safety
+/// `r` from `ferry_register`, live.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_region_set_dtype(r: *const ferry_region, dtype: u32) -> i32 {
+    use engine::codec::FloatType;
+    guard("ferry_region_set_dtype", || {
+        // SAFETY: the caller's promise.
+        let r = unsafe { handle(r, "region")? };
+        let t = match dtype {
+            FERRY_DTYPE_NONE => None,
+            FERRY_DTYPE_FP16 => Some(FloatType::Fp16),
+            FERRY_DTYPE_BF16 => Some(FloatType::Bf16),
+            FERRY_DTYPE_FP32 => Some(FloatType::Fp32),
+            FERRY_DTYPE_FP8_E4M3 => Some(FloatType::Fp8E4m3),
+            FERRY_DTYPE_FP8_E5M2 => Some(FloatType::Fp8E5m2),
+            FERRY_DTYPE_BYTES => Some(FloatType::Bytes),
+            other => return Err(invalid(format!("unknown dtype {other} (FERRY_DTYPE_*)"))),
+        };
+        let sh = r.sh.as_ref().ok_or_else(|| invalid("the region was deregistered"))?;
+        sh.region().set_dtype(t);
         Ok(FERRY_OK)
     })
 }

@@ -11,7 +11,6 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Instant;
 
 use crate::codec::Codec;
 use crate::error::{ConnId, Error, Result};
@@ -165,6 +164,17 @@ pub(crate) fn run(codec: &mut Codec, work: CodecWork) -> CodecOutcome {
     }
 }
 
+/// This thread's CPU time in seconds.
+fn thread_cpu_s() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec to fill; the clock id is a constant.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
 /// A pool thread: jobs until the queue closes. It measures what it packs
 /// and keeps the pool's rate (`total`) up to date for `Auto`.
 fn work(rx: &Mutex<Receiver<Queued>>, each: &AtomicU64, total: &AtomicU64, threads: u64) {
@@ -179,10 +189,13 @@ fn work(rx: &Mutex<Receiver<Queued>>, each: &AtomicU64, total: &AtomicU64, threa
             CodecWork::Encode { src, .. } => src.len(),
             CodecWork::Decode { .. } => 0,
         };
-        let t0 = Instant::now();
+        // The thread's own CPU time, not the wall clock: a codec thread
+        // preempted on a busy host would otherwise look slow and turn
+        // `auto` off exactly where the cores are the link's equal.
+        let t0 = thread_cpu_s();
         let outcome = run(&mut codec, job.work);
         if bytes >= 1 << 20 {
-            let rate = bytes as f64 / t0.elapsed().as_secs_f64().max(1e-9);
+            let rate = bytes as f64 / (thread_cpu_s() - t0).max(1e-6);
             let old = each.load(Ordering::Relaxed) as f64;
             let new = (0.8 * old + 0.2 * rate) as u64;
             each.store(new, Ordering::Relaxed);

@@ -44,6 +44,8 @@ static int target(int to_client, int from_client) {
     ferry_config *cfg = ferry_config_new();
     CHECK(ferry_config_set(cfg, "FERRY_LISTEN_ADDR", "127.0.0.1") == FERRY_OK);
     CHECK(ferry_config_set(cfg, "FERRY_TRANSPORT", "tcp") == FERRY_OK);
+    /* Typed regions below: their chunks go packed (the codec) both ways. */
+    CHECK(ferry_config_set(cfg, "FERRY_COMPRESS", "on") == FERRY_OK);
     CHECK(ferry_endpoint_create(cfg, &ep) == FERRY_OK);
     ferry_config_free(cfg);
     CHECK(ferry_start_passive_accept(ep) == FERRY_OK);
@@ -62,6 +64,9 @@ static int target(int to_client, int from_client) {
     ferry_region *r_into = NULL, *r_from = NULL;
     CHECK(ferry_register(ep, into, LEN, 0, &r_into) == FERRY_OK);
     CHECK(ferry_register(ep, from, LEN, FERRY_ACCESS_READONLY, &r_from) == FERRY_OK);
+    CHECK(ferry_region_set_dtype(r_into, FERRY_DTYPE_BF16) == FERRY_OK);
+    CHECK(ferry_region_set_dtype(r_from, FERRY_DTYPE_BF16) == FERRY_OK);
+    CHECK(ferry_region_set_dtype(r_from, 99) == FERRY_ERR_INVALID);
     unsigned char w_into[FERRY_WINDOW_LEN], w_from[FERRY_WINDOW_LEN];
     CHECK(ferry_advertise(ep, conn, r_into, 0, LEN, w_into, 10) == FERRY_ERR_INVALID);
     CHECK(ferry_advertise(ep, conn, r_into, 0, LEN, w_into, sizeof w_into) == FERRY_OK);
