@@ -269,15 +269,23 @@ class Endpoint:
         conn, _peer = self._n.accept(timeout)
         return Connection(self, conn)
 
-    def register(self, obj: Any) -> Region:
+    def register(self, obj: Any, dtype: Any = None) -> Region:
         """Registers the memory of ``obj`` without copying it (see
         ``ferry.locate``); ``obj`` is kept alive by the region. Read-only
         memory (``bytes``, read-only arrays) is registered so that peers
-        may only READ it."""
+        may only READ it. ``dtype`` (default: ``obj.dtype`` when it has one,
+        e.g. ``torch.bfloat16`` or numpy's ``float16``; or a name: bf16,
+        fp16, fp32, fp8, fp8-e5m2, bytes) says what the values are, so tcp
+        transfers of them may be compressed losslessly (FERRY_COMPRESS);
+        integer types move as bytes."""
         b = locate(obj)
         # Memory Python holds immutable (bytes, read-only arrays) is only
         # ever read by peers.
-        return Region(self, self._n.register(b.ptr, b.nbytes, b.readonly), b)
+        n = self._n.register(b.ptr, b.nbytes, b.readonly)
+        dtype = dtype if dtype is not None else getattr(obj, "dtype", None)
+        if dtype is not None:
+            n.set_dtype(str(dtype))
+        return Region(self, n, b)
 
     def alloc(self, nbytes: int) -> Region:
         """``nbytes`` zeroed bytes of host memory owned by the engine and

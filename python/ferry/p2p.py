@@ -47,6 +47,17 @@ kBFloat16 = FloatType.kBFloat16
 kFloat32 = FloatType.kFloat32
 kFloat8E4M3FN = FloatType.kFloat8E4M3FN
 kFloat8E5M2 = FloatType.kFloat8E5M2
+# The seed's FloatType numbers -> the codec's names.
+_SEED_DTYPES = {1: "fp16", 2: "bf16", 3: "fp32", 4: "fp8-e4m3", 5: "fp8-e5m2"}
+
+
+def _seed_dtype(ft: Any) -> Optional[str]:
+    if ft is None:
+        return None
+    try:
+        return _SEED_DTYPES.get(int(ft))
+    except (TypeError, ValueError):
+        return None
 
 _REMOTE_LEN = _native.REMOTE_BUF_LEN
 _IPC_LEN = _native.IPC_BUF_LEN
@@ -405,7 +416,16 @@ class Endpoint:
         ``dereg(mr_id)`` returns. ferry's ``readonly=True`` lets peers only
         READ it, and it is never the destination of this side's READs (for
         memory Python considers immutable, such as ``bytes``)."""
-        return self._call("reg", (False, 0), lambda: (True, self._add(self._ep().register(ptr, size, readonly))))
+
+        def go() -> Tuple[bool, int]:
+            r = self._ep().register(ptr, size, readonly)
+            name = _seed_dtype(floatType)
+            if name is not None:
+                # The seed's float_type: tcp transfers of it may be compressed.
+                r.set_dtype(name)
+            return True, self._add(r)
+
+        return self._call("reg", (False, 0), go)
 
     def alloc_host(self, size: int) -> Tuple[bool, int, int]:
         """ferry's: ``(ok, mr_id, ptr)``: ``size`` zeroed bytes of host memory
@@ -676,6 +696,11 @@ class Endpoint:
             d.addr, d.size = ptr, size
             try:
                 r = ep.register(ptr, size)
+                dtype = getattr(t, "dtype", None)
+                if dtype is not None:
+                    # torch.bfloat16, numpy float16, ...: what the codec can
+                    # pack (integer types are left as bytes).
+                    r.set_dtype(str(dtype))
                 d.mr_id = self._add(r)
                 d.lkeys = d.rkeys = [r.rkey]
                 info = r.advertise(ptr, size)

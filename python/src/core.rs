@@ -483,6 +483,27 @@ impl Region {
         self.sh.lock().expect("lock").is_none()
     }
 
+    /// Says what the values are (bf16, fp16, fp32, fp8, fp8-e5m2, bytes, or
+    /// torch's and numpy's names such as "torch.bfloat16"; None: nothing),
+    /// so tcp transfers of it may be compressed (`FERRY_COMPRESS`): windows
+    /// advertised from now on carry the type. Returns whether the name was
+    /// a type the codec knows (an integer dtype is not: nothing is set).
+    #[pyo3(signature = (dtype=None))]
+    fn set_dtype(&self, dtype: Option<&str>) -> PyResult<bool> {
+        let t = match dtype {
+            None => None,
+            Some(name) => {
+                let bare = name.rsplit('.').next().unwrap_or(name);
+                match ferry::codec::FloatType::parse(bare) {
+                    Some(t) => Some(t),
+                    None => return Ok(false),
+                }
+            }
+        };
+        self.view()?.mr.set_dtype(t);
+        Ok(true)
+    }
+
     /// Whether `[ptr, ptr + size)` lies inside it.
     fn contains(&self, ptr: u64, size: usize) -> bool {
         self.view()

@@ -93,6 +93,32 @@ def test_write_read_and_windows(transport):
                 ferry.Window(b"123")
 
 
+def test_typed_arrays_carry_their_dtype_and_move_exactly(monkeypatch):
+    """A float array's dtype rides in its windows (byte 42: the codec's
+    type + 1); over tcp with FERRY_COMPRESS=on its chunks go packed and
+    land byte-exact; integer arrays carry none."""
+    monkeypatch.setenv("FERRY_TRANSPORT", "tcp")
+    monkeypatch.setenv("FERRY_LISTEN_ADDR", "127.0.0.1")
+    monkeypatch.setenv("FERRY_COMPRESS", "on")
+    rng = np.random.default_rng(1)
+    with ferry.Endpoint() as a, ferry.Endpoint() as b:
+        a.listen()
+        conn = b.connect(a.metadata)
+        dst = np.zeros(1 << 20, np.float16)
+        with a.register(dst) as region:
+            window = region.advertise()
+            assert window[42] == 2 + 1  # fp16
+            src_arr = (rng.standard_normal(1 << 20) * 0.02).astype(np.float16)
+            src = b.register(src_arr)
+            conn.write(src, window)
+            assert bytes(dst) == bytes(src_arr)
+            back = np.zeros(1 << 20, np.float16)
+            conn.read(b.register(back), window)
+            assert bytes(back) == bytes(src_arr)
+        assert a.register(np.zeros(16, np.int32)).advertise()[42] == 0
+        assert a.register(np.zeros(16, np.uint8), dtype="bf16").advertise()[42] == 1 + 1
+
+
 def test_await_and_wait(transport):
     a, b, conn = connected(transport)
     dst = a.alloc(1 << 16)
