@@ -906,3 +906,45 @@ fn many_small_gpu_ops_over_tcp_are_byte_exact_at_odd_offsets() {
         at = o + l;
     }
 }
+
+/// Compression (issue 27) with GPU memory on both sides of a tcp
+/// connection: WRITE chunks are packed from their bounce buffers, a WRITE
+/// into GPU memory is decoded into a bounce buffer and copied on before
+/// its ack, a READ of GPU memory is packed after its copy out, and one
+/// into GPU memory decoded before its copy in. Byte-exact at odd offsets.
+#[test]
+#[ignore = "needs an NVIDIA GPU (cargo test --test gpu -- --ignored)"]
+fn packed_frames_move_gpu_memory_over_tcp_byte_exact() {
+    use ferry::codec::FloatType;
+    let n = gpus();
+    let mk = |gpu| {
+        let mut c = cfg(gpu);
+        c.transport = ferry::Transport::Tcp;
+        c.compress = ferry::Compress::On;
+        c.chunk_bytes = 1 << 20;
+        Endpoint::builder().config(c).build().unwrap()
+    };
+    let (a, b) = (mk(0), mk(peer_gpu(n)));
+    b.start_passive_accept().unwrap();
+    let conn = a.add_remote(&b.metadata_bytes()).unwrap();
+    let len = (6 << 20) + 1234;
+    // bf16-like values: a few exponents, varied mantissas.
+    let data: Vec<u8> = (0..len)
+        .map(|i| if i % 2 == 1 { 0x3c + (i / 7 % 3) as u8 } else { (i * 31 / 5) as u8 })
+        .collect();
+    let src = a.alloc_gpu(len + 64).unwrap().with_dtype(FloatType::Bf16);
+    src.write_at(3, &data).unwrap();
+    let dst = b.alloc_gpu(len + 64).unwrap().with_dtype(FloatType::Bf16);
+    dst.write_at(0, &vec![0xee; len + 64]).unwrap();
+    let win = dst.advertise(5, len).unwrap();
+    a.write(conn, &src, 3, len, &win).unwrap();
+    let got = gpu_bytes(&dst, 0, len + 64);
+    assert!(got[5..5 + len] == data[..], "WRITE into GPU memory not exact");
+    assert!(got[..5].iter().chain(&got[5 + len..]).all(|&x| x == 0xee));
+    let back = a.alloc_gpu(len + 64).unwrap();
+    a.read(conn, &back, 7, len, &win).unwrap();
+    assert!(gpu_bytes(&back, 7, len) == data, "READ into GPU memory not exact");
+    let (sa, sb) = (a.compress_stats().unwrap(), b.compress_stats().unwrap());
+    assert!(sa.packed >= 6 && sb.unpacked >= 6, "{sa:?} {sb:?}");
+    assert!(sb.packed >= 6 && sa.unpacked >= 6, "{sa:?} {sb:?}");
+}

@@ -61,6 +61,8 @@ pub(crate) struct TcpSend {
     pub key: KeyRef,
     pub addr: u64,
     pub len: usize,
+    /// The values' type: the chunk may go packed once in its bounce buffer.
+    pub dtype: Option<crate::codec::FloatType>,
 }
 
 /// Pinned bounce buffers for GPU memory on the tcp path. A buffer is free

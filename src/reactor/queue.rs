@@ -61,10 +61,6 @@ impl crate::tcp::conn::FramePart for OpDesc {
         self.dtype
     }
 
-    fn remote_device(&self) -> bool {
-        self.remote_device
-    }
-
     fn key(&self) -> crate::region::KeyRef {
         crate::region::KeyRef {
             rkey: self.rkey,

@@ -692,6 +692,7 @@ impl TcpSide {
                         key: f.key,
                         addr: f.addr,
                         len: n,
+                        dtype: f.dtype,
                     };
                     g.stage_send(send, f.local, bounce);
                 }

@@ -22,10 +22,6 @@ pub(crate) trait FramePart {
     fn dtype(&self) -> Option<crate::codec::FloatType> {
         None
     }
-    /// The peer's window is GPU memory (nothing is packed for it).
-    fn remote_device(&self) -> bool {
-        false
-    }
 }
 
 /// A frame of GPU memory: it goes through a bounce buffer the caller has
@@ -37,6 +33,8 @@ pub(crate) struct DeviceFrame {
     pub key: KeyRef,
     pub addr: u64,
     pub local: RegionSlice,
+    /// The values' type (a WRITE's chunk may go packed once staged).
+    pub dtype: Option<crate::codec::FloatType>,
 }
 
 /// What the caller did with a `DeviceFrame`.
@@ -95,6 +93,7 @@ pub(crate) fn deal<S: BorrowMut<StreamProto>, P: FramePart>(
                 key,
                 addr,
                 local,
+                dtype: p.dtype(),
             };
             match device(s, frame) {
                 DeviceStep::Queued => {}
@@ -104,7 +103,7 @@ pub(crate) fn deal<S: BorrowMut<StreamProto>, P: FramePart>(
         } else {
             // A WRITE of typed values may go packed (the codec); a READ's
             // data is packed, or not, by the target.
-            let dtype = p.dtype().filter(|_| kind == OpKind::Write && !p.remote_device());
+            let dtype = p.dtype().filter(|_| kind == OpKind::Write);
             match s.pack_choice(dtype, n) {
                 PackChoice::Pack(d) => s.push_write_packed(d, slot, op_id, key, addr, local, now),
                 PackChoice::Plain => s.push_request(kind, slot, op_id, key, addr, local, now),

@@ -33,5 +33,7 @@ mod pair;
 pub(crate) mod proto;
 mod stream;
 
-pub(crate) use proto::{CodecCounters, Integrity, PackMode, PackShared, StreamLimits};
+pub(crate) use proto::{
+    CodecCounters, Integrity, PackChoice, PackMode, PackShared, StreamLimits,
+};
 pub(crate) use stream::Stream;

@@ -132,12 +132,18 @@ impl Shard {
             };
             match (r, stream, bounce) {
                 (Ok(()), Some(s), Some(b)) => {
-                    if !s.can_request() {
+                    use crate::tcp::PackChoice;
+                    let choice = s.pack_choice(ts.dtype, ts.len);
+                    if !s.can_request() || choice == PackChoice::Wait {
                         i += 1;
                         continue;
                     }
                     let from = RegionSlice::new(b, 0, ts.len).expect("bounce fits a chunk");
-                    s.push_request(OpKind::Write, ts.slot, ts.op_id, ts.key, ts.addr, from, now);
+                    let (slot, op_id, key, addr) = (ts.slot, ts.op_id, ts.key, ts.addr);
+                    match choice {
+                        PackChoice::Pack(d) => s.push_write_packed(d, slot, op_id, key, addr, from, now),
+                        _ => s.push_request(OpKind::Write, slot, op_id, key, addr, from, now),
+                    }
                 }
                 (Err(e), _, _) => self.ledger.done.push((ts.slot, Err(e.duplicate()))),
                 _ => {

@@ -100,6 +100,8 @@ struct TxFrame {
     /// The header, then its tag when the stream has integrity.
     hdr: [u8; HDR + TAG_LEN],
     payload: TxPayload,
+    /// Packed (as these values) once its staging copy ends.
+    pack_after: Option<crate::codec::FloatType>,
     /// The payload's tag (`full` integrity, frames with a payload).
     trailer: Tag,
     /// This frame's number among the frames we send on the stream.

@@ -199,6 +199,9 @@ impl PackState {
 pub(super) enum Unpack {
     /// A peer's WRITE: acknowledge once decoded.
     Ack { op_id: u64 },
+    /// A peer's WRITE into GPU memory, decoded into a bounce buffer:
+    /// copied on into `gpu`, then acknowledged.
+    AckStaged { op_id: u64, gpu: RegionSlice },
     /// The response to our oldest READ.
     Read,
 }
@@ -360,6 +363,12 @@ impl StreamProto {
                 let hdr = DataHeader::response(DataKind::WriteAck, Status::Ok, op_id, 0);
                 self.push_response(hdr, TxPayload::None, ticket.gate);
             }
+            Unpack::AckStaged { op_id, gpu } => {
+                ticket.gate = self.new_gate();
+                let hdr = DataHeader::response(DataKind::WriteAck, Status::Ok, op_id, 0);
+                self.push_response(hdr, TxPayload::None, ticket.gate);
+                ticket.post = Some((gpu, dst.clone()));
+            }
             Unpack::Read => {
                 let p = self
                     .pending
@@ -405,16 +414,18 @@ impl StreamProto {
             CodecOutcome::Decoded { buf, result } => {
                 p.give_back(buf);
                 result.map_err(|why| format!("a packed frame from the peer is bad: {why}"))?;
-                if ticket.gate != 0 {
-                    self.release(ticket.gate, true);
-                } else if let Some((gpu, bounce)) = ticket.post {
+                if let Some((gpu, bounce)) = ticket.post {
+                    // Decoded into a bounce buffer: on into GPU memory,
+                    // then the ack goes (or the READ completes).
                     sink.gpu_stage(Stage {
                         stream: self.idx,
-                        gate: 0,
+                        gate: ticket.gate,
                         slot: ticket.slot,
                         dst: gpu,
                         src: bounce,
                     });
+                } else if ticket.gate != 0 {
+                    self.release(ticket.gate, true);
                 } else {
                     sink.done(ticket.slot, Ok(()));
                 }
@@ -448,6 +459,32 @@ impl StreamProto {
             p.give_back(buf);
         }
         self.release(gate, true);
+    }
+
+    /// Gated frame `gate` (a READ response being copied out of GPU memory
+    /// into its bounce buffer) is packed once that copy ends.
+    pub(super) fn pack_after_stage(&mut self, gate: u64, dtype: FloatType) {
+        if let Some(f) = self.tx.iter_mut().find(|f| f.gate == gate) {
+            f.pack_after = Some(dtype);
+        }
+    }
+
+    /// `release` of a frame marked by `pack_after_stage`: its payload is
+    /// in host memory now, so it goes to the codec (still gated). False:
+    /// not marked, or the copy failed.
+    pub(super) fn pack_on_release(&mut self, gate: u64, ok: bool) -> bool {
+        let Some(f) = self.tx.iter_mut().find(|f| f.gate == gate) else {
+            return false;
+        };
+        let Some(d) = f.pack_after.take().filter(|_| ok) else {
+            return false;
+        };
+        let TxPayload::Slice(src) = &f.payload else {
+            return false;
+        };
+        let src = src.clone();
+        self.encode_job(gate, d, src);
+        true
     }
 
     /// A sent packed payload's buffer, back for reuse.

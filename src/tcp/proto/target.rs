@@ -33,19 +33,30 @@ impl StreamProto {
         let wire = h.payload_len() as usize;
         let checked = regions.check(key, h.addr, h.len, Access::REMOTE_WRITE);
         if h.packed_len != 0 {
-            return match checked {
-                // Packed frames go to host memory only: a sender packs no
-                // chunk for a window advertised as GPU memory.
-                Ok(w) if !w.is_device() => {
-                    let then = pack::Unpack::Ack { op_id: h.op_id };
-                    if self.take_packed(h, w, then)? {
-                        Ok(true)
-                    } else {
-                        Ok(self.unread_request())
+            // Decoded into host memory, or into a bounce buffer and copied
+            // on into GPU memory (the ack waits for both).
+            let into = match checked {
+                Ok(w) if w.is_device() => match sink.bounce(len) {
+                    Bounce::Ready(b) => {
+                        let bounce = RegionSlice::new(&b, 0, len).expect("bounce fits len");
+                        let then = pack::Unpack::AckStaged {
+                            op_id: h.op_id,
+                            gpu: w,
+                        };
+                        Ok((bounce, then))
                     }
-                }
-                refused => {
-                    let status = refused.err().unwrap_or(Status::DeviceMemory);
+                    Bounce::Busy => return Ok(self.unread_request()),
+                    Bounce::Never => Err(Status::DeviceMemory),
+                },
+                Ok(w) => Ok((w, pack::Unpack::Ack { op_id: h.op_id })),
+                Err(status) => Err(status),
+            };
+            return match into {
+                Ok((dst, then)) => match self.take_packed(h, dst, then)? {
+                    true => Ok(true),
+                    false => Ok(self.unread_request()),
+                },
+                Err(status) => {
                     self.rx = Rx::Discard {
                         left: wire,
                         then: then_ok(status),
@@ -112,6 +123,10 @@ impl StreamProto {
                     let gate = self.new_gate();
                     let hdr = DataHeader::response(DataKind::ReadResp, Status::Ok, h.op_id, h.len);
                     self.push_response(hdr, TxPayload::Slice(out.clone()), gate);
+                    // Packed, if it should be, once copied out.
+                    if let PackChoice::Pack(d) = self.pack_choice(w.region().dtype(), len) {
+                        self.pack_after_stage(gate, d);
+                    }
                     sink.gpu_stage(Stage {
                         stream: self.idx,
                         gate,

@@ -20,6 +20,7 @@ impl StreamProto {
         let mut f = TxFrame {
             hdr: full,
             payload,
+            pack_after: None,
             trailer: [0; TAG_LEN],
             seq: self.tx_seq,
             class,
@@ -96,6 +97,9 @@ impl StreamProto {
     /// copy failed, the response says so instead (and carries no payload).
     /// Frames behind it wait: responses stay in request order.
     pub fn release(&mut self, gate: u64, ok: bool) {
+        if self.pack_on_release(gate, ok) {
+            return;
+        }
         let Some(f) = self.tx.iter_mut().find(|f| f.gate == gate) else {
             return;
         };
