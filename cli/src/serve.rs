@@ -150,9 +150,16 @@ pub fn run(mut a: Args) -> Result<()> {
     let gmr = match gpu {
         Some(_) => {
             let g = ep.alloc_gpu(bytes)?;
-            let mut b = vec![0u8; bytes];
-            fill_pattern(&mut b, 0, seed);
+            let b = match &data {
+                Some(spec) => crate::bench::compress::load_data(spec, bytes)?,
+                None => {
+                    let mut b = vec![0u8; bytes];
+                    fill_pattern(&mut b, 0, seed);
+                    b
+                }
+            };
             g.write_at(0, &b)?;
+            g.set_dtype(dtype);
             Some(g)
         }
         None => None,

@@ -31,6 +31,9 @@ both, their ratio, the compression ratio and the CPU each side used
                          that type (benches/fetch_weights.py makes them;
                          repeated to fill the buffer), or random bytes (what
                          does not compress: the bypass)
+  --device host|gpu      where both sides' buffers live (default host;
+                         gpu: GPU 0 of each process, staged through
+                         pinned bounce buffers)
   --link-gbit N          run the target in a network namespace behind a
                          veth shaped by tc tbf to N Gbit/s each way (root)
   --op write|read|both   (default both)
@@ -45,6 +48,7 @@ struct Opts {
     dtype: FloatType,
     data: String,
     link_gbit: Option<f64>,
+    gpu: bool,
     ops: Vec<OpKind>,
     sizes: Vec<usize>,
     inflight: usize,
@@ -88,6 +92,11 @@ fn parse(mode: &str, mut a: Args) -> Result<Opts> {
         dtype,
         data,
         link_gbit,
+        gpu: match a.value("device").as_deref().unwrap_or("host") {
+            "host" => false,
+            "gpu" => true,
+            d => bail!("--device {d}: expected host or gpu"),
+        },
         ops,
         sizes,
         inflight: a.parsed("inflight", 2)?,
@@ -130,8 +139,11 @@ struct Side {
     conn: ConnId,
 }
 
-fn endpoint(mode: Compress, listen: &str) -> Result<Endpoint> {
+fn endpoint(mode: Compress, listen: &str, gpu: bool) -> Result<Endpoint> {
     let mut cfg = Config::from_env()?;
+    if gpu {
+        cfg.gpu = Some(0);
+    }
     cfg.listen_addr = listen.parse()?;
     cfg.transport = Transport::Tcp;
     cfg.compress = mode;
@@ -213,8 +225,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Asks the target for the fnv64 of `[0, len)` of its buffer.
-fn target_hash(s: &Side, len: usize) -> Result<u64> {
-    s.ep.send_notification(s.conn, format!("hash 0 {len}").as_bytes())?;
+fn target_hash(s: &Side, len: usize, gpu: bool) -> Result<u64> {
+    let what = if gpu { "ghash" } else { "hash" };
+    s.ep.send_notification(s.conn, format!("{what} 0 {len}").as_bytes())?;
     let (_, msg) = s.ep.recv_notification(Duration::from_secs(30))?;
     let text = String::from_utf8_lossy(&msg).into_owned();
     let hex = text.strip_prefix("hash ").context("target's hash reply")?;
@@ -234,10 +247,11 @@ pub fn run(mode: &str, a: Args) -> Result<()> {
     std::env::set_var("FERRY_COMPRESS", mode);
     let exe = std::env::current_exe()?;
     let exe = exe.to_str().context("executable path")?;
-    let serve = [
+    let max_s = max.to_string();
+    let mut serve = vec![
         "serve",
         "--bytes",
-        &max.to_string(),
+        &max_s,
         "--dtype",
         o.dtype.name(),
         "--data",
@@ -245,10 +259,13 @@ pub fn run(mode: &str, a: Args) -> Result<()> {
         "--listen",
         if link.is_some() { THEIRS } else { "127.0.0.1" },
     ];
+    if o.gpu {
+        serve.extend(["--gpu", "0"]);
+    }
     let mut child = match &link {
         Some(l) => std::process::Command::new("ip")
             .args(["netns", "exec", &l.theirs, exe])
-            .args(serve)
+            .args(&serve)
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .spawn()
@@ -259,21 +276,30 @@ pub fn run(mode: &str, a: Args) -> Result<()> {
     let mut out = BufReader::new(child.stdout.take().context("child stdout")?);
     let served = read_served(&mut out).map_err(anyhow::Error::msg)?;
     let side = |m| -> Result<Side> {
-        let ep = endpoint(m, listen)?;
+        let ep = endpoint(m, listen, o.gpu)?;
         let conn = ep.add_remote(&served.meta)?;
         Ok(Side { ep, conn })
     };
     let (plain, packed) = (side(Compress::Off)?, side(o.mode)?);
-    let local = plain.ep.alloc(max)?.with_dtype(o.dtype);
-    let local_b = packed.ep.alloc(max)?.with_dtype(o.dtype);
+    let alloc = |ep: &Endpoint| -> Result<MemoryRegion> {
+        let mr = if o.gpu { ep.alloc_gpu(max)? } else { ep.alloc(max)? };
+        Ok(mr.with_dtype(o.dtype))
+    };
+    let (local, local_b) = (alloc(&plain.ep)?, alloc(&packed.ep)?);
+    let window = if o.gpu {
+        served.gpu_rbuf.context("the target has no GPU region")?
+    } else {
+        served.rbuf
+    };
     local.write_at(0, &data)?;
     local_b.write_at(0, &data)?;
     let threads = std::env::var("FERRY_COMPRESS_THREADS").unwrap_or_else(|_| "default".into());
     println!(
-        "ferry bench --compress {mode}: {} from {} ({}), link {}, codec threads {threads}",
+        "ferry bench --compress {mode}: {} from {} ({}, {} memory), link {}, codec threads {threads}",
         o.dtype.name(),
         o.data,
         fmt_size(data.len()),
+        if o.gpu { "GPU" } else { "host" },
         o.link_gbit
             .map_or("loopback (unshaped)".to_owned(), |g| format!("{g} Gbit/s (tbf)")),
     );
@@ -285,8 +311,8 @@ pub fn run(mode: &str, a: Args) -> Result<()> {
         for &size in &o.sizes {
             let (mut off, mut on) = (Vec::new(), Vec::new());
             for _ in 0..o.rounds {
-                off.push(measure(&plain, &local, &served.rbuf, op, size, &o, target_pid)?);
-                on.push(measure(&packed, &local_b, &served.rbuf, op, size, &o, target_pid)?);
+                off.push(measure(&plain, &local, &window, op, size, &o, target_pid)?);
+                on.push(measure(&packed, &local_b, &window, op, size, &o, target_pid)?);
             }
             let m = |v: &[Round], f: fn(&Round) -> f64| median(v.iter().map(f).collect());
             let (g_off, g_on) = (m(&off, |r| r.gbps), m(&on, |r| r.gbps));
@@ -305,7 +331,7 @@ pub fn run(mode: &str, a: Args) -> Result<()> {
             );
             if op == OpKind::Write {
                 let want = fnv64(&data[..size]);
-                if target_hash(&packed, size)? != want {
+                if target_hash(&packed, size, o.gpu)? != want {
                     bail!("the target's bytes differ from what was written");
                 }
             }
