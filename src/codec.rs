@@ -161,8 +161,17 @@ impl fmt::Debug for Codec {
 
 impl Codec {
     pub fn new() -> std::io::Result<Self> {
+        use zstd::zstd_safe::CParameter as P;
         let mut cctx = zstd::bulk::Compressor::new(LEVEL)?;
-        cctx.set_parameter(zstd::zstd_safe::CParameter::ChecksumFlag(true))?;
+        cctx.set_parameter(P::ChecksumFlag(true))?;
+        // An exponent plane has few long matches and a skewed alphabet: a
+        // tiny match table (2^7 entries, matches of 7 bytes or more) packs
+        // it 3x faster than level 1's defaults, and a little smaller
+        // (examples/codec_speed.rs, on the wordllama weights: bf16 0.22 ->
+        // 0.7 GB/s of payload per core, plane 2.71x -> 2.94x).
+        cctx.set_parameter(P::HashLog(7))?;
+        cctx.set_parameter(P::MinMatch(7))?;
+        cctx.set_parameter(P::WindowLog(20))?;
         Ok(Self {
             cctx,
             dctx: zstd::bulk::Decompressor::new()?,
@@ -328,20 +337,26 @@ fn put_header(out: &mut [u8], flags: u8, dtype: FloatType, raw_len: usize, packe
 
 /// The top byte of each of the `n` values, rotated, into `top`.
 fn split(dtype: FloatType, chunk: &[u8], n: usize, top: &mut Vec<u8>) {
+    // Sized first, then filled by zipped slices: loops the compiler
+    // vectorizes (an `extend` from a mapped iterator is not).
     top.clear();
-    top.reserve(n);
+    top.resize(n, 0);
     match dtype.width() {
-        1 => top.extend(chunk[..n].iter().map(|b| b.rotate_left(1))),
-        2 => top.extend(
-            chunk
-                .chunks_exact(2)
-                .map(|v| (u16::from_le_bytes([v[0], v[1]]).rotate_left(1) >> 8) as u8),
-        ),
-        _ => top.extend(
-            chunk
-                .chunks_exact(4)
-                .map(|v| (u32::from_le_bytes([v[0], v[1], v[2], v[3]]).rotate_left(1) >> 24) as u8),
-        ),
+        1 => {
+            for (t, b) in top.iter_mut().zip(&chunk[..n]) {
+                *t = b.rotate_left(1);
+            }
+        }
+        2 => {
+            for (t, v) in top.iter_mut().zip(chunk.chunks_exact(2)) {
+                *t = (u16::from_le_bytes([v[0], v[1]]).rotate_left(1) >> 8) as u8;
+            }
+        }
+        _ => {
+            for (t, v) in top.iter_mut().zip(chunk.chunks_exact(4)) {
+                *t = (u32::from_le_bytes([v[0], v[1], v[2], v[3]]).rotate_left(1) >> 24) as u8;
+            }
+        }
     }
 }
 

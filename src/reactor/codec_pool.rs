@@ -224,11 +224,11 @@ pub(crate) struct LazyCodecPool {
 }
 
 impl LazyCodecPool {
-    /// `threads` 0: half the cores, 1 to 4.
+    /// `threads` 0: half the cores, 1 to 8.
     pub fn new(mode: PackMode, threads: usize) -> Arc<LazyCodecPool> {
         let threads = if threads == 0 {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            (cores / 2).clamp(1, 4)
+            (cores / 2).clamp(1, 8)
         } else {
             threads
         };
