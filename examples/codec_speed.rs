@@ -35,4 +35,3 @@ fn main() {
         raw as f64 / t_dec / 1e9
     );
 }
-

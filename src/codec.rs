@@ -220,7 +220,10 @@ impl Codec {
         self.packed.clear();
         self.packed.reserve(zstd::zstd_safe::compress_bound(n));
         let budget = (chunk.len() as f64 * (1.0 - MIN_GAIN)) as usize;
-        let p = match self.cctx.compress_to_buffer(&self.top[..n], &mut self.packed) {
+        let p = match self
+            .cctx
+            .compress_to_buffer(&self.top[..n], &mut self.packed)
+        {
             Ok(p) if FRAME_HEADER + p + (chunk.len() - n) <= budget => p,
             _ => return Ok(false),
         };

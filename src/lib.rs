@@ -92,8 +92,8 @@ pub mod wire;
 pub(crate) mod xfer;
 
 pub use endpoint::{
-    Batch, Compress, Config, Endpoint, EndpointBuilder, Integrity, MemoryRegion, MessageOp, Mode, Peer,
-    RegCacheStats, Secret, SharedRegion, Transport, Window,
+    Batch, Compress, Config, Endpoint, EndpointBuilder, Integrity, MemoryRegion, MessageOp, Mode,
+    Peer, RegCacheStats, Secret, SharedRegion, Transport, Window,
 };
 pub use error::{ConnId, Error, OpKind, Result};
 pub use gpu::{IpcStats, MemKind};

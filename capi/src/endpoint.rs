@@ -400,7 +400,9 @@ pub unsafe extern "C" fn ferry_region_set_dtype(r: *const ferry_region, dtype: u
             FERRY_DTYPE_BYTES => Some(FloatType::Bytes),
             other => return Err(invalid(format!("unknown dtype {other} (FERRY_DTYPE_*)"))),
         };
-        let sh = r.sh.as_ref().ok_or_else(|| invalid("the region was deregistered"))?;
+        let sh =
+            r.sh.as_ref()
+                .ok_or_else(|| invalid("the region was deregistered"))?;
         sh.region().set_dtype(t);
         Ok(FERRY_OK)
     })

@@ -87,6 +87,18 @@ fn available_memory() -> Option<usize> {
     kib.checked_mul(1024)
 }
 
+/// What the served memory holds: `--data`'s bytes, else the pattern.
+fn contents(data: &Option<String>, bytes: usize, seed: u8) -> Result<Vec<u8>> {
+    Ok(match data {
+        Some(spec) => crate::bench::compress::load_data(spec, bytes)?,
+        None => {
+            let mut b = vec![0u8; bytes];
+            fill_pattern(&mut b, 0, seed);
+            b
+        }
+    })
+}
+
 pub fn run(mut a: Args) -> Result<()> {
     let bytes = parse_size(&a.value("bytes").unwrap_or_else(|| "64M".into()))?;
     check_bytes(bytes, available_memory())?;
@@ -135,30 +147,14 @@ pub fn run(mut a: Args) -> Result<()> {
     }
     cfg.gpu = gpu;
     let ep = Endpoint::builder().config(cfg).build()?;
-    let buf = match &data {
-        Some(spec) => crate::bench::compress::load_data(spec, bytes)?,
-        None => {
-            let mut buf = vec![0u8; bytes];
-            fill_pattern(&mut buf, 0, seed);
-            buf
-        }
-    };
-    let main = ep.register(buf)?;
+    let main = ep.register(contents(&data, bytes, seed)?)?;
     main.set_dtype(dtype);
     let ro = ep.register_with(vec![7u8; 4096], Access::REMOTE_READ)?;
     let wo = ep.register_with(vec![0u8; 4096], Access::REMOTE_WRITE)?;
     let gmr = match gpu {
         Some(_) => {
             let g = ep.alloc_gpu(bytes)?;
-            let b = match &data {
-                Some(spec) => crate::bench::compress::load_data(spec, bytes)?,
-                None => {
-                    let mut b = vec![0u8; bytes];
-                    fill_pattern(&mut b, 0, seed);
-                    b
-                }
-            };
-            g.write_at(0, &b)?;
+            g.write_at(0, &contents(&data, bytes, seed)?)?;
             g.set_dtype(dtype);
             Some(g)
         }

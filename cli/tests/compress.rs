@@ -133,10 +133,22 @@ fn every_type_goes_packed_and_arrives_byte_exact() {
         let data = weights(dtype, (1 << 20) + 333, i as u64 + 1);
         round_trip(&a, &b, conn, dtype, &data);
         let (sa, sb) = (a.compress_stats().unwrap(), b.compress_stats().unwrap());
-        assert!(sa.packed > before.0.packed, "{dtype:?}: a packed nothing: {sa:?}");
-        assert!(sb.unpacked > before.1.unpacked, "{dtype:?}: b unpacked nothing");
-        assert!(sb.packed > before.1.packed, "{dtype:?}: the READ went plain");
-        assert!(sa.unpacked > before.0.unpacked, "{dtype:?}: a unpacked nothing");
+        assert!(
+            sa.packed > before.0.packed,
+            "{dtype:?}: a packed nothing: {sa:?}"
+        );
+        assert!(
+            sb.unpacked > before.1.unpacked,
+            "{dtype:?}: b unpacked nothing"
+        );
+        assert!(
+            sb.packed > before.1.packed,
+            "{dtype:?}: the READ went plain"
+        );
+        assert!(
+            sa.unpacked > before.0.unpacked,
+            "{dtype:?}: a unpacked nothing"
+        );
     }
     let s = a.compress_stats().unwrap();
     assert!(s.wire_bytes < s.raw_bytes, "{s:?}");
@@ -175,10 +187,12 @@ fn untyped_memory_and_small_chunks_go_plain() {
     let src = a.alloc(n).unwrap();
     src.write_at(0, &weights(FloatType::Bf16, n, 5)).unwrap();
     let dst = b.alloc(n).unwrap();
-    a.write(conn, &src, 0, n, &dst.advertise(0, n).unwrap()).unwrap();
+    a.write(conn, &src, 0, n, &dst.advertise(0, n).unwrap())
+        .unwrap();
     // Typed, but 8 KiB: below what is worth packing.
     let t = typed(&b, 8192, FloatType::Bf16, 0);
-    a.write(conn, &src, 0, 8192, &t.advertise(0, 8192).unwrap()).unwrap();
+    a.write(conn, &src, 0, 8192, &t.advertise(0, 8192).unwrap())
+        .unwrap();
     assert_eq!(a.compress_stats().unwrap().tried, 0);
     assert_eq!(bytes(&dst), bytes(&src));
 }

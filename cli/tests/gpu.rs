@@ -930,7 +930,13 @@ fn packed_frames_move_gpu_memory_over_tcp_byte_exact() {
     let len = (6 << 20) + 1234;
     // bf16-like values: a few exponents, varied mantissas.
     let data: Vec<u8> = (0..len)
-        .map(|i| if i % 2 == 1 { 0x3c + (i / 7 % 3) as u8 } else { (i * 31 / 5) as u8 })
+        .map(|i| {
+            if i % 2 == 1 {
+                0x3c + (i / 7 % 3) as u8
+            } else {
+                (i * 31 / 5) as u8
+            }
+        })
         .collect();
     let src = a.alloc_gpu(len + 64).unwrap().with_dtype(FloatType::Bf16);
     src.write_at(3, &data).unwrap();
@@ -939,11 +945,17 @@ fn packed_frames_move_gpu_memory_over_tcp_byte_exact() {
     let win = dst.advertise(5, len).unwrap();
     a.write(conn, &src, 3, len, &win).unwrap();
     let got = gpu_bytes(&dst, 0, len + 64);
-    assert!(got[5..5 + len] == data[..], "WRITE into GPU memory not exact");
+    assert!(
+        got[5..5 + len] == data[..],
+        "WRITE into GPU memory not exact"
+    );
     assert!(got[..5].iter().chain(&got[5 + len..]).all(|&x| x == 0xee));
     let back = a.alloc_gpu(len + 64).unwrap();
     a.read(conn, &back, 7, len, &win).unwrap();
-    assert!(gpu_bytes(&back, 7, len) == data, "READ into GPU memory not exact");
+    assert!(
+        gpu_bytes(&back, 7, len) == data,
+        "READ into GPU memory not exact"
+    );
     let (sa, sb) = (a.compress_stats().unwrap(), b.compress_stats().unwrap());
     assert!(sa.packed >= 6 && sb.unpacked >= 6, "{sa:?} {sb:?}");
     assert!(sb.packed >= 6 && sa.unpacked >= 6, "{sa:?} {sb:?}");

@@ -122,12 +122,19 @@ impl CodecPool {
         &self.shared
     }
 
-    /// Queues a job; gives it back when the queue is full.
-    pub fn try_submit(&self, job: CodecJob, reply: Reply) -> std::result::Result<(), Queued> {
+    /// Queues a job; gives it back (boxed: the rare path) when the queue
+    /// is full.
+    pub fn try_submit(
+        &self,
+        job: CodecJob,
+        reply: Reply,
+    ) -> std::result::Result<(), Box<CodecJob>> {
         let tx = self.tx.as_ref().expect("the sender lives until drop");
         match tx.try_send((job, reply)) {
             Ok(()) => Ok(()),
-            Err(TrySendError::Full(q) | TrySendError::Disconnected(q)) => Err(q),
+            Err(TrySendError::Full((job, _)) | TrySendError::Disconnected((job, _))) => {
+                Err(Box::new(job))
+            }
         }
     }
 }
@@ -146,7 +153,11 @@ impl Drop for CodecPool {
 /// queue was full).
 pub(crate) fn run(codec: &mut Codec, work: CodecWork) -> CodecOutcome {
     match work {
-        CodecWork::Encode { dtype, src, mut out } => {
+        CodecWork::Encode {
+            dtype,
+            src,
+            mut out,
+        } => {
             // SAFETY: `src` is host memory of a registration the job holds
             // alive; the op that reads it is in flight until this ends.
             let chunk = unsafe { std::slice::from_raw_parts(src.ptr(), src.len()) };
@@ -158,7 +169,10 @@ pub(crate) fn run(codec: &mut Codec, work: CodecWork) -> CodecOutcome {
             // (or our bounce buffer) held alive by the job; the peer's
             // request for it is answered only when this ends.
             let into = unsafe { std::slice::from_raw_parts_mut(dst.ptr(), dst.len()) };
-            let result = codec.decode(&frame, into).map(|_| ()).map_err(|e| e.to_string());
+            let result = codec
+                .decode(&frame, into)
+                .map(|_| ())
+                .map_err(|e| e.to_string());
             CodecOutcome::Decoded { buf: frame, result }
         }
     }
@@ -263,13 +277,15 @@ impl LazyCodecPool {
     /// (then nothing is packed: frames go as they are).
     pub fn get(&self) -> Option<Arc<CodecPool>> {
         self.pool
-            .get_or_init(|| match CodecPool::new(self.mode, self.threads, self.stats.clone()) {
-                Ok(p) => Some(p),
-                Err(e) => {
-                    tracing::warn!("no codec threads, so no compression: {e}");
-                    None
-                }
-            })
+            .get_or_init(
+                || match CodecPool::new(self.mode, self.threads, self.stats.clone()) {
+                    Ok(p) => Some(p),
+                    Err(e) => {
+                        tracing::warn!("no codec threads, so no compression: {e}");
+                        None
+                    }
+                },
+            )
             .clone()
     }
 }

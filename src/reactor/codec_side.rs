@@ -56,7 +56,7 @@ impl CodecSide {
                 to: self.tx.clone(),
                 wake: self.wake.clone(),
             };
-            if let Err((job, _)) = pool.try_submit(job, reply) {
+            if let Err(job) = pool.try_submit(job, reply) {
                 let codec = match &mut self.inline {
                     Some(c) => c,
                     None => match Codec::new() {
@@ -67,6 +67,7 @@ impl CodecSide {
                         }
                     },
                 };
+                let job = *job;
                 let outcome = codec_pool::run(codec, job.work);
                 let _ = self.tx.send(CodecDone {
                     idx,

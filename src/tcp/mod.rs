@@ -33,7 +33,5 @@ mod pair;
 pub(crate) mod proto;
 mod stream;
 
-pub(crate) use proto::{
-    CodecCounters, Integrity, PackChoice, PackMode, PackShared, StreamLimits,
-};
+pub(crate) use proto::{CodecCounters, Integrity, PackChoice, PackMode, PackShared, StreamLimits};
 pub(crate) use stream::Stream;

@@ -245,8 +245,8 @@ impl DataHeader {
 
 /// Splits a packed frame's `len` into its two halves and checks them.
 fn check_packed(h: &mut DataHeader) -> Result<(), DecodeError> {
-    let ok_kind = h.kind == DataKind::WriteReq
-        || (h.kind == DataKind::ReadResp && h.status == Status::Ok);
+    let ok_kind =
+        h.kind == DataKind::WriteReq || (h.kind == DataKind::ReadResp && h.status == Status::Ok);
     if !ok_kind {
         return Err(invalid(format!(
             "{:?} with status {:?} marked packed",

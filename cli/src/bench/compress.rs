@@ -4,6 +4,7 @@
 
 use std::collections::VecDeque;
 use std::io::BufReader;
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -133,6 +134,58 @@ pub(crate) fn load_data(spec: &str, len: usize) -> Result<Vec<u8>> {
     Ok(file.iter().copied().cycle().take(len).collect())
 }
 
+/// `ferry serve` with the buffer typed and filled from `--data`: here, or
+/// in the link's far namespace.
+fn start_target(o: &Opts, mode: &str, link: Option<&Link>, max: usize) -> Result<Child> {
+    std::env::set_var("FERRY_TRANSPORT", "tcp");
+    std::env::set_var("FERRY_COMPRESS", mode);
+    let exe = std::env::current_exe()?;
+    let exe = exe.to_str().context("executable path")?;
+    let max_s = max.to_string();
+    let mut serve = vec![
+        "serve",
+        "--bytes",
+        &max_s,
+        "--dtype",
+        o.dtype.name(),
+        "--data",
+        &o.data,
+        "--listen",
+        if link.is_some() { THEIRS } else { "127.0.0.1" },
+    ];
+    if o.gpu {
+        serve.extend(["--gpu", "0"]);
+    }
+    let child = match link {
+        Some(l) => std::process::Command::new("ip")
+            .args(["netns", "exec", &l.theirs, exe])
+            .args(&serve)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .context("ip netns exec ferry serve")?,
+        None => spawn_self(&serve)?,
+    };
+    Ok(child)
+}
+
+fn print_header(o: &Opts, mode: &str, data_len: usize) {
+    let threads = std::env::var("FERRY_COMPRESS_THREADS").unwrap_or_else(|_| "default".into());
+    println!(
+        "ferry bench --compress {mode}: {} from {} ({}, {} memory), link {}, codec threads {threads}",
+        o.dtype.name(),
+        o.data,
+        fmt_size(data_len),
+        if o.gpu { "GPU" } else { "host" },
+        o.link_gbit
+            .map_or("loopback (unshaped)".to_owned(), |g| format!("{g} Gbit/s (tbf)")),
+    );
+    println!(
+        "{:<6} {:>6} {:>10} {:>10} {:>7} {:>8} {:>18} {:>18}",
+        "op", "size", "off GB/s", "GB/s", "ratio", "packed", "cpu% off us/them", "cpu% us/them"
+    );
+}
+
 /// One side of the comparison: an endpoint, its connection to the target.
 struct Side {
     ep: Endpoint,
@@ -189,7 +242,11 @@ fn measure(
     o: &Opts,
     target_pid: u32,
 ) -> Result<Round> {
-    let (c0, t0, st0) = (cpu_ns(std::process::id()), cpu_ns(target_pid), s.ep.compress_stats());
+    let (c0, t0, st0) = (
+        cpu_ns(std::process::id()),
+        cpu_ns(target_pid),
+        s.ep.compress_stats(),
+    );
     let start = Instant::now();
     let (mut moved, mut ops) = (0usize, 0usize);
     let mut q = VecDeque::new();
@@ -243,35 +300,7 @@ pub fn run(mode: &str, a: Args) -> Result<()> {
         l.enter()?;
     }
     let listen = if link.is_some() { OURS } else { "127.0.0.1" };
-    std::env::set_var("FERRY_TRANSPORT", "tcp");
-    std::env::set_var("FERRY_COMPRESS", mode);
-    let exe = std::env::current_exe()?;
-    let exe = exe.to_str().context("executable path")?;
-    let max_s = max.to_string();
-    let mut serve = vec![
-        "serve",
-        "--bytes",
-        &max_s,
-        "--dtype",
-        o.dtype.name(),
-        "--data",
-        &o.data,
-        "--listen",
-        if link.is_some() { THEIRS } else { "127.0.0.1" },
-    ];
-    if o.gpu {
-        serve.extend(["--gpu", "0"]);
-    }
-    let mut child = match &link {
-        Some(l) => std::process::Command::new("ip")
-            .args(["netns", "exec", &l.theirs, exe])
-            .args(&serve)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .context("ip netns exec ferry serve")?,
-        None => spawn_self(&serve)?,
-    };
+    let mut child = start_target(&o, mode, link.as_ref(), max)?;
     let target_pid = child.id();
     let mut out = BufReader::new(child.stdout.take().context("child stdout")?);
     let served = read_served(&mut out).map_err(anyhow::Error::msg)?;
@@ -282,7 +311,11 @@ pub fn run(mode: &str, a: Args) -> Result<()> {
     };
     let (plain, packed) = (side(Compress::Off)?, side(o.mode)?);
     let alloc = |ep: &Endpoint| -> Result<MemoryRegion> {
-        let mr = if o.gpu { ep.alloc_gpu(max)? } else { ep.alloc(max)? };
+        let mr = if o.gpu {
+            ep.alloc_gpu(max)?
+        } else {
+            ep.alloc(max)?
+        };
         Ok(mr.with_dtype(o.dtype))
     };
     let (local, local_b) = (alloc(&plain.ep)?, alloc(&packed.ep)?);
@@ -293,26 +326,15 @@ pub fn run(mode: &str, a: Args) -> Result<()> {
     };
     local.write_at(0, &data)?;
     local_b.write_at(0, &data)?;
-    let threads = std::env::var("FERRY_COMPRESS_THREADS").unwrap_or_else(|_| "default".into());
-    println!(
-        "ferry bench --compress {mode}: {} from {} ({}, {} memory), link {}, codec threads {threads}",
-        o.dtype.name(),
-        o.data,
-        fmt_size(data.len()),
-        if o.gpu { "GPU" } else { "host" },
-        o.link_gbit
-            .map_or("loopback (unshaped)".to_owned(), |g| format!("{g} Gbit/s (tbf)")),
-    );
-    println!(
-        "{:<6} {:>6} {:>10} {:>10} {:>7} {:>8} {:>18} {:>18}",
-        "op", "size", "off GB/s", "GB/s", "ratio", "packed", "cpu% off us/them", "cpu% us/them"
-    );
+    print_header(&o, mode, data.len());
     for &op in &o.ops {
         for &size in &o.sizes {
             let (mut off, mut on) = (Vec::new(), Vec::new());
             for _ in 0..o.rounds {
                 off.push(measure(&plain, &local, &window, op, size, &o, target_pid)?);
-                on.push(measure(&packed, &local_b, &window, op, size, &o, target_pid)?);
+                on.push(measure(
+                    &packed, &local_b, &window, op, size, &o, target_pid,
+                )?);
             }
             let m = |v: &[Round], f: fn(&Round) -> f64| median(v.iter().map(f).collect());
             let (g_off, g_on) = (m(&off, |r| r.gbps), m(&on, |r| r.gbps));

@@ -141,7 +141,9 @@ impl Shard {
                     let from = RegionSlice::new(b, 0, ts.len).expect("bounce fits a chunk");
                     let (slot, op_id, key, addr) = (ts.slot, ts.op_id, ts.key, ts.addr);
                     match choice {
-                        PackChoice::Pack(d) => s.push_write_packed(d, slot, op_id, key, addr, from, now),
+                        PackChoice::Pack(d) => {
+                            s.push_write_packed(d, slot, op_id, key, addr, from, now)
+                        }
                         _ => s.push_request(OpKind::Write, slot, op_id, key, addr, from, now),
                     }
                 }

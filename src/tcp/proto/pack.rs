@@ -258,8 +258,14 @@ impl StreamProto {
     ) {
         let len = local.len();
         let gate = self.new_gate();
-        let hdr =
-            DataHeader::request(DataKind::WriteReq, key.rkey, key.tag, op_id, addr, len as u64);
+        let hdr = DataHeader::request(
+            DataKind::WriteReq,
+            key.rkey,
+            key.tag,
+            op_id,
+            addr,
+            len as u64,
+        );
         self.push_frame(
             hdr.encode(),
             TxPayload::Slice(local.clone()),
@@ -304,7 +310,8 @@ impl StreamProto {
             PackChoice::Wait => None,
             PackChoice::Pack(d) => {
                 let gate = self.new_gate();
-                let hdr = DataHeader::response(DataKind::ReadResp, Status::Ok, op_id, w.len() as u64);
+                let hdr =
+                    DataHeader::response(DataKind::ReadResp, Status::Ok, op_id, w.len() as u64);
                 self.push_response(hdr, TxPayload::Slice(w.clone()), gate);
                 self.encode_job(gate, d, w.clone());
                 Some(true)
@@ -574,7 +581,10 @@ mod tests {
             };
             // SAFETY: `dst` is the checked window of the test's region.
             let into = unsafe { std::slice::from_raw_parts_mut(dst.ptr(), dst.len()) };
-            let result = codec.decode(&frame, into).map(|_| ()).map_err(|e| e.to_string());
+            let result = codec
+                .decode(&frame, into)
+                .map(|_| ())
+                .map_err(|e| e.to_string());
             let outcome = CodecOutcome::Decoded { buf: frame, result };
             s.codec_done(job.ticket, outcome, &mut sink)?;
         }
@@ -586,11 +596,22 @@ mod tests {
         let (mut s, table, mem) = target(1 << 30);
         let chunk = bf16_chunk(1 << 20);
         let mut frame = Vec::new();
-        assert!(Codec::new().unwrap().pack(FloatType::Bf16, &chunk, &mut frame).unwrap());
-        serve(&mut s, &table, &packed_write(&mem, chunk.len() as u64, &frame)).unwrap();
+        assert!(Codec::new()
+            .unwrap()
+            .pack(FloatType::Bf16, &chunk, &mut frame)
+            .unwrap());
+        serve(
+            &mut s,
+            &table,
+            &packed_write(&mem, chunk.len() as u64, &frame),
+        )
+        .unwrap();
         assert_eq!(bytes_of(&mem, 0, chunk.len()), &chunk[..]);
         assert!(s.tx_ready(), "the ack is released");
-        assert_eq!(s.pack.as_ref().unwrap().shared.held.load(Ordering::Relaxed), 0);
+        assert_eq!(
+            s.pack.as_ref().unwrap().shared.held.load(Ordering::Relaxed),
+            0
+        );
     }
 
     #[test]
@@ -600,14 +621,23 @@ mod tests {
         // request of 64 KiB.
         let chunk = vec![0u8; 2 << 20];
         let mut frame = Vec::new();
-        assert!(Codec::new().unwrap().pack(FloatType::Bytes, &chunk, &mut frame).unwrap());
+        assert!(Codec::new()
+            .unwrap()
+            .pack(FloatType::Bytes, &chunk, &mut frame)
+            .unwrap());
         assert!(frame.len() < 64 << 10, "the bomb is small on the wire");
         let mem_len = mem.len();
         fill(&mem, 0x5a, mem_len);
         let err = serve(&mut s, &table, &packed_write(&mem, 64 << 10, &frame)).unwrap_err();
-        assert!(err.contains("decodes to 2097152 bytes where 65536"), "{err}");
+        assert!(
+            err.contains("decodes to 2097152 bytes where 65536"),
+            "{err}"
+        );
         let untouched = bytes_of(&mem, 64 << 10, mem_len - (64 << 10));
-        assert!(untouched.iter().all(|&b| b == 0x5a), "written past the request");
+        assert!(
+            untouched.iter().all(|&b| b == 0x5a),
+            "written past the request"
+        );
         assert!(!s.tx_ready(), "no ack for it");
     }
 
@@ -616,11 +646,18 @@ mod tests {
         let (mut s, table, mem) = target(1 << 30);
         let chunk = bf16_chunk(256 << 10);
         let mut frame = Vec::new();
-        assert!(Codec::new().unwrap().pack(FloatType::Bf16, &chunk, &mut frame).unwrap());
+        assert!(Codec::new()
+            .unwrap()
+            .pack(FloatType::Bf16, &chunk, &mut frame)
+            .unwrap());
         // The last byte of the zstd frame is its checksum's.
         let packed = u32::from_le_bytes(frame[8..12].try_into().unwrap()) as usize;
         frame[FRAME_AT + packed - 1] ^= 0x40;
-        let err = serve(&mut s, &table, &packed_write(&mem, chunk.len() as u64, &frame));
+        let err = serve(
+            &mut s,
+            &table,
+            &packed_write(&mem, chunk.len() as u64, &frame),
+        );
         let err = err.unwrap_err();
         assert!(err.contains("checksum"), "{err}");
     }
@@ -652,7 +689,10 @@ mod tests {
         let (mut s, table, mem) = target(100 << 10);
         let chunk = bf16_chunk(1 << 20);
         let mut frame = Vec::new();
-        assert!(Codec::new().unwrap().pack(FloatType::Bf16, &chunk, &mut frame).unwrap());
+        assert!(Codec::new()
+            .unwrap()
+            .pack(FloatType::Bf16, &chunk, &mut frame)
+            .unwrap());
         assert!(frame.len() > 50 << 10);
         let one = packed_write(&mem, chunk.len() as u64, &frame);
         let (mut done, mut inbox) = (Vec::new(), VecDeque::new());

@@ -2,8 +2,8 @@
 //! and its payload received in place, a peer's READ request checked and
 //! answered from our memory.
 
-use super::*;
 use super::pack;
+use super::*;
 
 /// The key a request header names.
 pub(super) fn key_of(h: &DataHeader) -> KeyRef {
