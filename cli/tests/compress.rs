@@ -207,3 +207,76 @@ fn the_window_carries_the_type() {
     let w = mr.advertise(8, 64).unwrap();
     assert_eq!(w.dtype(), Some(FloatType::Fp16 as u8));
 }
+
+/// A hostile peer that agreed to the codec sends a packed WRITE whose
+/// frame decodes to 2 MiB for a 64 KiB request (a decompression bomb),
+/// then one that fails its checksum: each kills its connection, with the
+/// codec's reason, and nothing past the request's window is written.
+#[test]
+fn bombs_and_bad_checksums_kill_the_connection_with_their_reason() {
+    use ferry::codec::Codec;
+    use ferry::wire::{ControlFrame, DataHeader, DataKind, Hello, CAP_CODEC};
+    use std::io::{Read, Write};
+    let mut c: Config = config(IoPreference::Auto);
+    c.compress = Compress::On;
+    let b = Endpoint::builder().config(c).build().unwrap();
+    b.start_passive_accept().unwrap();
+    let addr = ferry::EndpointMetadata::decode(&b.metadata_bytes())
+        .unwrap()
+        .socket_addr();
+    let dst = typed(&b, 4 << 20, FloatType::Bytes, 0x5a);
+    let win = dst.advertise(0, 64 << 10).unwrap();
+    let mut codec = Codec::new().unwrap();
+    let mut bomb = Vec::new();
+    assert!(codec
+        .pack(FloatType::Bytes, &vec![0u8; 2 << 20], &mut bomb)
+        .unwrap());
+    let chunk = weights(FloatType::Bf16, 64 << 10, 4);
+    let mut bad = Vec::new();
+    assert!(codec.pack(FloatType::Bf16, &chunk, &mut bad).unwrap());
+    let packed = u32::from_le_bytes(bad[8..12].try_into().unwrap()) as usize;
+    bad[ferry::codec::FRAME_HEADER + packed - 1] ^= 0x40; // the checksum's last byte
+    for (frame, why) in [(bomb, "decodes to 2097152 bytes"), (bad, "checksum")] {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        let hello = Hello {
+            endpoint_id: 77,
+            caps: CAP_CODEC,
+            conn_nonce: 0x1234,
+            stream_idx: 0,
+            stream_count: 1,
+            max_inflight: 8,
+            host_token: 0,
+            auth_nonce: 5,
+        };
+        s.write_all(&ControlFrame::Hello(hello).encode()).unwrap();
+        let ControlFrame::HelloAck(_) = read_control_frame(&mut s) else {
+            panic!("not acknowledged")
+        };
+        let (conn, _) = b.accept(Duration::from_secs(5)).unwrap();
+        let h = DataHeader::request(
+            DataKind::WriteReq,
+            win.rkey,
+            win.key_tag(),
+            1,
+            win.addr,
+            64 << 10,
+        )
+        .packed(frame.len() as u32);
+        s.write_all(&h.encode()).unwrap();
+        s.write_all(&frame).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut sink = [0u8; 64];
+        assert_eq!(
+            s.read(&mut sink).unwrap_or(0),
+            0,
+            "no ack, and the connection closed"
+        );
+        // An op on the dead connection fails with the reason it died.
+        let err = b.write(conn, &dst, 0, 16, &win).unwrap_err().to_string();
+        assert!(err.contains(why), "{err}");
+    }
+    assert!(
+        bytes(&dst)[64 << 10..].iter().all(|&x| x == 0x5a),
+        "written past the window"
+    );
+}

@@ -9,5 +9,11 @@ fuzz_target!(|data: &[u8]| {
         assert_eq!(data.len(), DATA_HEADER_LEN);
         assert_eq!(h.encode().as_slice(), data);
         assert!(h.payload_len() <= u32::MAX as u64);
+        // A packed frame is never longer than what it decodes to, nor than
+        // the bound: what a peer can make us buffer.
+        if h.packed_len != 0 {
+            assert!(h.packed_len as u64 <= h.len);
+            assert!(h.packed_len <= ferry::wire::MAX_PACKED_FRAME);
+        }
     }
 });
