@@ -209,8 +209,8 @@ macro_rules! settings {
             /// (`FERRY_COMPRESS=off|auto|on`, default auto; see [`Compress`]).
             compress: Compress = Compress::Auto, "FERRY_COMPRESS", with(compress);
             /// Codec threads of the endpoint (`FERRY_COMPRESS_THREADS`, default
-            /// 0: half the cores, 1 to 8); they start with the first
-            /// connection that agrees to compress.
+            /// 0: half the cores, 1 to 8); they start with the first chunk
+            /// packed or unpacked.
             compress_threads: usize = 0, "FERRY_COMPRESS_THREADS", range(0, 256);
         }
     };

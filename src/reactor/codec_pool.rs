@@ -83,22 +83,11 @@ impl std::fmt::Debug for CodecPool {
 }
 
 impl CodecPool {
-    /// `threads` codec threads for `mode` (not `Off`).
-    pub fn new(
-        mode: PackMode,
-        threads: usize,
-        stats: Arc<CodecCounters>,
-    ) -> Result<Arc<CodecPool>> {
+    /// `threads` codec threads, keeping `shared.codec_rate` up to date.
+    pub fn new(threads: usize, shared: PackShared) -> Result<Arc<CodecPool>> {
         let (tx, rx) = mpsc::sync_channel::<Queued>(QUEUE_DEPTH);
         let rx = Arc::new(Mutex::new(rx));
         let rate_each = Arc::new(AtomicU64::new(FIRST_RATE_PER_THREAD));
-        let shared = PackShared {
-            mode,
-            codec_rate: Arc::new(AtomicU64::new(FIRST_RATE_PER_THREAD * threads as u64)),
-            held: Arc::new(AtomicUsize::new(0)),
-            held_max: HELD_MAX,
-            stats,
-        };
         let mut handles = Vec::with_capacity(threads);
         for i in 0..threads {
             let rx = rx.clone();
@@ -115,11 +104,6 @@ impl CodecPool {
             threads: handles,
             shared,
         }))
-    }
-
-    /// What the streams share about packing.
-    pub fn shared(&self) -> &PackShared {
-        &self.shared
     }
 
     /// Queues a job; gives it back (boxed: the rare path) when the queue
@@ -227,14 +211,13 @@ fn work(rx: &Mutex<Receiver<Queued>>, each: &AtomicU64, total: &AtomicU64, threa
     }
 }
 
-/// The pool an endpoint may need: started by the first connection that
-/// agrees to compress, so an endpoint that never does has no codec thread.
+/// The pool an endpoint may need: started by the first codec job, so an
+/// endpoint that never packs nor unpacks a frame has no codec thread.
 #[derive(Debug)]
 pub(crate) struct LazyCodecPool {
-    mode: PackMode,
     threads: usize,
     pool: std::sync::OnceLock<Option<Arc<CodecPool>>>,
-    stats: Arc<CodecCounters>,
+    shared: PackShared,
 }
 
 impl LazyCodecPool {
@@ -247,17 +230,22 @@ impl LazyCodecPool {
             threads
         };
         Arc::new(LazyCodecPool {
-            mode,
             threads,
             pool: std::sync::OnceLock::new(),
-            stats: Arc::default(),
+            shared: PackShared {
+                mode,
+                codec_rate: Arc::new(AtomicU64::new(FIRST_RATE_PER_THREAD * threads as u64)),
+                held: Arc::new(AtomicUsize::new(0)),
+                held_max: HELD_MAX,
+                stats: Arc::<CodecCounters>::default(),
+            },
         })
     }
 
     /// What the codec did so far, and the threads it has (0: not started).
     pub fn stats(&self) -> CompressStats {
         use std::sync::atomic::Ordering::Relaxed;
-        let s = &self.stats;
+        let s = &self.shared.stats;
         CompressStats {
             threads: match self.pool.get() {
                 Some(Some(_)) => self.threads,
@@ -273,19 +261,22 @@ impl LazyCodecPool {
         }
     }
 
-    /// The pool, started on first need; None if its threads could not be
-    /// (then nothing is packed: frames go as they are).
+    /// What every stream that packs shares (no thread is started for it).
+    pub fn shared(&self) -> &PackShared {
+        &self.shared
+    }
+
+    /// The pool, started by the first codec job; None if its threads could
+    /// not be (the shards then run their jobs themselves).
     pub fn get(&self) -> Option<Arc<CodecPool>> {
         self.pool
-            .get_or_init(
-                || match CodecPool::new(self.mode, self.threads, self.stats.clone()) {
-                    Ok(p) => Some(p),
-                    Err(e) => {
-                        tracing::warn!("no codec threads, so no compression: {e}");
-                        None
-                    }
-                },
-            )
+            .get_or_init(|| match CodecPool::new(self.threads, self.shared.clone()) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    tracing::warn!("no codec threads; shards run codec jobs themselves: {e}");
+                    None
+                }
+            })
             .clone()
     }
 }

@@ -35,20 +35,19 @@ impl CodecSide {
         }
     }
 
-    /// What a stream that packs shares with the others (starts the pool);
-    /// None: no codec threads could be started, nothing is packed.
-    pub fn shared(&mut self) -> Option<PackShared> {
-        if self.pool.is_none() {
-            self.pool = self.lazy.get();
-        }
-        self.pool.as_ref().map(|p| p.shared().clone())
+    /// What a stream that packs shares with the others.
+    pub fn shared(&self) -> PackShared {
+        self.lazy.shared().clone()
     }
 
     /// Gives stream `s`'s queued jobs (of connection `conn` at slab index
-    /// `idx`) to the pool. One the full queue gives back runs here, now:
+    /// `idx`) to the pool (started by the first). One the full queue gives
+    /// back, or every one when no codec thread could start, runs here, now:
     /// its end is read on the next pass like any other.
     pub fn hand_over(&mut self, idx: usize, conn: ConnId, s: &mut Stream) {
-        let Some(pool) = &self.pool else { return };
+        if self.pool.is_none() {
+            self.pool = self.lazy.get();
+        }
         for job in s.take_codec_jobs() {
             let reply = Reply {
                 idx,
@@ -56,7 +55,11 @@ impl CodecSide {
                 to: self.tx.clone(),
                 wake: self.wake.clone(),
             };
-            if let Err(job) = pool.try_submit(job, reply) {
+            let given = match &self.pool {
+                Some(pool) => pool.try_submit(job, reply),
+                None => Err(Box::new(job)),
+            };
+            if let Err(job) = given {
                 let codec = match &mut self.inline {
                     Some(c) => c,
                     None => match Codec::new() {

@@ -14,8 +14,8 @@
 //!   `Waker`) wakes it;
 //! * **embedded** mode: the caller owns each `Shard` and calls `poll()` (or
 //!   `poll_or_park()`, the managed loop's step) from its own loop; the
-//!   engine starts no shard thread (only the codec threads, when a tcp
-//!   connection agrees to compress: `codec_pool.rs`, `FERRY_COMPRESS=off`
+//!   engine starts no shard thread (only the codec threads, once a tcp
+//!   chunk is packed or unpacked: `codec_pool.rs`; `FERRY_COMPRESS=off`
 //!   for none).
 
 mod backlog;

@@ -324,8 +324,8 @@ impl TcpSide {
                 .map_err(|e| Error::io("epoll_ctl", e))?;
             let mut s = Stream::new(m, limits, i as u8, macs.next());
             if limits.codec {
-                if let Some(shared) = self.codec.as_mut().and_then(|c| c.shared()) {
-                    s.enable_pack(shared);
+                if let Some(c) = &self.codec {
+                    s.enable_pack(c.shared());
                 }
             }
             out.push(s);

@@ -148,9 +148,10 @@ impl PackState {
     pub fn new(shared: PackShared) -> Self {
         Self {
             shared,
-            jobs: Vec::with_capacity(PACK_SLOTS),
+            // Empty until used: an idle connection pays nothing for them.
+            jobs: Vec::new(),
             in_flight: 0,
-            spare: Vec::with_capacity(SPARE_BUFS),
+            spare: Vec::new(),
             raw_streak: 0,
             probe: 0,
             meter: LinkMeter::default(),
