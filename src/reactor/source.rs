@@ -255,15 +255,32 @@ pub(crate) struct ShardSink<'a> {
 }
 
 impl<'a> ShardSink<'a> {
+    /// A sink for tcp connection `conn`: as `plain`, with GPU staging.
+    pub fn tcp(cx: &'a mut Cx<'_>, conn: ConnId) -> ShardSink<'a> {
+        ShardSink {
+            gpu: cx.gpu.as_deref_mut(),
+            ..ShardSink::plain_parts(cx.done, cx.inbox, cx.ipc_revoked, conn)
+        }
+    }
+
     /// A sink for connection `conn` reporting into `cx`: completions,
     /// notifications and revocations only (no CUDA copies, no spread host
     /// copies, no GPU staging: what failing a connection's requests needs).
     pub fn plain(cx: &'a mut Cx<'_>, conn: ConnId) -> ShardSink<'a> {
+        ShardSink::plain_parts(cx.done, cx.inbox, cx.ipc_revoked, conn)
+    }
+
+    fn plain_parts(
+        done: &'a mut Vec<(u32, Result<()>)>,
+        inbox: &'a Inboxes,
+        ipc_revoked: &'a mut Vec<(ConnId, u64)>,
+        conn: ConnId,
+    ) -> ShardSink<'a> {
         ShardSink {
-            done: cx.done,
-            inbox: cx.inbox,
+            done,
+            inbox,
             conn,
-            ipc_revoked: cx.ipc_revoked,
+            ipc_revoked,
             gpu_reqs: None,
             host_copies: None,
             gpu: None,

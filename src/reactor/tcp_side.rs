@@ -564,16 +564,8 @@ impl TcpSide {
                 continue;
             };
             let (slot, read) = (d.ticket.slot, d.ticket.gate == 0);
-            let mut sink = ShardSink {
-                done: cx.done,
-                inbox: cx.inbox,
-                conn: conn.group,
-                ipc_revoked: cx.ipc_revoked,
-                gpu_reqs: None,
-                host_copies: None,
-                gpu: cx.gpu.as_deref_mut(),
-            };
             let group = conn.group;
+            let mut sink = ShardSink::tcp(cx, group);
             let r = match conn.streams.get_mut(d.ticket.stream as usize) {
                 Some(s) => s.codec_done(d.ticket, d.outcome, &mut sink),
                 None => Ok(()),

@@ -12,7 +12,7 @@ use ferry::codec::FloatType;
 use ferry::{Compress, CompressStats, Config, ConnId, Endpoint, MemoryRegion, OpKind, Transport};
 use ferry_cli::testkit::{cpu_ns, fnv64, read_served};
 
-use crate::args::{fmt_size, parse_size, Args};
+use crate::args::{fmt_size, Args};
 use crate::child::spawn_self;
 
 use super::link::{Link, OURS, THEIRS};
@@ -73,21 +73,8 @@ fn parse(mode: &str, mut a: Args) -> Result<Opts> {
     if link_gbit.is_some_and(|g| !(0.001..=400.0).contains(&g)) {
         bail!("--link-gbit: must be in 0.001..=400");
     }
-    let ops = match a.value("op").as_deref().unwrap_or("both") {
-        "write" => vec![OpKind::Write],
-        "read" => vec![OpKind::Read],
-        "both" => vec![OpKind::Write, OpKind::Read],
-        o => bail!("--op {o}: expected write, read or both"),
-    };
-    let sizes = a
-        .value("sizes")
-        .unwrap_or_else(|| "64M".into())
-        .split(',')
-        .map(parse_size)
-        .collect::<Result<Vec<_>>>()?;
-    if sizes.iter().any(|&s| s == 0 || s > 1 << 30) {
-        bail!("--sizes: each size must be between 1 B and 1 GiB");
-    }
+    let ops = super::opts::parse_ops(&mut a)?;
+    let sizes = super::opts::parse_sizes(&mut a, "64M", (1 << 30, "1 GiB"))?;
     let o = Opts {
         mode,
         dtype,

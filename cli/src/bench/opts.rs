@@ -161,21 +161,12 @@ pub(super) fn parse(mut a: Args) -> Result<Opts> {
         peer_gpu,
         pinned,
     } = parse_path(&mut a)?;
-    let ops = match a.value("op").as_deref().unwrap_or("both") {
-        "write" => vec![OpKind::Write],
-        "read" => vec![OpKind::Read],
-        "both" => vec![OpKind::Write, OpKind::Read],
-        o => bail!("--op {o}: expected write, read or both"),
-    };
-    let sizes = a
-        .value("sizes")
-        .unwrap_or_else(|| "4K,64K,1M,16M,64M".into())
-        .split(',')
-        .map(parse_size)
-        .collect::<Result<Vec<_>>>()?;
-    if sizes.iter().any(|&s| s == 0 || s > u32::MAX as usize) {
-        bail!("--sizes: each size must be between 1 B and 4 GiB - 1");
-    }
+    let ops = parse_ops(&mut a)?;
+    let sizes = parse_sizes(
+        &mut a,
+        "4K,64K,1M,16M,64M",
+        (u32::MAX as usize, "4 GiB - 1"),
+    )?;
     let batch: usize = a.parsed("batch", 32)?;
     let seconds: f64 = a.parsed("seconds", 1.0)?;
     if batch == 0 || batch > 4096 {
@@ -237,6 +228,34 @@ pub(super) fn parse(mut a: Args) -> Result<Opts> {
     };
     a.finish()?;
     Ok(o)
+}
+
+/// `--op write|read|both` (default both).
+pub(super) fn parse_ops(a: &mut Args) -> Result<Vec<OpKind>> {
+    Ok(match a.value("op").as_deref().unwrap_or("both") {
+        "write" => vec![OpKind::Write],
+        "read" => vec![OpKind::Read],
+        "both" => vec![OpKind::Write, OpKind::Read],
+        o => bail!("--op {o}: expected write, read or both"),
+    })
+}
+
+/// `--sizes LIST` (default `default`), each 1 B to `max` (said as `max_said`).
+pub(super) fn parse_sizes(
+    a: &mut Args,
+    default: &str,
+    (max, max_said): (usize, &str),
+) -> Result<Vec<usize>> {
+    let sizes = a
+        .value("sizes")
+        .unwrap_or_else(|| default.into())
+        .split(',')
+        .map(parse_size)
+        .collect::<Result<Vec<_>>>()?;
+    if sizes.iter().any(|&s| s == 0 || s > max) {
+        bail!("--sizes: each size must be between 1 B and {max_said}");
+    }
+    Ok(sizes)
 }
 
 /// How the ops are fed: `--conns`, `--threads`, `--submit`.

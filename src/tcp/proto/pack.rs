@@ -257,35 +257,10 @@ impl StreamProto {
         local: RegionSlice,
         now: Instant,
     ) {
-        let len = local.len();
         let gate = self.new_gate();
-        let hdr = DataHeader::request(
-            DataKind::WriteReq,
-            key.rkey,
-            key.tag,
-            op_id,
-            addr,
-            len as u64,
-        );
-        self.push_frame(
-            hdr.encode(),
-            TxPayload::Slice(local.clone()),
-            FrameClass::Request,
-            gate,
-        );
-        self.encode_job(gate, dtype, local.clone());
-        self.pending.push_back(Pending {
-            op_id,
-            op: PendingOp {
-                slot,
-                kind: OpKind::Write,
-                local,
-                rkey: key.rkey,
-                addr,
-                sent_at: now,
-                post: None,
-            },
-        });
+        let src = local.clone();
+        self.push_request_gated(OpKind::Write, (slot, op_id), (key, addr), local, now, gate);
+        self.encode_job(gate, dtype, src);
     }
 
     fn encode_job(&mut self, gate: u64, dtype: FloatType, src: RegionSlice) {

@@ -46,6 +46,20 @@ impl StreamProto {
         local: RegionSlice,
         now: Instant,
     ) {
+        self.push_request_gated(kind, (slot, op_id), (key, addr), local, now, 0);
+    }
+
+    /// `push_request`, the frame held back until `release(gate)` when
+    /// `gate` is not 0 (its payload is being packed).
+    pub(super) fn push_request_gated(
+        &mut self,
+        kind: OpKind,
+        (slot, op_id): (u32, u64),
+        (key, addr): (KeyRef, u64),
+        local: RegionSlice,
+        now: Instant,
+        gate: u64,
+    ) {
         debug_assert!(self.can_request());
         let len = local.len();
         let (dk, payload) = match kind {
@@ -53,7 +67,7 @@ impl StreamProto {
             OpKind::Read => (DataKind::ReadReq, TxPayload::None),
         };
         let hdr = DataHeader::request(dk, key.rkey, key.tag, op_id, addr, len as u64).encode();
-        self.push_frame(hdr, payload, FrameClass::Request, 0);
+        self.push_frame(hdr, payload, FrameClass::Request, gate);
         let op = PendingOp {
             slot,
             kind,
