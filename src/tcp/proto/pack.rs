@@ -142,6 +142,9 @@ pub(crate) struct PackState {
     raw_streak: u32,
     probe: u32,
     pub(super) meter: LinkMeter,
+    /// A chunk with a value type came by: only then is the link measured
+    /// (a connection of untyped memory pays no clock read per write).
+    typed: bool,
 }
 
 impl PackState {
@@ -155,6 +158,7 @@ impl PackState {
             raw_streak: 0,
             probe: 0,
             meter: LinkMeter::default(),
+            typed: false,
         }
     }
 
@@ -226,7 +230,7 @@ impl StreamProto {
     pub fn link_meter(&mut self) -> Option<&mut LinkMeter> {
         self.pack
             .as_mut()
-            .filter(|p| p.shared.mode == PackMode::Auto)
+            .filter(|p| p.typed && p.shared.mode == PackMode::Auto)
             .map(|p| &mut p.meter)
     }
 
@@ -235,6 +239,7 @@ impl StreamProto {
         let (Some(p), Some(d)) = (self.pack.as_mut(), dtype) else {
             return PackChoice::Plain;
         };
+        p.typed = true;
         if !p.wants(len) {
             return PackChoice::Plain;
         }
