@@ -349,7 +349,7 @@ pub fn run(mode: &str, a: Args) -> Result<()> {
     if o.ops.contains(&OpKind::Read) {
         let mut got = vec![0u8; max];
         local_b.read_at(0, &mut got)?;
-        if got != load_data(&o.data, max)? {
+        if got != data {
             bail!("the bytes read differ from the target's");
         }
     }

@@ -268,7 +268,7 @@ impl StreamProto {
         self.encode_job(gate, dtype, src);
     }
 
-    fn encode_job(&mut self, gate: u64, dtype: FloatType, src: RegionSlice) {
+    pub(super) fn encode_job(&mut self, gate: u64, dtype: FloatType, src: RegionSlice) {
         let p = self.pack.as_mut().expect("packing is on");
         let out = p.buf();
         let ticket = CodecTicket {
@@ -455,24 +455,6 @@ impl StreamProto {
         if let Some(f) = self.tx.iter_mut().find(|f| f.gate == gate) {
             f.pack_after = Some(dtype);
         }
-    }
-
-    /// `release` of a frame marked by `pack_after_stage`: its payload is
-    /// in host memory now, so it goes to the codec (still gated). False:
-    /// not marked, or the copy failed.
-    pub(super) fn pack_on_release(&mut self, gate: u64, ok: bool) -> bool {
-        let Some(f) = self.tx.iter_mut().find(|f| f.gate == gate) else {
-            return false;
-        };
-        let Some(d) = f.pack_after.take().filter(|_| ok) else {
-            return false;
-        };
-        let TxPayload::Slice(src) = &f.payload else {
-            return false;
-        };
-        let src = src.clone();
-        self.encode_job(gate, d, src);
-        true
     }
 
     /// A sent packed payload's buffer, back for reuse.

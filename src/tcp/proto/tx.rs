@@ -111,12 +111,16 @@ impl StreamProto {
     /// copy failed, the response says so instead (and carries no payload).
     /// Frames behind it wait: responses stay in request order.
     pub fn release(&mut self, gate: u64, ok: bool) {
-        if self.pack_on_release(gate, ok) {
-            return;
-        }
         let Some(f) = self.tx.iter_mut().find(|f| f.gate == gate) else {
             return;
         };
+        // Marked by `pack_after_stage`: its payload is in host memory now,
+        // so it goes to the codec, still gated.
+        if let (true, Some(d), TxPayload::Slice(src)) = (ok, f.pack_after.take(), &f.payload) {
+            let src = src.clone();
+            self.encode_job(gate, d, src);
+            return;
+        }
         f.gate = 0;
         if !ok {
             if let Ok(h) = DataHeader::decode(&f.hdr[..HDR]) {
