@@ -314,6 +314,13 @@ impl<'a> Via<'a> {
         Via(Some(per_shard), None)
     }
 
+    /// Whether the op is queued to its shard now (not staged in a batch,
+    /// which may be queued after its regions are gone): its slices may
+    /// then be borrowed (`RegionSlice::borrowed`).
+    pub(super) fn is_now(&self) -> bool {
+        self.0.is_none()
+    }
+
     /// Whether a notification rides with the op.
     pub(super) fn note(&self) -> Option<&'a [u8]> {
         self.1

@@ -118,6 +118,13 @@ impl MemoryRegion {
         Ok(RegionSlice::new(&self.inner, offset, len).expect("range checked"))
     }
 
+    /// As `slice`, holding no count: only for an op queued to a shard at
+    /// once (`RegionSlice::borrowed`).
+    pub(crate) fn slice_borrowed(&self, offset: usize, len: usize) -> Result<RegionSlice> {
+        self.check_range(offset, len)?;
+        Ok(RegionSlice::borrowed(&self.inner, offset, len).expect("range checked"))
+    }
+
     /// Copies `dst.len()` bytes starting at `offset` out of the region:
     /// with the CPU from host memory, through the CUDA driver (a blocking
     /// copy) from GPU memory. Fails with `OutOfRange` outside the region.

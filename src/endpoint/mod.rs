@@ -698,15 +698,23 @@ impl Endpoint {
 }
 
 /// One part of an op on a window. `same_host` says whether the
-/// connection is a same-host one (asked only for GPU memory).
+/// connection is a same-host one (asked only for GPU memory). `borrow`:
+/// the op is queued now, so its slice need not hold a count of the region
+/// (`RegionSlice::borrowed`; its shard adopts it).
 pub(super) fn desc(
     mr: &MemoryRegion,
     offset: usize,
     len: usize,
     remote: &RemoteBuf,
     same_host: &dyn Fn() -> bool,
+    borrow: bool,
 ) -> Result<OpDesc> {
-    desc_of(mr.slice(offset, len)?, remote, same_host)
+    let local = if borrow {
+        mr.slice_borrowed(offset, len)?
+    } else {
+        mr.slice(offset, len)?
+    };
+    desc_of(local, remote, same_host)
 }
 
 /// One part of an op from a checked slice of ours (see [`desc`]).
@@ -898,7 +906,9 @@ impl Inner {
 
     pub(crate) fn forget_region(&self, rkey: u32) {
         for s in &self.shards {
-            let _ = s.region(RegionCmd::Remove(rkey));
+            // After the ops queued so far (they may hold borrowed slices).
+            let after = s.wake.cmds.accepted();
+            let _ = s.region(RegionCmd::Remove { rkey, after });
         }
     }
 }

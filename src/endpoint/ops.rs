@@ -81,13 +81,15 @@ mod sealed {
         ) -> Result<Transfer> {
             check_local(kind, locals)?;
             let same_host = || matches!(ep.peer(conn), Some(crate::endpoint::Peer::Local { .. }));
+            let borrow = via.is_now();
+            let d = |mr, off, len, r| desc(mr, off, len, r, &same_host, borrow);
             let parts = match (locals, remotes) {
-                ([(mr, off, len)], [r]) => OpParts::One(desc(mr, *off, *len, r, &same_host)?),
+                ([(mr, off, len)], [r]) => OpParts::One(d(mr, *off, *len, r)?),
                 _ => {
                     check_pairs(locals, remotes)?;
                     let v = locals.iter().zip(remotes);
                     OpParts::Many(
-                        v.map(|((m, o, l), r)| desc(m, *o, *l, r, &same_host))
+                        v.map(|((m, o, l), r)| d(m, *o, *l, r))
                             .collect::<Result<_>>()?,
                     )
                 }

@@ -19,6 +19,7 @@
 //!   for none).
 
 mod backlog;
+mod cmd_ring;
 pub(crate) mod codec_pool;
 mod codec_side;
 pub(crate) mod completion;

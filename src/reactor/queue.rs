@@ -1,8 +1,10 @@
 //! What other threads send a shard, and the handle they send it through.
 
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Sender, SyncSender, TrySendError};
+use std::sync::atomic::AtomicBool;
+use std::sync::mpsc::{Sender, SyncSender};
+
+use super::cmd_ring::{CmdRing, PushError};
 use std::sync::Arc;
 
 use crate::error::{ConnId, Error, OpKind, Result};
@@ -171,6 +173,22 @@ pub(crate) enum Command {
 }
 
 impl Command {
+    /// Takes a count of the region of each borrowed slice in the op(s):
+    /// the shard does it as it takes the command from its queue.
+    pub fn adopt(&mut self) {
+        let ops: &mut [OpCmd] = match self {
+            Command::Op(op) => std::slice::from_mut(op),
+            Command::Ops(ops) => ops,
+            _ => return,
+        };
+        for op in ops {
+            match &mut op.parts {
+                OpParts::One(d) => d.local.adopt(),
+                OpParts::Many(v) => v.iter_mut().for_each(|d| d.local.adopt()),
+            }
+        }
+    }
+
     /// How many commands this counts as in a shard's per-pass budget.
     pub fn weight(&self) -> usize {
         match self {
@@ -200,7 +218,13 @@ pub(crate) enum RegionCmd {
         rkey: u32,
         grant: crate::region::Grant,
     },
-    Remove(u32),
+    /// Deregistration of a key. Applied once the shard has taken every
+    /// command queued before it was sent (its queue's position `after`):
+    /// ops queued with borrowed slices of the region are adopted by then.
+    Remove {
+        rkey: u32,
+        after: u64,
+    },
     /// This endpoint deregistered IPC-exported GPU memory: same-host peers
     /// must close their mappings of the allocation at this base. On this
     /// channel, not the bounded command queue, so it is never refused:
@@ -208,42 +232,19 @@ pub(crate) enum RegionCmd {
     RevokeIpc(u64),
 }
 
-/// Set by a shard before it sleeps, so submitters know to wake it. A
-/// Dekker pair: the shard announces, then looks at its queues once more;
-/// a submitter queues, then looks at the flag. At least one sees the
-/// other's store (a loom model checks it: `loom_models` below).
-#[derive(Debug, Default)]
-pub(crate) struct ParkFlag(crate::sync::AtomicBool);
-
-impl ParkFlag {
-    /// The shard is about to sleep; it looks at its queues after this.
-    pub fn announce(&self) {
-        self.0.store(true, Ordering::SeqCst);
-        crate::sync::fence(Ordering::SeqCst);
-    }
-
-    /// The shard is awake.
-    pub fn clear(&self) {
-        self.0.store(false, Ordering::SeqCst);
-    }
-
-    /// Submitter, after queueing: must the shard be woken?
-    pub fn wanted(&self) -> bool {
-        crate::sync::fence(Ordering::SeqCst);
-        self.0.load(Ordering::SeqCst)
-    }
-}
-
 /// How submitters wake a shard.
 pub(crate) struct WakeState {
-    pub parked: ParkFlag,
+    /// The shard's commands; its tail word holds the shard's park bit
+    /// (`cmd_ring.rs`).
+    pub cmds: CmdRing<Command>,
     pub waker: mio::Waker,
     pub shutdown: AtomicBool,
 }
 
 impl WakeState {
+    /// For wakers with queues of their own (written before this call).
     pub fn wake_if_parked(&self) {
-        if self.parked.wanted() {
+        if self.cmds.park_wanted() {
             let _ = self.waker.wake();
         }
     }
@@ -328,7 +329,6 @@ impl CopySlice {
 pub(crate) struct ShardHandle {
     pub id: usize,
     pub capacity: usize,
-    pub tx: SyncSender<Command>,
     pub regions: Sender<RegionCmd>,
     pub wake: Arc<WakeState>,
 }
@@ -339,19 +339,21 @@ impl ShardHandle {
     // returns Ok and moves nothing.
     #[allow(clippy::result_large_err)]
     pub fn submit(&self, cmd: Command) -> Result<(), (Error, Command)> {
-        match self.tx.try_send(cmd) {
-            Ok(()) => {
-                self.wake.wake_if_parked();
+        match self.wake.cmds.push(cmd) {
+            Ok(parked) => {
+                if parked {
+                    let _ = self.wake.waker.wake();
+                }
                 Ok(())
             }
-            Err(TrySendError::Full(c)) => Err((
+            Err((PushError::Full, c)) => Err((
                 Error::QueueFull {
                     shard: self.id,
                     capacity: self.capacity,
                 },
                 c,
             )),
-            Err(TrySendError::Disconnected(c)) => Err((Error::Shutdown, c)),
+            Err((PushError::Closed, c)) => Err((Error::Shutdown, c)),
         }
     }
 
@@ -374,43 +376,5 @@ impl ShardHandle {
         self.regions.send(cmd).map_err(|_| Error::Shutdown)?;
         self.wake.wake_if_parked();
         Ok(())
-    }
-}
-
-/// The shard's park handshake under loom (`--cfg loom`): the real
-/// `ParkFlag`, a queue modelled by a counter, the waker by a notification
-/// that is remembered until taken (as an eventfd's count is).
-#[cfg(all(test, loom))]
-mod loom_models {
-    use super::ParkFlag;
-    use crate::sync::{AtomicUsize, Ordering};
-    use loom::sync::Notify;
-    use std::sync::Arc;
-
-    #[test]
-    fn loom_a_submitter_always_wakes_a_parking_shard() {
-        loom::model(|| {
-            let flag = Arc::new(ParkFlag::default());
-            let queue = Arc::new(AtomicUsize::new(0));
-            let waker = Arc::new(Notify::new());
-            let submitter = {
-                let (flag, queue, waker) = (flag.clone(), queue.clone(), waker.clone());
-                loom::thread::spawn(move || {
-                    queue.fetch_add(1, Ordering::Release);
-                    if flag.wanted() {
-                        waker.notify();
-                    }
-                })
-            };
-            // The shard: a pass found nothing; park.
-            while queue.load(Ordering::Acquire) == 0 {
-                flag.announce();
-                if queue.load(Ordering::Acquire) == 0 {
-                    waker.wait();
-                }
-                flag.clear();
-            }
-            submitter.join().unwrap();
-        });
     }
 }

@@ -181,7 +181,7 @@ pub(crate) fn apply_region_updates(
         match cmd {
             RegionCmd::Add(r) => table.insert(r.rkey, crate::region::Grant::whole(&r)),
             RegionCmd::Grant { rkey, grant } => table.insert(rkey, grant),
-            RegionCmd::Remove(k) => table.remove(k),
+            RegionCmd::Remove { rkey, after } => table.remove_after(rkey, after),
             RegionCmd::RevokeIpc(base) => table.ipc_revoked.push(base),
         }
     }

@@ -63,8 +63,9 @@ impl Window {
         op: OpKind,
         size: usize,
         any_order: bool,
-    ) -> Result<()> {
+    ) -> Result<usize> {
         let mut done_now = None;
+        let mut reaped = 0;
         let mut i = 0;
         while i < inflight.len() {
             let Some(r) = inflight[i].0.poll() else {
@@ -93,8 +94,9 @@ impl Window {
                 self.last = self.last.max(done);
                 self.count += 1;
             }
+            reaped += 1;
         }
-        Ok(())
+        Ok(reaped)
     }
 
     /// Another loop's count, over the same window.
@@ -168,6 +170,38 @@ pub(super) fn refill(
         b.submit()?;
     }
     Ok(*k - before)
+}
+
+/// How a thread feeding managed shards waits for its ops: it polls them
+/// all for `SPIN_ANY` after the last one ended, then sleeps on the oldest
+/// (its completer wakes it) for up to 1 ms at a time.
+#[derive(Default)]
+pub(super) struct IdleWait {
+    since: Option<Instant>,
+}
+
+impl IdleWait {
+    const SPIN_ANY: Duration = Duration::from_micros(100);
+
+    pub(super) fn wait_unless(
+        &mut self,
+        progress: bool,
+        inflight: &mut VecDeque<(Transfer, Instant)>,
+    ) {
+        if progress {
+            self.since = None;
+            return;
+        }
+        let since = *self.since.get_or_insert_with(Instant::now);
+        match inflight.front_mut() {
+            Some((t, _)) if since.elapsed() > Self::SPIN_ANY => {
+                let _ = t.wait_timeout(Duration::from_millis(1));
+                self.since = None;
+            }
+            Some(_) => std::hint::spin_loop(),
+            None => {}
+        }
+    }
 }
 
 /// One throughput measurement.
@@ -252,6 +286,7 @@ impl Bench<'_> {
         let mut k = 0usize;
         // Time inside the refills, and the ops they submitted.
         let (mut submit_time, mut submitted) = (Duration::ZERO, 0u64);
+        let mut idle = IdleWait::default();
         loop {
             let now = Instant::now();
             if now < end {
@@ -274,18 +309,17 @@ impl Bench<'_> {
             }
             // Like a managed shard: spin while busy, park when idle for a
             // while, so the kernel's own work (softirqs) gets a core.
-            // With managed shards this thread sleeps on the oldest op (after
-            // a short spin) instead of spinning beside them.
-            match (&mut self.shard, inflight.front_mut()) {
-                (Some(s), _) => {
-                    s.poll_or_park(Duration::from_millis(1));
-                }
-                (None, Some((t, _))) => {
-                    let _ = t.wait_timeout(Duration::from_millis(1));
-                }
-                (None, None) => {}
+            // With managed shards this thread polls every op in flight
+            // (ops on different shards end in any order: waiting on the
+            // oldest would let one slow op idle every other shard) and
+            // sleeps on the oldest only after a while without any ending.
+            if let Some(s) = &mut self.shard {
+                s.poll_or_park(Duration::from_millis(1));
             }
-            w.reap(&mut inflight, op, size, self.conns.len() > 1)?;
+            let reaped = w.reap(&mut inflight, op, size, self.conns.len() > 1)?;
+            if self.shard.is_none() {
+                idle.wait_unless(reaped > 0, &mut inflight);
+            }
         }
         let (gbps, ops_per_s) = w.rate(op, size, secs)?;
         Ok(Measured {

@@ -18,7 +18,7 @@
 //! `park` asks every source whether the shard may sleep.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{self, Receiver, TryRecvError};
+use std::sync::mpsc::{self, Receiver};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -84,7 +84,8 @@ pub(crate) struct ShardConfig {
 pub struct Shard {
     id: usize,
     cfg: ShardConfig,
-    rx: Receiver<Command>,
+    /// The right to take from `wake.cmds` (this shard is its one reader).
+    cmds: super::cmd_ring::Consumer,
     /// Commands that found no room on their connection, retried first on
     /// every pass; later commands for such a connection wait behind them,
     /// other connections' do not. One connection parks at most `sq_depth`,
@@ -173,20 +174,19 @@ impl Shard {
         for fd in local.wake_fds().into_iter().flatten() {
             tcp.watch_wake_fd(fd)?;
         }
+        let (ring, cmds) = super::cmd_ring::CmdRing::new(cfg.sq_depth);
         let wake = Arc::new(WakeState {
-            parked: Default::default(),
+            cmds: ring,
             waker,
             shutdown: AtomicBool::new(false),
         });
         if let Some(pool) = &cfg.codec {
             tcp.set_codec(pool.clone(), wake.clone());
         }
-        let (tx, rx) = mpsc::sync_channel(cfg.sq_depth);
         let (rtx, region_rx) = mpsc::channel();
         let handle = ShardHandle {
             id,
             capacity: cfg.sq_depth,
-            tx,
             regions: rtx,
             wake: wake.clone(),
         };
@@ -205,7 +205,7 @@ impl Shard {
             id,
             ledger: OpLedger::new(table, cfg.max_conn_inflight_ops),
             cfg,
-            rx,
+            cmds,
             parked,
             region_rx,
             regions: RegionTable::default(),
@@ -343,11 +343,11 @@ impl Shard {
     /// arrived in the meantime or a source cannot wake it.
     pub fn park(&mut self, max: Duration) {
         self.local.park_begin();
-        self.wake.parked.announce();
+        self.wake.cmds.announce_park(&self.cmds);
         // One more pass after announcing the park: a submitter (or a local
         // peer) that did not see `parked` queued its item before it, so
-        // this pass finds it.
-        let idle = self.poll() == 0;
+        // this pass finds it (or sees it still being written: pending).
+        let idle = self.poll() == 0 && !self.wake.cmds.pending(&self.cmds);
         let park = self.may_park();
         if idle && park != Park::No {
             let mut wait = max
@@ -358,7 +358,7 @@ impl Shard {
             }
             self.tcp.wait(wait);
         }
-        self.wake.parked.clear();
+        self.wake.cmds.clear_park(&self.cmds);
         self.local.park_end();
         self.local.poll_fd_listener();
         self.check_timeouts(Instant::now());
@@ -423,14 +423,17 @@ impl Shard {
         // together at most PARKED_PER_DEPTH times it, past which the queue
         // stays full: back-pressure reaches the submitters.
         while n < COMMANDS_PER_POLL && !self.parked.full() {
-            match self.rx.try_recv() {
-                Ok(cmd) => {
+            match self.wake.cmds.pop(&mut self.cmds) {
+                Some(mut cmd) => {
+                    cmd.adopt();
                     n += cmd.weight();
                     self.take(cmd);
                 }
-                Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => break,
+                None => break,
             }
         }
+        self.regions
+            .commands_taken(self.wake.cmds.taken(&self.cmds));
         n
     }
 
@@ -658,7 +661,9 @@ impl Drop for Shard {
             self.drop_at(at, "the shard shut down".to_owned());
         }
         let mut queued: Vec<Command> = self.parked.drain().collect();
-        while let Ok(c) = self.rx.try_recv() {
+        // Refused from now on (Error::Shutdown), so none is left behind.
+        for mut c in self.wake.cmds.close(&mut self.cmds) {
+            c.adopt();
             queued.push(c);
         }
         for c in queued {
