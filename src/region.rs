@@ -525,6 +525,39 @@ mod tests {
     }
 
     #[test]
+    fn a_removal_waits_for_the_commands_queued_before_it() {
+        let mut buf = vec![0u8; 100];
+        let (mut t, base, r) = table(&mut buf, Access::REMOTE_WRITE);
+        let w = Access::REMOTE_WRITE;
+        // A borrowed slice holds no count; adopting it takes one.
+        let mut s = RegionSlice::borrowed(&r, 10, 20).unwrap();
+        assert_eq!(Arc::strong_count(&r), 2, "the handle and the table");
+        s.adopt();
+        s.adopt();
+        assert_eq!(Arc::strong_count(&r), 3, "adopted once");
+        drop(s);
+        drop(RegionSlice::borrowed(&r, 0, 1).unwrap());
+        assert_eq!(Arc::strong_count(&r), 2, "a borrowed slice drops nothing");
+        assert!(RegionSlice::borrowed(&r, 90, 11).is_none());
+        // Sent when the shard's queue had accepted 5 commands; it took 3.
+        t.commands_taken(3);
+        t.remove_after(7, 5);
+        assert!(t.check(C, k(7, 0xfeed), base, 1, w).is_ok(), "still held");
+        t.commands_taken(4);
+        assert_eq!(Arc::strong_count(&r), 2);
+        t.commands_taken(5);
+        assert_eq!(Arc::strong_count(&r), 1, "the table let go");
+        assert_eq!(
+            t.check(C, k(7, 0xfeed), base, 1, w).unwrap_err(),
+            Status::UnknownKey
+        );
+        // One the shard already passed goes at once.
+        t.insert(7, Grant::whole(&r));
+        t.remove_after(7, 5);
+        assert_eq!(Arc::strong_count(&r), 1);
+    }
+
+    #[test]
     fn check_enforces_key_tag_bounds_access_and_overflow() {
         let mut buf = vec![0u8; 100];
         let (t, base, _) = table(&mut buf, Access::REMOTE_WRITE);
