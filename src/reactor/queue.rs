@@ -237,6 +237,10 @@ pub(crate) struct WakeState {
     /// The shard's commands; its tail word holds the shard's park bit
     /// (`cmd_ring.rs`).
     pub cmds: CmdRing<Command>,
+    /// Set after each registration change is sent (`ShardHandle::region`):
+    /// the shard looks at that channel only then (a `try_recv` on every
+    /// pass was ~3 % of an idle shard's samples, `perf` on 16 cores).
+    pub regions_dirty: AtomicBool,
     pub waker: mio::Waker,
     pub shutdown: AtomicBool,
 }
@@ -374,6 +378,11 @@ impl ShardHandle {
 
     pub fn region(&self, cmd: RegionCmd) -> Result<()> {
         self.regions.send(cmd).map_err(|_| Error::Shutdown)?;
+        // After the send (Release): a shard that takes the flag (Acquire)
+        // finds the command.
+        self.wake
+            .regions_dirty
+            .store(true, std::sync::atomic::Ordering::Release);
         self.wake.wake_if_parked();
         Ok(())
     }

@@ -177,6 +177,7 @@ impl Shard {
         let (ring, cmds) = super::cmd_ring::CmdRing::new(cfg.sq_depth);
         let wake = Arc::new(WakeState {
             cmds: ring,
+            regions_dirty: AtomicBool::new(false),
             waker,
             shutdown: AtomicBool::new(false),
         });
@@ -253,7 +254,12 @@ impl Shard {
     /// Runs one pass of the loop; returns how much work it found (0: idle).
     pub fn poll(&mut self) -> usize {
         self.pass_now = None;
-        let mut work = apply_region_updates(&mut self.regions, &self.region_rx);
+        let mut work = 0;
+        if self.wake.regions_dirty.load(Ordering::Relaxed)
+            && self.wake.regions_dirty.swap(false, Ordering::Acquire)
+        {
+            work += apply_region_updates(&mut self.regions, &self.region_rx);
+        }
         if !self.regions.ipc_revoked.is_empty() {
             self.send_ipc_revocations();
         }
