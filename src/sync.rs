@@ -45,3 +45,16 @@ impl<T> UnsafeCell<T> {
 pub(crate) fn model_yield() {
     loom::thread::yield_now();
 }
+
+/// A value alone on its cache lines (128 bytes: a line and the one the
+/// adjacent-line prefetcher pulls with it), for the atomics that one side
+/// writes and the other reads.
+#[repr(align(128))]
+pub(crate) struct Padded<T>(pub(crate) T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}

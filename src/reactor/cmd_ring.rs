@@ -21,15 +21,11 @@
 
 use std::mem::MaybeUninit;
 
-use crate::sync::{fence, AtomicU64, Ordering, UnsafeCell};
+use crate::sync::{fence, AtomicU64, Ordering, Padded, UnsafeCell};
 
 const PARKED: u64 = 1;
 const CLOSED: u64 = 2;
 const POS_SHIFT: u32 = 2;
-
-/// A value alone on its cache lines.
-#[repr(align(128))]
-struct Padded<T>(T);
 
 struct Slot<T> {
     /// `pos + 1` once the value for `pos` is written (a slot is reused
@@ -91,6 +87,11 @@ impl<T> CmdRing<T> {
         (ring, Consumer { _private: () })
     }
 
+    /// The most values it holds.
+    pub fn depth(&self) -> usize {
+        self.depth as usize
+    }
+
     fn slot(&self, pos: u64) -> &Slot<T> {
         &self.slots[(pos as usize) & (self.slots.len() - 1)]
     }
@@ -98,7 +99,7 @@ impl<T> CmdRing<T> {
     /// Queues `v`. `Ok(true)`: the consumer announced a park and must be
     /// woken. A full or closed ring hands `v` back.
     pub fn push(&self, v: T) -> Result<bool, (PushError, T)> {
-        let mut t = self.tail.0.load(Ordering::Relaxed);
+        let mut t = self.tail.load(Ordering::Relaxed);
         let pos = loop {
             if t & CLOSED != 0 {
                 return Err((PushError::Closed, v));
@@ -108,10 +109,10 @@ impl<T> CmdRing<T> {
             // passed happen before our write into one of them (through
             // whichever submitter refreshed `head_seen`; loom found the
             // race a Relaxed load leaves).
-            if pos.saturating_sub(self.head_seen.0.load(Ordering::Acquire)) >= self.depth {
+            if pos.saturating_sub(self.head_seen.load(Ordering::Acquire)) >= self.depth {
                 // Looks full: look at the consumer's own head.
-                let h = self.head.0.load(Ordering::Acquire);
-                self.head_seen.0.fetch_max(h, Ordering::AcqRel);
+                let h = self.head.load(Ordering::Acquire);
+                self.head_seen.fetch_max(h, Ordering::AcqRel);
                 // (A stale `t` may lie behind it: the CAS below fails then.)
                 if pos.saturating_sub(h) >= self.depth {
                     return Err((PushError::Full, v));
@@ -119,7 +120,7 @@ impl<T> CmdRing<T> {
             }
             // SeqCst: ordered against the consumer's park announcement
             // (also a read-modify-write of this word).
-            match self.tail.0.compare_exchange_weak(
+            match self.tail.compare_exchange_weak(
                 t,
                 t + (1 << POS_SHIFT),
                 Ordering::SeqCst,
@@ -141,7 +142,7 @@ impl<T> CmdRing<T> {
 
     /// The next value, if its submitter finished writing it.
     pub fn pop(&self, _c: &mut Consumer) -> Option<T> {
-        let h = self.head.0.load(Ordering::Relaxed);
+        let h = self.head.load(Ordering::Relaxed);
         let s = self.slot(h);
         if s.seq.load(Ordering::Acquire) != h + 1 {
             return None;
@@ -149,7 +150,7 @@ impl<T> CmdRing<T> {
         // SAFETY: `seq` (Acquire) says the value for `h` is written; we
         // are the one consumer, and we take it once (head moves on).
         let v = s.val.with(|p| unsafe { (*p).assume_init_read() });
-        self.head.0.store(h + 1, Ordering::Release);
+        self.head.store(h + 1, Ordering::Release);
         Some(v)
     }
 
@@ -157,45 +158,45 @@ impl<T> CmdRing<T> {
     /// may still be being written: the consumer must look again, not
     /// sleep).
     pub fn pending(&self, _c: &Consumer) -> bool {
-        self.tail.0.load(Ordering::SeqCst) >> POS_SHIFT != self.head.0.load(Ordering::Relaxed)
+        self.tail.load(Ordering::SeqCst) >> POS_SHIFT != self.head.load(Ordering::Relaxed)
     }
 
     /// How many values were ever accepted (the next one's position):
     /// `taken` reaches it once the consumer took all of them.
     pub fn accepted(&self) -> u64 {
-        self.tail.0.load(Ordering::SeqCst) >> POS_SHIFT
+        self.tail.load(Ordering::SeqCst) >> POS_SHIFT
     }
 
     /// How many values the consumer took.
     pub fn taken(&self, _c: &Consumer) -> u64 {
-        self.head.0.load(Ordering::Relaxed)
+        self.head.load(Ordering::Relaxed)
     }
 
     /// The consumer is about to sleep; it looks at its queues (this one
     /// with `pending`) after this.
     pub fn announce_park(&self, _c: &Consumer) {
-        self.tail.0.fetch_or(PARKED, Ordering::SeqCst);
+        self.tail.fetch_or(PARKED, Ordering::SeqCst);
     }
 
     /// The consumer is awake.
     pub fn clear_park(&self, _c: &Consumer) {
-        self.tail.0.fetch_and(!PARKED, Ordering::SeqCst);
+        self.tail.fetch_and(!PARKED, Ordering::SeqCst);
     }
 
     /// For other wakers (their own queue written first): must the
     /// consumer be woken?
     pub fn park_wanted(&self) -> bool {
         fence(Ordering::SeqCst);
-        self.tail.0.load(Ordering::SeqCst) & PARKED != 0
+        self.tail.load(Ordering::SeqCst) & PARKED != 0
     }
 
     /// Refuses further pushes; returns every value accepted before,
     /// waiting for submitters still writing theirs.
     pub fn close(&self, c: &mut Consumer) -> Vec<T> {
-        let t = self.tail.0.fetch_or(CLOSED, Ordering::SeqCst);
+        let t = self.tail.fetch_or(CLOSED, Ordering::SeqCst);
         let end = t >> POS_SHIFT;
         let mut out = Vec::new();
-        while self.head.0.load(Ordering::Relaxed) != end {
+        while self.head.load(Ordering::Relaxed) != end {
             match self.pop(c) {
                 Some(v) => out.push(v),
                 // A submitter between its reservation and its store.
@@ -214,8 +215,8 @@ impl<T> CmdRing<T> {
 impl<T> Drop for CmdRing<T> {
     fn drop(&mut self) {
         // Values written and not taken (the consumer never closed).
-        let end = self.tail.0.load(Ordering::Relaxed) >> POS_SHIFT;
-        let mut h = self.head.0.load(Ordering::Relaxed);
+        let end = self.tail.load(Ordering::Relaxed) >> POS_SHIFT;
+        let mut h = self.head.load(Ordering::Relaxed);
         while h != end {
             let s = self.slot(h);
             if s.seq.load(Ordering::Acquire) == h + 1 {

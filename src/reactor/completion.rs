@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::sync::{AtomicBool, AtomicU32, AtomicUsize, Ordering, UnsafeCell};
+use crate::sync::{AtomicBool, AtomicU32, AtomicUsize, Ordering, Padded, UnsafeCell};
 
 const FREE: u32 = 0;
 const PENDING: u32 = 1;
@@ -74,17 +74,6 @@ pub(crate) struct CompletionTable {
     /// from `slots` (read by every completing shard) and from the `Arc`'s
     /// counts (changed by every `Transfer`).
     hint: Padded<AtomicUsize>,
-}
-
-/// A value alone on its cache lines.
-#[repr(align(128))]
-struct Padded<T>(T);
-
-impl<T> std::ops::Deref for Padded<T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        &self.0
-    }
 }
 
 // SAFETY: `result` is accessed under the state protocol above, which hands

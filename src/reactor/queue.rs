@@ -3,9 +3,9 @@
 use std::net::TcpStream;
 use std::sync::atomic::AtomicBool;
 use std::sync::mpsc::{Sender, SyncSender};
+use std::sync::Arc;
 
 use super::cmd_ring::{CmdRing, PushError};
-use std::sync::Arc;
 
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::region::{Region, RegionSlice};
@@ -332,7 +332,6 @@ impl CopySlice {
 #[derive(Clone)]
 pub(crate) struct ShardHandle {
     pub id: usize,
-    pub capacity: usize,
     pub regions: Sender<RegionCmd>,
     pub wake: Arc<WakeState>,
 }
@@ -353,7 +352,7 @@ impl ShardHandle {
             Err((PushError::Full, c)) => Err((
                 Error::QueueFull {
                     shard: self.id,
-                    capacity: self.capacity,
+                    capacity: self.wake.cmds.depth(),
                 },
                 c,
             )),

@@ -187,7 +187,6 @@ impl Shard {
         let (rtx, region_rx) = mpsc::channel();
         let handle = ShardHandle {
             id,
-            capacity: cfg.sq_depth,
             regions: rtx,
             wake: wake.clone(),
         };
