@@ -1,13 +1,18 @@
 //! A bounded multi-producer single-consumer ring of fixed-size slots, laid
 //! out so it can live in memory shared between processes.
 //!
-//! The algorithm is Vyukov's bounded queue: each slot carries a sequence
-//! number; a producer claims position `p` by a CAS on `enqueue`, fills the
-//! slot and publishes it by storing `seq = p + 1` (Release); the consumer
-//! takes it when `seq == p + 1` (Acquire) and frees it by storing
-//! `seq = p + capacity`. A full ring hands the message back: back-pressure.
-//! `enqueue` and `dequeue` sit on separate cache lines, away from the
-//! header, so producers and the consumer do not false-share.
+//! A producer claims position `p` by a CAS on `enqueue`, fills the slot and
+//! publishes it by storing the slot's `seq = p + 1` (Release); the consumer
+//! takes it when `seq == p + 1` (Acquire) and frees it by advancing
+//! `dequeue` past it (Release). A producer finds room by comparing `p` with
+//! the `dequeue` it saw last, and reads `dequeue` again only when that says
+//! full: a push touches no line the consumer wrote since the last lap. (In
+//! Vyukov's queue, which this was, the consumer frees a slot by writing its
+//! `seq` and a producer reads that first: a cache miss on the line before
+//! every message, on the round trip's critical path, twice per round trip;
+//! BENCHMARKS.md has the A/B.) A full ring hands the message back:
+//! back-pressure. `enqueue` and `dequeue` sit on separate cache lines, away
+//! from the header, so producers and the consumer do not false-share.
 //!
 //! `Ring` works over any suitably aligned memory; `ShmRing` (in `object.rs`)
 //! puts one in a POSIX shared-memory object. The unit tests run the same
@@ -25,10 +30,12 @@ pub const SLOT_PAYLOAD: usize = SLOT_BYTES - 16;
 // The message codec (in `wire`) is sized for exactly this payload.
 const _: () = assert!(SLOT_PAYLOAD == crate::wire::SHM_SLOT_PAYLOAD);
 const LINE: usize = 128;
-/// 3: the header names the consumer's doorbell (`bell_*`); 2: slot
+/// 4: the consumer frees slots by `dequeue` alone (a producer of version 3
+/// would wait for a `seq` it no longer writes); 3: the header names the
+/// consumer's doorbell (`bell_*`); 2: slot
 /// sequence numbers are stored less the slot index (zero memory is an empty
 /// ring); 1 stored them as they are.
-const RING_VERSION: u32 = 3;
+const RING_VERSION: u32 = 4;
 
 /// `Header::bell`: the consumer does not poll the ring now; a producer
 /// rings the doorbell after each push.
@@ -108,6 +115,10 @@ pub struct Ring {
     /// `capacity` slots.
     slots: *mut Slot,
     capacity: u64,
+    /// This process's last look at `dequeue`: positions below it are free.
+    /// Never ahead of the real one (only loaded values are stored), so
+    /// stale means "fuller than it is" and costs a fresh look, no more.
+    head_seen: AtomicU64,
 }
 
 // SAFETY: every access to the shared memory goes through atomics or through
@@ -125,10 +136,9 @@ impl Ring {
     /// # Safety
     /// `base` must be 128-byte aligned, valid for `ring_bytes(capacity)`
     /// bytes, zeroed (fresh shared memory is), and not in use by anyone else
-    /// yet. `capacity` is a power of two, at least 2: with one slot, "full
-    /// with the message at `p`" and "free for `p + 1`" are the same
-    /// sequence number (the loom model found a second producer then
-    /// overwrites the first's message).
+    /// yet. `capacity` is a power of two, at least 2 (Vyukov's scheme, which
+    /// this was, could not tell "full" from "free" in one slot; the loom
+    /// model caught a second producer overwriting the first's message).
     pub unsafe fn init(
         base: *mut u8,
         capacity: usize,
@@ -156,6 +166,7 @@ impl Ring {
             // SAFETY: the slots follow the three lines, inside the range.
             slots: unsafe { base.add(std::mem::size_of::<Top>()) } as *mut Slot,
             capacity,
+            head_seen: AtomicU64::new(0),
         }
     }
 
@@ -312,22 +323,33 @@ impl Ring {
         let enq = self.enqueue();
         let mut pos = enq.load(Ordering::Relaxed);
         loop {
-            let seq = self.load_seq(pos, Ordering::Acquire);
-            let dif = seq.wrapping_sub(pos) as i64;
-            if dif == 0 {
-                match enq.compare_exchange_weak(pos, pos + 1, Ordering::Relaxed, Ordering::Relaxed)
-                {
-                    Ok(_) => break,
-                    Err(cur) => pos = cur,
+            // Acquire (here and below): the consumer's copy out of the slot
+            // we are about to fill happened before it advanced `dequeue`,
+            // also when another thread of ours made that look.
+            if pos.wrapping_sub(self.head_seen.load(Ordering::Acquire)) >= self.capacity {
+                let head = self.dequeue().load(Ordering::Acquire);
+                self.head_seen.store(head, Ordering::Release);
+                // (A `dequeue` past `pos`, which only a hostile consumer
+                // writes, wraps to full: its ring, its loss.)
+                if pos.wrapping_sub(head) >= self.capacity {
+                    let cur = enq.load(Ordering::Relaxed);
+                    if cur == pos {
+                        return Err(RingError::Full);
+                    }
+                    // Another producer moved on meanwhile: look again.
+                    pos = cur;
+                    continue;
                 }
-            } else if dif < 0 {
-                return Err(RingError::Full);
-            } else {
-                pos = enq.load(Ordering::Relaxed);
+            }
+            match enq.compare_exchange_weak(pos, pos + 1, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => break,
+                Err(cur) => pos = cur,
             }
         }
-        // SAFETY: winning the CAS for `pos` gives this producer the slot
-        // until it publishes seq = pos + 1; msg fits the payload.
+        // SAFETY: winning the CAS for `pos`, with `dequeue` past
+        // `pos - capacity` (the last lap's message in this slot was taken),
+        // gives this producer the slot until it publishes seq = pos + 1;
+        // msg fits the payload.
         unsafe {
             self.slot_data(pos)
                 .with_mut(|d| std::ptr::copy_nonoverlapping(msg.as_ptr(), d as *mut u8, msg.len()))
@@ -348,13 +370,13 @@ impl Ring {
         // A hostile producer can write any length; never read past the slot.
         let len = (self.len_of(pos).load(Ordering::Relaxed) as usize).min(SLOT_PAYLOAD);
         // SAFETY: seq == pos + 1 (Acquire) means the producer finished
-        // writing; the slot is ours until we store the next seq.
+        // writing; the slot is ours until `dequeue` passes it.
         unsafe {
             self.slot_data(pos)
                 .with(|d| std::ptr::copy_nonoverlapping(d as *const u8, out.as_mut_ptr(), len))
         };
-        self.store_seq(pos, pos + self.capacity, Ordering::Release);
-        deq.store(pos + 1, Ordering::Relaxed);
+        // Release: the copy above happens before a producer refills it.
+        deq.store(pos + 1, Ordering::Release);
         Some(len)
     }
 
@@ -417,6 +439,33 @@ mod tests {
             r.push(&[0; SLOT_PAYLOAD + 1]),
             Err(RingError::TooLong { .. })
         ));
+    }
+
+    /// The producer finds room by `dequeue`, which the consumer's process
+    /// can scribble on: past `enqueue` reads as full (no slot of an unread
+    /// message is overwritten, nothing is written out of bounds); a
+    /// consumer that takes messages makes room again after a full look.
+    #[test]
+    fn room_comes_from_dequeue_and_a_scribbled_one_is_full() {
+        let (_h, r) = heap_ring(4);
+        let mut out = [0u8; SLOT_PAYLOAD];
+        for i in 0..4u8 {
+            r.push(&[i]).unwrap();
+        }
+        assert_eq!(r.push(&[9]), Err(RingError::Full));
+        assert_eq!(r.pop(&mut out), Some(1));
+        assert_eq!(out[0], 0);
+        // The cached head said full; the fresh look finds one slot.
+        r.push(&[4]).unwrap();
+        assert_eq!(r.push(&[9]), Err(RingError::Full));
+        r.dequeue().store(u64::MAX / 2, Ordering::Relaxed);
+        assert_eq!(r.push(&[9]), Err(RingError::Full));
+        r.dequeue().store(1, Ordering::Relaxed);
+        for want in 1..=4u8 {
+            assert_eq!(r.pop(&mut out), Some(1));
+            assert_eq!(out[0], want);
+        }
+        assert!(r.pop(&mut out).is_none());
     }
 
     #[test]
@@ -536,6 +585,7 @@ pub(crate) mod model {
                 top: &*top,
                 slots: slots.as_mut_ptr(),
                 capacity: capacity as u64,
+                head_seen: AtomicU64::new(0),
             };
             ring.lay_out(1, 0, 2);
             ModelRing {
