@@ -338,6 +338,19 @@ pub(crate) trait Regions {
         addr: u64,
         len: u64,
         need: Access,
+    ) -> Result<RegionSlice, Status> {
+        self.check_as(key, addr, len, need, false)
+    }
+
+    /// As `check`; `borrowed` as for `RegionTable::check_window_as` (the
+    /// slice is valid until the table next changes, unless adopted).
+    fn check_as(
+        &mut self,
+        key: KeyRef,
+        addr: u64,
+        len: u64,
+        need: Access,
+        borrowed: bool,
     ) -> Result<RegionSlice, Status>;
 }
 
@@ -462,17 +475,29 @@ impl RegionTable {
         Ok((&g.region, (addr - g.region.addr()) as usize))
     }
 
-    /// As `check`, handing back the window the request may touch.
-    pub fn check_window(
+    /// As `check`, handing back the window the request may touch;
+    /// `borrowed`: the slice holds no count of the region
+    /// (`RegionSlice::borrowed`): it is valid while this table holds the
+    /// region, so until the table next changes, unless `adopt`ed. A
+    /// same-host request copied while it is served needs no more, and with
+    /// several shards serving one region the count's line went back and
+    /// forth between them twice per request.
+    pub fn check_window_as(
         &self,
         conn: ConnId,
         key: KeyRef,
         addr: u64,
         len: u64,
         need: Access,
+        borrowed: bool,
     ) -> Result<RegionSlice, Status> {
         let (r, off) = self.check(conn, key, addr, len, need)?;
-        Ok(RegionSlice::new(r, off, len as usize).expect("check proved the window"))
+        let w = if borrowed {
+            RegionSlice::borrowed(r, off, len as usize)
+        } else {
+            RegionSlice::new(r, off, len as usize)
+        };
+        Ok(w.expect("check proved the window"))
     }
 }
 

@@ -153,18 +153,23 @@ pub(crate) struct LiveRegions<'a> {
 }
 
 impl Regions for LiveRegions<'_> {
-    fn check(
+    fn check_as(
         &mut self,
         key: KeyRef,
         addr: u64,
         len: u64,
         need: Access,
+        borrowed: bool,
     ) -> std::result::Result<RegionSlice, Status> {
         let conn = self.conn;
-        match self.table.check_window(conn, key, addr, len, need) {
+        match self
+            .table
+            .check_window_as(conn, key, addr, len, need, borrowed)
+        {
             Err(Status::UnknownKey) => {
                 apply_region_updates(self.table, self.updates);
-                self.table.check_window(conn, key, addr, len, need)
+                self.table
+                    .check_window_as(conn, key, addr, len, need, borrowed)
             }
             other => other,
         }

@@ -597,21 +597,20 @@ impl LocalConn {
             Access::REMOTE_READ
         };
         let mut reply = self.answer(write, m.op_id);
-        // Holds the region (and so the bytes an inline reply copies)
+        // Borrowed (no count of the region): the table holds it while this
+        // request is served, and nothing here changes the table; what
+        // keeps the slice longer (a put-off or handed-over copy) adopts
+        // it. `held` keeps it (and so the bytes an inline reply copies)
         // until the reply is encoded.
         let mut held: Option<RegionSlice> = None;
         let mut out_inline: &[u8] = &[];
-        let status = match regions.check(
-            KeyRef {
-                rkey: m.rkey,
-                tag: m.aux,
-            },
-            m.addr,
-            m.len,
-            need,
-        ) {
+        let key = KeyRef {
+            rkey: m.rkey,
+            tag: m.aux,
+        };
+        let status = match regions.check_as(key, m.addr, m.len, need, true) {
             Err(st) => st,
-            Ok(w) => {
+            Ok(mut w) => {
                 let path = copy_path::choose(&copy_path::Request {
                     write,
                     gpu: m.status != 0 || w.is_device(),
@@ -628,6 +627,7 @@ impl LocalConn {
                 } else {
                     // Copied with CMA with the rest of this run of such
                     // requests (`flush_cma` copies and answers).
+                    w.adopt();
                     self.cma_batch.push(DeferredCma {
                         op_id: m.op_id,
                         write,
@@ -637,15 +637,19 @@ impl LocalConn {
                     return Ok(());
                 }
                 let copied = match path {
-                    CopyPath::Cuda => match self.cuda_copy(&m, inline, w, write, maps, sink) {
-                        // The shard copies and answers.
-                        Ok(()) => return Ok(()),
-                        Err(status) => {
-                            reply.status = status as u8;
-                            self.reply(&reply, &[]);
-                            return Ok(());
+                    CopyPath::Cuda => {
+                        // The copy outlives this call.
+                        w.adopt();
+                        match self.cuda_copy(&m, inline, w, write, maps, sink) {
+                            // The shard copies and answers.
+                            Ok(()) => return Ok(()),
+                            Err(status) => {
+                                reply.status = status as u8;
+                                self.reply(&reply, &[]);
+                                return Ok(());
+                            }
                         }
-                    },
+                    }
                     CopyPath::FromRequest => {
                         // SAFETY: both ranges are `len` long and distinct.
                         unsafe { std::ptr::copy_nonoverlapping(inline.as_ptr(), w.ptr(), w.len()) };
@@ -899,6 +903,8 @@ mod tests {
         batches: Option<Vec<usize>>,
         /// An address whose copy fails.
         bad_addr: Option<u64>,
+        /// The count of each batched copy's region as it was copied.
+        counts: Vec<usize>,
     }
 
     impl PeerMemory for SameProcess {
@@ -913,6 +919,7 @@ mod tests {
                 return Err(io::Error::from_raw_os_error(libc::EFAULT));
             }
             for (ours, addr) in &pairs {
+                self.counts.push(Arc::strong_count(ours.region()));
                 self.copy(pid, ours, *addr, from_peer)?;
             }
             self.batches.as_mut().expect("checked").push(pairs.len());
@@ -1098,6 +1105,28 @@ mod tests {
         // The first pass: one batch of 4; the second: the 4 WRITEs before
         // the inline READ, then the 2 READs.
         assert_eq!(mem.batches.as_deref(), Some(&[4, 4, 2][..]));
+    }
+
+    /// A request is checked with a borrowed slice (no count: the table
+    /// holds the region while it is served); one whose copy is put off to
+    /// the pass's batch takes its own count, since the table may change
+    /// before the batch is copied (a later request's lookup applies queued
+    /// registration changes, removals too).
+    #[test]
+    fn a_put_off_copy_holds_its_region() {
+        let (mut a, mut b) = pair("held");
+        let mut mem = SameProcess {
+            batches: Some(Vec::new()),
+            ..Default::default()
+        };
+        let ops = [(OpKind::Write, 0, 4096), (OpKind::Read, 4096, 4096)];
+        for r in ops_in_one_pass(&mut a, &mut b, &mut mem, &ops) {
+            r.unwrap();
+        }
+        // b's table and b's handle, and one count for each of the two
+        // put-off copies (both in the batch at once).
+        assert_eq!(mem.counts, [4, 4]);
+        assert_eq!(Arc::strong_count(&b.mem), 2, "and let go after");
     }
 
     #[test]

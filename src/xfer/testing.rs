@@ -51,14 +51,16 @@ pub(crate) struct View<'a> {
 }
 
 impl Regions for View<'_> {
-    fn check(
+    fn check_as(
         &mut self,
         key: KeyRef,
         addr: u64,
         len: u64,
         need: Access,
+        borrowed: bool,
     ) -> std::result::Result<RegionSlice, Status> {
-        self.table.check_window(self.conn, key, addr, len, need)
+        self.table
+            .check_window_as(self.conn, key, addr, len, need, borrowed)
     }
 }
 
