@@ -47,8 +47,14 @@ const LOCAL_PARK: Duration = Duration::from_millis(1);
 /// Without a doorbell, a parked shard that owns the accept ring wakes this
 /// often.
 const ACCEPT_RING_PARK: Duration = Duration::from_millis(10);
-/// Polls between looks at the fd-passing socket.
+/// Polls between looks at the clock for the fd-passing socket ...
 const FD_CHECK_EVERY: u32 = 4096;
+/// ... which a spinning shard looks at (an `accept4`) this often. (A
+/// parked one is woken by it: it is in the epoll set.) Every 4096 passes
+/// was every ~0.1 ms on 16 cores: a syscall that often lands on a round
+/// trip now and then, in both processes of a same-host pair; a sender waits
+/// for this look only once, when it first connects.
+const FD_CHECK_INTERVAL: Duration = Duration::from_millis(2);
 /// Passes between polls of a quiet connection (one, in turn). A look at a
 /// quiet ring costs a TLB and cache miss or two (~0.3 µs): at this rate
 /// they cost a pass ~0.1 µs on average however many there are.
@@ -107,6 +113,8 @@ pub(crate) struct LocalSide {
     pub peer_maps: PeerMaps,
     maps_gen: u64,
     polls: u32,
+    /// When the spinning shard last looked at the fd-passing socket.
+    fd_checked: Option<Instant>,
     shard: usize,
     /// Connections polled every pass.
     hot: Vec<usize>,
@@ -139,6 +147,7 @@ impl LocalSide {
             peer_maps: PeerMaps::default(),
             maps_gen: 0,
             polls: 0,
+            fd_checked: None,
             shard,
             hot: Vec::new(),
             cursor: 0,
@@ -271,6 +280,23 @@ impl LocalSide {
         }
     }
 
+    /// Whether `FD_CHECK_INTERVAL` passed since the last look (which this
+    /// call then counts as made).
+    fn fd_check_due(&mut self, clock: &mut crate::sys::LazyClock) -> bool {
+        if self.setup.is_none() {
+            return false;
+        }
+        let now = clock.now();
+        if self
+            .fd_checked
+            .is_some_and(|t| now.saturating_duration_since(t) < FD_CHECK_INTERVAL)
+        {
+            return false;
+        }
+        self.fd_checked = Some(now);
+        true
+    }
+
     /// Refreshes this shard's copy of the peers' maps if they changed.
     fn refresh_maps(&mut self) {
         if self.shares.generation() != self.maps_gen {
@@ -322,10 +348,10 @@ impl Source for LocalSide {
         self.polls = self.polls.wrapping_add(1);
         self.refresh_maps();
         let senders_waiting = self.setup.as_ref().is_some_and(|ls| ls.fd_listener.busy());
-        if senders_waiting || self.polls % FD_CHECK_EVERY == 0 {
+        let mut clock = crate::sys::LazyClock::default();
+        if senders_waiting || (self.polls % FD_CHECK_EVERY == 0 && self.fd_check_due(&mut clock)) {
             work += self.poll_fd_listener();
         }
-        let mut clock = crate::sys::LazyClock::default();
         // The hot ones, every pass; those quiet for long enough cool off.
         self.visited = self.hot.len();
         let mut i = 0;
