@@ -229,6 +229,17 @@ impl LocalSide {
         n
     }
 
+    /// Gives the traffic the hot connections saw since the last call the
+    /// time `now` (the timeout checks call it, every few passes): their
+    /// `last_active` is then late by at most that long.
+    pub fn settle_activity(&mut self, now: Instant) {
+        for &i in &self.hot {
+            if let Some(lc) = self.conns.get_mut(i) {
+                lc.last_active(now);
+            }
+        }
+    }
+
     /// Whether a request of ours waits for its reply on a same-host ring.
     pub fn awaiting_replies(&self) -> bool {
         self.hot
@@ -364,7 +375,7 @@ impl Source for LocalSide {
                 self.hot.swap_remove(i);
                 continue;
             };
-            let w = poll_one(idx, lc, &self.peer_maps, cx, &mut clock);
+            let w = poll_one(idx, lc, &self.peer_maps, cx);
             work += w;
             if w > 0 || lc.busy() {
                 lc.quiet_passes = 0;
@@ -372,15 +383,15 @@ impl Source for LocalSide {
                 lc.quiet_passes = lc.quiet_passes.saturating_add(1);
                 // With a doorbell, only a ring that has a bit on it cools.
                 let can_cool = self.bell.is_none() || lc.bell_bit.is_some();
-                if can_cool
-                    && lc.quiet_passes > COOL_AFTER_PASSES
-                    && clock.now().saturating_duration_since(lc.last_active) > COOL_AFTER
-                {
+                if can_cool && lc.quiet_passes > COOL_AFTER_PASSES && {
+                    let now = clock.now();
+                    now.saturating_duration_since(lc.last_active(now)) > COOL_AFTER
+                } {
                     // Marked cold first, then looked at once more: a
                     // message pushed before the peer saw the mark is
                     // found here, any later one rings.
                     lc.set_cold(true);
-                    let w = poll_one(idx, lc, &self.peer_maps, cx, &mut clock);
+                    let w = poll_one(idx, lc, &self.peer_maps, cx);
                     if w == 0 {
                         // Leaves the list `ring_due` walks: ring now.
                         lc.ring_if_due();
@@ -411,7 +422,7 @@ impl Source for LocalSide {
                 let Some(lc) = self.conns.get_mut(idx).filter(|lc| !lc.hot) else {
                     continue;
                 };
-                let w = poll_one(idx, lc, &self.peer_maps, cx, &mut clock);
+                let w = poll_one(idx, lc, &self.peer_maps, cx);
                 self.visited += 1;
                 if w > 0 {
                     work += w;
@@ -464,13 +475,7 @@ impl Source for LocalSide {
 
 /// Polls one connection's ring; returns the work it found (a failure goes
 /// to `cx.to_fail`).
-fn poll_one(
-    idx: usize,
-    lc: &mut LocalConn,
-    peer_maps: &PeerMaps,
-    cx: &mut Cx<'_>,
-    clock: &mut crate::sys::LazyClock,
-) -> usize {
+fn poll_one(idx: usize, lc: &mut LocalConn, peer_maps: &PeerMaps, cx: &mut Cx<'_>) -> usize {
     let mut regions = LiveRegions {
         table: cx.regions,
         updates: cx.updates,
@@ -488,7 +493,7 @@ fn poll_one(
     match lc.poll(&mut regions, peer_maps, &mut Cma, &mut sink) {
         Ok(w) => {
             if w > 0 {
-                lc.last_active = clock.now();
+                lc.touch();
             }
             w
         }
@@ -554,13 +559,13 @@ impl Transport for LocalSide {
     }
 
     fn check(
-        &self,
+        &mut self,
         idx: usize,
         now: Instant,
         limit: Duration,
         seen: &mut Option<(u32, bool)>,
     ) -> ConnCheck {
-        let lc = &self.conns[idx];
+        let lc = &mut self.conns[idx];
         let alive = match *seen {
             Some((pid, alive)) if pid == lc.peer_pid => alive,
             _ => {
@@ -583,7 +588,7 @@ impl Transport for LocalSide {
         ConnCheck {
             why,
             busy: lc.has_pending(),
-            last_active: lc.last_active,
+            last_active: lc.last_active(now),
             oldest,
         }
     }

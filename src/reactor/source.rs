@@ -131,7 +131,7 @@ pub(crate) trait Transport: Source {
     /// timeout). `seen`: the last peer process looked up, and whether it
     /// was alive (many connections often share one peer).
     fn check(
-        &self,
+        &mut self,
         idx: usize,
         now: Instant,
         limit: Duration,

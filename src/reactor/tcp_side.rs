@@ -761,7 +761,7 @@ impl Transport for TcpSide {
     }
 
     fn check(
-        &self,
+        &mut self,
         idx: usize,
         now: Instant,
         limit: Duration,

@@ -46,6 +46,7 @@ impl Shard {
     /// timer came due, re-armed at its next deadline. No connection is
     /// looked at before its time.
     pub(super) fn check_timeouts(&mut self, now: Instant) {
+        self.local.settle_activity(now);
         self.tcp.broken_links(&mut self.to_fail);
         let limit = self.cfg.op_timeout;
         // A connection whose commands found no room for a whole op timeout
