@@ -31,7 +31,9 @@ pub const SLOT_PAYLOAD: usize = SLOT_BYTES - 16;
 const _: () = assert!(SLOT_PAYLOAD == crate::wire::SHM_SLOT_PAYLOAD);
 const LINE: usize = 128;
 /// 4: the consumer frees slots by `dequeue` alone (a producer of version 3
-/// would wait for a `seq` it no longer writes); 3: the header names the
+/// would wait for a `seq` it no longer writes), and a slot's `seq` is
+/// stored as it is (nobody reads it before a message is published, so
+/// zero memory is empty without the offset); 3: the header names the
 /// consumer's doorbell (`bell_*`); 2: slot
 /// sequence numbers are stored less the slot index (zero memory is an empty
 /// ring); 1 stored them as they are.
@@ -147,7 +149,7 @@ unsafe impl Sync for Ring {}
 
 impl Ring {
     /// Lays out a fresh ring in `base`. Only the header is written: the
-    /// slots' zero bytes already mean "empty" (see `load_seq`), so a ring's
+    /// slots' zero bytes already mean "empty" (see `seq`), so a ring's
     /// pages become resident only as messages reach them and an idle
     /// connection's rings cost a page each.
     ///
@@ -262,23 +264,12 @@ impl Ring {
         unsafe { self.slots.add(i) }
     }
 
+    /// The slot's sequence number: `p + 1` for the message at position `p`
+    /// last published in it. Never 0 then, so all-zero memory is a ring
+    /// whose every slot is empty.
     fn seq(&self, pos: u64) -> &AtomicU64 {
         // SAFETY: a reference to the atomic field alone, inside the mapping.
         unsafe { &*std::ptr::addr_of!((*self.slot_ptr(pos)).seq) }
-    }
-
-    /// The slot's sequence number in the classic scheme (slot i starts at
-    /// i). It is stored less the slot's index, so that all-zero memory is a
-    /// ring whose every slot is empty for the first lap.
-    fn load_seq(&self, pos: u64, order: Ordering) -> u64 {
-        self.seq(pos)
-            .load(order)
-            .wrapping_add(pos & (self.capacity - 1))
-    }
-
-    fn store_seq(&self, pos: u64, seq: u64, order: Ordering) {
-        self.seq(pos)
-            .store(seq.wrapping_sub(pos & (self.capacity - 1)), order)
     }
 
     fn len_of(&self, pos: u64) -> &AtomicU32 {
@@ -373,7 +364,7 @@ impl Ring {
                 .with_mut(|d| std::ptr::copy_nonoverlapping(msg.as_ptr(), d as *mut u8, msg.len()))
         };
         self.len_of(pos).store(msg.len() as u32, Ordering::Relaxed);
-        self.store_seq(pos, pos + 1, Ordering::Release);
+        self.seq(pos).store(pos + 1, Ordering::Release);
         Ok(())
     }
 
@@ -383,7 +374,7 @@ impl Ring {
         let deq = self.dequeue();
         let pos = deq.load(Ordering::Relaxed);
         prefetch_second_line(self.slot_ptr(pos));
-        if self.load_seq(pos, Ordering::Acquire) != pos + 1 {
+        if self.seq(pos).load(Ordering::Acquire) != pos + 1 {
             return None;
         }
         // A hostile producer can write any length; never read past the slot.
