@@ -167,3 +167,37 @@ fn a_gone_connection_fails_its_messages() {
     let e = a.send_async(ca, &src, 0, 8).unwrap_err();
     assert!(matches!(e, Error::UnknownConn { .. }), "{e}");
 }
+
+/// Connections that come, exchange a message and go leave no two-sided
+/// state behind on either side: a peer that churns connections does not
+/// grow our memory (the entries of those that died idle are swept once
+/// the map has doubled).
+#[test]
+fn connections_that_end_idle_leave_no_message_state() {
+    let path = Path::TcpEpoll;
+    path.require();
+    let a = path_client(path);
+    let b = path_client(path);
+    b.start_passive_accept().unwrap();
+    let src = a.alloc(64).unwrap();
+    let dst = b.alloc(64).unwrap();
+    const N: usize = 200;
+    for i in 0..N {
+        let ca = a.add_remote(&b.metadata_bytes()).unwrap();
+        let (cb, _) = b.accept(WAIT).unwrap();
+        let r = b.recv_async(cb, &dst, 0, 64).unwrap();
+        let s = a.send_async(ca, &src, 0, 8).unwrap();
+        assert_eq!(done(&a, s).unwrap(), 8, "send {i}");
+        assert_eq!(done(&b, r).unwrap(), 8, "recv {i}");
+        a.remove_remote(ca).unwrap();
+        // b learns of the end from its socket.
+        let t0 = std::time::Instant::now();
+        while b.peer(cb).is_some() {
+            assert!(t0.elapsed() < WAIT, "b never saw connection {i} end");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    // Without the sweep each side keeps all N entries.
+    assert!(a.message_conns() <= 64, "a keeps {}", a.message_conns());
+    assert!(b.message_conns() <= 64, "b keeps {}", b.message_conns());
+}

@@ -37,6 +37,9 @@ pub(super) const MAX_UNMATCHED: usize = 1024;
 /// past this a refusal owed to a peer that offers past its bound while
 /// not reading is not said (it is logged): no peer grows our memory.
 const MAX_OUTBOX: usize = 4 * MAX_UNMATCHED;
+/// Connections' entries kept before the first sweep of those that died
+/// idle (see `sweep_dead`).
+const SWEEP_FLOOR: usize = 64;
 
 /// A send or receive in flight: poll it with [`Endpoint::poll_message`]
 /// or [`Endpoint::wait_message`] until it ends (its result is kept until
@@ -58,6 +61,8 @@ struct State {
     ended: HashMap<u64, Result<usize>>,
     /// Messages for peers not yet queued (their shard's queue was full).
     outbox: VecDeque<(ConnId, Vec<u8>)>,
+    /// `conns.len()` after the last sweep of dead connections' entries.
+    swept_len: usize,
 }
 
 #[derive(Default)]
@@ -254,7 +259,32 @@ impl Endpoint {
             }
             self.match_and_write(&mut st, conn);
         }
+        self.sweep_dead(&mut st);
         st.flush_outbox(self);
+    }
+
+    /// Drops the entries of connections that died with nothing under way
+    /// (only their sequence numbers were left; an id is never reused), so
+    /// connections that come, exchange a message and go do not grow the
+    /// map. Those with work under way failed above. Once the map has
+    /// doubled since the last sweep: amortized O(1) per call.
+    fn sweep_dead(&self, st: &mut State) {
+        if st.conns.len() <= SWEEP_FLOOR.max(2 * st.swept_len) {
+            return;
+        }
+        self.inner.reap_closed();
+        let live = self.inner.conns.lock().expect("lock");
+        st.conns
+            .retain(|k, c| c.pending() || !c.offers.is_empty() || live.contains_key(k));
+        drop(live);
+        st.swept_len = st.conns.len();
+    }
+
+    /// How many connections have two-sided state here (tests: it must not
+    /// grow with connections that ended).
+    #[doc(hidden)]
+    pub fn message_conns(&self) -> usize {
+        self.inner.messages.state.lock().expect("lock").conns.len()
     }
 
     /// One of the engine's messages from the peer on `conn`.
