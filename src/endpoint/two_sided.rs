@@ -280,9 +280,9 @@ impl Endpoint {
         st.swept_len = st.conns.len();
     }
 
-    /// How many connections have two-sided state here (tests: it must not
-    /// grow with connections that ended).
-    #[doc(hidden)]
+    /// Connections with two-sided message state (like `conn_count`: those
+    /// that ended idle are swept as the map grows, so this stays near the
+    /// open connections plus those with messages under way).
     pub fn message_conns(&self) -> usize {
         self.inner.messages.state.lock().expect("lock").conns.len()
     }
