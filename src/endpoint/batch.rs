@@ -149,6 +149,13 @@ impl Batch<'_> {
                     first = Err(e);
                 }
             }
+            if q.capacity() > 0 {
+                // A buffer that went out as one op: back for the next batch.
+                self.ep.inner.shards[shard]
+                    .wake
+                    .bufs
+                    .give(std::mem::take(q));
+            }
         }
         first
     }

@@ -237,6 +237,9 @@ impl Inner {
                 .map_err(|(e, _)| e),
             Some(staged) => {
                 let q = &mut staged[shard];
+                if q.capacity() == 0 {
+                    *q = self.shards[shard].wake.bufs.take();
+                }
                 q.push(cmd);
                 if q.len() >= MAX_BATCH {
                     let _ = self.queue_staged(shard, q);

@@ -209,6 +209,93 @@ impl Command {
     }
 }
 
+/// Emptied vectors of `Command::Ops` that a shard hands back for the next
+/// batch, so that a thread posting batches allocates nothing in the steady
+/// state (a vector allocated by the submitter and freed by the shard
+/// moved memory between threads' allocator caches on every batch). A
+/// fixed line of pointers, no lock: `give` drops a vector when the line is
+/// full, `take` allocates when it is empty. Only vectors of exactly
+/// `MAX_BATCH` capacity travel (their layout is then known).
+pub(crate) struct BatchBufs {
+    slots: crate::sync::Padded<[std::sync::atomic::AtomicPtr<OpCmd>; 8]>,
+}
+
+impl Default for BatchBufs {
+    fn default() -> Self {
+        BatchBufs {
+            slots: crate::sync::Padded(Default::default()),
+        }
+    }
+}
+
+impl BatchBufs {
+    /// An empty vector with room for `MAX_BATCH` ops.
+    pub fn take(&self) -> Vec<OpCmd> {
+        use std::sync::atomic::Ordering;
+        for s in self.slots.iter() {
+            // A load first: an empty slot costs no locked instruction.
+            if s.load(Ordering::Relaxed).is_null() {
+                continue;
+            }
+            let p = s.swap(std::ptr::null_mut(), Ordering::Acquire);
+            if !p.is_null() {
+                // SAFETY: `give` stored the pointer of an emptied vector of
+                // capacity MAX_BATCH and forgot it; the swap made it ours
+                // alone (Acquire: after the shard's last use of it).
+                return unsafe { Vec::from_raw_parts(p, 0, MAX_BATCH) };
+            }
+        }
+        Vec::with_capacity(MAX_BATCH)
+    }
+
+    #[cfg(test)]
+    fn kept(&self) -> usize {
+        let n = self.slots.iter();
+        n.filter(|s| !s.load(std::sync::atomic::Ordering::Relaxed).is_null())
+            .count()
+    }
+
+    /// Keeps `v`'s memory for a later `take` (its ops already taken).
+    pub fn give(&self, mut v: Vec<OpCmd>) {
+        use std::sync::atomic::Ordering;
+        v.clear();
+        if v.capacity() != MAX_BATCH {
+            return;
+        }
+        let mut v = std::mem::ManuallyDrop::new(v);
+        let p = v.as_mut_ptr();
+        for s in self.slots.iter() {
+            if s.load(Ordering::Relaxed).is_null()
+                && s.compare_exchange(
+                    std::ptr::null_mut(),
+                    p,
+                    Ordering::Release,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+            {
+                return;
+            }
+        }
+        // The line is full: free it after all.
+        // SAFETY: `v` is not used again (ManuallyDrop kept it alive only
+        // for a slot).
+        unsafe { std::mem::ManuallyDrop::drop(&mut v) };
+    }
+}
+
+impl Drop for BatchBufs {
+    fn drop(&mut self) {
+        for s in self.slots.0.iter_mut() {
+            let p = std::mem::replace(s.get_mut(), std::ptr::null_mut());
+            if !p.is_null() {
+                // SAFETY: as in `take`; we own the struct, nobody else can.
+                drop(unsafe { Vec::from_raw_parts(p, 0, MAX_BATCH) });
+            }
+        }
+    }
+}
+
 /// Registration changes, on their own queue so that a shard can always
 /// apply them, even while its operation queue is stalled.
 pub(crate) enum RegionCmd {
@@ -241,6 +328,8 @@ pub(crate) struct WakeState {
     /// the shard looks at that channel only then (a `try_recv` on every
     /// pass was ~3 % of an idle shard's samples, `perf` on 16 cores).
     pub regions_dirty: AtomicBool,
+    /// Emptied batch vectors, back from the shard for reuse.
+    pub bufs: BatchBufs,
     pub waker: mio::Waker,
     pub shutdown: AtomicBool,
 }
@@ -384,5 +473,64 @@ impl ShardHandle {
             .store(true, std::sync::atomic::Ordering::Release);
         self.wake.wake_if_parked();
         Ok(())
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn op(r: &Arc<Region>, slot: u32) -> OpCmd {
+        OpCmd {
+            conn: ConnId(1),
+            kind: OpKind::Write,
+            slot,
+            parts: OpParts::One(OpDesc {
+                local: RegionSlice::new(r, 0, 8).expect("inside"),
+                remote_addr: 0,
+                rkey: 1,
+                tag: 0,
+                remote_device: false,
+                nic_rkeys: None,
+                dtype: None,
+            }),
+            at: Default::default(),
+            total: None,
+        }
+    }
+
+    #[test]
+    fn batch_buffers_come_back_empty_and_the_line_is_bounded() {
+        let mut mem = vec![0u8; 64];
+        let r = crate::region::test_region(&mut mem);
+        let bufs = BatchBufs::default();
+        let mut v = bufs.take();
+        assert_eq!((v.len(), v.capacity()), (0, MAX_BATCH));
+        v.push(op(&r, 3));
+        let p = v.as_ptr();
+        // Given back with an op still in it: the op is dropped (its count
+        // of the region with it), the memory kept.
+        bufs.give(v);
+        assert_eq!(Arc::strong_count(&r), 1);
+        let v = bufs.take();
+        assert_eq!((v.as_ptr(), v.len(), v.capacity()), (p, 0, MAX_BATCH));
+        // A vector of another capacity is not kept.
+        bufs.give(Vec::with_capacity(MAX_BATCH * 2));
+        assert_eq!(bufs.kept(), 0);
+        bufs.give(v);
+        assert_eq!(bufs.kept(), 1);
+        let _ = bufs.take();
+        // Nine back, eight kept; the rest freed (and the kept ones on drop).
+        let nine: Vec<Vec<OpCmd>> = (0..9).map(|_| bufs.take()).collect();
+        let ptrs: Vec<*const OpCmd> = nine.iter().map(|v| v.as_ptr()).collect();
+        for v in nine {
+            bufs.give(v);
+        }
+        assert_eq!(bufs.kept(), 8);
+        let kept: Vec<Vec<OpCmd>> = (0..8).map(|_| bufs.take()).collect();
+        assert!(kept.iter().all(|v| ptrs[..8].contains(&v.as_ptr())));
+        for v in kept {
+            bufs.give(v);
+        }
     }
 }

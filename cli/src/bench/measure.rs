@@ -149,11 +149,12 @@ pub(super) fn submit_on(
 }
 
 /// Keeps `inflight` at `batch` ops, each made by `submit(k)` for the
-/// next `k` (counting on from `*k`), staged in one `Endpoint::batch` when
-/// `batched`; returns how many it started.
+/// next `k` (counting on from `*k`); with `burst` (`--submit batch`) only
+/// once that many are missing (at most `batch`), all staged in one
+/// `Endpoint::batch`. Returns how many it started.
 pub(super) fn refill(
     ep: &Endpoint,
-    batched: bool,
+    burst: Option<usize>,
     inflight: &mut VecDeque<(Transfer, Instant)>,
     batch: usize,
     now: Instant,
@@ -161,7 +162,11 @@ pub(super) fn refill(
     mut submit: impl FnMut(Option<&mut Batch<'_>>, usize) -> Result<Transfer>,
 ) -> Result<usize> {
     let before = *k;
-    let mut staged = batched.then(|| ep.batch());
+    let missing = batch.saturating_sub(inflight.len());
+    if missing == 0 || burst.is_some_and(|b| missing < b.min(batch)) {
+        return Ok(0);
+    }
+    let mut staged = burst.map(|_| ep.batch());
     while inflight.len() < batch {
         inflight.push_back((submit(staged.as_mut(), *k)?, now));
         *k += 1;
@@ -170,6 +175,12 @@ pub(super) fn refill(
         b.submit()?;
     }
     Ok(*k - before)
+}
+
+/// The refill size of `--submit batch` (`--burst`, else a quarter of the
+/// ops in flight); None: per-op submits.
+fn burst_of(batched: Option<usize>, batch: usize) -> Option<usize> {
+    batched.map(|b| if b == 0 { (batch / 4).max(1) } else { b })
 }
 
 /// How a thread feeding managed shards waits for its ops: it polls them
@@ -231,8 +242,9 @@ pub(super) struct Bench<'a> {
     pub(super) latency_bytes: usize,
     /// Submitting threads (`--threads`; > 1 only with managed shards).
     pub(super) threads: usize,
-    /// Refills go through `Endpoint::batch` (`--submit batch`).
-    pub(super) batched: bool,
+    /// Refills go through `Endpoint::batch` (`--submit batch`), each of
+    /// at least this many ops (`--burst`; 0: a quarter of the batch).
+    pub(super) batched: Option<usize>,
 }
 
 impl Bench<'_> {
@@ -293,7 +305,7 @@ impl Bench<'_> {
                 let this = &*self;
                 let n = refill(
                     this.ep,
-                    this.batched,
+                    burst_of(this.batched, batch),
                     &mut inflight,
                     batch,
                     now,
@@ -349,7 +361,7 @@ impl Bench<'_> {
         let warm_end = Instant::now() + warm;
         let end = warm_end + Duration::from_secs_f64(secs);
         let (ep, local, remote, conns) = (self.ep, &self.local, &self.remote, &self.conns);
-        let batched = self.batched;
+        let batched = burst_of(self.batched, batch);
         let results: Vec<Result<Window>> = std::thread::scope(|sc| {
             let hs: Vec<_> = (0..n)
                 .map(|i| {

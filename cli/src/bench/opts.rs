@@ -86,6 +86,10 @@ Flags:
                          write_async/read_async call each (default), or
                          staged in an Endpoint::batch and queued together,
                          one queue push per shard per refill
+  --burst N              with --submit batch: refill only once N ops of
+                         --batch have ended, all N in one batch (default
+                         a quarter of --batch): how an application posts a
+                         list of blocks at once
   --threads N            submit from N threads (default 1), each keeping
                          --batch ops in flight on its own connection
                          (thread i on connection i mod --conns) and its own
@@ -142,8 +146,9 @@ pub(super) struct Opts {
     pub(super) conns: usize,
     /// `--threads`: submitting threads, each with its own batch.
     pub(super) threads: usize,
-    /// `--submit batch`: refills go through `Endpoint::batch`.
-    pub(super) batched: bool,
+    /// `--submit batch`: refills go through `Endpoint::batch`, each of at
+    /// least this many ops (`--burst`; 0: a quarter of the batch).
+    pub(super) batched: Option<usize>,
     pub(super) contend: usize,
     pub(super) plot: Option<String>,
     /// `--directory URL --peer NAME [--cluster C]`: measure against a
@@ -259,7 +264,7 @@ pub(super) fn parse_sizes(
 }
 
 /// How the ops are fed: `--conns`, `--threads`, `--submit`.
-fn parse_feeding(a: &mut Args, shards: Option<usize>) -> Result<(usize, usize, bool)> {
+fn parse_feeding(a: &mut Args, shards: Option<usize>) -> Result<(usize, usize, Option<usize>)> {
     let conns: usize = a.parsed("conns", 1)?;
     if conns == 0 || conns > 1024 {
         bail!("--conns {conns}: must be 1..=1024");
@@ -274,9 +279,14 @@ fn parse_feeding(a: &mut Args, shards: Option<usize>) -> Result<(usize, usize, b
              embedded shard is driven by the one benchmark thread"
         );
     }
+    let burst: Option<usize> = a.value("burst").map(|v| v.parse()).transpose()?;
+    if burst.is_some_and(|n| n == 0 || n > 4096) {
+        bail!("--burst: must be 1..=4096");
+    }
     let batched = match a.value("submit").as_deref().unwrap_or("each") {
-        "batch" => true,
-        "each" => false,
+        "batch" => Some(burst.unwrap_or(0)),
+        "each" if burst.is_some() => bail!("--burst: only with --submit batch"),
+        "each" => None,
         v => bail!("--submit {v}: expected each or batch"),
     };
     Ok((conns, threads, batched))

@@ -178,6 +178,7 @@ impl Shard {
         let wake = Arc::new(WakeState {
             cmds: ring,
             regions_dirty: AtomicBool::new(false),
+            bufs: Default::default(),
             waker,
             shutdown: AtomicBool::new(false),
         });
@@ -497,10 +498,11 @@ impl Shard {
     fn apply(&mut self, cmd: Command) -> Option<Command> {
         match cmd {
             Command::Op(op) => self.apply_op(op).map(Command::Op),
-            Command::Ops(ops) => {
-                for op in ops {
+            Command::Ops(mut ops) => {
+                for op in ops.drain(..) {
                     self.take(Command::Op(op));
                 }
+                self.wake.bufs.give(ops);
                 None
             }
             Command::Ipc(cmd) => {
