@@ -1,9 +1,12 @@
 //! Batches: several one-sided ops handed to the shards at once. Each op
 //! still gets its own [`Transfer`] and outcome; what is shared is the
 //! queueing: one command (one queue push, at most one wake) per shard per
-//! `MAX_BATCH` ops, instead of one each. From one thread feeding several
-//! shards, the queue push and the cache lines it moves between cores were
-//! most of what a small op cost that thread.
+//! `MAX_BATCH` ops, instead of one each, and the shard hands the command's
+//! vector back for the next batch (no allocation once warm). What it does
+//! not save is the op's own cost (its command's bytes and its completion
+//! slot cross cores either way): with the one-CAS command queue a thread
+//! feeding four shards spends about as much per small op in a batch as
+//! alone (BENCHMARKS.md, issue 29, 2026-12-03).
 
 use super::lanes::Via;
 use super::ops::Window;
