@@ -46,6 +46,22 @@ pub(crate) fn model_yield() {
     loom::thread::yield_now();
 }
 
+/// A hint to bring `p`'s cache line to this core for writing (x86
+/// PREFETCHW; a NOP on cores without it, nothing elsewhere, in a model
+/// and under miri): for a line another core read or wrote last, fetched while the
+/// caller does other work before it stores there.
+#[inline(always)]
+pub(crate) fn prefetch_write(p: *const u8) {
+    #[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
+    // SAFETY: PREFETCHW is a hint: it never faults, whatever the address,
+    // and changes no register, flag or memory.
+    unsafe {
+        std::arch::asm!("prefetchw [{0}]", in(reg) p, options(nostack, preserves_flags, readonly))
+    };
+    #[cfg(not(all(target_arch = "x86_64", not(loom), not(miri))))]
+    let _ = p;
+}
+
 /// A value alone on its cache lines (128 bytes: a line and the one the
 /// adjacent-line prefetcher pulls with it), for the atomics that one side
 /// writes and the other reads.

@@ -83,6 +83,20 @@ impl Inner {
         &self.shards[(base % self.shards.len() as u64) as usize]
     }
 
+    /// Before an op on `conn` is checked and built: has the queue slot its
+    /// command will fill come to this core (`CmdRing::prepare_push`) — for
+    /// a managed shard (on another core) and a connection of one lane (its
+    /// shard known before the op is cut).
+    pub(super) fn prepare_submit(&self, conn: ConnId) {
+        if self.cfg.mode != Mode::Managed {
+            return;
+        }
+        self.table.prepare_claim();
+        if lanes_of(conn).1 == 1 {
+            self.shard_of(conn).wake.cmds.prepare_push();
+        }
+    }
+
     /// Each lane of `conn` (itself, unless spread over shards), with the
     /// shard that serves it.
     pub(super) fn lanes(&self, conn: ConnId) -> impl Iterator<Item = (ConnId, &ShardHandle)> {

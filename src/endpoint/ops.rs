@@ -79,6 +79,9 @@ mod sealed {
             remotes: &[Self],
             via: &mut Via<'_>,
         ) -> Result<Transfer> {
+            if via.is_now() {
+                ep.inner.prepare_submit(conn);
+            }
             check_local(kind, locals)?;
             let same_host = || matches!(ep.peer(conn), Some(crate::endpoint::Peer::Local { .. }));
             let borrow = via.is_now();

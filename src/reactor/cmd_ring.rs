@@ -21,7 +21,9 @@
 
 use std::mem::MaybeUninit;
 
-use crate::sync::{fence, AtomicU64, Ordering, Padded, UnsafeCell};
+use crate::sync::{fence, prefetch_write, AtomicU64, Ordering, Padded, UnsafeCell};
+
+const LINE: usize = 64;
 
 const PARKED: u64 = 1;
 const CLOSED: u64 = 2;
@@ -94,6 +96,29 @@ impl<T> CmdRing<T> {
 
     fn slot(&self, pos: u64) -> &Slot<T> {
         &self.slots[(pos as usize) & (self.slots.len() - 1)]
+    }
+
+    /// Asks this core's cache for the slot the next push will fill, for
+    /// writing, while the submitter still checks and builds its command.
+    /// A push's stores go to lines the shard read on the ring's last lap;
+    /// each waits for its line to come over from the shard's core, and the
+    /// op's later stores queue behind it (a submitter feeding four managed
+    /// shards stalled there: `perf`, BENCHMARKS.md). Asked for here, the
+    /// lines travel meanwhile. All of them, the first (with `seq`, which an
+    /// idle shard polls) too: measured, it is the one that saves the most.
+    /// A hint: another submitter may take the position, and then nothing
+    /// is lost but a fetch.
+    pub fn prepare_push(&self) {
+        let pos = self.tail.load(Ordering::Relaxed) >> POS_SHIFT;
+        let first = self.slot(pos) as *const Slot<T> as *const u8;
+        let len = std::mem::size_of::<Slot<T>>();
+        let mut off = 0;
+        while off < len {
+            prefetch_write(first.wrapping_add(off));
+            off += LINE;
+        }
+        // The slot need not start on a line: its last byte's line too.
+        prefetch_write(first.wrapping_add(len - 1));
     }
 
     /// Queues `v`. `Ok(true)`: the consumer announced a park and must be
@@ -239,6 +264,9 @@ mod tests {
         for i in 0..3 {
             assert_eq!(r.push(i), Ok(false));
         }
+        // Warming the next slot of a full ring (the one the consumer has
+        // yet to read) is only a hint: nothing moves.
+        r.prepare_push();
         assert_eq!(r.push(9), Err((PushError::Full, 9)));
         assert_eq!(r.pop(&mut c), Some(0));
         assert_eq!(r.push(3), Ok(false));
@@ -250,6 +278,7 @@ mod tests {
         assert!(!r.pending(&c));
         // Many laps over the 4 slots.
         for i in 0..100 {
+            r.prepare_push();
             r.push(i).unwrap();
             r.push(i + 1000).unwrap();
             assert_eq!(r.pop(&mut c), Some(i));
@@ -306,6 +335,9 @@ mod tests {
                     for i in 0..per {
                         let mut v = t << 32 | i;
                         loop {
+                            // The hint, racing the other submitters for
+                            // the same position: it changes nothing.
+                            r.prepare_push();
                             match r.push(v) {
                                 Ok(_) => break,
                                 Err((PushError::Full, back)) => {

@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::sync::{AtomicBool, AtomicU32, AtomicUsize, Ordering, Padded, UnsafeCell};
+use crate::sync::{
+    prefetch_write, AtomicBool, AtomicU32, AtomicUsize, Ordering, Padded, UnsafeCell,
+};
 
 const FREE: u32 = 0;
 const PENDING: u32 = 1;
@@ -110,6 +112,17 @@ impl CompletionTable {
             .iter()
             .filter(|s| s.state.load(Ordering::Relaxed) != FREE)
             .count()
+    }
+
+    /// Asks for the slot the next claim will most likely take (the one at
+    /// the hint), for writing, while the caller checks its op: a slot's
+    /// line was last written by the shard that completed its op, or pulled
+    /// along with a neighbour's.
+    pub fn prepare_claim(&self) {
+        let j = self.hint.load(Ordering::Relaxed);
+        if let Some(s) = self.slots.get(j) {
+            prefetch_write(&s.state as *const AtomicU32 as *const u8);
+        }
     }
 
     /// Claims a free slot, or `None` when all are in use.
