@@ -5,8 +5,9 @@
 //! vector back for the next batch (no allocation once warm). What it does
 //! not save is the op's own cost (its command's bytes and its completion
 //! slot cross cores either way): with the one-CAS command queue a thread
-//! feeding four shards spends about as much per small op in a batch as
-//! alone (BENCHMARKS.md, issue 29, 2026-12-03).
+//! feeding four shards spends no less per small op in a batch than alone,
+//! and less alone since a submit fetches its queue slot early, which a
+//! staged op does not (BENCHMARKS.md, issue 29, 2026-12-03).
 
 use super::lanes::Via;
 use super::ops::Window;
