@@ -46,10 +46,26 @@ pub(crate) fn model_yield() {
     loom::thread::yield_now();
 }
 
+/// A hint to bring `p`'s cache line to this core for reading (x86
+/// PREFETCHT0; nothing elsewhere, in a model and under miri).
+#[inline(always)]
+pub(crate) fn prefetch_read(p: *const u8) {
+    #[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]
+    // SAFETY: a prefetch is a hint: it never faults, whatever the address.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+    }
+    #[cfg(not(all(target_arch = "x86_64", not(loom), not(miri))))]
+    let _ = p;
+}
+
 /// A hint to bring `p`'s cache line to this core for writing (x86
 /// PREFETCHW; a NOP on cores without it, nothing elsewhere, in a model
-/// and under miri): for a line another core read or wrote last, fetched while the
-/// caller does other work before it stores there.
+/// and under miri): for a line another core read or wrote last, fetched
+/// while the caller does other work before it stores there. (Not
+/// `_mm_prefetch::<_MM_HINT_ET0>`: without the `prfchw` target feature
+/// that compiles to a read prefetch.)
 #[inline(always)]
 pub(crate) fn prefetch_write(p: *const u8) {
     #[cfg(all(target_arch = "x86_64", not(loom), not(miri)))]

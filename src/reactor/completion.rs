@@ -115,9 +115,10 @@ impl CompletionTable {
     }
 
     /// Asks for the slot the next claim will most likely take (the one at
-    /// the hint), for writing, while the caller checks its op: a slot's
-    /// line was last written by the shard that completed its op, or pulled
-    /// along with a neighbour's.
+    /// the hint), for writing, while the caller checks its op: the shard
+    /// that ended the slot's last op wrote its line (and freed it, if its
+    /// transfer was dropped), and the shards completing its neighbours'
+    /// ops pull it along with theirs.
     pub fn prepare_claim(&self) {
         let j = self.hint.load(Ordering::Relaxed);
         if let Some(s) = self.slots.get(j) {

@@ -248,7 +248,7 @@ impl BatchBufs {
         Vec::with_capacity(MAX_BATCH)
     }
 
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     fn kept(&self) -> usize {
         let n = self.slots.iter();
         n.filter(|s| !s.load(std::sync::atomic::Ordering::Relaxed).is_null())

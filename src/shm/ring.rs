@@ -106,15 +106,8 @@ const _: () = assert!(std::mem::size_of::<Top>() == 3 * LINE);
 /// comes it hits the consumer's own cache (a cycle).
 #[inline]
 fn prefetch_second_line(slot: *const Slot) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch is a hint; it never faults, whatever the address
-    // (this one is inside the slot, in bounds).
-    unsafe {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        _mm_prefetch::<_MM_HINT_T0>((slot as *const i8).wrapping_add(64));
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = slot;
+    // In bounds: a slot is SLOT_BYTES (256) long.
+    crate::sync::prefetch_read((slot as *const u8).wrapping_add(64));
 }
 
 /// Bytes a ring of `capacity` slots occupies.
