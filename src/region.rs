@@ -40,17 +40,6 @@ pub(crate) enum Backing {
 /// One registration. Shared by the endpoint's handle, each shard's table and
 /// every frame that is reading or writing it, so the bytes outlive any use
 /// the kernel is making of them.
-///
-/// Aligned apart from the `Arc`'s counts: the shards change the count on
-/// every op they take and end (`RegionSlice::adopt`, its drop), while a
-/// submitting thread reads these fields for every op it checks. Sharing a
-/// line (the allocator aligns to 16 bytes), each check waited for the
-/// line to come back from a shard: a quarter of the submitting thread's
-/// samples, on one load of `mem`, feeding four shards on the 16-core
-/// machine. Aligned, that load is 4 % of them; the wait moved to the next
-/// line a shard writes (the op's completion slot) and the rate stayed
-/// the same (BENCHMARKS.md, 2026-12-03 afternoon).
-#[repr(align(128))]
 pub(crate) struct Region {
     /// The range, fixed at creation (private: no code may point a region
     /// elsewhere; `from_raw` is the one way to name memory).
