@@ -1,7 +1,8 @@
 //! The raw TCP reference for `ferry bench --baseline`: as many TCP streams
 //! as ferry's connection has (each on a thread of its own on both sides)
 //! between this process and a `ferry raw-peer` child, moving the same block
-//! sizes with plain blocking send/recv, and a spinning 8-byte ping-pong.
+//! sizes with plain blocking send/recv, and a spinning 8-byte ping-pong;
+//! and the same-host round trip's floor (two threads, two cache lines).
 
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -331,4 +332,59 @@ pub fn wake_after_idle_us(idle: Duration) -> Result<f64> {
     let us = t.elapsed().as_secs_f64() * 1e6;
     let _ = sleeper.join();
     Ok(us)
+}
+
+/// The same-host round trip's floor, for `--transport shm --latency
+/// --baseline`: this thread stores a count in one cache line and spins
+/// until another thread of this process, spinning on that line, echoes it
+/// in a second line. Returns each round trip in µs (after 100 to warm
+/// up): what moving a line to another core and back costs on this
+/// machine now, under any same-host message (ferry's moves a request slot
+/// and a reply slot, each at least one line, through rings in memory
+/// shared between two processes; the hardware does not see the process
+/// boundary).
+pub fn line_ping_pong_us(secs: f64) -> Result<Vec<f64>> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    /// Apart from each other and from the adjacent-line prefetcher's pair.
+    #[repr(align(128))]
+    struct Line(AtomicU64);
+    const STOP: u64 = u64::MAX;
+    let (ping, pong) = (Line(AtomicU64::new(0)), Line(AtomicU64::new(0)));
+    let mut lat = Vec::with_capacity(1 << 20);
+    std::thread::scope(|sc| {
+        let echo = sc.spawn(|| {
+            let mut seen = 0;
+            loop {
+                let v = ping.0.load(Ordering::Acquire);
+                if v == STOP {
+                    return;
+                }
+                if v != seen {
+                    pong.0.store(v, Ordering::Release);
+                    seen = v;
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        });
+        let end = Instant::now() + Duration::from_secs_f64(secs);
+        let mut n = 0u64;
+        // Bounded even if the echo thread stalls: it only ever lags.
+        while Instant::now() < end && !echo.is_finished() {
+            n += 1;
+            let t = Instant::now();
+            ping.0.store(n, Ordering::Release);
+            while pong.0.load(Ordering::Acquire) != n {
+                std::hint::spin_loop();
+            }
+            if n > 100 && lat.len() < lat.capacity() {
+                lat.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        ping.0.store(STOP, Ordering::Release);
+    });
+    if lat.is_empty() {
+        bail!("the line ping-pong made no round trip in {secs} s");
+    }
+    Ok(lat)
 }

@@ -92,3 +92,54 @@ fn idle_probe_with_baseline_reports_each_round_and_the_wake_reference() {
         assert!(idle.contains(field), "{field} missing from {idle}");
     }
 }
+
+#[test]
+fn same_host_round_trips_with_baseline_print_the_cache_line_floor() {
+    let args = [
+        "--transport",
+        "shm",
+        "--sizes",
+        "4K",
+        "--latency",
+        "--baseline",
+        "--rounds",
+        "1",
+        "--seconds",
+        "0.5",
+        "--op",
+        "write",
+    ];
+    let out = bench(&[&args[..], &["--json"]].concat());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    let row = text
+        .lines()
+        .find(|l| l.contains("\"write_latency\""))
+        .unwrap_or_else(|| panic!("no latency row in {text}"));
+    let field = |name: &str| -> f64 {
+        let at = row
+            .find(&format!("\"{name}\":"))
+            .unwrap_or_else(|| panic!("{name} missing from {row}"));
+        let rest = &row[at + name.len() + 3..];
+        let end = rest.find([',', '}']).expect("a number");
+        rest[..end].parse().expect("a number")
+    };
+    for name in ["p50_us", "baseline_p50_us", "baseline_p99_us"] {
+        assert!(field(name) > 0.0, "{name} in {row}");
+    }
+    assert!(
+        field("baseline_p99_us") >= field("baseline_p50_us"),
+        "{row}"
+    );
+    let out = bench(&args);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("write_latency") && l.contains("cache-line ping-pong p50")),
+        "{text}"
+    );
+}

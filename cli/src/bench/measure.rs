@@ -478,6 +478,10 @@ impl Bench<'_> {
                 lat.push(start.elapsed().as_secs_f64() * 1e6);
             }
         }
+        if lat.is_empty() {
+            // Percentiles of nothing would print NaN (and break --json).
+            bail!("{op} round trips: {n} in {secs} s, all warming up (the first 100 are not counted); use a longer --seconds");
+        }
         Ok(lat)
     }
 }

@@ -50,7 +50,10 @@ Flags:
                          send/recv between two processes, as many streams
                          as --streams, a thread each (and a TCP
                          ping-pong for --latency); shm: memcpy (blocks of
-                         1 MiB or more split over --shards threads);
+                         1 MiB or more split over --shards threads; for
+                         --latency two threads of this process passing a
+                         count through two cache lines, the floor under
+                         any same-host round trip);
                          ipc: cuMemcpyAsync between the same two GPUs in
                          one process (the peer-copy rate), or pinned H2D
                          with --local pinned

@@ -117,8 +117,8 @@ pub(super) fn measure_points(
     Ok(plotted)
 }
 
-/// The one-op round trips (--latency), with the raw ping-pong or the
-/// quiet figures beside them.
+/// The one-op round trips (--latency), with the raw TCP ping-pong, the
+/// cache-line ping-pong (shm) or the quiet figures beside them.
 pub(super) fn measure_latency(
     b: &mut Bench<'_>,
     o: &Opts,
@@ -149,8 +149,16 @@ pub(super) fn measure_latency(
             p50.push(percentile(&lat, 0.5));
             p99.push(percentile(&lat, 0.99));
             p999.push(percentile(&lat, 0.999));
-            if let Some(Reference::Tcp(p)) = reference {
-                let base = sorted(p.ping_pong_us(o.seconds)?);
+            let base = match reference {
+                Some(Reference::Tcp(p)) => Some(p.ping_pong_us(o.seconds)?),
+                // (With --contend the quiet figures are the reference.)
+                Some(Reference::Memcpy(..)) if o.contend == 0 => {
+                    Some(crate::raw::line_ping_pong_us(o.seconds)?)
+                }
+                _ => None,
+            };
+            if let Some(base) = base {
+                let base = sorted(base);
                 b50.push(percentile(&base, 0.5));
                 b99.push(percentile(&base, 0.99));
             }
@@ -173,10 +181,10 @@ pub(super) fn measure_latency(
                 baseline_gbps: None,
                 ratio: None,
                 baseline_p50_us: (!b50.is_empty()).then(|| median(&b50)),
-                latency_ref: if o.contend > 0 {
-                    "quiet"
-                } else {
-                    "raw tcp ping-pong"
+                latency_ref: match reference {
+                    _ if o.contend > 0 => "quiet",
+                    Some(Reference::Memcpy(..)) => "cache-line ping-pong",
+                    _ => "raw tcp ping-pong",
                 },
                 baseline_p99_us: (!b99.is_empty()).then(|| median(&b99)),
                 submit_ns: None,

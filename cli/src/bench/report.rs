@@ -26,7 +26,8 @@ pub(super) struct Row {
     /// Median over rounds of ferry / baseline measured back to back.
     pub(super) ratio: Option<f64>,
     pub(super) baseline_p50_us: Option<f64>,
-    /// What the baseline latencies are ("raw tcp ping-pong", "quiet").
+    /// What the baseline latencies are ("raw tcp ping-pong",
+    /// "cache-line ping-pong", "quiet").
     pub(super) latency_ref: &'static str,
     pub(super) baseline_p99_us: Option<f64>,
     /// ns per op the submitting thread spent submitting (JSON only).
