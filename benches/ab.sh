@@ -14,6 +14,9 @@
 #
 # Points (--points, comma-separated; default shm-lat,tcp-lat,shm-4k,tcp-4k):
 #   shm-lat   same-host 8-byte WRITE round trip: p50 / p99 / p999 us
+#   shm-lat-f the same with --baseline: also each build's p50 and p99 over
+#             the cache-line ping-pong of the same run (the floor under a
+#             same-host round trip; builds before 23c7c15 do not measure it)
 #   tcp-lat   tcp 8-byte WRITE round trip, with the raw TCP ping-pong of
 #             the same run: p50 / p99 us and p99 / raw p99
 #   shm-4k    same-host 4 KiB x32 WRITE, GB/s
@@ -33,7 +36,7 @@ while [ $# -gt 2 ]; do
         *) echo "ab.sh: unknown flag $1 (see the header of $0)" >&2; exit 2 ;;
     esac
 done
-[ $# -eq 2 ] || { sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -eq 2 ] || { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 dir=${AB_DIR:-/tmp/ferry-ab}
 mkdir -p target/ab/bin "$dir"
 
@@ -67,6 +70,7 @@ run_point() { # bin point -> one JSON line per measured row, tagged
     local bin=$1 p=$2 args
     case "$p" in
         shm-lat) args="--transport shm --sizes 4K --op write --latency --batch 1" ;;
+        shm-lat-f) args="--transport shm --sizes 4K --op write --latency --batch 1 --baseline --rounds 1" ;;
         tcp-lat) args="--transport tcp --sizes 4K --op write --latency --batch 1 --baseline --rounds 1" ;;
         shm-4k) args="--transport shm --sizes 4K --op write" ;;
         tcp-4k) args="--transport tcp --sizes 4K --op write" ;;

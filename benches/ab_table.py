@@ -5,7 +5,9 @@
 
 Per point and build: the median over rounds of each figure, every round's
 value beside it, and B / A. For tcp latency also each build's p99 over the
-raw TCP ping-pong p99 measured in the same bench run.
+raw TCP ping-pong p99 measured in the same bench run; for same-host latency
+with --baseline (point shm-lat-f) its p50 and p99 over the cache-line
+ping-pong's (the floor) of the same run.
 """
 import json
 import statistics
@@ -19,7 +21,10 @@ def figures(row):
     if row["op"].endswith("_latency"):
         for k in ("p50_us", "p99_us", "p999_us"):
             out[k] = row[k]
-        if "baseline_p99_us" in row and row["baseline_p99_us"]:
+        if row.get("baseline_p99_us") and row.get("transport") == "shm":
+            out["p50/floor"] = row["p50_us"] / row["baseline_p50_us"]
+            out["p99/floor"] = row["p99_us"] / row["baseline_p99_us"]
+        elif row.get("baseline_p99_us"):
             out["p99/raw_p99"] = row["p99_us"] / row["baseline_p99_us"]
     elif "gbps" in row:
         out["gbps"] = row["gbps"]
