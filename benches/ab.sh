@@ -23,6 +23,7 @@
 #   tcp-4k    tcp 4 KiB x32 WRITE, GB/s
 #   shm-4k-s4 / tcp-4k-s4: the same with --shards 4 --conns 4 (one
 #             submitting thread feeding four shards)
+#   (and the others benches/points.sh names)
 # Extra bench flags for every point: AB_FLAGS="...". Raw lines go to
 # target/ab/ab.jsonl.
 set -euo pipefail
@@ -36,7 +37,9 @@ while [ $# -gt 2 ]; do
         *) echo "ab.sh: unknown flag $1 (see the header of $0)" >&2; exit 2 ;;
     esac
 done
-[ $# -eq 2 ] || { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+[ $# -eq 2 ] || { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+# shellcheck source=benches/points.sh
+. benches/points.sh
 dir=${AB_DIR:-/tmp/ferry-ab}
 mkdir -p target/ab/bin "$dir"
 
@@ -68,16 +71,7 @@ build "$2" B
 
 run_point() { # bin point -> one JSON line per measured row, tagged
     local bin=$1 p=$2 args
-    case "$p" in
-        shm-lat) args="--transport shm --sizes 4K --op write --latency --batch 1" ;;
-        shm-lat-f) args="--transport shm --sizes 4K --op write --latency --batch 1 --baseline --rounds 1" ;;
-        tcp-lat) args="--transport tcp --sizes 4K --op write --latency --batch 1 --baseline --rounds 1" ;;
-        shm-4k) args="--transport shm --sizes 4K --op write" ;;
-        tcp-4k) args="--transport tcp --sizes 4K --op write" ;;
-        shm-4k-s4) args="--transport shm --sizes 4K --op write --shards 4 --conns 4" ;;
-        tcp-4k-s4) args="--transport tcp --sizes 4K --op write --shards 4 --conns 4" ;;
-        *) echo "ab.sh: unknown point $p" >&2; exit 2 ;;
-    esac
+    args=$(point_args "$p") || exit 2
     # shellcheck disable=SC2086
     "$bin" bench $args --seconds "$seconds" --json ${AB_FLAGS:-} 2>/dev/null
 }

@@ -5,18 +5,17 @@
 #
 #   benches/rounds.sh BINS ROUNDS POINTS [FLAGS...]
 #
-# BINS: comma-separated paths to `ferry` binaries. POINTS: comma-separated,
-# from the list below. FLAGS: each one extra-flags string for `ferry bench`
+# BINS: comma-separated paths to `ferry` binaries. POINTS: comma-separated
+# (benches/points.sh). FLAGS: each one extra-flags string for `ferry bench`
 # ("" for none), e.g. "" "--batch 128". Raw lines go to
 # $OUT/rounds.jsonl ($OUT defaults to target/ab). Per (point, binary +
 # flags): the median of GB/s and submit ns/op, or of p50 and p99 us.
 #
-# Points: shm-4k, tcp-4k (4 KiB x32 WRITE), shm-4k-s4, tcp-4k-s4 (the same
-# from one thread over --shards 4 --conns 4), shm-4k-s8, shm-lat, tcp-lat
-# (8-byte round trips on an embedded shard), shm-lat-m, tcp-lat-m (on two
-# managed shards).
+# Points: those of benches/points.sh (shm-4k, tcp-4k-s4, shm-lat, ...).
 set -euo pipefail
-[ $# -ge 3 ] || { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+# shellcheck source=benches/points.sh
+. "$(dirname "$0")/points.sh"
+[ $# -ge 3 ] || { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 BINS=$1 R=$2 P=$3; shift 3
 [ $# -gt 0 ] || set -- ""
 out=${OUT:-target/ab}/rounds.jsonl
@@ -24,18 +23,7 @@ mkdir -p "$(dirname "$out")"
 : > "$out"
 for r in $(seq "$R"); do
   for p in ${P//,/ }; do
-    case $p in
-      shm-4k) a="--transport shm --sizes 4K --op write";;
-      tcp-4k) a="--transport tcp --sizes 4K --op write";;
-      shm-4k-s4) a="--transport shm --sizes 4K --op write --shards 4 --conns 4";;
-      tcp-4k-s4) a="--transport tcp --sizes 4K --op write --shards 4 --conns 4";;
-      shm-4k-s8) a="--transport shm --sizes 4K --op write --shards 8 --conns 8";;
-      shm-lat) a="--transport shm --sizes 4K --op write --latency --batch 1";;
-      tcp-lat) a="--transport tcp --sizes 4K --op write --latency --batch 1";;
-      shm-lat-m) a="--transport shm --sizes 4K --op write --latency --batch 1 --shards 2";;
-      tcp-lat-m) a="--transport tcp --sizes 4K --op write --latency --batch 1 --shards 2";;
-      *) echo "rounds.sh: unknown point $p" >&2; exit 2;;
-    esac
+    a=$(point_args "$p") || exit 2
     for bin in ${BINS//,/ }; do for m in "$@"; do
       # shellcheck disable=SC2086
       l=$("$bin" bench $a $m --seconds 1 --json 2>/dev/null | tail -1 || true)
