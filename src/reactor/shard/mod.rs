@@ -101,6 +101,8 @@ pub struct Shard {
     spin: super::spin::Spin,
     /// How hard the host's threads wait for cores (for the spin).
     pressure: crate::sys::CpuPressure,
+    /// The thread's involuntary switches at the last late yield.
+    yield_switches: u64,
     /// CUDA copies and opened IPC handles; made when a driver is present
     /// (or on the first IPC op).
     gpu: Option<GpuWork>,
@@ -216,6 +218,7 @@ impl Shard {
             local,
             spin,
             pressure: crate::sys::CpuPressure::new(),
+            yield_switches: 0,
             gpu,
             inbox,
             iter: 0,
@@ -392,7 +395,14 @@ impl Shard {
                 std::thread::yield_now();
                 let now = Instant::now();
                 let idle_core = || crate::sys::runnable_over_cores().map(|over| !over);
-                if self.spin.yielded(now - before, now, idle_core) {
+                // Asked of late yields only (a syscall): did any thread run
+                // on our core since the last one?
+                let last = &mut self.yield_switches;
+                let switched = || {
+                    let n = crate::sys::involuntary_switches();
+                    std::mem::replace(last, n) != n
+                };
+                if self.spin.yielded(now - before, now, switched, idle_core) {
                     crate::sys::move_off_this_core();
                 }
             }
