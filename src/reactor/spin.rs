@@ -30,10 +30,10 @@
 //! the virtual machine's host taking the core, and is ignored: holding the
 //! yields for it took the 2-core same-host round trip's p99 from 2.9 to
 //! 4.0 µs (A/B in BENCHMARKS.md). Often the thread that ran is the peer we
-//! wait for: a thread woken from a
-//! park is placed on its waker's core (wake-affine), and two spinners on
-//! one core with the other idle hand it back and forth at each yield — a
-//! round trip then takes two spins' yield delays (47 µs measured, in 2–8 %
+//! wait for: a thread woken from a park is placed on its waker's core
+//! (wake-affine), and two spinners on one core with the other idle hand
+//! it back and forth at each yield — a round trip then takes two spins'
+//! yield delays (47 µs measured, in 2–8 %
 //! of the 2-core machine's samples of a same-host latency run, against
 //! under 0.2 % before the doorbells). So for `SHARED_HOLD` after a late
 //! yield every idle pass yields at once, and when yields keep coming back
@@ -190,6 +190,8 @@ pub(crate) struct Spin {
     moved: Option<Instant>,
     /// Late yields in a row, each within the hold of the one before.
     late_streak: u32,
+    /// The thread's involuntary switches at the last late yield.
+    late_switches: u64,
     pub stats: SpinStats,
 }
 
@@ -213,6 +215,7 @@ impl Spin {
             shared_until: None,
             moved: None,
             late_streak: 0,
+            late_switches: 0,
             stats: SpinStats::default(),
         }
     }
@@ -350,26 +353,27 @@ impl Spin {
     }
 
     /// After a yield that took `took`, ending at `now`: whether to move off
-    /// this core (`switched`: whether another thread ran on our core since
-    /// the last late yield, asked of late yields only; `idle_core`: whether
-    /// the host has a core for every runnable thread, asked only when it
+    /// this core (`switches`: the thread's involuntary context switch count
+    /// now, asked of late yields only (a syscall); `idle_core`: whether the
+    /// host has a core for every runnable thread, asked only when it
     /// matters).
     pub fn yielded(
         &mut self,
         took: Duration,
         now: Instant,
-        switched: impl FnOnce() -> bool,
+        switches: impl FnOnce() -> u64,
         idle_core: impl FnOnce() -> Option<bool>,
     ) -> bool {
         if took < SLOW_YIELD {
             return false;
         }
-        // Late, but no thread of this host ran on our core meanwhile (the
-        // count of involuntary switches, which a yield that hands the core
-        // over moves, did not): the virtual machine's host took the core.
-        // Nothing to hand over to, and holding the yields would only put a
-        // syscall in the path of the next message.
-        if !switched() {
+        // Late, but no thread of this host ran on our core since the last
+        // late yield (the count of involuntary switches, which a yield that
+        // hands the core over moves, did not): the virtual machine's host
+        // took the core. Nothing to hand over to, and holding the yields
+        // would only put a syscall in the path of the next message.
+        let n = switches();
+        if std::mem::replace(&mut self.late_switches, n) == n {
             self.stats.unswitched_yields += 1;
             return false;
         }
@@ -614,30 +618,36 @@ mod tests {
     fn late_yields_yield_at_once_then_move_off_a_shared_core() {
         let t0 = Instant::now();
         let mut s = Spin::new(us(50_000), us(20));
+        // Every late yield below switched: the count moves each time.
+        let count = std::cell::Cell::new(0u64);
+        let moved = || {
+            count.set(count.get() + 1);
+            count.get()
+        };
         assert_eq!(s.after(0, t0), Some(Next::Spin));
         // A quick yield changes nothing.
         assert!(!s.yielded(us(1), t0, || unreachable!(), || unreachable!()));
         assert_eq!(s.after(0, t0 + us(1)), Some(Next::Spin));
         // A late one: yield at once for a while, but one is not enough to
         // move.
-        assert!(!s.yielded(us(40), t0 + us(50), || true, || unreachable!()));
+        assert!(!s.yielded(us(40), t0 + us(50), moved, || unreachable!()));
         assert_eq!(s.stats.slow_yields, 1);
         s.busy();
         assert_eq!(s.after(0, t0 + us(60)), Some(Next::Yield));
         // Two more within the hold, with a free core on the host: move.
-        assert!(!s.yielded(us(40), t0 + us(100), || true, || unreachable!()));
-        assert!(s.yielded(us(40), t0 + us(200), || true, || Some(true)));
+        assert!(!s.yielded(us(40), t0 + us(100), moved, || unreachable!()));
+        assert!(s.yielded(us(40), t0 + us(200), moved, || Some(true)));
         assert_eq!(s.stats.moves, 1);
         // Not again within MOVE_EVERY, nor without a free core.
-        assert!(!s.yielded(us(40), t0 + us(400), || true, || unreachable!()));
+        assert!(!s.yielded(us(40), t0 + us(400), moved, || unreachable!()));
         let later = t0 + MOVE_EVERY + us(400);
         assert!(
-            !s.yielded(us(40), later, || true, || unreachable!()),
+            !s.yielded(us(40), later, moved, || unreachable!()),
             "first after the hold ended"
         );
-        assert!(!s.yielded(us(40), later + us(10), || true, || unreachable!()));
-        assert!(!s.yielded(us(40), later + us(20), || true, || Some(false)));
-        assert!(s.yielded(us(40), later + us(30), || true, || Some(true)));
+        assert!(!s.yielded(us(40), later + us(10), moved, || unreachable!()));
+        assert!(!s.yielded(us(40), later + us(20), moved, || Some(false)));
+        assert!(s.yielded(us(40), later + us(30), moved, || Some(true)));
         // The hold ends: spinning first again.
         s.busy();
         let quiet = later + SHARED_HOLD * 2;
@@ -651,13 +661,13 @@ mod tests {
         // Late yields, but nobody ran on our core (the VM's host took it):
         // no hold, no streak, no move, however many.
         for i in 0..10 {
-            assert!(!s.yielded(us(40), t0 + us(50 * i), || false, || unreachable!()));
+            assert!(!s.yielded(us(40), t0 + us(50 * i), || 0, || unreachable!()));
         }
         assert_eq!((s.stats.slow_yields, s.stats.unswitched_yields), (0, 10));
         s.busy();
         assert_eq!(s.after(0, t0 + us(600)), Some(Next::Spin), "no hold");
         // One that did switch starts the hold as before.
-        assert!(!s.yielded(us(40), t0 + us(700), || true, || unreachable!()));
+        assert!(!s.yielded(us(40), t0 + us(700), || 1, || unreachable!()));
         s.busy();
         assert_eq!(s.after(0, t0 + us(710)), Some(Next::Yield));
     }

@@ -101,8 +101,6 @@ pub struct Shard {
     spin: super::spin::Spin,
     /// How hard the host's threads wait for cores (for the spin).
     pressure: crate::sys::CpuPressure,
-    /// The thread's involuntary switches at the last late yield.
-    yield_switches: u64,
     /// CUDA copies and opened IPC handles; made when a driver is present
     /// (or on the first IPC op).
     gpu: Option<GpuWork>,
@@ -218,7 +216,6 @@ impl Shard {
             local,
             spin,
             pressure: crate::sys::CpuPressure::new(),
-            yield_switches: 0,
             gpu,
             inbox,
             iter: 0,
@@ -395,14 +392,8 @@ impl Shard {
                 std::thread::yield_now();
                 let now = Instant::now();
                 let idle_core = || crate::sys::runnable_over_cores().map(|over| !over);
-                // Asked of late yields only (a syscall): did any thread run
-                // on our core since the last one?
-                let last = &mut self.yield_switches;
-                let switched = || {
-                    let n = crate::sys::involuntary_switches();
-                    std::mem::replace(last, n) != n
-                };
-                if self.spin.yielded(now - before, now, switched, idle_core) {
+                let switches = crate::sys::involuntary_switches;
+                if self.spin.yielded(now - before, now, switches, idle_core) {
                     crate::sys::move_off_this_core();
                 }
             }
