@@ -84,6 +84,7 @@ pub mod oob;
 pub mod reactor;
 pub(crate) mod region;
 pub(crate) mod shm;
+pub mod stage_trace;
 pub(crate) mod sync;
 pub(crate) mod sys;
 pub(crate) mod tcp;

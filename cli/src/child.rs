@@ -78,8 +78,11 @@ impl Drop for Peer {
 
 pub fn spawn_self(args: &[&str]) -> Result<Child> {
     let exe = std::env::current_exe().context("finding the ferry executable")?;
-    Command::new(exe)
-        .args(args)
+    let mut cmd = Command::new(exe);
+    if let Some((k, v)) = crate::bench::stages::child_env() {
+        cmd.env(k, v);
+    }
+    cmd.args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())

@@ -143,3 +143,48 @@ fn same_host_round_trips_with_baseline_print_the_cache_line_floor() {
         "{text}"
     );
 }
+
+/// Built with `--features stage-trace`: a same-host round trip's stages,
+/// the target's among them (stamped in the other process), each printed
+/// with the round trips that reached it.
+#[cfg(feature = "stage-trace")]
+#[test]
+fn stage_trace_prints_each_stage_of_a_same_host_round_trip_both_processes_included() {
+    let out = bench(&[
+        "--transport",
+        "shm",
+        "--sizes",
+        "4K",
+        "--latency",
+        "--batch",
+        "1",
+        "--seconds",
+        "0.5",
+        "--op",
+        "write",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    for pair in [
+        "Submit -> Submitted",
+        "Submitted -> CmdTaken",
+        "CmdTaken -> RequestOut",
+        "RequestOut -> RequestIn",
+        "RequestIn -> ReplyOut",
+        "ReplyOut -> ReplyIn",
+        "ReplyIn -> Published",
+        "Published -> Seen",
+    ] {
+        let line = err
+            .lines()
+            .find(|l| l.starts_with("stage") && l.contains(pair))
+            .unwrap_or_else(|| panic!("no {pair} line in {err}"));
+        let n: u64 = line
+            .rsplit('(')
+            .next()
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no count in {line}"));
+        assert!(n > 100, "{line}");
+    }
+}

@@ -377,6 +377,7 @@ impl LocalConn {
         if push_to(&self.tx, self.hot, &mut self.ring_due, &buf[..n]).is_err() {
             return false;
         }
+        crate::stage_trace::mark(crate::stage_trace::Stage::RequestOut);
         entry.insert(Pending {
             slot,
             kind,
@@ -517,6 +518,14 @@ impl LocalConn {
             };
             work += 1;
             let (m, inline) = Msg::decode(&buf[..n]).map_err(|e| e.to_string())?;
+            if crate::stage_trace::ENABLED {
+                use crate::stage_trace::{mark, Stage};
+                match m.kind {
+                    MsgKind::WriteReq | MsgKind::ReadReq => mark(Stage::RequestIn),
+                    MsgKind::WriteAck | MsgKind::ReadResp => mark(Stage::ReplyIn),
+                    _ => {}
+                }
+            }
             self.on_msg(m, inline, regions, maps, peer_mem, sink)?;
         }
         self.flush_cma(peer_mem);
@@ -567,6 +576,7 @@ impl LocalConn {
         let mut buf = [0u8; SLOT_PAYLOAD];
         let n = m.encode(inline, &mut buf);
         if self.outbox.is_empty() && self.tx_push(&buf[..n]).is_ok() {
+            crate::stage_trace::mark(crate::stage_trace::Stage::ReplyOut);
             return;
         }
         // Room is guaranteed: the peer keeps at most peer_max requests out.

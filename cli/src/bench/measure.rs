@@ -4,6 +4,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use ferry::stage_trace::{self, Stage};
 use ferry::{AnyWindow, Batch, ConnId, Endpoint, MemoryRegion, OpKind, Shard, Transfer};
 use ferry_cli::testkit::cpu_ns;
 
@@ -454,10 +455,13 @@ impl Bench<'_> {
     pub(super) fn latency(&mut self, op: OpKind, secs: f64) -> Result<Vec<f64>> {
         let end = Instant::now() + Duration::from_secs_f64(secs);
         let mut lat = Vec::with_capacity(1 << 20);
+        let mut gaps = super::stages::Gaps::default();
         let mut n = 0u64;
         while Instant::now() < end {
             let start = Instant::now();
+            stage_trace::mark(Stage::Submit);
             let mut t = self.submit(op, 0, self.latency_bytes)?;
+            stage_trace::mark(Stage::Submitted);
             let r = loop {
                 match &mut self.shard {
                     Some(s) => {
@@ -472,12 +476,15 @@ impl Bench<'_> {
                 }
             };
             r?;
+            stage_trace::mark(Stage::Seen);
             n += 1;
             // The first few round trips warm caches and the peer's spin loop.
             if n > 100 && lat.len() < lat.capacity() {
                 lat.push(start.elapsed().as_secs_f64() * 1e6);
+                gaps.record();
             }
         }
+        gaps.print();
         if lat.is_empty() {
             // Percentiles of nothing would print NaN (and break --json).
             bail!("{op} round trips: {n} in {secs} s, all warming up (the first 100 are not counted); use a longer --seconds");

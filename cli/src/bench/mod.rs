@@ -12,6 +12,7 @@ mod reference;
 mod report;
 mod scaling;
 mod setup;
+pub(crate) mod stages;
 
 use anyhow::Result;
 
@@ -29,7 +30,14 @@ use setup::{
     transport_name, warn_spinners,
 };
 
-pub fn run(mut a: Args) -> Result<()> {
+pub fn run(a: Args) -> Result<()> {
+    stages::start();
+    let r = run_bench(a);
+    stages::finish();
+    r
+}
+
+fn run_bench(mut a: Args) -> Result<()> {
     if let Some(mode) = a.value("compress") {
         return compress::run(&mode, a);
     }

@@ -432,6 +432,7 @@ impl Shard {
         while n < COMMANDS_PER_POLL && !self.parked.full() {
             match self.wake.cmds.pop(&mut self.cmds) {
                 Some(mut cmd) => {
+                    crate::stage_trace::mark(crate::stage_trace::Stage::CmdTaken);
                     cmd.adopt();
                     n += cmd.weight();
                     self.take(cmd);
@@ -604,6 +605,9 @@ impl Shard {
     fn publish(&mut self) -> usize {
         let dir = &self.dir;
         let n = self.ledger.publish(|c| dir.contains(c));
+        if n > 0 {
+            crate::stage_trace::mark(crate::stage_trace::Stage::Published);
+        }
         if !self.ledger.notes.is_empty() || !self.notes_out.is_empty() {
             self.send_notes();
         }

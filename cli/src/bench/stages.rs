@@ -1,0 +1,83 @@
+//! The gaps between the stages of each measured round trip, when the
+//! library stamps them (`--features stage-trace`; `ferry::stage_trace`).
+//! Each round trip counts the stages stamped after its own start, so one
+//! a transport does not reach (tcp has no ring stages) is left out rather
+//! than taken from an earlier op.
+
+use ferry::stage_trace::{self, Stage};
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+/// The shared page's file: made by the bench, named to its target process.
+static PAGE: OnceLock<PathBuf> = OnceLock::new();
+
+/// With the feature, shares the stamps through a file of our own that the
+/// target process is told of (`child_env`). Without it, nothing.
+pub fn start() {
+    if !stage_trace::ENABLED {
+        return;
+    }
+    let path = std::env::temp_dir().join(format!("ferry-stages-{}", std::process::id()));
+    match stage_trace::attach(&path) {
+        Ok(()) => {
+            let _ = PAGE.set(path);
+        }
+        Err(e) => eprintln!("stage trace: {e}; the target's stages are not seen"),
+    }
+}
+
+/// The variable a spawned target needs to stamp into our page.
+pub fn child_env() -> Option<(&'static str, &'static PathBuf)> {
+    PAGE.get().map(|p| ("FERRY_STAGE_TRACE", p))
+}
+
+/// Removes the page's file.
+pub fn finish() {
+    if let Some(p) = PAGE.get() {
+        let _ = std::fs::remove_file(p);
+    }
+}
+
+/// Gaps (ns) per pair of consecutive stages seen.
+#[derive(Default)]
+pub struct Gaps(Vec<((Stage, Stage), Vec<u64>)>);
+
+impl Gaps {
+    /// After a round trip: the stamps from its `Submit` on, in stage order.
+    pub fn record(&mut self) {
+        if !stage_trace::ENABLED {
+            return;
+        }
+        let t0 = stage_trace::get(Stage::Submit);
+        let mut prev = (Stage::Submit, t0);
+        for s in Stage::ALL.into_iter().skip(1) {
+            let t = stage_trace::get(s);
+            if t < prev.1 {
+                continue;
+            }
+            let key = (prev.0, s);
+            let gap = t - prev.1;
+            match self.0.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, v)) => v.push(gap),
+                None => self.0.push((key, vec![gap])),
+            }
+            prev = (s, t);
+        }
+    }
+
+    /// One line per pair: p50, p90, p99 and how many round trips had it.
+    pub fn print(&mut self) {
+        for ((a, b), v) in self.0.iter_mut() {
+            v.sort_unstable();
+            let q = |f: f64| v[((v.len() - 1) as f64 * f) as usize];
+            eprintln!(
+                "stage {:>26} p50 {:6} ns  p90 {:6}  p99 {:6}  ({} round trips)",
+                format!("{a:?} -> {b:?}"),
+                q(0.5),
+                q(0.9),
+                q(0.99),
+                v.len()
+            );
+        }
+    }
+}
