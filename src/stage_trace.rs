@@ -107,24 +107,14 @@ mod imp {
         if meta.len() < PAGE as u64 {
             f.set_len(PAGE as u64)?;
         }
-        // SAFETY: a fresh shared mapping of one page of a file at least
-        // that long; checked for MAP_FAILED below.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                PAGE,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                f.as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
+        let map = crate::sys::Mapping::map_fd(f.as_raw_fd(), PAGE)?;
+        let p = map.ptr();
+        // Mapped for the rest of the process: the stamps are 'static.
+        std::mem::forget(map);
         // SAFETY: the page is mapped for the rest of the process (never
-        // unmapped), page-aligned, and only ever accessed through atomics
-        // (another process writing it races benignly: a stamp is a u64).
+        // unmapped), page-aligned and at least SLOTS words long, and only
+        // ever accessed through atomics (another process writing it races
+        // benignly: a stamp is a u64).
         Ok(unsafe { &*(p as *const [AtomicU64; SLOTS]) })
     }
 
