@@ -20,6 +20,8 @@ const LAYERS: &[&[&str]] = &[
     &["error"],
     &["sync"],
     &["sys", "auth"],
+    // Diagnostics the transports and the shard stamp (feature `stage-trace`).
+    &["stage_trace"],
     &["gpu"],
     &["region"],
     &["xfer"],
