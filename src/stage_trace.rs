@@ -83,8 +83,7 @@ mod imp {
     const SLOTS: usize = Stage::ALL.len();
 
     /// The stamps: a shared page's first words, or a static of our own.
-    struct Stamps(&'static [AtomicU64; SLOTS]);
-    static STAMPS: OnceLock<Stamps> = OnceLock::new();
+    static STAMPS: OnceLock<&'static [AtomicU64; SLOTS]> = OnceLock::new();
     static LOCAL: [AtomicU64; SLOTS] = [const { AtomicU64::new(0) }; SLOTS];
 
     fn map(path: &Path) -> std::io::Result<&'static [AtomicU64; SLOTS]> {
@@ -119,18 +118,14 @@ mod imp {
     }
 
     fn stamps() -> &'static [AtomicU64; SLOTS] {
-        STAMPS
-            .get_or_init(|| {
-                let shared = std::env::var_os("FERRY_STAGE_TRACE").and_then(|p| {
-                    map(Path::new(&p))
-                        .map_err(|e| {
-                            tracing::warn!("stage trace: {e}; stamps stay in this process")
-                        })
-                        .ok()
-                });
-                Stamps(shared.unwrap_or(&LOCAL))
-            })
-            .0
+        STAMPS.get_or_init(|| {
+            let shared = std::env::var_os("FERRY_STAGE_TRACE").and_then(|p| {
+                map(Path::new(&p))
+                    .map_err(|e| tracing::warn!("stage trace: {e}; stamps stay in this process"))
+                    .ok()
+            });
+            shared.unwrap_or(&LOCAL)
+        })
     }
 
     fn now_ns() -> u64 {
@@ -156,7 +151,7 @@ mod imp {
     pub fn attach(path: &Path) -> std::io::Result<()> {
         let m = map(path)?;
         STAMPS
-            .set(Stamps(m))
+            .set(m)
             .map_err(|_| std::io::Error::other("stage trace already in use"))
     }
 }
