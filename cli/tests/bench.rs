@@ -56,6 +56,43 @@ fn threads_without_managed_shards_is_refused_with_the_reason() {
 }
 
 #[test]
+fn the_embedded_shard_round_trip_runs_on_the_shard_and_through_its_queue() {
+    for submit in ["each", "queue"] {
+        let out = bench(&[
+            "--transport",
+            "shm",
+            "--sizes",
+            "8",
+            "--op",
+            "write",
+            "--latency",
+            "--batch",
+            "1",
+            "--seconds",
+            "0.2",
+            "--submit",
+            submit,
+            "--json",
+        ]);
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "--submit {submit}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(text.contains("\"p50_us\""), "--submit {submit}: {text}");
+    }
+    let out = bench(&["--transport", "shm", "--submit", "direct"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("expected each, batch or queue"), "{err}");
+    let out = bench(&["--transport", "shm", "--submit", "queue", "--burst", "4"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--burst: only with --submit batch"), "{err}");
+}
+
+#[test]
 fn idle_probe_with_baseline_reports_each_round_and_the_wake_reference() {
     let out = bench(&[
         "--transport",

@@ -157,11 +157,11 @@ impl Inner {
         parts: OpParts,
         via: &mut Via<'_>,
     ) -> Result<Transfer> {
-        check_note(via.1)?;
+        check_note(via.note)?;
         let t = self.table.claim().ok_or(Error::TooManyInflight {
             max: self.table.capacity(),
         })?;
-        if let Some(n) = via.1 {
+        if let Some(n) = via.note {
             self.attach_note(&t, conn, n);
         }
         let (base, k) = lanes_of(conn);
@@ -245,11 +245,14 @@ impl Inner {
     /// a batch (which queues a shard's staged ops once it holds
     /// `MAX_BATCH`). Only a command queued now can be refused here.
     fn send_op(&self, shard: usize, cmd: OpCmd, via: &mut Via<'_>) -> Result<()> {
-        match &mut via.0 {
-            None => self.shards[shard]
+        match &mut via.to {
+            To::Shard(s) if s.is(&self.shards[shard]) => {
+                s.submit_here(Command::Op(cmd)).map_err(|(e, _)| e)
+            }
+            To::Queue | To::Shard(_) => self.shards[shard]
                 .submit(Command::Op(cmd))
                 .map_err(|(e, _)| e),
-            Some(staged) => {
+            To::Staged(staged) => {
                 let q = &mut staged[shard];
                 if q.capacity() == 0 {
                     *q = self.shards[shard].wake.bufs.take();
@@ -317,36 +320,60 @@ impl Inner {
     }
 }
 
-/// Where an op's commands go: straight onto their shards' queues, or into
-/// a batch's per-shard lists (queued when the batch is). Public only as
-/// a sealed trait's argument; nothing outside can make or read one.
-pub struct Via<'a>(Option<&'a mut [Vec<OpCmd>]>, Option<&'a [u8]>);
+/// Where an op's commands go: straight onto their shards' queues, into
+/// a batch's per-shard lists (queued when the batch is), or applied at
+/// once by the embedded shard the calling thread drives (commands for
+/// other shards still go to their queues). Public only as a sealed
+/// trait's argument; nothing outside can make or read one.
+pub struct Via<'a> {
+    to: To<'a>,
+    note: Option<&'a [u8]>,
+}
+
+enum To<'a> {
+    Queue,
+    Staged(&'a mut [Vec<OpCmd>]),
+    Shard(&'a mut Shard),
+}
 
 impl<'a> Via<'a> {
     pub(super) fn now() -> Self {
-        Via(None, None)
+        Via {
+            to: To::Queue,
+            note: None,
+        }
     }
 
     pub(super) fn staged(per_shard: &'a mut [Vec<OpCmd>]) -> Self {
-        Via(Some(per_shard), None)
+        Via {
+            to: To::Staged(per_shard),
+            note: None,
+        }
     }
 
-    /// Whether the op is queued to its shard now (not staged in a batch,
-    /// which may be queued after its regions are gone): its slices may
-    /// then be borrowed (`RegionSlice::borrowed`).
+    pub(super) fn on(shard: &'a mut Shard) -> Self {
+        Via {
+            to: To::Shard(shard),
+            note: None,
+        }
+    }
+
+    /// Whether the op is queued to its shard (or applied by it) now, not
+    /// staged in a batch, which may be queued after its regions are gone:
+    /// its slices may then be borrowed (`RegionSlice::borrowed`).
     pub(super) fn is_now(&self) -> bool {
-        self.0.is_none()
+        !matches!(self.to, To::Staged(_))
     }
 
     /// Whether a notification rides with the op.
     pub(super) fn note(&self) -> Option<&'a [u8]> {
-        self.1
+        self.note
     }
 
     /// With a notification for the peer, sent by a shard once the op
     /// ended well.
     pub(super) fn noting(mut self, note: &'a [u8]) -> Self {
-        self.1 = Some(note);
+        self.note = Some(note);
         self
     }
 }

@@ -205,6 +205,58 @@ impl Endpoint {
         )
     }
 
+    /// Embedded mode: [`write_async`](Endpoint::write_async) applied at
+    /// once by `shard`, the shard this thread drives, instead of through
+    /// its command queue (no queue push, no wake, nothing to wait for the
+    /// next [`Shard::poll`](crate::Shard::poll)'s drain): the shortest
+    /// path from a call to the wire. Ops stay in order with what this
+    /// thread queued before. A connection served by another shard (or
+    /// `shard` of another endpoint) goes through that shard's queue, as
+    /// with `write_async`; CUDA IPC windows too.
+    pub fn write_async_on<W: Window>(
+        &self,
+        shard: &mut crate::Shard,
+        conn: ConnId,
+        mr: &MemoryRegion,
+        offset: usize,
+        len: usize,
+        remote: &W,
+    ) -> Result<Transfer> {
+        let locals = [(mr, offset, len)];
+        let remotes = std::slice::from_ref(remote);
+        W::submit(
+            self,
+            conn,
+            OpKind::Write,
+            &locals,
+            remotes,
+            &mut Via::on(shard),
+        )
+    }
+
+    /// Embedded mode: [`read_async`](Endpoint::read_async) applied at once
+    /// by `shard` (see [`write_async_on`](Endpoint::write_async_on)).
+    pub fn read_async_on<W: Window>(
+        &self,
+        shard: &mut crate::Shard,
+        conn: ConnId,
+        mr: &MemoryRegion,
+        offset: usize,
+        len: usize,
+        remote: &W,
+    ) -> Result<Transfer> {
+        let locals = [(mr, offset, len)];
+        let remotes = std::slice::from_ref(remote);
+        W::submit(
+            self,
+            conn,
+            OpKind::Read,
+            &locals,
+            remotes,
+            &mut Via::on(shard),
+        )
+    }
+
     /// Starts one WRITE per (local slice, window) pair, as one transfer.
     #[doc(alias = "writev_ipc_async")]
     pub fn writev_async<W: Window>(

@@ -335,6 +335,23 @@ pub(crate) struct WakeState {
 }
 
 impl WakeState {
+    /// Queues a command for shard `shard` (this one's id, for the error);
+    /// `Ok(true)`: the shard is parked and wants a wake. A full queue is
+    /// back-pressure and hands the command back.
+    #[allow(clippy::result_large_err)]
+    pub fn push(&self, shard: usize, cmd: Command) -> Result<bool, (Error, Command)> {
+        self.cmds.push(cmd).map_err(|e| match e {
+            (PushError::Full, c) => (
+                Error::QueueFull {
+                    shard,
+                    capacity: self.cmds.depth(),
+                },
+                c,
+            ),
+            (PushError::Closed, c) => (Error::Shutdown, c),
+        })
+    }
+
     /// For wakers with queues of their own (written before this call).
     pub fn wake_if_parked(&self) {
         if self.cmds.park_wanted() {
@@ -431,22 +448,10 @@ impl ShardHandle {
     // returns Ok and moves nothing.
     #[allow(clippy::result_large_err)]
     pub fn submit(&self, cmd: Command) -> Result<(), (Error, Command)> {
-        match self.wake.cmds.push(cmd) {
-            Ok(parked) => {
-                if parked {
-                    let _ = self.wake.waker.wake();
-                }
-                Ok(())
-            }
-            Err((PushError::Full, c)) => Err((
-                Error::QueueFull {
-                    shard: self.id,
-                    capacity: self.wake.cmds.depth(),
-                },
-                c,
-            )),
-            Err((PushError::Closed, c)) => Err((Error::Shutdown, c)),
+        if self.wake.push(self.id, cmd)? {
+            let _ = self.wake.waker.wake();
         }
+        Ok(())
     }
 
     /// Queues a control command, retrying while the queue is full (the

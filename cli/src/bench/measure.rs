@@ -149,6 +149,28 @@ pub(super) fn submit_on(
     })
 }
 
+/// `submit_on` without a batch, applied at once by `shard`, the embedded
+/// shard this thread drives (`write_async_on`).
+#[allow(clippy::too_many_arguments)]
+fn submit_here(
+    ep: &Endpoint,
+    shard: &mut Shard,
+    c: ConnId,
+    local: &MemoryRegion,
+    remote: &AnyWindow,
+    op: OpKind,
+    off: usize,
+    size: usize,
+) -> Result<Transfer> {
+    let rb = remote
+        .slice(off as u64, size as u64)
+        .context("remote window")?;
+    Ok(match op {
+        OpKind::Write => ep.write_async_on(shard, c, local, off, size, &rb)?,
+        OpKind::Read => ep.read_async_on(shard, c, local, off, size, &rb)?,
+    })
+}
+
 /// Keeps `inflight` at `batch` ops, each made by `submit(k)` for the
 /// next `k` (counting on from `*k`); with `burst` (`--submit batch`) only
 /// once that many are missing (at most `batch`), all staged in one
@@ -232,8 +254,9 @@ pub(super) struct Measured {
 pub(super) struct Bench<'a> {
     pub(super) ep: &'a Endpoint,
     /// The initiator's one embedded shard (None: managed shards, with
-    /// --shards > 1).
-    pub(super) shard: Option<Shard>,
+    /// --shards > 1). In a cell: ops are submitted on it (`write_async_on`)
+    /// from `&self`.
+    pub(super) shard: std::cell::RefCell<Option<Shard>>,
     /// The connections measured (--conns), used in turn.
     pub(super) conns: Vec<ConnId>,
     pub(super) turn: std::cell::Cell<usize>,
@@ -246,6 +269,8 @@ pub(super) struct Bench<'a> {
     /// Refills go through `Endpoint::batch` (`--submit batch`), each of
     /// at least this many ops (`--burst`; 0: a quarter of the batch).
     pub(super) batched: Option<usize>,
+    /// `--submit queue`: ops go through the embedded shard's queue.
+    pub(super) queued: bool,
 }
 
 impl Bench<'_> {
@@ -264,6 +289,11 @@ impl Bench<'_> {
         let t = self.turn.get();
         self.turn.set(t.wrapping_add(1));
         let c = self.conns[t % self.conns.len()];
+        if batch.is_none() && !self.queued {
+            if let Some(s) = self.shard.borrow_mut().as_mut() {
+                return submit_here(self.ep, s, c, &self.local, &self.remote, op, off, size);
+            }
+        }
         submit_on(self.ep, batch, c, &self.local, &self.remote, op, off, size)
     }
 
@@ -282,7 +312,7 @@ impl Bench<'_> {
         batch: usize,
         secs: f64,
     ) -> Result<Measured> {
-        if self.threads > 1 && self.shard.is_none() {
+        if self.threads > 1 && self.shard.get_mut().is_none() {
             return self.threaded(op, size, batch, secs);
         }
         let slots = self.slots(size);
@@ -326,11 +356,11 @@ impl Bench<'_> {
             // (ops on different shards end in any order: waiting on the
             // oldest would let one slow op idle every other shard) and
             // sleeps on the oldest only after a while without any ending.
-            if let Some(s) = &mut self.shard {
+            if let Some(s) = self.shard.get_mut() {
                 s.poll_or_park(Duration::from_millis(1));
             }
             let reaped = w.reap(&mut inflight, op, size, self.conns.len() > 1)?;
-            if self.shard.is_none() {
+            if self.shard.get_mut().is_none() {
                 idle.wait_unless(reaped > 0, &mut inflight);
             }
         }
@@ -422,7 +452,7 @@ impl Bench<'_> {
         let (here0, there0) = (cpu_ns(me), cpu_ns(target_pid));
         let start = Instant::now();
         while start.elapsed().as_secs_f64() < secs {
-            match &mut self.shard {
+            match self.shard.get_mut() {
                 Some(s) => {
                     s.poll_or_park(Duration::from_millis(100));
                 }
@@ -438,7 +468,7 @@ impl Bench<'_> {
             // A waiter that spins but yields its core (as a shard's spin
             // does, and as the reference's waiter does): the peer we woke
             // may need this core.
-            if let Some(s) = &mut self.shard {
+            if let Some(s) = self.shard.get_mut() {
                 s.poll();
             }
             std::thread::yield_now();
@@ -463,7 +493,7 @@ impl Bench<'_> {
             let mut t = self.submit(op, 0, self.latency_bytes)?;
             stage_trace::mark(Stage::Submitted);
             let r = loop {
-                match &mut self.shard {
+                match self.shard.get_mut() {
                     Some(s) => {
                         s.poll_or_park(Duration::from_millis(1));
                     }

@@ -74,7 +74,7 @@ fn run_bench(mut a: Args) -> Result<()> {
     let (local, remote) = buffers(&o, &ep, shm, bytes, &served)?;
     let mut b = Bench {
         ep: &ep,
-        shard,
+        shard: std::cell::RefCell::new(shard),
         conns,
         turn: Default::default(),
         local,
@@ -82,6 +82,7 @@ fn run_bench(mut a: Args) -> Result<()> {
         latency_bytes: if o.ipc { 4096 } else { 8 },
         threads: o.threads,
         batched: o.batched,
+        queued: o.queued,
     };
     let mut reference = make_reference(&o, &ep, shm, bytes, &served, peer_gpu)?;
     if !o.json {

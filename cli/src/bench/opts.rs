@@ -85,10 +85,16 @@ Flags:
   --conns N              measure over N connections to the target, each
                          op on the next in turn (each connection on the
                          next shard: with --shards, the work of many peers)
-  --submit each|batch    how the ops in flight are refilled: one
-                         write_async/read_async call each (default), or
+  --submit each|batch|queue
+                         how the ops in flight are refilled: one call each
+                         (default; with one shard, embedded in the
+                         benchmark loop, write_async_on/read_async_on: the
+                         shard applies the op in the call, no queue hop),
                          staged in an Endpoint::batch and queued together,
-                         one queue push per shard per refill
+                         one queue push per shard per refill (batch), or
+                         one write_async/read_async call each through the
+                         shard's command queue even when it is embedded
+                         (queue: what builds before write_async_on did)
   --burst N              with --submit batch: refill only once N ops of
                          --batch have ended, all N in one batch (default
                          a quarter of --batch): how an application posts a
@@ -152,6 +158,8 @@ pub(super) struct Opts {
     /// `--submit batch`: refills go through `Endpoint::batch`, each of at
     /// least this many ops (`--burst`; 0: a quarter of the batch).
     pub(super) batched: Option<usize>,
+    /// `--submit queue`: an embedded shard's ops go through its queue too.
+    pub(super) queued: bool,
     pub(super) contend: usize,
     pub(super) plot: Option<String>,
     /// `--directory URL --peer NAME [--cluster C]`: measure against a
@@ -204,7 +212,7 @@ pub(super) fn parse(mut a: Args) -> Result<Opts> {
     if shards.is_some_and(|n| n == 0 || n > 256) {
         bail!("--shards: must be 1..=256");
     }
-    let (conns, threads, batched) = parse_feeding(&mut a, shards)?;
+    let (conns, threads, batched, queued) = parse_feeding(&mut a, shards)?;
     let local_only = baseline || idle_conns > 1 || contend > 0 || streams_list.is_some();
     let directory = parse_directory(&mut a, local_only)?;
     let o = Opts {
@@ -213,6 +221,7 @@ pub(super) fn parse(mut a: Args) -> Result<Opts> {
         conns,
         threads,
         batched,
+        queued,
         streams,
         shards,
         plot: a.value("plot"),
@@ -267,7 +276,10 @@ pub(super) fn parse_sizes(
 }
 
 /// How the ops are fed: `--conns`, `--threads`, `--submit`.
-fn parse_feeding(a: &mut Args, shards: Option<usize>) -> Result<(usize, usize, Option<usize>)> {
+fn parse_feeding(
+    a: &mut Args,
+    shards: Option<usize>,
+) -> Result<(usize, usize, Option<usize>, bool)> {
     let conns: usize = a.parsed("conns", 1)?;
     if conns == 0 || conns > 1024 {
         bail!("--conns {conns}: must be 1..=1024");
@@ -286,13 +298,15 @@ fn parse_feeding(a: &mut Args, shards: Option<usize>) -> Result<(usize, usize, O
     if burst.is_some_and(|n| n == 0 || n > 4096) {
         bail!("--burst: must be 1..=4096");
     }
-    let batched = match a.value("submit").as_deref().unwrap_or("each") {
+    let submit = a.value("submit");
+    let submit = submit.as_deref().unwrap_or("each");
+    let batched = match submit {
         "batch" => Some(burst.unwrap_or(0)),
-        "each" if burst.is_some() => bail!("--burst: only with --submit batch"),
-        "each" => None,
-        v => bail!("--submit {v}: expected each or batch"),
+        "each" | "queue" if burst.is_some() => bail!("--burst: only with --submit batch"),
+        "each" | "queue" => None,
+        v => bail!("--submit {v}: expected each, batch or queue"),
     };
-    Ok((conns, threads, batched))
+    Ok((conns, threads, batched, submit == "queue"))
 }
 
 /// What the run moves and over which path.
