@@ -139,6 +139,10 @@ macro_rules! settings {
             /// yields the core on each idle pass (`FERRY_SPIN_YIELD_US`, default
             /// 20; 0: yield on every idle pass).
             spin_yield_us: u64 = 20, "FERRY_SPIN_YIELD_US", range(0, 10_000_000);
+            /// Of that spin, how many idle passes right after work poll again
+            /// without the CPU's pause hint (`FERRY_SPIN_EAGER_PASSES`, default
+            /// 32; 0: every spinning pass pauses first).
+            spin_eager_passes: u32 = 32, "FERRY_SPIN_EAGER_PASSES", range(0, 1_000_000);
             /// Control-path backend (`FERRY_IO=auto|uring|epoll`).
             io: IoPreference = IoPreference::Auto, "FERRY_IO", with(io_preference);
             /// Data path (`FERRY_TRANSPORT=auto|tcp|shm`).

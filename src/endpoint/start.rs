@@ -68,6 +68,7 @@ fn shard_config(
     ShardConfig {
         spin: Duration::from_micros(cfg.spin_us),
         spin_yield: Duration::from_micros(cfg.spin_yield_us),
+        spin_eager_passes: cfg.spin_eager_passes,
         op_timeout: cfg.op_timeout(),
         idle_timeout: (cfg.idle_timeout_ms > 0).then(|| Duration::from_millis(cfg.idle_timeout_ms)),
         chunk_bytes: cfg.chunk_bytes,

@@ -10,7 +10,13 @@
 //!    nanoseconds. A `sched_yield` here costs a syscall (~0.3–1 µs in a
 //!    VM), and a message that arrives during it waits for it: yielding on
 //!    every idle pass took the 2-core same-host round trip from 0.8 to
-//!    1.5 µs at p50 (A/B in BENCHMARKS.md);
+//!    1.5 µs at p50 (A/B in BENCHMARKS.md). The first
+//!    `FERRY_SPIN_EAGER_PASSES` spinning passes after work skip the hint:
+//!    a reply is likeliest then, and the hint (~25 ns on the 2-core
+//!    machine, up to ~140 cycles on other x86 cores) delays its discovery
+//!    by part of itself each pass — 0.565 → 0.52 µs at p50 of the 2-core
+//!    same-host round trip (12 rounds; BENCHMARKS.md). Past them the hint
+//!    stays, for the sibling hyperthread and for power;
 //! 2. then **yields** its core on each idle pass, up to `FERRY_SPIN_US`
 //!    after its last work: a peer thread we just woke is often queued on
 //!    our own core (the kernel's wake-affine placement) and would wait
@@ -117,6 +123,9 @@ const SHARED_CORE_SWITCHES_PER_S: u64 = 5000;
 /// What an idle shard does after a pass that found nothing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Next {
+    /// Poll again at once, no pause hint: the first idle passes after
+    /// work (`FERRY_SPIN_EAGER_PASSES`), when a reply is likeliest.
+    Poll,
     /// Poll again at once (after a pause hint).
     Spin,
     /// Yield the core, then poll again.
@@ -130,6 +139,9 @@ pub(crate) enum Next {
 pub struct SpinStats {
     /// Passes that found no work.
     pub idle_passes: u64,
+    /// Of those, spinning ones right after work that polled again without
+    /// the pause hint.
+    pub eager_passes: u64,
     /// Idle passes that yielded the core.
     pub yields: u64,
     /// Times the shard decided to park (each may still find work in the
@@ -161,6 +173,10 @@ pub(crate) struct Spin {
     max: Duration,
     /// ... yielding only after this much of it.
     yield_after: Duration,
+    /// Spinning idle passes after work that skip the pause hint, and how
+    /// many are left since the last work.
+    eager: u32,
+    eager_left: u32,
     /// Until when the shard parks as soon as it is idle, and how long that
     /// calm was.
     calm_until: Option<Instant>,
@@ -200,6 +216,8 @@ impl Spin {
         Self {
             max,
             yield_after,
+            eager: 0,
+            eager_left: 0,
             calm_until: None,
             calm: Duration::ZERO,
             idle_since: None,
@@ -218,6 +236,13 @@ impl Spin {
             late_switches: 0,
             stats: SpinStats::default(),
         }
+    }
+
+    /// The first `passes` spinning idle passes after work poll again
+    /// without the pause hint (`FERRY_SPIN_EAGER_PASSES`).
+    pub fn eager(mut self, passes: u32) -> Self {
+        self.eager = passes;
+        self
     }
 
     /// Before a park: `switches` is the thread's involuntary context switch
@@ -287,6 +312,7 @@ impl Spin {
         self.idle_since = None;
         self.last_idle_pass = None;
         self.unclocked = 0;
+        self.eager_left = self.eager;
     }
 
     /// After a pass that found nothing: what to do next. Reads the clock
@@ -301,19 +327,26 @@ impl Spin {
         loaded: impl FnOnce() -> Option<bool>,
         awaiting: impl FnOnce() -> bool,
     ) -> Next {
-        if self.unclocked > 0 {
+        let next = if self.unclocked > 0 {
             self.unclocked -= 1;
             self.stats.idle_passes += 1;
             if self.last == Next::Yield {
                 self.stats.yields += 1;
             }
-            return self.last;
+            self.last
+        } else {
+            let next = self.idle(now(), loaded, awaiting);
+            if next != Next::Park {
+                self.unclocked = self.stride - 1;
+            }
+            self.last = next;
+            next
+        };
+        if next == Next::Spin && self.eager_left > 0 {
+            self.eager_left -= 1;
+            self.stats.eager_passes += 1;
+            return Next::Poll;
         }
-        let next = self.idle(now(), loaded, awaiting);
-        if next != Next::Park {
-            self.unclocked = self.stride - 1;
-        }
-        self.last = next;
         next
     }
 
@@ -486,6 +519,36 @@ mod tests {
             "work: the clock at once"
         );
         assert_eq!(reads, 5);
+    }
+
+    #[test]
+    fn the_first_spinning_passes_after_work_skip_the_pause_and_never_a_yield_or_park() {
+        let t0 = Instant::now();
+        let mut s = Spin::new(us(50), us(10)).eager(6);
+        let pass = |s: &mut Spin, t: Instant| s.idle_pass(|| t, || Some(false), || false);
+        assert_eq!(pass(&mut s, t0), Next::Spin, "no work yet: nothing eager");
+        s.busy();
+        for i in 0..6 {
+            assert_eq!(pass(&mut s, t0 + us(1)), Next::Poll, "pass {i}");
+        }
+        for _ in 0..CLOCK_STRIDE {
+            assert_eq!(pass(&mut s, t0 + us(2)), Next::Spin, "then the hint");
+        }
+        assert_eq!(s.stats.eager_passes, 6);
+        s.busy();
+        assert_eq!(pass(&mut s, t0 + us(3)), Next::Poll, "work starts it over");
+        // Past the spin it yields, eager passes left or not (the clock is
+        // read again after the unclocked passes).
+        for _ in 1..CLOCK_STRIDE {
+            assert_eq!(pass(&mut s, t0 + us(4)), Next::Poll);
+        }
+        assert_eq!(pass(&mut s, t0 + us(20)), Next::Yield);
+        // A loaded host yields at once after work: no eager pass then.
+        let mut s = Spin::new(us(50), us(10)).eager(6);
+        s.last_look = true;
+        s.busy();
+        assert_eq!(s.idle_pass(|| t0, || Some(true), || false), Next::Yield);
+        assert_eq!(s.stats.eager_passes, 0);
     }
 
     #[test]

@@ -69,6 +69,8 @@ pub(crate) struct ShardConfig {
     pub spin: Duration,
     /// How much of the spin polls without yielding the core.
     pub spin_yield: Duration,
+    /// Spinning idle passes after work without the pause hint.
+    pub spin_eager_passes: u32,
     pub op_timeout: Duration,
     /// Connections idle this long are closed (None: never).
     pub idle_timeout: Option<Duration>,
@@ -200,7 +202,7 @@ impl Shard {
                 cfg.gpu_bounce_bytes,
             )
         });
-        let spin = super::spin::Spin::new(cfg.spin, cfg.spin_yield);
+        let spin = super::spin::Spin::new(cfg.spin, cfg.spin_yield).eager(cfg.spin_eager_passes);
         let parked = super::backlog::Backlog::new(cfg.sq_depth, PARKED_PER_DEPTH * cfg.sq_depth);
         let shard = Shard {
             id,
@@ -386,6 +388,7 @@ impl Shard {
         let (local, tcp) = (&self.local, &self.tcp);
         let awaiting = || local.awaiting_replies() || tcp.awaiting_replies();
         match self.spin.idle_pass(Instant::now, loaded, awaiting) {
+            Next::Poll => {}
             Next::Spin => std::hint::spin_loop(),
             Next::Yield => {
                 let before = Instant::now();
