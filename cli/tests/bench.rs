@@ -187,21 +187,39 @@ fn same_host_round_trips_with_baseline_print_the_cache_line_floor() {
 #[cfg(feature = "stage-trace")]
 #[test]
 fn stage_trace_prints_each_stage_of_a_same_host_round_trip_both_processes_included() {
-    let out = bench(&[
-        "--transport",
-        "shm",
-        "--sizes",
-        "4K",
-        "--latency",
-        "--batch",
-        "1",
-        "--seconds",
-        "0.5",
-        "--op",
-        "write",
-    ]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "--transport",
+            "shm",
+            "--sizes",
+            "4K",
+            "--latency",
+            "--batch",
+            "1",
+            "--seconds",
+            "0.5",
+            "--op",
+            "write",
+        ];
+        args.extend_from_slice(extra);
+        let out = bench(&args);
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{err}");
+        err
+    };
+    let count = |err: &str, pair: &str| -> u64 {
+        let line = err
+            .lines()
+            .find(|l| l.starts_with("stage") && l.contains(pair))
+            .unwrap_or_else(|| panic!("no {pair} line in {err}"));
+        line.rsplit('(')
+            .next()
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no count in {line}"))
+    };
+    // Through the shard's queue: every stage, in stage order.
+    let err = run(&["--submit", "queue"]);
     for pair in [
         "Submit -> Submitted",
         "Submitted -> CmdTaken",
@@ -212,16 +230,19 @@ fn stage_trace_prints_each_stage_of_a_same_host_round_trip_both_processes_includ
         "ReplyIn -> Published",
         "Published -> Seen",
     ] {
-        let line = err
-            .lines()
-            .find(|l| l.starts_with("stage") && l.contains(pair))
-            .unwrap_or_else(|| panic!("no {pair} line in {err}"));
-        let n: u64 = line
-            .rsplit('(')
-            .next()
-            .and_then(|r| r.split_whitespace().next())
-            .and_then(|n| n.parse().ok())
-            .unwrap_or_else(|| panic!("no count in {line}"));
-        assert!(n > 100, "{line}");
+        assert!(count(&err, pair) > 100, "{pair}: {err}");
     }
+    // Applied in the call (the default, `write_async_on`): the request is
+    // out before the call returns, and no queue is crossed.
+    let err = run(&[]);
+    for pair in [
+        "Submit -> RequestOut",
+        "RequestOut -> Submitted",
+        "ReplyOut -> ReplyIn",
+        "ReplyIn -> Published",
+        "Published -> Seen",
+    ] {
+        assert!(count(&err, pair) > 100, "{pair}: {err}");
+    }
+    assert!(!err.contains("CmdTaken"), "{err}");
 }

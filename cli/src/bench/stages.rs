@@ -43,25 +43,34 @@ pub fn finish() {
 pub struct Gaps(Vec<((Stage, Stage), Vec<u64>)>);
 
 impl Gaps {
-    /// After a round trip: the stamps from its `Submit` on, in stage order.
+    /// After a round trip: the stamps from its `Submit` on, in the order
+    /// they were made (an op applied in the submit call, `write_async_on`,
+    /// goes out before the call returns; through the queue, after).
     pub fn record(&mut self) {
         if !stage_trace::ENABLED {
             return;
         }
         let t0 = stage_trace::get(Stage::Submit);
-        let mut prev = (Stage::Submit, t0);
+        let mut seen = [(0u64, Stage::Submit); Stage::ALL.len()];
+        let mut n = 0;
         for s in Stage::ALL.into_iter().skip(1) {
             let t = stage_trace::get(s);
-            if t < prev.1 {
-                continue;
+            if t >= t0 {
+                seen[n] = (t, s);
+                n += 1;
             }
-            let key = (prev.0, s);
-            let gap = t - prev.1;
+        }
+        let seen = &mut seen[..n];
+        seen.sort_unstable_by_key(|&(t, s)| (t, s as usize));
+        let mut prev = (t0, Stage::Submit);
+        for &(t, s) in seen.iter() {
+            let key = (prev.1, s);
+            let gap = t - prev.0;
             match self.0.iter_mut().find(|(k, _)| *k == key) {
                 Some((_, v)) => v.push(gap),
                 None => self.0.push((key, vec![gap])),
             }
-            prev = (s, t);
+            prev = (t, s);
         }
     }
 
