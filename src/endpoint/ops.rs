@@ -222,16 +222,7 @@ impl Endpoint {
         len: usize,
         remote: &W,
     ) -> Result<Transfer> {
-        let locals = [(mr, offset, len)];
-        let remotes = std::slice::from_ref(remote);
-        W::submit(
-            self,
-            conn,
-            OpKind::Write,
-            &locals,
-            remotes,
-            &mut Via::on(shard),
-        )
+        self.one_on(shard, conn, OpKind::Write, mr, offset, len, remote)
     }
 
     /// Embedded mode: [`read_async`](Endpoint::read_async) applied at once
@@ -245,16 +236,24 @@ impl Endpoint {
         len: usize,
         remote: &W,
     ) -> Result<Transfer> {
+        self.one_on(shard, conn, OpKind::Read, mr, offset, len, remote)
+    }
+
+    /// One op of `kind` applied by `shard` (see `write_async_on`).
+    #[allow(clippy::too_many_arguments)]
+    fn one_on<W: Window>(
+        &self,
+        shard: &mut crate::Shard,
+        conn: ConnId,
+        kind: OpKind,
+        mr: &MemoryRegion,
+        offset: usize,
+        len: usize,
+        remote: &W,
+    ) -> Result<Transfer> {
         let locals = [(mr, offset, len)];
         let remotes = std::slice::from_ref(remote);
-        W::submit(
-            self,
-            conn,
-            OpKind::Read,
-            &locals,
-            remotes,
-            &mut Via::on(shard),
-        )
+        W::submit(self, conn, kind, &locals, remotes, &mut Via::on(shard))
     }
 
     /// Starts one WRITE per (local slice, window) pair, as one transfer.

@@ -125,12 +125,27 @@ impl Window {
     }
 }
 
+/// How an op is started: queued to its shard, staged in a batch, or
+/// applied by the embedded shard this thread drives (`write_async_on`).
+pub(super) enum Via<'a, 'b> {
+    Queue,
+    Batch(&'a mut Batch<'b>),
+    Shard(&'a mut Shard),
+}
+
+impl<'a, 'b> From<Option<&'a mut Batch<'b>>> for Via<'a, 'b> {
+    fn from(b: Option<&'a mut Batch<'b>>) -> Self {
+        b.map_or(Via::Queue, Via::Batch)
+    }
+}
+
 /// Starts one op of `size` bytes at `off` of both the local region and
-/// the remote window, on connection `c`: at once, or staged in `batch`.
+/// the remote window, on connection `c`, `via` its shard's queue, a batch
+/// or the embedded shard.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn submit_on(
     ep: &Endpoint,
-    batch: Option<&mut Batch<'_>>,
+    via: Via<'_, '_>,
     c: ConnId,
     local: &MemoryRegion,
     remote: &AnyWindow,
@@ -141,33 +156,13 @@ pub(super) fn submit_on(
     let rb = remote
         .slice(off as u64, size as u64)
         .context("remote window")?;
-    Ok(match (op, batch) {
-        (OpKind::Write, None) => ep.write_async(c, local, off, size, &rb)?,
-        (OpKind::Read, None) => ep.read_async(c, local, off, size, &rb)?,
-        (OpKind::Write, Some(b)) => b.write(c, local, off, size, &rb)?,
-        (OpKind::Read, Some(b)) => b.read(c, local, off, size, &rb)?,
-    })
-}
-
-/// `submit_on` without a batch, applied at once by `shard`, the embedded
-/// shard this thread drives (`write_async_on`).
-#[allow(clippy::too_many_arguments)]
-fn submit_here(
-    ep: &Endpoint,
-    shard: &mut Shard,
-    c: ConnId,
-    local: &MemoryRegion,
-    remote: &AnyWindow,
-    op: OpKind,
-    off: usize,
-    size: usize,
-) -> Result<Transfer> {
-    let rb = remote
-        .slice(off as u64, size as u64)
-        .context("remote window")?;
-    Ok(match op {
-        OpKind::Write => ep.write_async_on(shard, c, local, off, size, &rb)?,
-        OpKind::Read => ep.read_async_on(shard, c, local, off, size, &rb)?,
+    Ok(match (op, via) {
+        (OpKind::Write, Via::Queue) => ep.write_async(c, local, off, size, &rb)?,
+        (OpKind::Read, Via::Queue) => ep.read_async(c, local, off, size, &rb)?,
+        (OpKind::Write, Via::Batch(b)) => b.write(c, local, off, size, &rb)?,
+        (OpKind::Read, Via::Batch(b)) => b.read(c, local, off, size, &rb)?,
+        (OpKind::Write, Via::Shard(s)) => ep.write_async_on(s, c, local, off, size, &rb)?,
+        (OpKind::Read, Via::Shard(s)) => ep.read_async_on(s, c, local, off, size, &rb)?,
     })
 }
 
@@ -289,12 +284,13 @@ impl Bench<'_> {
         let t = self.turn.get();
         self.turn.set(t.wrapping_add(1));
         let c = self.conns[t % self.conns.len()];
-        if batch.is_none() && !self.queued {
-            if let Some(s) = self.shard.borrow_mut().as_mut() {
-                return submit_here(self.ep, s, c, &self.local, &self.remote, op, off, size);
-            }
-        }
-        submit_on(self.ep, batch, c, &self.local, &self.remote, op, off, size)
+        let mut shard = self.shard.borrow_mut();
+        let via = match (batch, shard.as_mut()) {
+            (Some(b), _) => Via::Batch(b),
+            (None, Some(s)) if !self.queued => Via::Shard(s),
+            (None, _) => Via::Queue,
+        };
+        submit_on(self.ep, via, c, &self.local, &self.remote, op, off, size)
     }
 
     /// Distinct `size`-byte windows the run cycles through.
@@ -401,7 +397,7 @@ impl Bench<'_> {
                         let base = i * per;
                         let submit = |b: Option<&mut Batch<'_>>, k: usize| {
                             let off = (base + k % per) * size;
-                            submit_on(ep, b, c, local, remote, op, off, size)
+                            submit_on(ep, b.into(), c, local, remote, op, off, size)
                         };
                         let mut inflight: VecDeque<(Transfer, Instant)> =
                             VecDeque::with_capacity(batch);
