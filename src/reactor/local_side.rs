@@ -181,10 +181,15 @@ impl LocalSide {
     /// pass pushed to quietly (hot connections push quietly; see
     /// `LocalConn::tx_push`).
     pub fn ring_due(&mut self) {
-        for &i in &self.hot {
-            if let Some(lc) = self.conns.get_mut(i) {
-                lc.ring_if_due();
-            }
+        for h in 0..self.hot.len() {
+            self.ring_one(self.hot[h]);
+        }
+    }
+
+    /// `ring_due` for connection `idx` alone (an op applied outside a pass).
+    pub fn ring_one(&mut self, idx: usize) {
+        if let Some(lc) = self.conns.get_mut(idx) {
+            lc.ring_if_due();
         }
     }
 

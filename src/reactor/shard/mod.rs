@@ -463,10 +463,13 @@ impl Shard {
         // A pass's clock may be old: the op's deadline starts now.
         self.pass_now = None;
         cmd.adopt();
+        let conn = cmd.waits_on();
         self.take(cmd);
         // What it pushed to a peer that sleeps rings now, not at the end
-        // of the next pass.
-        self.local.ring_due();
+        // of the next pass; only its own connection can have become due.
+        if let Some(ConnRef::Local(i)) = conn.and_then(|c| self.dir.get(c)) {
+            self.local.ring_one(i);
+        }
         Ok(())
     }
 
