@@ -729,15 +729,37 @@ mod tests {
             reopened
         });
         std::thread::sleep(Duration::from_millis(50));
+        // Each honest client tries twice. The gate cannot tell an honest
+        // socket that has not sent its Hello yet from a silent attacker's:
+        // a client preempted between its connect and its Hello (a loaded
+        // 2-core CI machine) can be evicted as the oldest silent one, as a
+        // real client would be, and then connects again. A gate that
+        // evicted clients that had spoken would fail most first tries.
         let (results, done) = drive(&mut gate, &l, &hooks, move || {
             (0..20)
-                .map(|_| connect(addr, hello(1, 0, 2, false), None).map_err(|e| e.to_string()))
+                .map(|_| {
+                    let first =
+                        connect(addr, hello(1, 0, 2, false), None).map_err(|e| e.to_string());
+                    let again = first.is_err();
+                    let r = first.or_else(|_| {
+                        connect(addr, hello(1, 0, 2, false), None).map_err(|e| e.to_string())
+                    });
+                    (r, again)
+                })
                 .collect::<Vec<_>>()
         });
         stop.store(true, Ordering::Relaxed);
         let reopened = attacker.join().unwrap();
-        let failed: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+        let failed: Vec<&String> = results
+            .iter()
+            .filter_map(|(r, _)| r.as_ref().err())
+            .collect();
         assert!(failed.is_empty(), "{failed:?}");
+        let retried = results.iter().filter(|(_, again)| *again).count();
+        assert!(
+            retried <= 2,
+            "{retried} of 20 honest clients were dropped on their first try"
+        );
         assert_eq!(done.len(), 20);
         assert!(reopened > 0, "the flood never hit the bound");
         assert!(gate.stats().evicted > 0);
