@@ -47,6 +47,39 @@ fn several_submitting_threads_each_keep_their_batch_in_flight() {
     }
 }
 
+/// One thread over three connections of two shards, 7 ops in flight:
+/// shares of 3, 2 and 2, each refilled on its own connection.
+#[test]
+fn one_thread_keeps_each_connections_share_of_the_batch_in_flight() {
+    let out = bench(&[
+        "--transport",
+        "tcp",
+        "--sizes",
+        "4K",
+        "--shards",
+        "2",
+        "--conns",
+        "3",
+        "--batch",
+        "7",
+        "--seconds",
+        "0.2",
+        "--json",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<&str> = text.lines().filter(|l| l.contains("\"op\"")).collect();
+    assert_eq!(rows.len(), 2, "a WRITE and a READ row: {text}");
+    for r in rows {
+        assert!(r.contains("\"batch\":7"), "{r}");
+        assert!(!r.contains("\"gbps\":0.0000"), "{r}");
+    }
+}
+
 #[test]
 fn threads_without_managed_shards_is_refused_with_the_reason() {
     let out = bench(&["--transport", "tcp", "--threads", "2"]);

@@ -52,51 +52,36 @@ impl Window {
         }
     }
 
-    /// Takes the finished ops out of `inflight`, counting those that
-    /// ended inside the window. `any_order` (ops over several connections,
-    /// which end out of order): every finished one, wherever it stands —
-    /// waiting for the oldest before refilling would let one slow
-    /// connection idle the others; else (one connection, ops end in order)
-    /// those at the front, without looking further.
-    pub(super) fn reap(
-        &mut self,
-        inflight: &mut VecDeque<(Transfer, Instant)>,
-        op: OpKind,
-        size: usize,
-        any_order: bool,
-    ) -> Result<usize> {
+    /// Takes the finished ops out of `flight`, counting those that ended
+    /// inside the window: on each connection those at the front, in order
+    /// (one connection's ops end in order), without looking further — so a
+    /// pass looks at one op per connection that has not ended, not at every
+    /// op in flight, and one slow connection never holds up the others.
+    pub(super) fn reap(&mut self, flight: &mut Flight, op: OpKind, size: usize) -> Result<usize> {
         let mut done_now = None;
         let mut reaped = 0;
-        let mut i = 0;
-        while i < inflight.len() {
-            let Some(r) = inflight[i].0.poll() else {
-                if !any_order {
+        for q in flight.conns.iter_mut() {
+            while let Some(front) = q.front_mut() {
+                let Some(r) = front.0.poll() else {
                     break;
+                };
+                r.with_context(|| format!("{op} of {size} bytes"))?;
+                let (_, started) = q.pop_front().expect("looked at");
+                // One clock read per loop pass: reading it per op costs the
+                // initiator a visible share of its time.
+                let done = *done_now.get_or_insert_with(Instant::now);
+                if done >= self.warm_end && done < self.end {
+                    if self.lat.len() < self.lat.capacity() {
+                        self.lat.push((done - started).as_secs_f64() * 1e6);
+                    }
+                    self.first.get_or_insert(done);
+                    self.last = self.last.max(done);
+                    self.count += 1;
                 }
-                i += 1;
-                continue;
-            };
-            r.with_context(|| format!("{op} of {size} bytes"))?;
-            // (In order, `i` is 0: the front goes and the rest keep their order.)
-            let (_, started) = if any_order {
-                inflight.swap_remove_back(i)
-            } else {
-                inflight.pop_front()
+                reaped += 1;
             }
-            .expect("in range");
-            // One clock read per loop pass: reading it per op costs the
-            // initiator a visible share of its time.
-            let done = *done_now.get_or_insert_with(Instant::now);
-            if done >= self.warm_end && done < self.end {
-                if self.lat.len() < self.lat.capacity() {
-                    self.lat.push((done - started).as_secs_f64() * 1e6);
-                }
-                self.first.get_or_insert(done);
-                self.last = self.last.max(done);
-                self.count += 1;
-            }
-            reaped += 1;
         }
+        flight.len -= reaped;
         Ok(reaped)
     }
 
@@ -166,33 +151,79 @@ pub(super) fn submit_on(
     })
 }
 
-/// Keeps `inflight` at `batch` ops, each made by `submit(k)` for the
-/// next `k` (counting on from `*k`); with `burst` (`--submit batch`) only
-/// once that many are missing (at most `batch`), all staged in one
-/// `Endpoint::batch`. Returns how many it started.
+/// The ops in flight, each connection's in the order they started.
+pub(super) struct Flight {
+    conns: Vec<VecDeque<(Transfer, Instant)>>,
+    len: usize,
+}
+
+impl Flight {
+    pub(super) fn new(batch: usize, conns: usize) -> Flight {
+        let per = batch.div_ceil(conns.max(1));
+        Flight {
+            conns: (0..conns.max(1))
+                .map(|_| VecDeque::with_capacity(per))
+                .collect(),
+            len: 0,
+        }
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The oldest op of the first connection that has one.
+    fn front_mut(&mut self) -> Option<&mut Transfer> {
+        self.conns
+            .iter_mut()
+            .find_map(|q| q.front_mut())
+            .map(|(t, _)| t)
+    }
+}
+
+/// Keeps `batch` ops in flight, each connection its share of them
+/// (`batch / conns`, the remainder to the first ones), each op made by
+/// `submit(staged, k, conn)` for the next `k` (counting on from `*k`). An
+/// op that ends is replaced on its own connection: the ops a shard
+/// completed together reach it again together, and a slow connection
+/// keeps only its share (a turn over the connections would pile new ops
+/// onto it). With `burst` (`--submit batch`) only once that many are
+/// missing (at most `batch`), all staged in one `Endpoint::batch`. Returns
+/// how many it started.
 pub(super) fn refill(
     ep: &Endpoint,
     burst: Option<usize>,
-    inflight: &mut VecDeque<(Transfer, Instant)>,
+    flight: &mut Flight,
     batch: usize,
     now: Instant,
     k: &mut usize,
-    mut submit: impl FnMut(Option<&mut Batch<'_>>, usize) -> Result<Transfer>,
+    mut submit: impl FnMut(Option<&mut Batch<'_>>, usize, usize) -> Result<Transfer>,
 ) -> Result<usize> {
     let before = *k;
-    let missing = batch.saturating_sub(inflight.len());
+    let missing = batch.saturating_sub(flight.len);
     if missing == 0 || burst.is_some_and(|b| missing < b.min(batch)) {
         return Ok(0);
     }
     let mut staged = burst.map(|_| ep.batch());
-    while inflight.len() < batch {
-        inflight.push_back((submit(staged.as_mut(), *k)?, now));
-        *k += 1;
+    let n = flight.conns.len();
+    for (c, q) in flight.conns.iter_mut().enumerate() {
+        let share = share_of(batch, n, c);
+        while q.len() < share {
+            q.push_back((submit(staged.as_mut(), *k, c)?, now));
+            *k += 1;
+        }
     }
+    flight.len += *k - before;
     if let Some(b) = staged {
         b.submit()?;
     }
     Ok(*k - before)
+}
+
+/// Connection `c`'s share of `batch` ops over `n` connections: the
+/// shares differ by at most one and add up to `batch`.
+fn share_of(batch: usize, n: usize, c: usize) -> usize {
+    batch / n + usize::from(c < batch % n)
 }
 
 /// The refill size of `--submit batch` (`--burst`, else a quarter of the
@@ -212,18 +243,14 @@ pub(super) struct IdleWait {
 impl IdleWait {
     const SPIN_ANY: Duration = Duration::from_micros(100);
 
-    pub(super) fn wait_unless(
-        &mut self,
-        progress: bool,
-        inflight: &mut VecDeque<(Transfer, Instant)>,
-    ) {
+    pub(super) fn wait_unless(&mut self, progress: bool, flight: &mut Flight) {
         if progress {
             self.since = None;
             return;
         }
         let since = *self.since.get_or_insert_with(Instant::now);
-        match inflight.front_mut() {
-            Some((t, _)) if since.elapsed() > Self::SPIN_ANY => {
+        match flight.front_mut() {
+            Some(t) if since.elapsed() > Self::SPIN_ANY => {
                 let _ = t.wait_timeout(Duration::from_millis(1));
                 self.since = None;
             }
@@ -252,7 +279,8 @@ pub(super) struct Bench<'a> {
     /// --shards > 1). In a cell: ops are submitted on it (`write_async_on`)
     /// from `&self`.
     pub(super) shard: std::cell::RefCell<Option<Shard>>,
-    /// The connections measured (--conns), used in turn.
+    /// The connections measured (--conns), each with its share of the
+    /// ops in flight (one-op round trips: used in turn).
     pub(super) conns: Vec<ConnId>,
     pub(super) turn: std::cell::Cell<usize>,
     pub(super) local: MemoryRegion,
@@ -269,21 +297,23 @@ pub(super) struct Bench<'a> {
 }
 
 impl Bench<'_> {
+    /// One op on the next connection in turn.
     pub(super) fn submit(&self, op: OpKind, off: usize, size: usize) -> Result<Transfer> {
-        self.submit_in(None, op, off, size)
+        let t = self.turn.get();
+        self.turn.set(t.wrapping_add(1));
+        self.submit_in(None, t % self.conns.len(), op, off, size)
     }
 
-    /// The next op, on the next connection in turn (staged in `batch`).
+    /// One op on connection `conn` of `self.conns` (staged in `batch`).
     fn submit_in(
         &self,
         batch: Option<&mut Batch<'_>>,
+        conn: usize,
         op: OpKind,
         off: usize,
         size: usize,
     ) -> Result<Transfer> {
-        let t = self.turn.get();
-        self.turn.set(t.wrapping_add(1));
-        let c = self.conns[t % self.conns.len()];
+        let c = self.conns[conn];
         let mut shard = self.shard.borrow_mut();
         let via = match (batch, shard.as_mut()) {
             (Some(b), _) => Via::Batch(b),
@@ -320,7 +350,7 @@ impl Bench<'_> {
         let t0 = Instant::now();
         let warm_end = t0 + warm;
         let end = warm_end + Duration::from_secs_f64(secs);
-        let mut inflight: VecDeque<(Transfer, Instant)> = VecDeque::with_capacity(batch);
+        let mut inflight = Flight::new(batch, self.conns.len());
         let mut w = Window::new(warm_end, end, 1 << 20);
         let mut k = 0usize;
         // Time inside the refills, and the ops they submitted.
@@ -337,7 +367,7 @@ impl Bench<'_> {
                     batch,
                     now,
                     &mut k,
-                    |b, k| this.submit_in(b, op, (k % slots) * size, size),
+                    |b, k, c| this.submit_in(b, c, op, (k % slots) * size, size),
                 )?;
                 if n > 0 {
                     submit_time += now.elapsed();
@@ -355,7 +385,7 @@ impl Bench<'_> {
             if let Some(s) = self.shard.get_mut() {
                 s.poll_or_park(Duration::from_millis(1));
             }
-            let reaped = w.reap(&mut inflight, op, size, self.conns.len() > 1)?;
+            let reaped = w.reap(&mut inflight, op, size)?;
             if self.shard.get_mut().is_none() {
                 idle.wait_unless(reaped > 0, &mut inflight);
             }
@@ -395,12 +425,11 @@ impl Bench<'_> {
                     sc.spawn(move || -> Result<Window> {
                         let c = conns[i % conns.len()];
                         let base = i * per;
-                        let submit = |b: Option<&mut Batch<'_>>, k: usize| {
+                        let submit = |b: Option<&mut Batch<'_>>, k: usize, _: usize| {
                             let off = (base + k % per) * size;
                             submit_on(ep, b.into(), c, local, remote, op, off, size)
                         };
-                        let mut inflight: VecDeque<(Transfer, Instant)> =
-                            VecDeque::with_capacity(batch);
+                        let mut inflight = Flight::new(batch, 1);
                         let mut w = Window::new(warm_end, end, 1 << 16);
                         let mut k = 0usize;
                         loop {
@@ -410,10 +439,10 @@ impl Bench<'_> {
                             } else if inflight.is_empty() {
                                 break;
                             }
-                            if let Some((t, _)) = inflight.front_mut() {
+                            if let Some(t) = inflight.front_mut() {
                                 let _ = t.wait_timeout(Duration::from_millis(1));
                             }
-                            w.reap(&mut inflight, op, size, false)?;
+                            w.reap(&mut inflight, op, size)?;
                         }
                         Ok(w)
                     })
@@ -516,5 +545,22 @@ impl Bench<'_> {
             bail!("{op} round trips: {n} in {secs} s, all warming up (the first 100 are not counted); use a longer --seconds");
         }
         Ok(lat)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::share_of;
+
+    #[test]
+    fn connection_shares_add_up_to_the_batch_and_differ_by_at_most_one() {
+        for batch in 1..70 {
+            for n in 1..9 {
+                let shares: Vec<usize> = (0..n).map(|c| share_of(batch, n, c)).collect();
+                assert_eq!(shares.iter().sum::<usize>(), batch, "{batch} over {n}");
+                let (lo, hi) = (shares.iter().min().unwrap(), shares.iter().max().unwrap());
+                assert!(hi - lo <= 1, "{batch} over {n}: {shares:?}");
+            }
+        }
     }
 }

@@ -82,9 +82,13 @@ Flags:
                          a connection's streams are spread over them
                          (FERRY_LANES). --baseline then measures as many
                          plain TCP streams as --streams, in parallel
-  --conns N              measure over N connections to the target, each
-                         op on the next in turn (each connection on the
-                         next shard: with --shards, the work of many peers)
+  --conns N              measure over N connections to the target (each
+                         on the next shard: with --shards, the work of many
+                         peers), each keeping its share of --batch in
+                         flight: an op that ends is replaced on its own
+                         connection, and each connection's oldest op is
+                         the one watched (one-op round trips: the next
+                         connection in turn)
   --submit each|batch|queue
                          how the ops in flight are refilled: one call each
                          (default; with one shard, embedded in the
