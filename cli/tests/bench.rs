@@ -14,34 +14,40 @@ fn bench(args: &[&str]) -> std::process::Output {
         .expect("run ferry bench")
 }
 
-#[test]
-fn several_submitting_threads_each_keep_their_batch_in_flight() {
-    let out = bench(&[
+/// A 4 KiB tcp run of 0.2 s over `--shards 2` with `extra` flags: its
+/// WRITE and READ rows (`--json`).
+fn tcp_rows(extra: &[&str]) -> Vec<String> {
+    let mut args = vec![
         "--transport",
         "tcp",
         "--sizes",
         "4K",
         "--shards",
         "2",
-        "--conns",
-        "2",
-        "--threads",
-        "2",
-        "--batch",
-        "8",
         "--seconds",
         "0.2",
         "--json",
-    ]);
-    let text = String::from_utf8_lossy(&out.stdout);
+    ];
+    args.extend_from_slice(extra);
+    let out = bench(&args);
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let rows: Vec<&str> = text.lines().filter(|l| l.contains("\"op\"")).collect();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let rows: Vec<String> = text
+        .lines()
+        .filter(|l| l.contains("\"op\""))
+        .map(str::to_owned)
+        .collect();
     assert_eq!(rows.len(), 2, "a WRITE and a READ row: {text}");
-    for r in rows {
+    rows
+}
+
+#[test]
+fn several_submitting_threads_each_keep_their_batch_in_flight() {
+    for r in tcp_rows(&["--conns", "2", "--threads", "2", "--batch", "8"]) {
         // Two threads, 8 each.
         assert!(r.contains("\"batch\":16"), "{r}");
     }
@@ -51,30 +57,7 @@ fn several_submitting_threads_each_keep_their_batch_in_flight() {
 /// shares of 3, 2 and 2, each refilled on its own connection.
 #[test]
 fn one_thread_keeps_each_connections_share_of_the_batch_in_flight() {
-    let out = bench(&[
-        "--transport",
-        "tcp",
-        "--sizes",
-        "4K",
-        "--shards",
-        "2",
-        "--conns",
-        "3",
-        "--batch",
-        "7",
-        "--seconds",
-        "0.2",
-        "--json",
-    ]);
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let rows: Vec<&str> = text.lines().filter(|l| l.contains("\"op\"")).collect();
-    assert_eq!(rows.len(), 2, "a WRITE and a READ row: {text}");
-    for r in rows {
+    for r in tcp_rows(&["--conns", "3", "--batch", "7"]) {
         assert!(r.contains("\"batch\":7"), "{r}");
         assert!(!r.contains("\"gbps\":0.0000"), "{r}");
     }
