@@ -60,13 +60,15 @@ impl Window {
     pub(super) fn reap(&mut self, flight: &mut Flight, op: OpKind, size: usize) -> Result<usize> {
         let mut done_now = None;
         let mut reaped = 0;
-        for q in flight.conns.iter_mut() {
+        let Flight { conns, len } = flight;
+        for q in conns.iter_mut() {
             while let Some(front) = q.front_mut() {
                 let Some(r) = front.0.poll() else {
                     break;
                 };
-                r.with_context(|| format!("{op} of {size} bytes"))?;
                 let (_, started) = q.pop_front().expect("looked at");
+                *len -= 1;
+                r.with_context(|| format!("{op} of {size} bytes"))?;
                 // One clock read per loop pass: reading it per op costs the
                 // initiator a visible share of its time.
                 let done = *done_now.get_or_insert_with(Instant::now);
@@ -81,7 +83,6 @@ impl Window {
                 reaped += 1;
             }
         }
-        flight.len -= reaped;
         Ok(reaped)
     }
 
@@ -205,15 +206,16 @@ pub(super) fn refill(
         return Ok(0);
     }
     let mut staged = burst.map(|_| ep.batch());
-    let n = flight.conns.len();
-    for (c, q) in flight.conns.iter_mut().enumerate() {
+    let Flight { conns, len } = flight;
+    let n = conns.len();
+    for (c, q) in conns.iter_mut().enumerate() {
         let share = share_of(batch, n, c);
         while q.len() < share {
             q.push_back((submit(staged.as_mut(), *k, c)?, now));
+            *len += 1;
             *k += 1;
         }
     }
-    flight.len += *k - before;
     if let Some(b) = staged {
         b.submit()?;
     }
