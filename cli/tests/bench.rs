@@ -84,8 +84,9 @@ fn the_embedded_shard_round_trip_runs_on_the_shard_and_through_its_queue() {
             "--latency",
             "--batch",
             "1",
+            // Over 100 round trips (the warm-up) even on a loaded machine.
             "--seconds",
-            "0.2",
+            "1",
             "--submit",
             submit,
             "--json",

@@ -53,6 +53,25 @@ fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
+/// A blocking socket call, made again when a signal interrupted it.
+/// EINTR comes from a handler installed without SA_RESTART (the
+/// application's), and even with no handler from a stop and continue of
+/// the process while the socket has a timeout (signal(7)); it was seen
+/// here on a loaded machine while waiting for the ack, and failed the
+/// share (the peer then fell back to copying through the kernel).
+fn restart(mut call: impl FnMut() -> isize) -> io::Result<isize> {
+    loop {
+        let r = call();
+        if r >= 0 {
+            return Ok(r);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 fn set_timeout(fd: i32, t: Duration) {
     let tv = libc::timeval {
         tv_sec: t.as_secs() as libc::time_t,
@@ -446,18 +465,25 @@ pub(crate) fn share(me: u64, peer: u64, regions: &[Shared], timeout: Duration) -
             (*c).cmsg_type = libc::SCM_RIGHTS;
             (*c).cmsg_len = libc::CMSG_LEN(bytes as u32) as _;
             std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c) as *mut i32, fds.len());
-            if libc::sendmsg(fd.as_raw_fd(), &mh, libc::MSG_NOSIGNAL) < 0 {
-                return Err(io::Error::last_os_error());
-            }
         }
+        // SAFETY: `mh` points at the live buffers above.
+        restart(|| unsafe { libc::sendmsg(fd.as_raw_fd(), &mh, libc::MSG_NOSIGNAL) })?;
         let mut ack = [0u8; 1];
         // SAFETY: one byte into a local buffer.
-        let n = unsafe { libc::recv(fd.as_raw_fd(), ack.as_mut_ptr() as *mut _, 1, 0) };
-        if n != 1 {
-            return Err(io::Error::other(format!(
-                "peer did not acknowledge shared regions: {}",
-                io::Error::last_os_error()
-            )));
+        let n = restart(|| unsafe { libc::recv(fd.as_raw_fd(), ack.as_mut_ptr() as *mut _, 1, 0) });
+        match n {
+            Ok(1) => {}
+            Ok(_) => {
+                return Err(io::Error::other(
+                    "peer closed without acknowledging shared regions (it did not know \
+                     this endpoint's connection, or could not map a region: its log says which)",
+                ))
+            }
+            Err(e) => {
+                return Err(io::Error::other(format!(
+                    "peer did not acknowledge shared regions: {e}"
+                )))
+            }
         }
     }
     Ok(())
@@ -539,6 +565,54 @@ mod tests {
         );
         assert!(r.is_err(), "the kernel's pid, not the message, decides");
         assert!(!maps.contains_key(&(77, 2)));
+    }
+
+    /// A signal that interrupts the wait for the peer's ack (EINTR, here
+    /// from a handler without SA_RESTART) does not fail the share: the
+    /// wait is made again.
+    #[test]
+    fn a_signal_during_the_wait_for_the_ack_does_not_fail_the_share() {
+        extern "C" fn nothing(_: libc::c_int) {}
+        // SAFETY: a handler that does nothing, installed for SIGUSR1 (which
+        // only this test sends, to its own thread), without SA_RESTART so
+        // that a blocking call it interrupts returns EINTR.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = nothing as *const () as usize;
+            libc::sigemptyset(&mut sa.sa_mask);
+            assert_eq!(libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut()), 0);
+        }
+        let (id, mut l) = listener();
+        let mut maps = PeerMaps::default();
+        let buf = MemfdBuf::new(4096).unwrap();
+        let shared = vec![Shared {
+            key: 3,
+            len: 4096,
+            base: 0x3000,
+            fd: buf.fd,
+        }];
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::scope(|s| {
+            let t = s.spawn(move || {
+                // SAFETY: pthread_self has no preconditions.
+                tx.send(unsafe { libc::pthread_self() }).unwrap();
+                share(41, id, &shared, Duration::from_secs(10))
+            });
+            let sharer = rx.recv().unwrap();
+            // The message waits unread: the sharer is in its wait for the ack.
+            for _ in 0..5 {
+                std::thread::sleep(Duration::from_millis(10));
+                // SAFETY: `t` is not joined yet, so `sharer` names a thread
+                // that is alive or exited-but-joinable (then ESRCH).
+                unsafe { libc::pthread_kill(sharer, libc::SIGUSR1) };
+            }
+            while !t.is_finished() {
+                l.poll(&mut maps, |s| s == me(41));
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            t.join().unwrap().unwrap();
+        });
+        assert!(maps.contains_key(&(41, 3)));
     }
 
     #[test]
