@@ -53,13 +53,16 @@ fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
-/// A blocking socket call, made again when a signal interrupted it.
-/// EINTR comes from a handler installed without SA_RESTART (the
-/// application's), and even with no handler from a stop and continue of
-/// the process while the socket has a timeout (signal(7)); it was seen
-/// here on a loaded machine while waiting for the ack, and failed the
-/// share (the peer then fell back to copying through the kernel).
-fn restart(mut call: impl FnMut() -> isize) -> io::Result<isize> {
+/// A blocking call on socket `fd`, made again when a signal interrupted
+/// it, with the socket's timeouts cut to what is left before `deadline`
+/// (a retry must not start the whole timeout again: a stream of signals
+/// would hold us without end). EINTR comes from a handler installed
+/// without SA_RESTART (the application's), and even with no handler from
+/// a stop and continue of the process while the socket has a timeout
+/// (signal(7)); it was seen here on a loaded machine while waiting for the
+/// ack, and failed the share (the peer then fell back to copying through
+/// the kernel).
+fn restart(fd: i32, deadline: Instant, mut call: impl FnMut() -> isize) -> io::Result<isize> {
     loop {
         let r = call();
         if r >= 0 {
@@ -69,6 +72,12 @@ fn restart(mut call: impl FnMut() -> isize) -> io::Result<isize> {
         if e.kind() != io::ErrorKind::Interrupted {
             return Err(e);
         }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
+        // Never a zero timeval: that means no timeout at all.
+        set_timeout(fd, left.max(Duration::from_micros(1)));
     }
 }
 
@@ -432,6 +441,7 @@ pub(crate) fn share(me: u64, peer: u64, regions: &[Shared], timeout: Duration) -
             libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0)
         })?);
         set_timeout(fd.as_raw_fd(), timeout);
+        let deadline = Instant::now() + timeout;
         let (a, len) = sockaddr(peer);
         // SAFETY: valid address of `len` bytes.
         cvt(unsafe {
@@ -467,10 +477,14 @@ pub(crate) fn share(me: u64, peer: u64, regions: &[Shared], timeout: Duration) -
             std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c) as *mut i32, fds.len());
         }
         // SAFETY: `mh` points at the live buffers above.
-        restart(|| unsafe { libc::sendmsg(fd.as_raw_fd(), &mh, libc::MSG_NOSIGNAL) })?;
+        restart(fd.as_raw_fd(), deadline, || unsafe {
+            libc::sendmsg(fd.as_raw_fd(), &mh, libc::MSG_NOSIGNAL)
+        })?;
         let mut ack = [0u8; 1];
         // SAFETY: one byte into a local buffer.
-        let n = restart(|| unsafe { libc::recv(fd.as_raw_fd(), ack.as_mut_ptr() as *mut _, 1, 0) });
+        let n = restart(fd.as_raw_fd(), deadline, || unsafe {
+            libc::recv(fd.as_raw_fd(), ack.as_mut_ptr() as *mut _, 1, 0)
+        });
         match n {
             Ok(1) => {}
             Ok(_) => {
@@ -613,6 +627,52 @@ mod tests {
             t.join().unwrap().unwrap();
         });
         assert!(maps.contains_key(&(41, 3)));
+    }
+
+    /// Signals that keep interrupting the wait do not stretch it: a peer
+    /// that never acks fails the share at the timeout, not later.
+    #[test]
+    fn signals_do_not_stretch_the_wait_past_its_timeout() {
+        extern "C" fn nothing(_: libc::c_int) {}
+        // SAFETY: as in the test above (SIGUSR2, sent only here).
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = nothing as *const () as usize;
+            libc::sigemptyset(&mut sa.sa_mask);
+            assert_eq!(libc::sigaction(libc::SIGUSR2, &sa, std::ptr::null_mut()), 0);
+        }
+        // A listener nobody polls: the message is never read, never acked.
+        let (id, _l) = listener();
+        let buf = MemfdBuf::new(4096).unwrap();
+        let shared = vec![Shared {
+            key: 4,
+            len: 4096,
+            base: 0x4000,
+            fd: buf.fd,
+        }];
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::scope(|s| {
+            let t = s.spawn(move || {
+                // SAFETY: pthread_self has no preconditions.
+                tx.send(unsafe { libc::pthread_self() }).unwrap();
+                let start = Instant::now();
+                let r = share(42, id, &shared, Duration::from_millis(200));
+                (r, start.elapsed())
+            });
+            let sharer = rx.recv().unwrap();
+            // A signal every 20 ms for 1.5 s, or until the sharer gave up.
+            for _ in 0..75 {
+                if t.is_finished() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+                // SAFETY: as in the test above.
+                unsafe { libc::pthread_kill(sharer, libc::SIGUSR2) };
+            }
+            let (r, took) = t.join().unwrap();
+            assert!(r.is_err());
+            assert!(took < Duration::from_millis(1000), "gave up after {took:?}");
+        });
     }
 
     #[test]
