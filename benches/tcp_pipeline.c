@@ -28,6 +28,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "loopback_pair.h"
+
 enum { HDR = 40, PAYLOAD = 4096, FRAME = HDR + PAYLOAD, MAX_DEPTH = 64, RBUF = 1 << 18 };
 
 static atomic_int stop;
@@ -37,28 +39,6 @@ static double now_s(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-static void die(const char *what) {
-    perror(what);
-    exit(1);
-}
-
-static void tcp_pair(int *a, int *b) {
-    struct sockaddr_in s = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t n = sizeof s;
-    int l = socket(AF_INET, SOCK_STREAM, 0), one = 1;
-    if (l < 0 || bind(l, (void *)&s, sizeof s) || listen(l, 1) || getsockname(l, (void *)&s, &n))
-        die("listen");
-    *a = socket(AF_INET, SOCK_STREAM, 0);
-    if (*a < 0 || connect(*a, (void *)&s, sizeof s)) die("connect");
-    if ((*b = accept(l, 0, 0)) < 0) die("accept");
-    close(l);
-    for (int i = 0; i < 2; i++) {
-        int fd = i ? *b : *a;
-        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-        fcntl(fd, F_SETFL, O_NONBLOCK);
-    }
 }
 
 /* Reads what is there; returns bytes read (0 when dry). */
