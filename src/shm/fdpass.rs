@@ -527,16 +527,7 @@ mod tests {
             .iter()
             .map(|&(_, len)| MemfdBuf::new(len).unwrap())
             .collect();
-        let shared: Vec<Shared> = regions
-            .iter()
-            .zip(&bufs)
-            .map(|(&(key, len), b)| Shared {
-                key,
-                len: len as u64,
-                base: 0x1000 * key as u64,
-                fd: b.fd,
-            })
-            .collect();
+        let shared = shared_over(&regions, &bufs);
         std::thread::scope(|s| {
             // Refusals show as the sharer's timeout; acceptance well within
             // it even on a loaded machine.
@@ -548,6 +539,34 @@ mod tests {
             }
             t.join().unwrap()
         })
+    }
+
+    /// One `Shared` per (key, len) over `bufs`, at 0x1000 × key.
+    fn shared_over(regions: &[(u32, usize)], bufs: &[MemfdBuf]) -> Vec<Shared> {
+        regions
+            .iter()
+            .zip(bufs)
+            .map(|(&(key, len), b)| Shared {
+                key,
+                len: len as u64,
+                base: 0x1000 * key as u64,
+                fd: b.fd,
+            })
+            .collect()
+    }
+
+    /// Installs a handler that does nothing for `sig`, without SA_RESTART,
+    /// so that a blocking call it interrupts returns EINTR.
+    fn catch_without_restart(sig: libc::c_int) {
+        extern "C" fn nothing(_: libc::c_int) {}
+        // SAFETY: a handler that does nothing, for a signal only the
+        // calling test sends (to its own thread).
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = nothing as *const () as usize;
+            libc::sigemptyset(&mut sa.sa_mask);
+            assert_eq!(libc::sigaction(sig, &sa, std::ptr::null_mut()), 0);
+        }
     }
 
     fn me(id: u64) -> Sender {
@@ -586,25 +605,11 @@ mod tests {
     /// wait is made again.
     #[test]
     fn a_signal_during_the_wait_for_the_ack_does_not_fail_the_share() {
-        extern "C" fn nothing(_: libc::c_int) {}
-        // SAFETY: a handler that does nothing, installed for SIGUSR1 (which
-        // only this test sends, to its own thread), without SA_RESTART so
-        // that a blocking call it interrupts returns EINTR.
-        unsafe {
-            let mut sa: libc::sigaction = std::mem::zeroed();
-            sa.sa_sigaction = nothing as *const () as usize;
-            libc::sigemptyset(&mut sa.sa_mask);
-            assert_eq!(libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut()), 0);
-        }
+        catch_without_restart(libc::SIGUSR1);
         let (id, mut l) = listener();
         let mut maps = PeerMaps::default();
-        let buf = MemfdBuf::new(4096).unwrap();
-        let shared = vec![Shared {
-            key: 3,
-            len: 4096,
-            base: 0x3000,
-            fd: buf.fd,
-        }];
+        let bufs = [MemfdBuf::new(4096).unwrap()];
+        let shared = shared_over(&[(3, 4096)], &bufs);
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::scope(|s| {
             let t = s.spawn(move || {
@@ -633,23 +638,11 @@ mod tests {
     /// that never acks fails the share at the timeout, not later.
     #[test]
     fn signals_do_not_stretch_the_wait_past_its_timeout() {
-        extern "C" fn nothing(_: libc::c_int) {}
-        // SAFETY: as in the test above (SIGUSR2, sent only here).
-        unsafe {
-            let mut sa: libc::sigaction = std::mem::zeroed();
-            sa.sa_sigaction = nothing as *const () as usize;
-            libc::sigemptyset(&mut sa.sa_mask);
-            assert_eq!(libc::sigaction(libc::SIGUSR2, &sa, std::ptr::null_mut()), 0);
-        }
+        catch_without_restart(libc::SIGUSR2);
         // A listener nobody polls: the message is never read, never acked.
         let (id, _l) = listener();
-        let buf = MemfdBuf::new(4096).unwrap();
-        let shared = vec![Shared {
-            key: 4,
-            len: 4096,
-            base: 0x4000,
-            fd: buf.fd,
-        }];
+        let bufs = [MemfdBuf::new(4096).unwrap()];
+        let shared = shared_over(&[(4, 4096)], &bufs);
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::scope(|s| {
             let t = s.spawn(move || {

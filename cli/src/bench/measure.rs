@@ -380,10 +380,10 @@ impl Bench<'_> {
             }
             // Like a managed shard: spin while busy, park when idle for a
             // while, so the kernel's own work (softirqs) gets a core.
-            // With managed shards this thread polls every op in flight
-            // (ops on different shards end in any order: waiting on the
-            // oldest would let one slow op idle every other shard) and
-            // sleeps on the oldest only after a while without any ending.
+            // With managed shards this thread polls each connection's
+            // oldest op (connections end their ops in any order: waiting
+            // on one would let a slow op idle every other shard) and
+            // sleeps on one only after a while without any ending.
             if let Some(s) = self.shard.get_mut() {
                 s.poll_or_park(Duration::from_millis(1));
             }
