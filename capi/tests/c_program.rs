@@ -69,7 +69,7 @@ fn run_c(src: &str, out: &str, says: &str, env: &[(&str, &str)]) {
         .output()
         .expect("run the C program");
     let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{text}");
+    assert!(out.status.success(), "{}: {text}", out.status);
     assert!(text.contains(says), "{text}");
 }
 
@@ -103,4 +103,39 @@ fn the_c_example_runs() {
         "the target holds \"hello from C\"",
         &[],
     );
+}
+
+/// A C host with SIGPIPE at its default disposition outlives peers that
+/// die under it, on every transport and drive mode: `tests/c/peer_death.c`.
+fn peers_die(transport: &str, drive: &str) {
+    run_c(
+        "capi/tests/c/peer_death.c",
+        &format!("ferry-c-peer-death-{transport}-{drive}"),
+        "the host lived",
+        &[
+            ("FERRY_TRANSPORT", transport),
+            ("FERRY_DRIVE", drive),
+            ("FERRY_LISTEN_ADDR", "127.0.0.1"),
+        ],
+    );
+}
+
+#[test]
+fn sigpipe_never_reaches_the_host_tcp() {
+    peers_die("tcp", "threads");
+}
+
+#[test]
+fn sigpipe_never_reaches_the_host_tcp_caller_driven() {
+    peers_die("tcp", "caller");
+}
+
+#[test]
+fn sigpipe_never_reaches_the_host_same_host() {
+    peers_die("shm", "threads");
+}
+
+#[test]
+fn sigpipe_never_reaches_the_host_same_host_caller_driven() {
+    peers_die("shm", "caller");
 }

@@ -287,11 +287,14 @@ impl RemoteBell {
             return Err(refuse("not a doorbell of this version".into()));
         }
         let path = fifo_path(&name);
+        // O_RDWR, not O_WRONLY: we are a reader of the FIFO too, so when its
+        // owner dies a ring is a byte into a full-or-not pipe (EAGAIN at
+        // worst), never EPIPE and the SIGPIPE that kills a C host.
         // SAFETY: valid path. O_NONBLOCK: never wait for a reader.
         let fd = unsafe {
             libc::open(
                 path.as_ptr(),
-                libc::O_WRONLY | libc::O_NONBLOCK | libc::O_CLOEXEC,
+                libc::O_RDWR | libc::O_NONBLOCK | libc::O_CLOEXEC,
             )
         };
         if fd < 0 {

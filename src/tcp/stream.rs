@@ -85,10 +85,16 @@ impl Stream {
         }; MAX_IOV];
         while self.writable && self.proto.tx_ready() {
             let n_iov = self.proto.tx_iovecs(&mut iov);
+            // sendmsg, not writev: MSG_NOSIGNAL makes a peer that went away
+            // an EPIPE here instead of a SIGPIPE that kills a C host.
+            // SAFETY: a zeroed msghdr is valid (no name, no control).
+            let mut mh: libc::msghdr = unsafe { std::mem::zeroed() };
+            mh.msg_iov = iov.as_mut_ptr();
+            mh.msg_iovlen = n_iov as _;
             // SAFETY: the engine's iovecs point into frame headers it owns
             // and payloads its frames hold alive (`RegionSlice`s, owned
             // buffers); nothing changes them before `on_sent`.
-            let n = unsafe { libc::writev(fd, iov.as_ptr(), n_iov as libc::c_int) };
+            let n = unsafe { libc::sendmsg(fd, &mh, libc::MSG_NOSIGNAL) };
             if n < 0 {
                 let e = io::Error::last_os_error();
                 match e.kind() {
