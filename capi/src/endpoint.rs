@@ -217,11 +217,16 @@ pub unsafe extern "C" fn ferry_add_remote(
 ) -> i32 {
     guard("ferry_add_remote", || {
         // SAFETY: the caller's promises, as documented.
-        let (ep, meta) = unsafe { (handle(ep, "ep")?, bytes(meta, len, "meta")?) };
+        let (ep, meta, conn) = unsafe {
+            (
+                handle(ep, "ep")?,
+                bytes(meta, len, "meta")?,
+                slot(conn, "conn")?,
+            )
+        };
         ep.ep.hand_over();
-        let c = ep.ep.add_remote(meta)?;
-        // SAFETY: as above.
-        unsafe { put(conn, c.0, "conn") }
+        *conn = ep.ep.add_remote(meta)?.0;
+        Ok(FERRY_OK)
     })
 }
 
@@ -238,14 +243,13 @@ pub unsafe extern "C" fn ferry_connect(
 ) -> i32 {
     guard("ferry_connect", || {
         // SAFETY: the caller's promises, as documented.
-        let (ep, ip) = unsafe { (handle(ep, "ep")?, cstr(ip, "ip")?) };
+        let (ep, ip, conn) = unsafe { (handle(ep, "ep")?, cstr(ip, "ip")?, slot(conn, "conn")?) };
         let ip: std::net::IpAddr = ip
             .parse()
             .map_err(|_| invalid(format!("{ip:?} is not an IP address")))?;
         ep.ep.hand_over();
-        let c = ep.ep.connect((ip, port).into())?;
-        // SAFETY: as above.
-        unsafe { put(conn, c.0, "conn") }
+        *conn = ep.ep.connect((ip, port).into())?.0;
+        Ok(FERRY_OK)
     })
 }
 
@@ -274,10 +278,10 @@ pub unsafe extern "C" fn ferry_accept(
 ) -> i32 {
     guard("ferry_accept", || {
         // SAFETY: the caller's promise.
-        let ep = unsafe { handle(ep, "ep")? };
+        let (ep, conn) = unsafe { (handle(ep, "ep")?, slot(conn, "conn")?) };
         let (c, _) = ep.ep.accept(Duration::from_millis(timeout_ms.into()))?;
-        // SAFETY: as above.
-        unsafe { put(conn, c.0, "conn") }
+        *conn = c.0;
+        Ok(FERRY_OK)
     })
 }
 
@@ -294,15 +298,14 @@ pub unsafe extern "C" fn ferry_peer_is_local(
 ) -> i32 {
     guard("ferry_peer_is_local", || {
         // SAFETY: the caller's promise.
-        let ep = unsafe { handle(ep, "ep")? };
+        let (ep, local) = unsafe { (handle(ep, "ep")?, slot(local, "local")?) };
         let c = ConnId(conn);
         let peer = ep
             .ep
             .peer(c)
             .ok_or(engine::Error::UnknownConn { conn: c })?;
-        let is_local = i32::from(matches!(peer, engine::Peer::Local { .. }));
-        // SAFETY: as above.
-        unsafe { put(local, is_local, "local") }
+        *local = i32::from(matches!(peer, engine::Peer::Local { .. }));
+        Ok(FERRY_OK)
     })
 }
 
@@ -321,15 +324,14 @@ pub unsafe extern "C" fn ferry_remove_remote(ep: *const ferry_endpoint, conn: u6
     })
 }
 
+/// The output slot `p`, checked before the call does (or waits for)
+/// anything: a NULL output is refused at once.
+///
 /// # Safety
-/// `p` is null or valid for one `T`.
-unsafe fn put<T>(p: *mut T, v: T, name: &str) -> Result<i32, Fail> {
-    if p.is_null() {
-        return Err(invalid(format!("{name} is NULL")));
-    }
-    // SAFETY: non-null and valid (the caller's promise).
-    unsafe { p.write(v) };
-    Ok(FERRY_OK)
+/// `p` is null or valid for one `T` for the call's duration.
+unsafe fn slot<'a, T>(p: *mut T, name: &str) -> Result<&'a mut T, Fail> {
+    // SAFETY: null is refused; otherwise the caller's promise above.
+    unsafe { p.as_mut() }.ok_or_else(|| invalid(format!("{name} is NULL")))
 }
 
 /// Registers `[ptr, ptr + len)`, host or GPU memory (`flags`: 0 or

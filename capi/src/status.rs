@@ -48,7 +48,9 @@ impl From<engine::Error> for Fail {
     fn from(e: engine::Error) -> Fail {
         use engine::Error as E;
         let code = match &e {
-            E::Timeout { .. } => FERRY_ERR_TIMEOUT,
+            E::Timeout { .. } | E::AcceptTimeout { .. } | E::ConnectTimeout { .. } => {
+                FERRY_ERR_TIMEOUT
+            }
             E::UnknownConn { .. } | E::ConnFailed { .. } | E::Shutdown => FERRY_ERR_DISCONNECTED,
             E::Remote { .. } => FERRY_ERR_REMOTE,
             E::QueueFull { .. } | E::TooManyInflight { .. } | E::Backlogged { .. } => {

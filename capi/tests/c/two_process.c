@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "ferry.h"
@@ -59,6 +60,17 @@ static int target(int to_client, int from_client) {
 
     uint64_t conn = 0;
     CHECK(ferry_accept(ep, 5000, &conn) == FERRY_OK);
+    /* No second peer: a wait that runs out says so; a NULL output is
+     * refused before any wait (a minute's wait would trip the harness). */
+    uint64_t none = 0;
+    CHECK(ferry_accept(ep, 50, &none) == FERRY_ERR_TIMEOUT);
+    CHECK(strstr(ferry_last_error(), "50 ms") != NULL);
+    time_t before = time(NULL);
+    CHECK(ferry_accept(ep, 60000, NULL) == FERRY_ERR_INVALID);
+    CHECK(time(NULL) - before < 30);
+    CHECK(ferry_add_remote(ep, (const unsigned char *)"x", 1, NULL) == FERRY_ERR_INVALID);
+    CHECK(ferry_connect(ep, "127.0.0.1", 1, NULL) == FERRY_ERR_INVALID);
+    CHECK(ferry_peer_is_local(ep, conn, NULL) == FERRY_ERR_INVALID);
     unsigned char *into = calloc(LEN, 1), *from = malloc(LEN);
     for (size_t i = 0; i < LEN; i++) from[i] = pattern(i, 9);
     ferry_region *r_into = NULL, *r_from = NULL;
