@@ -54,7 +54,8 @@
 // A wait ran out; what it waited for goes on.
 #define FERRY_ERR_TIMEOUT -2
 
-// The connection is unknown, failed or gone (the peer died).
+// The connection is unknown, closed here, or gone (the peer closed it,
+// reset it or died; a device under it failed).
 #define FERRY_ERR_DISCONNECTED -3
 
 // The peer refused the operation (key, bounds or access).
@@ -71,6 +72,15 @@
 
 // Cancelled by `ferry_transfer_cancel`.
 #define FERRY_ERR_CANCELLED -8
+
+// The connection failed: its peer did not answer within ferry's deadline
+// (`FERRY_OP_TIMEOUT_MS`, `FERRY_IDLE_TIMEOUT_MS`). Later calls on it
+// get the same status.
+#define FERRY_ERR_PEER_TIMEOUT -9
+
+// The connection failed: its peer broke the protocol, or its bytes
+// failed their integrity check. Later calls on it get the same status.
+#define FERRY_ERR_PEER_MISBEHAVED -10
 
 // WRITE: local bytes into the peer's windows.
 #define FERRY_WRITE 0

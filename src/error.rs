@@ -55,6 +55,143 @@ impl fmt::Display for Status {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Why a connection failed: a cause a caller can match, carried unchanged
+/// from where the failure is found to every face (Rust `Error::ConnFailed`,
+/// the Python exception class, the C status, the NIXL status).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum ConnFault {
+    /// Nothing came back within a deadline of ours (`FERRY_OP_TIMEOUT_MS`,
+    /// `FERRY_IDLE_TIMEOUT_MS`, a handshake's).
+    #[error("{what}: nothing within {timeout_ms} ms")]
+    Timeout { what: &'static str, timeout_ms: u64 },
+    /// The peer went away: it closed its end, reset it, or its process died.
+    #[error("the peer is gone: {how}")]
+    PeerGone { how: &'static str },
+    /// An I/O failure on our side of the connection that is not the peer
+    /// leaving (`errno` as the kernel gave it).
+    #[error("{op} failed: {}", io::Error::from_raw_os_error(*errno))]
+    Io { op: &'static str, errno: i32 },
+    /// The peer sent what the protocol forbids (bytes, requests, counts);
+    /// `what` says which rule it broke, for a human.
+    #[error("the peer broke the protocol: {what}")]
+    PeerMisbehaved { what: String },
+    /// Bytes failed their integrity check (a frame's MAC).
+    #[error("integrity check failed: {what}")]
+    Integrity { what: String },
+    /// A bound of ours, or the peer, refused what the connection needed
+    /// (`why` names it).
+    #[error("refused: {why}")]
+    Refused { why: String },
+    /// Closed on this side: `remove_remote`, or the endpoint shut down.
+    #[error("closed here: {why}")]
+    Closed { why: &'static str },
+    /// The NIC, the GPU or the OS failed a resource the connection needs.
+    #[error("{what} failed: {detail}")]
+    Device { what: &'static str, detail: String },
+}
+
+/// What kind of failure an error is: the one mapping every face reports
+/// from (the C status, the Python exception class, the NIXL status).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum FailureKind {
+    /// A bad argument, range, buffer or setting: the call did nothing.
+    Invalid,
+    /// A wait of the caller's ran out; what it waited for goes on.
+    Timeout,
+    /// No room now (back-pressure): the call did nothing; try again later.
+    Busy,
+    /// The target refused the operation (key, bounds or access).
+    Remote,
+    /// The connection is unknown, was closed here, or its peer left.
+    Disconnected,
+    /// The connection failed: its peer did not answer within our deadline.
+    PeerTimeout,
+    /// The connection failed: its peer broke the protocol, or its bytes
+    /// failed their integrity check.
+    PeerMisbehaved,
+    /// Anything else: a device, the OS, an unsupported request.
+    Other,
+}
+
+impl ConnFault {
+    /// The kind a connection that failed for this reports.
+    pub fn kind(&self) -> FailureKind {
+        match self {
+            ConnFault::Timeout { .. } => FailureKind::PeerTimeout,
+            ConnFault::PeerMisbehaved { .. } | ConnFault::Integrity { .. } => {
+                FailureKind::PeerMisbehaved
+            }
+            ConnFault::PeerGone { .. }
+            | ConnFault::Closed { .. }
+            | ConnFault::Refused { .. }
+            | ConnFault::Io { .. }
+            | ConnFault::Device { .. } => FailureKind::Disconnected,
+        }
+    }
+
+    /// The peer broke a rule; `what` is the rule, for a human.
+    pub fn misbehaved(what: impl Into<String>) -> Self {
+        ConnFault::PeerMisbehaved { what: what.into() }
+    }
+
+    /// A bound of ours refused it.
+    pub fn refused(why: impl Into<String>) -> Self {
+        ConnFault::Refused { why: why.into() }
+    }
+
+    /// A device or resource failure.
+    pub fn device(what: &'static str, detail: impl fmt::Display) -> Self {
+        ConnFault::Device {
+            what,
+            detail: detail.to_string(),
+        }
+    }
+
+    /// An OS error of `op` on the connection's socket or mapping: the
+    /// errors that mean the peer left are `PeerGone`, the rest `Io`.
+    pub fn from_io(op: &'static str, e: &io::Error) -> Self {
+        match e.raw_os_error() {
+            Some(libc::ECONNRESET) => ConnFault::PeerGone {
+                how: "it reset the connection",
+            },
+            Some(libc::EPIPE) | Some(libc::ENOTCONN) | Some(libc::ESHUTDOWN) => {
+                ConnFault::PeerGone {
+                    how: "it closed the connection",
+                }
+            }
+            Some(libc::ECONNABORTED) | Some(libc::EHOSTUNREACH) | Some(libc::ENETUNREACH) => {
+                ConnFault::PeerGone {
+                    how: "the network dropped the connection",
+                }
+            }
+            Some(libc::ETIMEDOUT) => ConnFault::PeerGone {
+                how: "the kernel gave up on the connection (no acknowledgement)",
+            },
+            Some(errno) => ConnFault::Io { op, errno },
+            None => ConnFault::Io {
+                op,
+                errno: libc::EIO,
+            },
+        }
+    }
+
+    /// The peer closed its end (end of file where a frame was expected).
+    pub const fn closed_by_peer() -> Self {
+        ConnFault::PeerGone {
+            how: "it closed the connection",
+        }
+    }
+
+    /// The peer's process is no longer alive (same host).
+    pub const fn process_died() -> Self {
+        ConnFault::PeerGone {
+            how: "its process died",
+        }
+    }
+}
+
 #[derive(Debug, Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -80,9 +217,10 @@ pub enum Error {
     Handshake { peer: SocketAddr, reason: String },
     #[error("{conn} is unknown (never opened here, or removed)")]
     UnknownConn { conn: ConnId },
-    /// The connection is dead; every later operation on it gets this error.
-    #[error("{conn} failed: {reason}")]
-    ConnFailed { conn: ConnId, reason: String },
+    /// The connection is dead; every later operation on it gets this error
+    /// (`cause` says why: match it).
+    #[error("{conn} failed: {cause}")]
+    ConnFailed { conn: ConnId, cause: ConnFault },
     #[error("target refused {op} of {len} bytes at {addr:#x} (rkey {rkey:#x}): {status}")]
     Remote {
         op: OpKind,
@@ -121,6 +259,14 @@ pub enum Error {
     TooManyInflight { max: usize },
     #[error("timed out after {timeout_ms} ms waiting for {what}")]
     Timeout { what: &'static str, timeout_ms: u64 },
+    /// Back-pressure: `conn` already has `queued` notifications accepted
+    /// and not yet sent (its peer is not reading); try again later.
+    #[error("{conn} has {queued} notifications not yet sent (FERRY_NOTIFY_OUTBOX = {max}): its peer is not reading; try again")]
+    NotifyOutboxFull {
+        conn: ConnId,
+        queued: usize,
+        max: usize,
+    },
     #[error("notification of {len} bytes exceeds the {max}-byte limit")]
     NotifyTooLong { len: usize, max: usize },
     /// Two-sided: the message (`len` bytes) was longer than the buffer the
@@ -161,13 +307,66 @@ impl Error {
         Error::Io { op, source }
     }
 
+    /// What kind of failure this is (what the C, Python and NIXL faces
+    /// report).
+    pub fn kind(&self) -> FailureKind {
+        use Error as E;
+        match self {
+            E::ConnFailed { cause, .. } => cause.kind(),
+            E::Timeout { .. } | E::AcceptTimeout { .. } | E::ConnectTimeout { .. } => {
+                FailureKind::Timeout
+            }
+            E::UnknownConn { .. } | E::Shutdown | E::Connect { .. } | E::Handshake { .. } => {
+                FailureKind::Disconnected
+            }
+            E::Remote { .. } => FailureKind::Remote,
+            E::QueueFull { .. }
+            | E::TooManyInflight { .. }
+            | E::Backlogged { .. }
+            | E::LimitReached { .. }
+            | E::NotifyOutboxFull { .. } => FailureKind::Busy,
+            E::OutOfRange { .. }
+            | E::RemoteTooSmall { .. }
+            | E::ReadOnlyDestination { .. }
+            | E::BadRange { .. }
+            | E::VectorMismatch { .. }
+            | E::EmptyVector
+            | E::NotifyTooLong { .. }
+            | E::MessageTooLarge { .. }
+            | E::Config { .. }
+            | E::GpuOutOfRange { .. }
+            | E::Decode(_) => FailureKind::Invalid,
+            _ => FailureKind::Other,
+        }
+    }
+
+    /// The connection fault this error amounts to when it ends a
+    /// connection (a device call that failed under it, a timeout).
+    pub fn as_fault(&self) -> ConnFault {
+        match self {
+            Error::ConnFailed { cause, .. } => cause.clone(),
+            Error::Io { op, source } => ConnFault::from_io(op, source),
+            Error::Timeout { what, timeout_ms } => ConnFault::Timeout {
+                what,
+                timeout_ms: *timeout_ms,
+            },
+            Error::Verbs { what, reason } => ConnFault::device(what, reason),
+            Error::Cuda { call, .. } => ConnFault::device(call, self),
+            Error::Decode(e) => ConnFault::misbehaved(e.to_string()),
+            Error::Shutdown => ConnFault::Closed {
+                why: "the endpoint shut down",
+            },
+            other => ConnFault::device("the operation", other),
+        }
+    }
+
     /// A copy for the cases where one failure must be reported to many
     /// waiters (a dead connection fails every op on it).
     pub(crate) fn duplicate(&self) -> Error {
         match self {
-            Error::ConnFailed { conn, reason } => Error::ConnFailed {
+            Error::ConnFailed { conn, cause } => Error::ConnFailed {
                 conn: *conn,
-                reason: reason.clone(),
+                cause: cause.clone(),
             },
             Error::Remote {
                 op,
@@ -203,7 +402,7 @@ impl Error {
             },
             other => Error::ConnFailed {
                 conn: ConnId(u64::MAX),
-                reason: other.to_string(),
+                cause: other.as_fault(),
             },
         }
     }

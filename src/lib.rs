@@ -83,6 +83,8 @@ pub mod gpu;
 pub mod oob;
 pub mod reactor;
 pub(crate) mod region;
+#[doc(hidden)]
+pub mod rogue;
 pub(crate) mod shm;
 pub mod stage_trace;
 pub(crate) mod sync;
@@ -96,7 +98,7 @@ pub use endpoint::{
     Batch, Compress, Config, Endpoint, EndpointBuilder, Integrity, MemoryRegion, MessageOp, Mode,
     Peer, RegCacheStats, Secret, SharedRegion, Transport, Window,
 };
-pub use error::{ConnId, Error, OpKind, Result};
+pub use error::{ConnFault, ConnId, Error, FailureKind, OpKind, Result};
 pub use gpu::{IpcStats, MemKind};
 pub use reactor::{CompressStats, Shard, SpinStats, Transfer};
 pub use region::Access;

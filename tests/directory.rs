@@ -54,6 +54,8 @@ fn etcd() -> Etcd {
             "--initial-cluster",
             &format!("default=http://127.0.0.1:{peer}"),
         ])
+        // Room for the oversized record a test puts (etcd's default is 1.5 MiB).
+        .args(["--max-request-bytes", "33554432"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -387,4 +389,27 @@ fn a_bad_record_is_skipped_and_the_others_are_listed() {
     // Lookups of the good name work; of a bad one, they say why.
     assert!(dir.lookup("good").is_ok());
     assert!(matches!(dir.lookup("garbage"), Err(DirError::Bad { .. })));
+}
+
+/// One record of 20 MB under a name (a peer, or an operator's mistake)
+/// costs only that name: the listing reads keys a page at a time and each
+/// name's records under a bound, so every good name is still listed.
+#[test]
+fn an_oversized_record_does_not_hide_the_others() {
+    let e = etcd();
+    let dir = Directory::new(&e.url, "c4").unwrap();
+    let target = endpoint();
+    let _a = dir
+        .publish(&target, "alpha", Duration::from_secs(5))
+        .unwrap();
+    raw_put(&e.url, "ferry/c4/bloated/endpoint", &vec![b'7'; 20_000_000]);
+    let other = endpoint();
+    let _z = dir.publish(&other, "zulu", Duration::from_secs(5)).unwrap();
+    let listed = dir.list().unwrap();
+    assert_eq!(
+        listed.iter().map(|x| x.name.as_str()).collect::<Vec<_>>(),
+        ["alpha", "zulu"]
+    );
+    assert!(dir.lookup("bloated").is_err());
+    assert!(dir.lookup("zulu").is_ok());
 }

@@ -29,8 +29,9 @@ const LAYERS: &[&[&str]] = &[
     &["tcp", "shm", "verbs", "oob"],
     &["reactor"],
     &["endpoint"],
-    // Off the data path: names in etcd (feature `directory`).
-    &["directory"],
+    // Off the data path: names in etcd (feature `directory`); the rogue
+    // test peers the faces' tests fail connections against.
+    &["directory", "rogue"],
 ];
 
 fn layer_of(module: &str) -> Option<usize> {

@@ -12,7 +12,8 @@ pub const FERRY_PENDING: i32 = 1;
 pub const FERRY_ERR_INVALID: i32 = -1;
 /// A wait ran out; what it waited for goes on.
 pub const FERRY_ERR_TIMEOUT: i32 = -2;
-/// The connection is unknown, failed or gone (the peer died).
+/// The connection is unknown, closed here, or gone (the peer closed it,
+/// reset it or died; a device under it failed).
 pub const FERRY_ERR_DISCONNECTED: i32 = -3;
 /// The peer refused the operation (key, bounds or access).
 pub const FERRY_ERR_REMOTE: i32 = -4;
@@ -24,6 +25,13 @@ pub const FERRY_ERR_PANIC: i32 = -6;
 pub const FERRY_ERR_INTERNAL: i32 = -7;
 /// Cancelled by `ferry_transfer_cancel`.
 pub const FERRY_ERR_CANCELLED: i32 = -8;
+/// The connection failed: its peer did not answer within ferry's deadline
+/// (`FERRY_OP_TIMEOUT_MS`, `FERRY_IDLE_TIMEOUT_MS`). Later calls on it
+/// get the same status.
+pub const FERRY_ERR_PEER_TIMEOUT: i32 = -9;
+/// The connection failed: its peer broke the protocol, or its bytes
+/// failed their integrity check. Later calls on it get the same status.
+pub const FERRY_ERR_PEER_MISBEHAVED: i32 = -10;
 
 thread_local! {
     static LAST: RefCell<CString> = RefCell::new(CString::default());
@@ -46,26 +54,15 @@ pub(crate) struct Fail(pub i32, pub String);
 
 impl From<engine::Error> for Fail {
     fn from(e: engine::Error) -> Fail {
-        use engine::Error as E;
-        let code = match &e {
-            E::Timeout { .. } | E::AcceptTimeout { .. } | E::ConnectTimeout { .. } => {
-                FERRY_ERR_TIMEOUT
-            }
-            E::UnknownConn { .. } | E::ConnFailed { .. } | E::Shutdown => FERRY_ERR_DISCONNECTED,
-            E::Remote { .. } => FERRY_ERR_REMOTE,
-            E::QueueFull { .. } | E::TooManyInflight { .. } | E::Backlogged { .. } => {
-                FERRY_ERR_BUSY
-            }
-            E::OutOfRange { .. }
-            | E::RemoteTooSmall { .. }
-            | E::ReadOnlyDestination { .. }
-            | E::BadRange { .. }
-            | E::VectorMismatch { .. }
-            | E::EmptyVector
-            | E::NotifyTooLong { .. }
-            | E::MessageTooLarge { .. }
-            | E::Config { .. }
-            | E::Decode(_) => FERRY_ERR_INVALID,
+        use engine::FailureKind as K;
+        let code = match e.kind() {
+            K::Invalid => FERRY_ERR_INVALID,
+            K::Timeout => FERRY_ERR_TIMEOUT,
+            K::Busy => FERRY_ERR_BUSY,
+            K::Remote => FERRY_ERR_REMOTE,
+            K::Disconnected => FERRY_ERR_DISCONNECTED,
+            K::PeerTimeout => FERRY_ERR_PEER_TIMEOUT,
+            K::PeerMisbehaved => FERRY_ERR_PEER_MISBEHAVED,
             _ => FERRY_ERR_INTERNAL,
         };
         Fail(code, e.to_string())

@@ -92,9 +92,7 @@ pub unsafe extern "C" fn ferry_post(
         }
         let c = ConnId(conn);
         // As the seed: an unknown connection fails the post, not later.
-        if ep.ep.peer(c).is_none() {
-            return Err(engine::Error::UnknownConn { conn: c }.into());
-        }
+        ep.ep.conn_status(c)?;
         let kind = match op {
             FERRY_WRITE => engine::OpKind::Write,
             FERRY_READ => engine::OpKind::Read,

@@ -139,3 +139,26 @@ fn sigpipe_never_reaches_the_host_same_host() {
 fn sigpipe_never_reaches_the_host_same_host_caller_driven() {
     peers_die("shm", "caller");
 }
+
+/// A silent, a lying and a gone peer (ferry's rogue test peers) fail their
+/// connections with three different statuses: `tests/c/causes.c`.
+#[test]
+fn a_silent_a_lying_and_a_gone_peer_are_three_statuses() {
+    use engine::rogue::{spawn, Behaviour};
+    let port = |how| spawn(how).expect("a rogue peer").port().to_string();
+    let (silent, garbage, hangup) = (
+        port(Behaviour::Silent),
+        port(Behaviour::Garbage),
+        port(Behaviour::HangUp),
+    );
+    run_c(
+        "capi/tests/c/causes.c",
+        "ferry-c-causes",
+        "three causes, three statuses",
+        &[
+            ("FERRY_ROGUE_SILENT", &silent),
+            ("FERRY_ROGUE_GARBAGE", &garbage),
+            ("FERRY_ROGUE_HANGUP", &hangup),
+        ],
+    );
+}

@@ -318,7 +318,7 @@ fn silent_peer_fails_requests_after_the_op_timeout() {
     let e = ep.write(conn, &local, 0, 64, &rb).unwrap_err();
     let took = start.elapsed();
     assert!(
-        matches!(&e, Error::ConnFailed { reason, .. } if reason.contains("op timeout")),
+        matches!(&e, Error::ConnFailed { cause: ferry::ConnFault::Timeout { what, .. }, .. } if what.contains("FERRY_OP_TIMEOUT_MS")),
         "{e}"
     );
     assert!(
@@ -456,7 +456,7 @@ fn a_peer_declaring_huge_limits_gets_ours() {
         assert!(Instant::now() < deadline, "the connection was not dropped");
     };
     assert!(
-        matches!(&e, Error::ConnFailed { reason, .. } if reason.contains("agreed 8 requests")),
+        matches!(&e, Error::ConnFailed { cause: ferry::ConnFault::PeerMisbehaved { what }, .. } if what.contains("agreed 8 requests")),
         "{e}"
     );
     drop(ep);
@@ -478,6 +478,9 @@ fn a_peer_that_stops_reading_stalls_only_itself() {
             .config({
                 let mut conf = config(IoPreference::Auto);
                 conf.op_timeout_ms = 1500;
+                // Room for the whole flood below: it must park, not be
+                // refused at the call.
+                conf.notify_outbox = 8192;
                 conf
             })
             .build()
@@ -524,7 +527,7 @@ fn a_peer_that_stops_reading_stalls_only_itself() {
         .and_then(|mut t| t.wait_timeout(Duration::from_secs(1)))
         .unwrap_err();
     assert!(
-        matches!(&e, Error::ConnFailed { reason, .. } if reason.contains("not reading")),
+        matches!(&e, Error::ConnFailed { cause: ferry::ConnFault::Timeout { what, .. }, .. } if what.contains("not reading")),
         "{e}"
     );
     ep.write(good, &local, 0, 4096, &win).unwrap();
@@ -640,7 +643,7 @@ fn idle_connections_time_out_when_asked() {
         std::thread::sleep(Duration::from_millis(1200));
         let e = ep.write(conn, &local, 0, 4096, &win).unwrap_err();
         assert!(
-            matches!(&e, Error::ConnFailed { reason, .. } if reason.contains("FERRY_IDLE_TIMEOUT_MS")),
+            matches!(&e, Error::ConnFailed { cause: ferry::ConnFault::Timeout { what, .. }, .. } if what.contains("FERRY_IDLE_TIMEOUT_MS")),
             "{path:?}: {e}"
         );
     }
@@ -690,4 +693,49 @@ fn a_read_into_a_read_only_registration_is_refused_and_changes_nothing() {
     let mut got = vec![0u8; 4096];
     back.read_at(0, &mut got).unwrap();
     assert!(got.iter().all(|&x| x == 7));
+}
+
+/// Three ways a connection dies, three causes a caller can match: a peer
+/// that goes silent (`Timeout`), one that sends garbage
+/// (`PeerMisbehaved`), one that hangs up (`PeerGone`) — each also its own
+/// `FailureKind`, which the C, Python and NIXL faces report from.
+#[test]
+fn a_silent_a_lying_and_a_gone_peer_are_three_causes() {
+    use ferry::rogue::{spawn, Behaviour};
+    use ferry::{ConnFault, FailureKind};
+    let ep = Endpoint::builder()
+        .config({
+            let mut conf = config(IoPreference::Auto);
+            conf.op_timeout_ms = 500;
+            conf
+        })
+        .build()
+        .unwrap();
+    let local = ep.alloc(64).unwrap();
+    let rb = unanswered_window();
+    let fail = |how| {
+        let conn = ep.connect(spawn(how).unwrap()).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match ep.write(conn, &local, 0, 64, &rb) {
+                Err(Error::ConnFailed { cause, .. }) => break cause,
+                Err(e) => panic!("{how:?}: {e}"),
+                // A write may land in the kernel before the peer's
+                // garbage or hang-up is read; the next one sees it.
+                Ok(()) => assert!(Instant::now() < deadline, "{how:?}: never failed"),
+            }
+        }
+    };
+    let silent = fail(Behaviour::Silent);
+    assert!(matches!(silent, ConnFault::Timeout { .. }), "{silent:?}");
+    assert_eq!(silent.kind(), FailureKind::PeerTimeout);
+    let lying = fail(Behaviour::Garbage);
+    assert!(
+        matches!(lying, ConnFault::PeerMisbehaved { .. }),
+        "{lying:?}"
+    );
+    assert_eq!(lying.kind(), FailureKind::PeerMisbehaved);
+    let gone = fail(Behaviour::HangUp);
+    assert!(matches!(gone, ConnFault::PeerGone { .. }), "{gone:?}");
+    assert_eq!(gone.kind(), FailureKind::Disconnected);
 }

@@ -115,39 +115,127 @@ fn a_message_longer_than_its_buffer_fails_both_sides() {
     assert_eq!(done(&b, r).unwrap(), 64);
 }
 
-/// A receiver that offers more buffers than the sender holds unmatched
-/// (`MAX_UNMATCHED`, 1024) has the rest refused: those receives fail, the
-/// others are filled in order.
-#[test]
-fn unmatched_offers_are_bounded() {
-    let (a, b, ca, cb) = pair(Path::TcpEpoll);
-    let src = a.alloc(64).unwrap();
-    let dst = b.alloc(64).unwrap();
-    let recvs: Vec<_> = (0..1100)
-        .map(|_| b.recv_async(cb, &dst, 0, 64).unwrap())
+/// More receives posted than a sender holds offers for (`MAX_UNMATCHED`,
+/// 1024): the rest wait on the receiver's side and are offered as earlier
+/// ones end, so every send lands, byte-exact, in its buffer in order —
+/// 3000 receives, then 1100 sends (each with its own bytes).
+fn many_posted(path: Path) {
+    let (a, b, ca, cb) = pair(path);
+    const RECVS: usize = 3000;
+    const SENDS: usize = 1100;
+    const LEN: usize = 256;
+    let src = a.alloc(SENDS * LEN).unwrap();
+    let mut p = vec![0u8; SENDS * LEN];
+    fill_pattern(&mut p, 0, 11);
+    src.write_at(0, &p).unwrap();
+    let dst = b.alloc(RECVS * LEN).unwrap();
+    let recvs: Vec<_> = (0..RECVS)
+        .map(|i| b.recv_async(cb, &dst, i * LEN, LEN).unwrap())
         .collect();
-    // The sender takes the offers as it makes progress.
-    let first = a.send_async(ca, &src, 0, 8).unwrap();
-    assert_eq!(done(&a, first).unwrap(), 8);
-    assert_eq!(done(&b, recvs[0]).unwrap(), 8);
-    let deadline = std::time::Instant::now() + WAIT;
-    let refused = loop {
-        let _ = a.poll_message(first);
-        let n = recvs[1025..]
-            .iter()
-            .filter(|r| matches!(b.poll_message(**r), Some(Err(Error::ConnFailed { .. }))))
-            .count();
-        if n == 0 && std::time::Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(10));
-            continue;
+    let sends: Vec<_> = (0..SENDS)
+        .map(|i| a.send_async(ca, &src, i * LEN, LEN - i % 7).unwrap())
+        .collect();
+    // Both sides' calls move their parts: poll them in turn.
+    let deadline = std::time::Instant::now() + 4 * WAIT;
+    let mut sent: Vec<Option<ferry::Result<usize>>> = (0..SENDS).map(|_| None).collect();
+    let mut got: Vec<Option<ferry::Result<usize>>> = (0..SENDS).map(|_| None).collect();
+    while sent.iter().chain(&got).any(Option::is_none) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{path:?}: {} sends and {} receives ended",
+            sent.iter().flatten().count(),
+            got.iter().flatten().count()
+        );
+        for i in 0..SENDS {
+            if sent[i].is_none() {
+                sent[i] = a.poll_message(sends[i]);
+            }
+            if got[i].is_none() {
+                got[i] = b.poll_message(recvs[i]);
+            }
         }
-        break n;
-    };
-    assert!(refused > 0, "some offers past the bound were refused");
-    // Those held are filled by later sends, in order.
-    let s = a.send_async(ca, &src, 0, 16).unwrap();
-    assert_eq!(done(&a, s).unwrap(), 16);
-    assert_eq!(done(&b, recvs[1]).unwrap(), 16);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut back = vec![0u8; SENDS * LEN];
+    dst.read_at(0, &mut back).unwrap();
+    for i in 0..SENDS {
+        let n = LEN - i % 7;
+        assert_eq!(sent[i].take().unwrap().unwrap(), n, "{path:?} send {i}");
+        assert_eq!(got[i].take().unwrap().unwrap(), n, "{path:?} receive {i}");
+        assert_eq!(
+            &back[i * LEN..i * LEN + n],
+            &p[i * LEN..i * LEN + n],
+            "{path:?} message {i}"
+        );
+    }
+    // The receives past the sends still wait, offered or not.
+    assert!(b.poll_message(recvs[SENDS]).is_none());
+}
+
+#[test]
+fn many_receives_posted_all_sends_land_over_tcp() {
+    many_posted(Path::TcpEpoll);
+}
+
+#[test]
+fn many_receives_posted_all_sends_land_on_one_host() {
+    many_posted(Path::Shm);
+}
+
+/// 20 000 notifications to a peer that reads slowly: each is delivered,
+/// in order, or refused at the call (`NotifyOutboxFull`); none is dropped
+/// and the connection lives on.
+fn flood(path: Path) {
+    let (a, b, ca, _cb) = pair(path);
+    const SENT: u32 = 20_000;
+    let reader = std::thread::spawn(move || {
+        let mut got = Vec::new();
+        loop {
+            match b.recv_notification(Duration::from_secs(3)) {
+                Ok((_, m)) => {
+                    got.push(u32::from_le_bytes(m[..4].try_into().unwrap()));
+                    if got.len() % 100 == 0 {
+                        std::thread::sleep(Duration::from_millis(2));
+                    }
+                }
+                Err(Error::Timeout { .. }) => break,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        (b, got)
+    });
+    let mut accepted = Vec::new();
+    let mut refused = 0;
+    for i in 0..SENT {
+        let mut msg = i.to_le_bytes().to_vec();
+        msg.resize(256, 7);
+        match a.send_notification(ca, &msg) {
+            Ok(()) => accepted.push(i),
+            Err(Error::NotifyOutboxFull { .. }) => refused += 1,
+            Err(e) => panic!("{path:?}: notification {i}: {e}"),
+        }
+    }
+    let (b, got) = reader.join().unwrap();
+    assert_eq!(accepted.len() + refused, SENT as usize);
+    assert_eq!(got.len(), accepted.len(), "{path:?}: {refused} refused");
+    assert_eq!(got, accepted, "{path:?}: in order");
+    eprintln!(
+        "{path:?}: {} delivered, {refused} refused at the call",
+        got.len()
+    );
+    a.send_notification(ca, b"still here").unwrap();
+    let (_, m) = b.recv_notification(WAIT).unwrap();
+    assert_eq!(m, b"still here");
+}
+
+#[test]
+fn a_notification_flood_is_delivered_or_refused_over_tcp() {
+    flood(Path::TcpEpoll);
+}
+
+#[test]
+fn a_notification_flood_is_delivered_or_refused_on_one_host() {
+    flood(Path::Shm);
 }
 
 #[test]

@@ -64,6 +64,13 @@ nixl_status_t to_nixl(int32_t rc) {
         return NIXL_ERR_INVALID_PARAM;
     case FERRY_ERR_DISCONNECTED:
         return NIXL_ERR_REMOTE_DISCONNECT;
+    // The connection failed; NIXL has no status of its own for these two,
+    // so each takes the nearest one not already used for another cause:
+    // the backend gave up waiting, the peer did what it may not.
+    case FERRY_ERR_PEER_TIMEOUT:
+        return NIXL_ERR_BACKEND;
+    case FERRY_ERR_PEER_MISBEHAVED:
+        return NIXL_ERR_NOT_ALLOWED;
     case FERRY_ERR_CANCELLED:
         return NIXL_ERR_CANCELED;
     default:
@@ -405,7 +412,9 @@ private:
     // A connection ferry reports gone is forgotten, so the next use
     // connects again (or fails: the peer is gone).
     void forget_if_gone(int32_t rc, uint64_t conn) const {
-        if (rc != FERRY_ERR_DISCONNECTED || conn == FERRY_ANY_CONN) return;
+        bool dead = rc == FERRY_ERR_DISCONNECTED || rc == FERRY_ERR_PEER_TIMEOUT ||
+                    rc == FERRY_ERR_PEER_MISBEHAVED;
+        if (!dead || conn == FERRY_ANY_CONN) return;
         std::lock_guard<std::mutex> g(mu_);
         auto it = conns_.find(conn);
         if (it == conns_.end()) return;

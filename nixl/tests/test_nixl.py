@@ -509,6 +509,36 @@ def test_killed_peer_is_an_error_not_a_hang(local):
         p.ag.send_notif("doomed", b"anyone?")
 
 
+def test_stopped_peer_is_a_backend_error_not_a_disconnect(local, monkeypatch):
+    """A peer that stops answering (SIGSTOP: alive, silent) fails the
+    connection at ferry's op timeout: NIXL_ERR_BACKEND, a cause apart from
+    a peer that is gone (NIXL_ERR_REMOTE_DISCONNECT, above)."""
+    monkeypatch.setenv("FERRY_OP_TIMEOUT_MS", "800")
+    p = Peer("initiator3", target="frozen")
+    src = local(1 << 20, seed=73, ag=p.ag)
+    xfer(p, "WRITE", src, 0, 0, 1 << 20)
+    os.kill(p.proc.pid, signal.SIGSTOP)
+    try:
+        l = p.ag.get_xfer_descs([(addr(src), 1 << 20, DEV)], MEM)
+        end = time.monotonic() + DEADLINE_S
+        state = None
+        while time.monotonic() < end:
+            try:
+                h = p.ag.initialize_xfer("WRITE", l, p.remote(0, 1 << 20), "frozen")
+                state = p.ag.transfer(h)
+                if state != "ERR":
+                    state = wait_done(p.ag, h)
+            except Exception as e:  # nixlBackendError and kin
+                state = type(e).__name__
+            if state != "DONE":
+                break
+            time.sleep(0.05)
+        assert state == "nixlBackendError", state
+    finally:
+        os.kill(p.proc.pid, signal.SIGKILL)
+        p.proc.join(10)
+
+
 def _vtable(so, cls):
     """The slots of `vtable for cls` in `so`: for each, the set of
     demangled method names (without their class) at its address — a set,

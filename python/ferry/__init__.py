@@ -14,15 +14,35 @@ The CUDA driver and libibverbs are loaded at run time: the package imports
 and works (host memory, tcp, shared memory) where neither exists.
 """
 
-from ._native import FerryError, get_oob_ip, shm_unavailable
+from ._native import (
+    Busy,
+    ConnectionFailed,
+    Disconnected,
+    FerryError,
+    InvalidArgument,
+    PeerMisbehaved,
+    PeerTimeout,
+    RemoteRefused,
+    WaitTimeout,
+    get_oob_ip,
+    shm_unavailable,
+)
 from ._api import Connection, Endpoint, Region, Transfer, Window
 from ._buffers import Buffer, locate
 
 __all__ = [
     "Buffer",
+    "Busy",
     "Connection",
+    "ConnectionFailed",
+    "Disconnected",
     "Endpoint",
     "FerryError",
+    "InvalidArgument",
+    "PeerMisbehaved",
+    "PeerTimeout",
+    "RemoteRefused",
+    "WaitTimeout",
     "Region",
     "Transfer",
     "Window",

@@ -145,7 +145,7 @@ class Transfer:
         if self._done:
             return
         if not self._t.wait(timeout):
-            raise _native.FerryError(f"transfer not done after {timeout} s")
+            raise _native.WaitTimeout(f"transfer not done after {timeout} s")
         self._done = True
         self._keep = None
 

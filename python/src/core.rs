@@ -23,8 +23,9 @@ use crate::FerryError;
 /// How long a blocking call waits between looks at Python's signals.
 const SLICE: Duration = Duration::from_millis(50);
 
-fn fe(e: impl std::fmt::Display) -> PyErr {
-    FerryError::new_err(e.to_string())
+/// The exception for a ferry error: its kind's subclass of `FerryError`.
+fn fe(e: impl Into<ferry::Error>) -> PyErr {
+    crate::error_to_py(e.into())
 }
 
 /// Loops `step` (a call that gives up after at most `SLICE`) with the GIL
@@ -276,11 +277,7 @@ impl Endpoint {
     /// The connection `conn_id` names, if this endpoint has it.
     fn connection(&self, conn_id: u64) -> PyResult<Connection> {
         let ep = self.get()?;
-        if ep.peer(ConnId(conn_id)).is_none() {
-            return Err(fe(ferry::Error::UnknownConn {
-                conn: ConnId(conn_id),
-            }));
-        }
+        ep.conn_status(ConnId(conn_id)).map_err(fe)?;
         Ok(self.conn(ep, ConnId(conn_id)))
     }
 
@@ -602,9 +599,7 @@ impl Connection {
                 "a region of another endpoint than this connection's",
             ));
         }
-        if ep.peer(self.id).is_none() {
-            return Err(fe(ferry::Error::UnknownConn { conn: self.id }));
-        }
+        ep.conn_status(self.id).map_err(fe)?;
         Ok((ep, region.view()?))
     }
 }
@@ -641,9 +636,7 @@ impl Connection {
         windows: Vec<Vec<u8>>,
     ) -> PyResult<Transfer> {
         let ep = self.ep.get()?;
-        if ep.peer(self.id).is_none() {
-            return Err(fe(ferry::Error::UnknownConn { conn: self.id }));
-        }
+        ep.conn_status(self.id).map_err(fe)?;
         if locals.len() != windows.len() {
             return Err(FerryError::new_err(format!(
                 "{} local pieces but {} windows",

@@ -210,3 +210,38 @@ def test_the_type_stub_matches_the_extension():
     methods = {n.name for n in ep_stub.body if isinstance(n, ast.FunctionDef)} - {"__init__"}
     real = {k for k in dir(_native.Endpoint) if not k.startswith("_")}
     assert methods == real, (methods ^ real)
+
+
+def test_three_causes_are_three_exception_classes(monkeypatch):
+    """A silent, a lying and a gone peer (ferry's rogue test peers) fail
+    their connections with three subclasses of ``ferry.ConnectionFailed``;
+    later calls on the dead connection raise the same class."""
+    import struct
+    import time
+
+    monkeypatch.setenv("FERRY_OP_TIMEOUT_MS", "500")
+    monkeypatch.setenv("FERRY_TRANSPORT", "tcp")
+    ep = ferry.Endpoint()
+    src = ep.alloc(64)
+    # A window the rogue never answers for: addr 0x1000, 64 bytes, rkey 1.
+    w = ferry.Window(struct.pack("<QII", 0x1000, 64, 1) + bytes(48))
+
+    def fail(how):
+        port = ferry._native._rogue_peer(how)
+        conn = ferry.Connection(ep, ep._n.connect("127.0.0.1", port))
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                conn.write(src, w, timeout=5)
+            except ferry.ConnectionFailed as e:
+                with pytest.raises(type(e)):
+                    conn.write(src, w, timeout=5)
+                return type(e)
+            assert time.monotonic() < deadline, how
+
+    assert fail("silent") is ferry.PeerTimeout
+    assert fail("garbage") is ferry.PeerMisbehaved
+    assert fail("hangup") is ferry.Disconnected
+    with pytest.raises(ferry.InvalidArgument):
+        ferry._native._rogue_peer("polite")
+    assert issubclass(ferry.PeerTimeout, ferry.FerryError)

@@ -114,7 +114,13 @@ pub struct Etcd {
 
 impl Etcd {
     fn call(&self, call: &'static str, path: &str, body: Value) -> R<Value> {
+        self.call_capped(call, path, body, http::MAX_BODY)
+    }
+
+    /// `call`, refusing an answer over `cap` bytes.
+    fn call_capped(&self, call: &'static str, path: &str, body: Value, cap: usize) -> R<Value> {
         let mut resp = http::post(self.addr, path, body.to_string().as_bytes(), self.timeout)?;
+        resp.limit(cap);
         let bytes = resp.read_all()?;
         let v: Value = serde_json::from_slice(&bytes).map_err(|e| EtcdError::Reply {
             call,
@@ -213,16 +219,50 @@ impl Etcd {
         })
     }
 
-    /// Every key under `prefix`, in key order.
-    pub fn range_prefix(&self, prefix: &[u8]) -> R<Vec<Kv>> {
+    /// Every key under `prefix` (no values), in key order, read one page
+    /// of `page` keys at a time; at most `max` keys (then `more` is true).
+    pub fn keys(&self, prefix: &[u8], page: usize, max: usize) -> R<(Vec<Vec<u8>>, bool)> {
+        let end = prefix_end(prefix);
+        let mut from = prefix.to_vec();
+        let mut out = Vec::new();
+        loop {
+            let body = json!({
+                "key": b64(&from),
+                "range_end": b64(&end),
+                "keys_only": true,
+                "limit": page,
+            });
+            let v = self.call("range", "/v3/kv/range", body)?;
+            let kvs = v.get("kvs").and_then(Value::as_array);
+            for k in kvs.into_iter().flatten() {
+                let key = k
+                    .get("key")
+                    .and_then(Value::as_str)
+                    .and_then(unb64)
+                    .ok_or_else(|| EtcdError::Reply {
+                        call: "range",
+                        why: format!("bad key {k}"),
+                    })?;
+                out.push(key);
+            }
+            let more = v.get("more").and_then(Value::as_bool).unwrap_or(false);
+            if !more || out.len() >= max {
+                return Ok((out, more));
+            }
+            // The next page starts just past the last key.
+            from = out.last().cloned().unwrap_or_default();
+            from.push(0);
+        }
+    }
+
+    /// Every key under `prefix` with its value, refused as a whole when
+    /// the answer is over `cap` bytes (one record's bound).
+    pub fn range_prefix_capped(&self, prefix: &[u8], cap: usize) -> R<Vec<Kv>> {
         let body = json!({ "key": b64(prefix), "range_end": b64(&prefix_end(prefix)) });
-        let v = self.call("range", "/v3/kv/range", body)?;
-        let kvs = v
-            .get("kvs")
-            .and_then(Value::as_array)
-            .cloned()
-            .unwrap_or_default();
-        kvs.iter()
+        let v = self.call_capped("range", "/v3/kv/range", body, cap)?;
+        let kvs = v.get("kvs").and_then(Value::as_array);
+        kvs.into_iter()
+            .flatten()
             .map(|k| {
                 kv(k).ok_or_else(|| EtcdError::Reply {
                     call: "range",

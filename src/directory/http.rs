@@ -37,6 +37,8 @@ pub struct Response {
     /// Content-Length bytes left, or of the current chunk.
     left: usize,
     done: bool,
+    /// The most body bytes taken (`MAX_BODY` unless `limit` lowered it).
+    cap: usize,
 }
 
 fn io(addr: SocketAddr, what: &'static str) -> impl FnOnce(std::io::Error) -> HttpError {
@@ -83,6 +85,7 @@ pub fn post(
                 chunked,
                 left: len.unwrap_or(usize::MAX),
                 done: false,
+                cap: MAX_BODY,
             };
             if status != 200 {
                 let body = resp.read_all().unwrap_or_default();
@@ -132,6 +135,12 @@ fn read_line(r: &mut BufReader<TcpStream>, addr: SocketAddr) -> Result<String, H
 }
 
 impl Response {
+    /// Refuses a body (or any one chunk of it) over `cap` bytes, below
+    /// `MAX_BODY`: a caller that knows what it asked for bounds the answer.
+    pub fn limit(&mut self, cap: usize) {
+        self.cap = cap.min(MAX_BODY);
+    }
+
     /// The next piece of body (a chunk, or what is there of a plain
     /// body); `None` at its end.
     pub fn next_piece(&mut self) -> Result<Option<Vec<u8>>, HttpError> {
@@ -143,7 +152,7 @@ impl Response {
             let size_line = read_line(&mut self.r, addr)?;
             let size = usize::from_str_radix(size_line.split(';').next().unwrap_or("").trim(), 16)
                 .ok()
-                .filter(|&n| n <= MAX_BODY)
+                .filter(|&n| n <= self.cap)
                 .ok_or_else(|| {
                     HttpError::Protocol(format!("bad chunk size {size_line:?}"), addr)
                 })?;
@@ -158,15 +167,15 @@ impl Response {
             return Ok(Some(buf));
         }
         let mut buf = Vec::new();
-        let want = self.left.min(MAX_BODY + 1);
+        let want = self.left.min(self.cap + 1);
         self.r
             .by_ref()
             .take(want as u64)
             .read_to_end(&mut buf)
             .map_err(io(addr, "receive"))?;
-        if buf.len() > MAX_BODY {
+        if buf.len() > self.cap {
             return Err(HttpError::Protocol(
-                format!("body over {MAX_BODY} bytes"),
+                format!("body over {} bytes", self.cap),
                 addr,
             ));
         }
@@ -174,14 +183,14 @@ impl Response {
         Ok(Some(buf))
     }
 
-    /// The whole body (at most `MAX_BODY` bytes).
+    /// The whole body (at most `MAX_BODY` bytes, or the `limit` set).
     pub fn read_all(&mut self) -> Result<Vec<u8>, HttpError> {
         let mut out = Vec::new();
         while let Some(p) = self.next_piece()? {
             out.extend_from_slice(&p);
-            if out.len() > MAX_BODY {
+            if out.len() > self.cap {
                 return Err(HttpError::Protocol(
-                    format!("body over {MAX_BODY} bytes"),
+                    format!("body over {} bytes", self.cap),
                     self.addr,
                 ));
             }

@@ -58,6 +58,13 @@ pub type Result<T> = std::result::Result<T, DirError>;
 /// renewing (a crashed process) to run out (else its lease's granted TTL
 /// and a second), and how often it looks.
 const MAX_OUTLIVE: Duration = Duration::from_secs(30);
+/// The most bytes one name's records may take in an answer (its record
+/// and its windows): one oversized record is skipped, not fatal.
+const MAX_RECORD_BYTES: usize = 1 << 20;
+/// Keys read per page when listing.
+const LIST_PAGE_KEYS: usize = 512;
+/// The most keys a listing reads (the rest are left out, and logged).
+const MAX_LIST_KEYS: usize = 1 << 20;
 const OUTLIVE_POLL: Duration = Duration::from_millis(200);
 
 fn check_name(what: &'static str, s: &str) -> Result<()> {
@@ -337,7 +344,9 @@ impl Directory {
     /// The endpoint published as `name`, with its windows.
     pub fn lookup(&self, name: &str) -> Result<Entry> {
         check_name("name", name)?;
-        let kvs = self.etcd.range_prefix(self.prefix(name).as_bytes())?;
+        let kvs = self
+            .etcd
+            .range_prefix_capped(self.prefix(name).as_bytes(), MAX_RECORD_BYTES)?;
         self.entry_from(name, &kvs)?
             .ok_or_else(|| DirError::NotFound {
                 cluster: self.cluster.clone(),
@@ -361,16 +370,23 @@ impl Directory {
 
     /// Every endpoint published in the cluster, by name.
     pub fn list(&self) -> Result<Vec<Entry>> {
-        let all = self
+        // Keys first, a page at a time; then each name's records on their
+        // own, bounded: one oversized or bad record costs only its name.
+        let cluster = format!("ferry/{}/", self.cluster);
+        let (keys, more) = self
             .etcd
-            .range_prefix(format!("ferry/{}/", self.cluster).as_bytes())?;
-        let mut names: Vec<String> = all
+            .keys(cluster.as_bytes(), LIST_PAGE_KEYS, MAX_LIST_KEYS)?;
+        if more {
+            tracing::warn!(
+                cluster = %self.cluster,
+                "directory: listing only the first {MAX_LIST_KEYS} keys"
+            );
+        }
+        let mut names: Vec<String> = keys
             .iter()
-            .filter_map(|kv| {
-                let k = String::from_utf8_lossy(&kv.key).into_owned();
-                let rest = k
-                    .strip_prefix(&format!("ferry/{}/", self.cluster))?
-                    .to_owned();
+            .filter_map(|k| {
+                let k = String::from_utf8_lossy(k).into_owned();
+                let rest = k.strip_prefix(&cluster)?.to_owned();
                 Some(rest.split('/').next()?.to_owned())
             })
             .collect();
@@ -379,7 +395,20 @@ impl Directory {
         for n in names {
             // One bad record (garbage, another version, too long) must
             // not hide the cluster's other names.
-            match self.entry_from(&n, &all) {
+            let kvs = self
+                .etcd
+                .range_prefix_capped(self.prefix(&n).as_bytes(), MAX_RECORD_BYTES);
+            let kvs = match kvs {
+                Ok(kvs) => kvs,
+                Err(e) => {
+                    tracing::warn!(
+                        key = %self.prefix(&n),
+                        "directory: skipping a record that cannot be read: {e}"
+                    );
+                    continue;
+                }
+            };
+            match self.entry_from(&n, &kvs) {
                 Ok(Some(e)) => out.push(e),
                 Ok(None) => {}
                 Err(e) => tracing::warn!(

@@ -151,6 +151,10 @@ macro_rules! settings {
             pin_cores: bool = false, "FERRY_PIN", with(flag);
             /// Notifications held for the application (`FERRY_INBOX_DEPTH`, default 1024).
             inbox_depth: usize = 1024, "FERRY_INBOX_DEPTH", range(1, 1 << 20);
+            /// Notifications one connection may have accepted and not yet handed
+            /// to its stream or ring (`FERRY_NOTIFY_OUTBOX`, default 1024); past
+            /// it `send_notification` refuses with `NotifyOutboxFull` (busy).
+            notify_outbox: usize = 1024, "FERRY_NOTIFY_OUTBOX", range(1, 1 << 20);
             /// Open connections at most, incoming and outgoing (`FERRY_MAX_CONNS`, default 4096).
             max_conns: usize = 4096, "FERRY_MAX_CONNS", range(1, 1 << 20);
             /// Connections one remote address may hold at most, so no single peer

@@ -196,6 +196,7 @@ impl Inner {
             ConnInfo {
                 peer: Peer::Net(peer),
                 verbs: verbs.is_some(),
+                outbox: Default::default(),
             },
         );
         let total = streams.len();

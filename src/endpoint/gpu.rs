@@ -67,7 +67,7 @@ impl Endpoint {
     ) -> Result<IpcBuf> {
         self.inner.reap_closed();
         if self.peer(conn).is_none() {
-            return Err(Error::UnknownConn { conn });
+            return Err(self.inner.gone(conn));
         }
         mr.advertise_ipc(offset, len)
     }

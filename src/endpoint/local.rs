@@ -188,6 +188,7 @@ impl Inner {
             conn,
             ConnInfo {
                 verbs: false,
+                outbox: Default::default(),
                 peer: Peer::Local {
                     endpoint_id: peer_id,
                     pid,

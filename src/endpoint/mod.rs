@@ -38,13 +38,13 @@ pub use memory::{MemoryRegion, MAX_WINDOWS};
 pub use ops::Window;
 pub use reg_cache::{RegCacheStats, SharedRegion};
 
-use crate::error::{ConnId, Error, OpKind, Result};
+use crate::error::{ConnFault, ConnId, Error, OpKind, Result};
 use crate::oob::gate::{Done, Gate, GateHooks};
 use crate::oob::handshake;
 use crate::oob::{self, Ctl, IoBackend};
 use crate::reactor::completion::CompletionTable;
 use crate::reactor::{
-    Command, OpCmd, OpDesc, OpParts, RegionCmd, Shard, ShardHandle, Transfer, MAX_BATCH,
+    Command, NoteTicket, OpCmd, OpDesc, OpParts, RegionCmd, Shard, ShardHandle, Transfer, MAX_BATCH,
 };
 use crate::region::{Access, Backing, Region};
 use crate::sys::random_u64;
@@ -184,8 +184,12 @@ pub(crate) struct Inner {
     shares: Arc<crate::shm::peers::PeerShares>,
     /// Local peers' doorbells we ring, shared by the rings into one shard.
     bells: Mutex<HashMap<(u64, u32), std::sync::Weak<crate::shm::bell::RemoteBell>>>,
-    /// Connections the shards saw die; forgotten on the next control call.
-    closed: Mutex<Receiver<ConnId>>,
+    /// Connections the shards saw die, with why; moved to `dead` on the
+    /// next control call.
+    closed: Mutex<Receiver<(ConnId, ConnFault)>>,
+    /// Why each dead connection died, so every later call on it gets the
+    /// same cause (until `remove_remote`); at most `DEAD_MEMORY` entries.
+    dead: Mutex<HashMap<ConnId, ConnFault>>,
     /// Handshakes under way per remote address (they count against its
     /// quota before their connection is adopted).
     handshaking: Arc<Mutex<HashMap<IpAddr, usize>>>,
@@ -253,6 +257,16 @@ impl Endpoint {
             .map(|c| c.peer)
     }
 
+    /// `Ok` while `conn` is live; else what every call on it gets: the
+    /// cause it died of (`ConnFailed`, until `remove_remote`), or
+    /// `UnknownConn`.
+    pub fn conn_status(&self, conn: ConnId) -> Result<()> {
+        match self.peer(conn) {
+            Some(_) => Ok(()),
+            None => Err(self.inner.gone(conn)),
+        }
+    }
+
     /// Whether `conn` has RDMA queue pairs (both sides had a usable NIC):
     /// its WRITEs and READs to windows advertised with a NIC key go over
     /// verbs.
@@ -312,9 +326,14 @@ impl Endpoint {
 
     /// Closes a connection; its in-flight operations fail.
     pub fn remove_remote(&self, conn: ConnId) -> Result<()> {
+        self.inner.reap_closed();
         let info = self.inner.conns.lock().expect("lock").remove(&conn);
         let Some(info) = info else {
-            return Err(Error::UnknownConn { conn });
+            // A dead connection is forgotten: its cause goes with it.
+            return match self.inner.dead.lock().expect("lock").remove(&conn) {
+                Some(_) => Ok(()),
+                None => Err(Error::UnknownConn { conn }),
+            };
         };
         self.inner
             .remotes
@@ -604,7 +623,7 @@ impl Endpoint {
     ) -> Result<RemoteBuf> {
         let mut rb = mr.window(offset, len)?;
         if !self.inner.conns.lock().expect("lock").contains_key(&conn) {
-            return Err(Error::UnknownConn { conn });
+            return Err(self.inner.gone(conn));
         }
         let (rkey, tag) = self
             .inner
@@ -636,9 +655,21 @@ impl Endpoint {
                 max: MAX_NOTIFY_BYTES,
             });
         }
-        if !self.inner.conns.lock().expect("lock").contains_key(&conn) {
-            return Err(Error::UnknownConn { conn });
-        }
+        // Counted from the call until its stream or ring takes it: past
+        // the bound the call is refused, so nothing accepted is dropped.
+        let ticket = {
+            let conns = self.inner.conns.lock().expect("lock");
+            let Some(info) = conns.get(&conn) else {
+                drop(conns);
+                return Err(self.inner.gone(conn));
+            };
+            let max = self.inner.cfg.notify_outbox;
+            NoteTicket::take(&info.outbox, max).map_err(|queued| Error::NotifyOutboxFull {
+                conn,
+                queued,
+                max,
+            })?
+        };
         let deadline = Instant::now() + self.inner.cfg.connect_timeout();
         // A connection spread over shards sends them on its first lane (in
         // order with each other; ops complete before they are reported).
@@ -650,6 +681,7 @@ impl Endpoint {
             Command::Notify {
                 conn: lane,
                 payload,
+                ticket: Some(ticket),
             },
             deadline,
         )

@@ -194,7 +194,7 @@ fn nic_side(
 struct ShardShared {
     table: Arc<CompletionTable>,
     inbox: crate::reactor::Inboxes,
-    closed: mpsc::Sender<crate::error::ConnId>,
+    closed: mpsc::Sender<(crate::error::ConnId, crate::error::ConnFault)>,
     ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
     shares: Arc<crate::shm::peers::PeerShares>,
     codec: Option<Arc<crate::reactor::codec_pool::LazyCodecPool>>,
@@ -314,6 +314,7 @@ impl Endpoint {
             nic,
             local_connects: Mutex::new(connects_rx),
             closed: Mutex::new(closed_rx),
+            dead: Mutex::new(HashMap::new()),
             handshaking: Arc::new(Mutex::new(HashMap::new())),
             registrations: Arc::new(AtomicUsize::new(0)),
             reg_cache: Default::default(),

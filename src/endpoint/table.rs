@@ -3,25 +3,42 @@
 
 use super::*;
 
+/// Dead connections whose cause is remembered (then the memory starts
+/// over: a caller that asks that late gets `UnknownConn`).
+const DEAD_MEMORY: usize = 4096;
+
 /// A connection's record on the control side.
 pub(super) struct ConnInfo {
     pub(super) peer: Peer,
     /// One-sided ops with NIC-keyed windows go over RDMA queue pairs.
     pub(super) verbs: bool,
+    /// Its notifications accepted and not yet sent (`FERRY_NOTIFY_OUTBOX`).
+    pub(super) outbox: Arc<AtomicUsize>,
 }
 
 impl Inner {
     /// Forgets connections the shards reported dead.
     pub(super) fn reap_closed(&self) {
-        let dead: Vec<ConnId> = self.closed.lock().expect("lock").try_iter().collect();
-        if dead.is_empty() {
+        let gone: Vec<(ConnId, ConnFault)> = self.closed.lock().expect("lock").try_iter().collect();
+        if gone.is_empty() {
             return;
         }
         let mut conns = self.conns.lock().expect("lock");
-        for c in &dead {
-            conns.remove(c);
+        let mut causes = self.dead.lock().expect("lock");
+        let mut dead = Vec::with_capacity(gone.len());
+        for (c, cause) in gone {
+            // A live entry only: a connection removed here is not dead.
+            if conns.remove(&c).is_some() {
+                if causes.len() >= DEAD_MEMORY {
+                    causes.clear();
+                }
+                // The first cause stays (a lane failed for it, the others
+                // then close with "another lane failed").
+                causes.entry(c).or_insert(cause);
+            }
+            dead.push(c);
         }
-        drop(conns);
+        drop((conns, causes));
         // One lane dead: the others go too (an op split over them could
         // not complete), without waiting.
         for &c in &dead {
@@ -39,6 +56,18 @@ impl Inner {
             .lock()
             .expect("lock")
             .retain(|_, c| !dead.contains(c));
+    }
+
+    /// The error for a call on `conn`, which is not live: the cause it
+    /// died of, or that it is unknown.
+    pub(super) fn gone(&self, conn: ConnId) -> Error {
+        match self.dead.lock().expect("lock").get(&conn) {
+            Some(cause) => Error::ConnFailed {
+                conn,
+                cause: cause.clone(),
+            },
+            None => Error::UnknownConn { conn },
+        }
     }
 
     /// Fails with `LimitReached` when no further connection may open.

@@ -26,13 +26,20 @@ use std::time::{Duration, Instant};
 
 use super::lanes::Via;
 use super::{Endpoint, MemoryRegion};
-use crate::error::{ConnId, Error, Result};
+use crate::error::{ConnFault, ConnId, Error, Result};
 use crate::reactor::{Command, Transfer};
 use crate::region::RegionSlice;
 use crate::wire::{CtlMsg, FinStatus, RemoteBuf, NOTE_CTL};
 
 /// Offers of receive buffers a connection may have waiting for a send.
+/// A receiver never has more than this many offered and unanswered: its
+/// further receives wait on its side and are offered as earlier ones end,
+/// so an honest sender never refuses one.
 pub(super) const MAX_UNMATCHED: usize = 1024;
+/// Receives one connection may have posted and not ended, and sends
+/// started and not ended: past these a post is refused at the call
+/// (`LimitReached`, busy).
+pub const MAX_POSTED_MESSAGES: usize = 1 << 16;
 /// Messages waiting for room in a shard's queue, all connections together;
 /// past this a refusal owed to a peer that offers past its bound while
 /// not reading is not said (it is logged): no peer grows our memory.
@@ -77,6 +84,10 @@ struct ConnMsgs {
     writing: Vec<Writing>,
     /// Our posted receives awaiting the sender's `Fin`, by number.
     recvs: HashMap<u64, Posted>,
+    /// Of those, how many were offered (`Cts` sent) and not yet answered.
+    offered: usize,
+    /// Those not yet offered (past `MAX_UNMATCHED` offered), in order.
+    unoffered: VecDeque<(u64, RemoteBuf)>,
 }
 
 struct Pending {
@@ -129,11 +140,17 @@ impl Endpoint {
     ) -> Result<MessageOp> {
         let msg = mr.slice(offset, len)?;
         if !self.inner.conns.lock().expect("lock").contains_key(&conn) {
-            return Err(Error::UnknownConn { conn });
+            return Err(self.inner.gone(conn));
         }
         let mut st = self.inner.messages.state.lock().expect("lock");
         let id = st.new_id();
         let c = st.conns.entry(conn).or_default();
+        if c.sends.len() + c.writing.len() >= MAX_POSTED_MESSAGES {
+            return Err(Error::LimitReached {
+                limit: "sends under way per connection (MAX_POSTED_MESSAGES)",
+                max: MAX_POSTED_MESSAGES,
+            });
+        }
         let seq = c.next_send;
         c.next_send += 1;
         c.sends.push_back(Pending { id, seq, msg });
@@ -169,7 +186,7 @@ impl Endpoint {
         let window = if max == 0 {
             mr.slice(offset, 0)?;
             if !self.inner.conns.lock().expect("lock").contains_key(&conn) {
-                return Err(Error::UnknownConn { conn });
+                return Err(self.inner.gone(conn));
             }
             RemoteBuf::default()
         } else {
@@ -178,6 +195,16 @@ impl Endpoint {
         let mut st = self.inner.messages.state.lock().expect("lock");
         let id = st.new_id();
         let c = st.conns.entry(conn).or_default();
+        if c.recvs.len() >= MAX_POSTED_MESSAGES {
+            drop(st);
+            if window.rkey != 0 {
+                self.inner.forget_region(window.rkey);
+            }
+            return Err(Error::LimitReached {
+                limit: "receives posted per connection (MAX_POSTED_MESSAGES)",
+                max: MAX_POSTED_MESSAGES,
+            });
+        }
         let seq = c.next_recv;
         c.next_recv += 1;
         let posted = Posted {
@@ -186,8 +213,8 @@ impl Endpoint {
             rkey: window.rkey,
         };
         c.recvs.insert(seq, posted);
-        st.outbox
-            .push_back((conn, ctl(CtlMsg::Cts { seq, window })));
+        c.unoffered.push_back((seq, window));
+        st.offer_next(conn);
         drop(st);
         self.progress();
         Ok(MessageOp(id))
@@ -254,7 +281,7 @@ impl Endpoint {
             .collect();
         for conn in conns {
             if self.peer(conn).is_none() {
-                st.fail_conn(conn);
+                st.fail_conn(conn, &self.inner.gone(conn));
                 continue;
             }
             self.match_and_write(&mut st, conn);
@@ -327,6 +354,11 @@ impl Endpoint {
                 if posted.rkey != 0 {
                     self.inner.forget_region(posted.rkey);
                 }
+                // Its offer is answered: the next receive may be offered.
+                if let Some(c) = st.conns.get_mut(&conn) {
+                    c.offered = c.offered.saturating_sub(1);
+                }
+                st.offer_next(conn);
                 let r = match status {
                     FinStatus::Ok if len <= posted.max => {
                         // RDMA WRITEs into GPU memory: visible to GPU work
@@ -336,10 +368,10 @@ impl Endpoint {
                     }
                     FinStatus::Ok => Err(Error::ConnFailed {
                         conn,
-                        reason: format!(
+                        cause: ConnFault::misbehaved(format!(
                             "the peer says it sent {len} bytes into a {}-byte buffer",
                             posted.max
-                        ),
+                        )),
                     }),
                     FinStatus::TooLarge => Err(Error::MessageTooLarge {
                         len,
@@ -347,7 +379,9 @@ impl Endpoint {
                     }),
                     FinStatus::Failed => Err(Error::ConnFailed {
                         conn,
-                        reason: format!("the sender could not fill receive buffer {seq}"),
+                        cause: ConnFault::refused(format!(
+                            "the sender could not fill receive buffer {seq}"
+                        )),
                     }),
                 };
                 st.ended.insert(posted.id, r);
@@ -443,7 +477,7 @@ impl State {
     }
 
     /// `conn` is gone: everything it held fails.
-    fn fail_conn(&mut self, conn: ConnId) {
+    fn fail_conn(&mut self, conn: ConnId, err: &Error) {
         let Some(c) = self.conns.remove(&conn) else {
             return;
         };
@@ -451,9 +485,25 @@ impl State {
             .chain(c.recvs.values().map(|p| p.id))
             .chain(c.writing.iter().map(|w| w.id));
         for id in ids {
-            self.ended.insert(id, Err(Error::UnknownConn { conn }));
+            self.ended.insert(id, Err(err.duplicate()));
         }
         self.outbox.retain(|(to, _)| *to != conn);
+    }
+
+    /// Offers `conn`'s posted receives that wait, while fewer than
+    /// `MAX_UNMATCHED` are offered and unanswered (the sender's bound).
+    fn offer_next(&mut self, conn: ConnId) {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return;
+        };
+        while c.offered < MAX_UNMATCHED {
+            let Some((seq, window)) = c.unoffered.pop_front() else {
+                break;
+            };
+            c.offered += 1;
+            self.outbox
+                .push_back((conn, ctl(CtlMsg::Cts { seq, window })));
+        }
     }
 
     /// Queues what is to be said, in order, until a shard's queue is full.
@@ -465,6 +515,7 @@ impl State {
             let cmd = Command::Notify {
                 conn: lane,
                 payload: msg,
+                ticket: None,
             };
             match shard.submit(cmd) {
                 Ok(()) => {}

@@ -153,10 +153,11 @@ pub(crate) fn run(codec: &mut Codec, work: CodecWork) -> CodecOutcome {
             // (or our bounce buffer) held alive by the job; the peer's
             // request for it is answered only when this ends.
             let into = unsafe { std::slice::from_raw_parts_mut(dst.ptr(), dst.len()) };
-            let result = codec
-                .decode(&frame, into)
-                .map(|_| ())
-                .map_err(|e| e.to_string());
+            let result = codec.decode(&frame, into).map(|_| ()).map_err(|e| {
+                crate::error::ConnFault::misbehaved(format!(
+                    "a packed frame from the peer is bad: {e}"
+                ))
+            });
             CodecOutcome::Decoded { buf: frame, result }
         }
     }

@@ -93,9 +93,9 @@ impl CodecSide {
     pub fn orphan(&mut self, d: CodecDone, done: &mut Vec<(u32, Result<()>)>) {
         if let CodecOutcome::Decoded { result, .. } = d.outcome {
             if d.ticket.gate == 0 {
-                let r = result.map_err(|reason| Error::ConnFailed {
+                let r = result.map_err(|cause| Error::ConnFailed {
                     conn: d.conn,
-                    reason,
+                    cause,
                 });
                 done.push((d.ticket.slot, r));
             }

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::sync::mpsc;
 
 use super::source::ConnRef;
-use crate::error::{ConnId, Error};
+use crate::error::{ConnFault, ConnId, Error};
 use crate::sys::IntMap;
 
 /// Dead connections remembered; past this the memory is cleared.
@@ -16,13 +16,13 @@ pub(crate) struct Directory {
     by_id: IntMap<ConnId, ConnRef>,
     /// By the shard's id of the dead connection: the id the application
     /// knows it by (see `Conn::group`) and why it died.
-    failed: HashMap<ConnId, (ConnId, String)>,
+    failed: HashMap<ConnId, (ConnId, ConnFault)>,
     /// Tells the endpoint which connections died, so it can forget them.
-    closed: mpsc::Sender<ConnId>,
+    closed: mpsc::Sender<(ConnId, ConnFault)>,
 }
 
 impl Directory {
-    pub fn new(closed: mpsc::Sender<ConnId>) -> Self {
+    pub fn new(closed: mpsc::Sender<(ConnId, ConnFault)>) -> Self {
         Self {
             by_id: Default::default(),
             failed: HashMap::new(),
@@ -49,9 +49,9 @@ impl Directory {
     /// Why calls on `conn` fail: the reason it died, or that it is unknown.
     pub fn error_of(&self, conn: ConnId) -> Error {
         match self.failed.get(&conn) {
-            Some((group, reason)) => Error::ConnFailed {
+            Some((group, cause)) => Error::ConnFailed {
                 conn: *group,
-                reason: reason.clone(),
+                cause: cause.clone(),
             },
             None => Error::UnknownConn { conn },
         }
@@ -59,13 +59,13 @@ impl Directory {
 
     /// Records that `conn` (the application's `group`) died, and tells the
     /// endpoint.
-    pub fn remember_failed(&mut self, conn: ConnId, group: ConnId, reason: String) {
+    pub fn remember_failed(&mut self, conn: ConnId, group: ConnId, cause: ConnFault) {
         // The endpoint may be gone already; then nobody needs to know.
-        let _ = self.closed.send(group);
+        let _ = self.closed.send((group, cause.clone()));
         if self.failed.len() >= FAILED_MEMORY {
             self.failed.clear();
         }
-        self.failed.insert(conn, (group, reason));
+        self.failed.insert(conn, (group, cause));
     }
 
     /// Forgets a dead connection's reason (`remove_remote` was called).

@@ -28,7 +28,7 @@ use super::ledger::OpLedger;
 use super::local_side::{LocalInit, LocalSide};
 use super::queue::{OpCmd, OpDesc, OpParts};
 use super::source::{ConnRef, CxParts, Source, SubmitCx, Transport};
-use crate::error::{ConnId, Error, OpKind, Result};
+use crate::error::{ConnFault, ConnId, Error, OpKind, Result};
 use crate::region::{Grant, KeyRef, Region, RegionSlice};
 use crate::shm::local::LocalConn;
 use crate::shm::named_ring::ShmRing;
@@ -85,7 +85,7 @@ struct End {
     /// shard's parked commands).
     waiting: VecDeque<OpCmd>,
     notes_waiting: VecDeque<Vec<u8>>,
-    failed: Option<String>,
+    failed: Option<ConnFault>,
     /// Ops the transport handed back for room.
     handed_back: usize,
 }
@@ -122,7 +122,10 @@ impl End {
         let Some(idx) = self.idx else {
             let err = Error::ConnFailed {
                 conn: op.conn,
-                reason: self.failed.clone().unwrap_or_default(),
+                cause: self
+                    .failed
+                    .clone()
+                    .unwrap_or(ConnFault::Closed { why: "removed" }),
             };
             match op.total {
                 None => self.ledger.fail(op.slot, err),
@@ -177,11 +180,11 @@ impl End {
         }
     }
 
-    fn remove(&mut self, reason: String) {
+    fn remove(&mut self, cause: ConnFault) {
         if let Some(idx) = self.idx.take() {
-            let gone = self.side.remove(idx, &reason, &mut self.parts.cx());
+            let gone = self.side.remove(idx, &cause, &mut self.parts.cx());
             assert_eq!(gone.id, self.conn);
-            self.failed = Some(reason);
+            self.failed = Some(cause);
         }
     }
 
@@ -544,11 +547,11 @@ mod tests {
                 ..Faults::default()
             };
             let (p, (_ok, failed)) = random_run(seed, faults);
-            let why = p.ends[side]
-                .failed
-                .as_deref()
-                .expect("the connection failed");
-            assert!(why.contains("not outstanding"), "{why}");
+            let why = p.ends[side].failed.clone().expect("the connection failed");
+            assert!(
+                matches!(&why, ConnFault::PeerMisbehaved { what } if what.contains("not outstanding")),
+                "{why}"
+            );
             assert!(failed > 0, "seed {seed}: ops after the failure fail");
         }
     }
@@ -562,11 +565,8 @@ mod tests {
                 ..Faults::default()
             };
             let (p, (_ok, failed)) = random_run(seed, faults);
-            let why = p.ends[side]
-                .failed
-                .as_deref()
-                .expect("the connection failed");
-            assert!(why.contains("is gone"), "{why}");
+            let why = p.ends[side].failed.clone().expect("the connection failed");
+            assert_eq!(why, ConnFault::process_died());
             assert!(failed > 0);
         }
     }
@@ -580,11 +580,8 @@ mod tests {
                 ..Faults::default()
             };
             let (p, (ok, failed)) = random_run(seed, faults);
-            let why = p.ends[side]
-                .failed
-                .as_deref()
-                .expect("the connection failed");
-            assert!(why.contains("op timeout"), "{why}");
+            let why = p.ends[side].failed.clone().expect("the connection failed");
+            assert!(matches!(why, ConnFault::Timeout { .. }), "{why}");
             let mine = p.ops.iter().filter(|o| o.from == side).count();
             assert!(
                 failed > 0 && ok + failed == mine,

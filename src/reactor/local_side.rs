@@ -30,7 +30,7 @@ use super::queue::OpCmd;
 use super::source::{
     ConnCheck, ConnRef, Cx, LiveRegions, Park, Removed, ShardSink, Source, SubmitCx, Transport,
 };
-use crate::error::ConnId;
+use crate::error::{ConnFault, ConnId};
 use crate::region::KeyRef;
 use crate::shm::bell::{Bell, ACCEPT_BIT, BELL_BITS};
 use crate::shm::cma::Cma;
@@ -581,12 +581,12 @@ impl Transport for LocalSide {
         };
         let oldest = lc.oldest_pending();
         let why = if !alive {
-            Some(format!("peer process {} is gone", lc.peer_pid))
+            Some(ConnFault::process_died())
         } else if oldest.is_some_and(|t| now.saturating_duration_since(t) > limit) {
-            Some(format!(
-                "no response to a request within {} ms (op timeout)",
-                limit.as_millis()
-            ))
+            Some(ConnFault::Timeout {
+                what: "a response to a request (FERRY_OP_TIMEOUT_MS)",
+                timeout_ms: limit.as_millis() as u64,
+            })
         } else {
             None
         };
@@ -598,11 +598,11 @@ impl Transport for LocalSide {
         }
     }
 
-    fn remove(&mut self, idx: usize, reason: &str, cx: &mut Cx<'_>) -> Removed {
+    fn remove(&mut self, idx: usize, cause: &ConnFault, cx: &mut Cx<'_>) -> Removed {
         let mut lc = self.conns.remove(idx);
         let err = &crate::error::Error::ConnFailed {
             conn: lc.id,
-            reason: reason.to_owned(),
+            cause: cause.clone(),
         };
         lc.fail_pending(err, &mut ShardSink::plain(cx, lc.id));
         let (id, peer, pid) = (lc.id, lc.peer_id, lc.peer_pid);

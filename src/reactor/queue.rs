@@ -1,7 +1,7 @@
 //! What other threads send a shard, and the handle they send it through.
 
 use std::net::TcpStream;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Sender, SyncSender};
 use std::sync::Arc;
 
@@ -169,7 +169,34 @@ pub(crate) enum Command {
     Notify {
         conn: ConnId,
         payload: Vec<u8>,
+        /// The application's count of this connection's notifications
+        /// not yet sent (None: one of ferry's own, bounded otherwise).
+        ticket: Option<NoteTicket>,
     },
+}
+
+/// One notification counted in its connection's outbox
+/// (`FERRY_NOTIFY_OUTBOX`): the count drops when the ticket does — once
+/// the stream or ring took the notification, or the connection is gone.
+pub(crate) struct NoteTicket(Arc<AtomicUsize>);
+
+impl NoteTicket {
+    /// Takes a place in `outbox` if fewer than `max` are taken; else the
+    /// count there now.
+    pub fn take(outbox: &Arc<AtomicUsize>, max: usize) -> std::result::Result<Self, usize> {
+        let was = outbox.fetch_add(1, Ordering::AcqRel);
+        if was >= max {
+            outbox.fetch_sub(1, Ordering::AcqRel);
+            return Err(was);
+        }
+        Ok(NoteTicket(outbox.clone()))
+    }
+}
+
+impl Drop for NoteTicket {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Command {

@@ -17,7 +17,7 @@ use tracing::warn;
 use super::gpu::GpuWork;
 use super::ledger::OpLedger;
 use super::queue::{OpCmd, RegionCmd};
-use crate::error::{ConnId, Result};
+use crate::error::{ConnFault, ConnId, Result};
 use crate::region::{Access, KeyRef, RegionSlice, RegionTable, Regions};
 use crate::wire::Status;
 use crate::xfer::{Bounce, GpuReq, Sink, Stage};
@@ -72,7 +72,7 @@ pub(crate) struct Cx<'a> {
     /// being polled, or without a driver).
     pub gpu: Option<&'a mut GpuWork>,
     /// Connections found broken in this pass, dropped after it.
-    pub to_fail: &'a mut Vec<(ConnRef, String)>,
+    pub to_fail: &'a mut Vec<(ConnRef, ConnFault)>,
 }
 
 pub(crate) trait Source {
@@ -95,7 +95,7 @@ pub(crate) struct SubmitCx<'a> {
 /// What a transport says of one connection at a timeout check.
 pub(crate) struct ConnCheck {
     /// Why it must fail now, if it must.
-    pub why: Option<String>,
+    pub why: Option<ConnFault>,
     /// Anything under way (it is then not idle).
     pub busy: bool,
     /// When it last moved bytes.
@@ -138,8 +138,8 @@ pub(crate) trait Transport: Source {
         seen: &mut Option<(u32, bool)>,
     ) -> ConnCheck;
     /// Lets go of connection `idx`, failing what it had under way into
-    /// `cx` (`ConnFailed` with `reason`).
-    fn remove(&mut self, idx: usize, reason: &str, cx: &mut Cx<'_>) -> Removed;
+    /// `cx` (`ConnFailed` with `cause`).
+    fn remove(&mut self, idx: usize, cause: &ConnFault, cx: &mut Cx<'_>) -> Removed;
 }
 
 /// Region lookups that first catch up on registrations the endpoint has
@@ -374,7 +374,7 @@ pub(crate) struct CxParts {
     revoked: Vec<(ConnId, u64)>,
     reqs: Vec<GpuReq>,
     replies: Vec<(ConnId, u64, bool, Status)>,
-    to_fail: Vec<(ConnRef, String)>,
+    to_fail: Vec<(ConnRef, ConnFault)>,
 }
 
 #[cfg(test)]
@@ -409,7 +409,7 @@ impl CxParts {
     }
 
     /// Connections found broken since the last call.
-    pub fn take_failed(&mut self) -> Vec<(ConnRef, String)> {
+    pub fn take_failed(&mut self) -> Vec<(ConnRef, ConnFault)> {
         std::mem::take(&mut self.to_fail)
     }
 

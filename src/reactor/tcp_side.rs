@@ -22,7 +22,7 @@ use super::queue::OpCmd;
 use super::source::{
     ConnCheck, ConnRef, Cx, LiveRegions, Park, Removed, ShardSink, Source, SubmitCx, Transport,
 };
-use crate::error::{ConnId, Error, OpKind, Result};
+use crate::error::{ConnFault, ConnId, Error, OpKind, Result};
 use crate::region::RegionSlice;
 use crate::tcp::conn::{Dealt, DeviceFrame, DeviceStep};
 use crate::tcp::{Stream, StreamLimits};
@@ -154,7 +154,7 @@ impl TcpSide {
     /// Links an asynchronous NIC event broke, with the reason: asked of
     /// every link only when the NICs' event epoch moved (so an idle link
     /// whose port went down fails too, which no completion would do).
-    pub fn broken_links(&mut self, out: &mut Vec<(ConnRef, String)>) {
+    pub fn broken_links(&mut self, out: &mut Vec<(ConnRef, ConnFault)>) {
         if self.verbs_conns == 0 {
             return;
         }
@@ -462,7 +462,7 @@ impl TcpSide {
                 if s.has_tx() {
                     w += s.flush()? as usize;
                 }
-                Ok::<usize, String>(w)
+                Ok::<usize, ConnFault>(w)
             })();
             // Jobs go out even if the stream just failed: their ends are
             // settled (a READ completes) whatever became of it.
@@ -574,7 +574,7 @@ impl TcpSide {
                 if read {
                     let e = Error::ConnFailed {
                         conn: group,
-                        reason: reason.clone(),
+                        cause: reason.clone(),
                     };
                     cx.done.push((slot, Err(e)));
                 }
@@ -785,11 +785,11 @@ impl Transport for TcpSide {
         }
     }
 
-    fn remove(&mut self, idx: usize, reason: &str, cx: &mut Cx<'_>) -> Removed {
+    fn remove(&mut self, idx: usize, cause: &ConnFault, cx: &mut Cx<'_>) -> Removed {
         let mut conn = self.take(idx);
         let err = &Error::ConnFailed {
             conn: conn.group,
-            reason: reason.to_owned(),
+            cause: cause.clone(),
         };
         let mut sink = ShardSink::plain(cx, conn.group);
         for s in conn.streams.iter_mut() {

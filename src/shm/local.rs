@@ -19,7 +19,7 @@ use slab::Slab;
 use super::copy_path::{self, CopyPath};
 use super::named_ring::ShmRing;
 use super::ring::SLOT_PAYLOAD;
-use crate::error::{ConnId, Error, OpKind, Result};
+use crate::error::{ConnFault, ConnId, Error, OpKind, Result};
 use crate::region::{Access, KeyRef, RegionSlice, Regions};
 use crate::sys::Mapping;
 use crate::wire::shm_msg::{Msg, MsgKind, MAX_INLINE};
@@ -480,7 +480,7 @@ impl LocalConn {
         maps: &PeerMaps,
         peer_mem: &mut impl PeerMemory,
         sink: &mut impl Sink,
-    ) -> Result<usize, String> {
+    ) -> Result<usize, ConnFault> {
         let mut work = 0;
         while let Some((buf, n)) = self.outbox.front() {
             if push_to(&self.tx, self.hot, &mut self.ring_due, &buf[..*n]).is_err() {
@@ -517,7 +517,8 @@ impl LocalConn {
                 break;
             };
             work += 1;
-            let (m, inline) = Msg::decode(&buf[..n]).map_err(|e| e.to_string())?;
+            let (m, inline) =
+                Msg::decode(&buf[..n]).map_err(|e| ConnFault::misbehaved(e.to_string()))?;
             if crate::stage_trace::ENABLED {
                 use crate::stage_trace::{mark, Stage};
                 match m.kind {
@@ -611,12 +612,12 @@ impl LocalConn {
         maps: &PeerMaps,
         peer_mem: &mut impl PeerMemory,
         sink: &mut impl Sink,
-    ) -> Result<(), String> {
+    ) -> Result<(), ConnFault> {
         if self.peer_owed >= self.peer_max {
-            return Err(format!(
+            return Err(ConnFault::misbehaved(format!(
                 "peer sent more than the agreed {} requests in flight",
                 self.peer_max
-            ));
+            )));
         }
         self.peer_owed += 1;
         let write = m.kind == MsgKind::WriteReq;
@@ -812,13 +813,13 @@ impl LocalConn {
     }
 
     /// A reply to one of our requests: ends its op.
-    fn on_reply(&mut self, m: Msg, inline: &[u8], sink: &mut impl Sink) -> Result<(), String> {
+    fn on_reply(&mut self, m: Msg, inline: &[u8], sink: &mut impl Sink) -> Result<(), ConnFault> {
         let key = m.op_id as usize;
         let Some(p) = self.pending.try_remove(key) else {
-            return Err(format!(
+            return Err(ConnFault::misbehaved(format!(
                 "{:?} for op {} that is not outstanding",
                 m.kind, m.op_id
-            ));
+            )));
         };
         let want = if p.kind == OpKind::Write {
             MsgKind::WriteAck
@@ -826,7 +827,10 @@ impl LocalConn {
             MsgKind::ReadResp
         };
         if m.kind != want {
-            return Err(format!("{:?} answers a {} request", m.kind, p.kind));
+            return Err(ConnFault::misbehaved(format!(
+                "{:?} answers a {} request",
+                m.kind, p.kind
+            )));
         }
         let status = Status::from_u8(m.status).unwrap_or(Status::PeerMemory);
         if status == Status::Ok
@@ -835,11 +839,11 @@ impl LocalConn {
             && m.aux != REPLY_GPU_COPIED
         {
             if inline.len() != p.local.len() {
-                return Err(format!(
+                return Err(ConnFault::misbehaved(format!(
                     "READ reply carries {} inline bytes, {} were asked",
                     inline.len(),
                     p.local.len()
-                ));
+                )));
             }
             // SAFETY: `p.local` is a checked slice of exactly
             // `inline.len()` live bytes (held by the pending op).
@@ -857,7 +861,7 @@ impl LocalConn {
         maps: &PeerMaps,
         peer_mem: &mut impl PeerMemory,
         sink: &mut impl Sink,
-    ) -> Result<(), String> {
+    ) -> Result<(), ConnFault> {
         match m.kind {
             MsgKind::WriteReq | MsgKind::ReadReq => {
                 return self.serve(m, inline, regions, maps, peer_mem, sink);
@@ -865,9 +869,9 @@ impl LocalConn {
             MsgKind::WriteAck | MsgKind::ReadResp => return self.on_reply(m, inline, sink),
             MsgKind::Notify => {
                 if self.notify.len() + inline.len() > MAX_NOTIFY_WIRE_BYTES {
-                    return Err(format!(
+                    return Err(ConnFault::misbehaved(format!(
                         "notification longer than {MAX_NOTIFY_WIRE_BYTES} bytes"
-                    ));
+                    )));
                 }
                 self.notify.extend_from_slice(inline);
                 if m.status == 0 {
@@ -878,9 +882,12 @@ impl LocalConn {
                 }
             }
             MsgKind::IpcRevoke => sink.ipc_revoked(m.addr),
-            MsgKind::Close => return Err("peer closed the connection".to_owned()),
+            MsgKind::Close => return Err(ConnFault::closed_by_peer()),
             MsgKind::Connect | MsgKind::ConnectAck => {
-                return Err(format!("{:?} on an established connection", m.kind));
+                return Err(ConnFault::misbehaved(format!(
+                    "{:?} on an established connection",
+                    m.kind
+                )));
             }
         }
         Ok(())
@@ -988,7 +995,7 @@ mod tests {
     }
 
     impl Side {
-        fn poll(&mut self, mem: &mut SameProcess) -> Result<usize, String> {
+        fn poll(&mut self, mem: &mut SameProcess) -> Result<usize, ConnFault> {
             let mut regions = View {
                 table: &self.table,
                 conn: self.conn.id,
@@ -1276,7 +1283,10 @@ mod tests {
         m.op_id = 999;
         assert!(b.conn.send(&m, &[]));
         let e = a.poll(&mut mem).unwrap_err();
-        assert!(e.contains("not outstanding"), "{e}");
+        assert!(
+            matches!(&e, ConnFault::PeerMisbehaved { what } if what.contains("not outstanding")),
+            "{e}"
+        );
     }
 
     #[test]
@@ -1294,6 +1304,9 @@ mod tests {
             assert!(b.conn.send(&m, &[0u8; MAX_INLINE]));
         }
         let e = a.poll(&mut mem).unwrap_err();
-        assert!(e.contains("longer than"), "{e}");
+        assert!(
+            matches!(&e, ConnFault::PeerMisbehaved { what } if what.contains("longer than")),
+            "{e}"
+        );
     }
 }

@@ -8,7 +8,7 @@ use std::borrow::{Borrow, BorrowMut};
 use std::time::{Duration, Instant};
 
 use super::proto::{PackChoice, StreamProto};
-use crate::error::OpKind;
+use crate::error::{ConnFault, OpKind};
 use crate::region::{KeyRef, RegionSlice};
 use crate::xfer::Progress;
 
@@ -132,20 +132,20 @@ pub(crate) fn overdue<S: Borrow<StreamProto>>(
     streams: &[S],
     now: Instant,
     limit: Duration,
-) -> Option<String> {
+) -> Option<ConnFault> {
     if oldest_pending(streams).is_some_and(|t| now.saturating_duration_since(t) > limit) {
-        Some(format!(
-            "no response to a request within {} ms (op timeout)",
-            limit.as_millis()
-        ))
+        Some(ConnFault::Timeout {
+            what: "a response to a request (FERRY_OP_TIMEOUT_MS)",
+            timeout_ms: limit.as_millis() as u64,
+        })
     } else if streams
         .iter()
         .any(|s| s.borrow().inbound_stalled(now, limit))
     {
-        Some(format!(
-            "an inbound frame stalled for more than {} ms (op timeout)",
-            limit.as_millis()
-        ))
+        Some(ConnFault::Timeout {
+            what: "the rest of an inbound frame begun (FERRY_OP_TIMEOUT_MS)",
+            timeout_ms: limit.as_millis() as u64,
+        })
     } else {
         None
     }

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use super::conn::{deal, Dealt, FramePart};
 use super::proto::{Integrity, Step, StreamLimits, StreamProto, NOTIFY_QUEUE};
 use crate::auth::{Direction, FrameKey, TAG_LEN};
-use crate::error::{ConnId, Error, OpKind, Result};
+use crate::error::{ConnFault, ConnId, Error, OpKind, Result};
 use crate::region::{Grant, KeyRef, Region, RegionSlice, RegionTable};
 use crate::wire::testrng::Rng;
 use crate::wire::{DataHeader, DataKind, DATA_HEADER_LEN};
@@ -209,7 +209,7 @@ struct Side {
     delivered: Vec<Vec<u8>>,
     notes_sent: Vec<Vec<u8>>,
     notes_queued: VecDeque<Vec<u8>>,
-    dead: Option<String>,
+    dead: Option<ConnFault>,
     ops: Vec<OpRec>,
     /// Ops not wholly dealt yet, oldest first, and the stream the dealer
     /// goes to next.
@@ -245,7 +245,7 @@ pub(crate) struct Report {
     pub failed: usize,
     pub errors: Vec<String>,
     pub notes_delivered: usize,
-    pub died: [Option<String>; 2],
+    pub died: [Option<ConnFault>; 2],
     pub end_us: u64,
 }
 
@@ -560,7 +560,7 @@ impl Pair {
             };
             let r = r.and_then(|()| {
                 if eof && taken == chunk.len() {
-                    Err("peer closed the connection".to_owned())
+                    Err(ConnFault::closed_by_peer())
                 } else {
                     Ok(())
                 }
@@ -575,14 +575,14 @@ impl Pair {
     /// The connection of side `s` dies (as the shard's `drop_conn`): every
     /// outstanding request fails with one error, and the peer sees the
     /// socket close.
-    fn kill(&mut self, s: usize, reason: String) {
+    fn kill(&mut self, s: usize, cause: ConnFault) {
         let side = &mut self.sides[s];
         if side.dead.is_some() {
             return;
         }
         let err = Error::ConnFailed {
             conn: side.conn,
-            reason: reason.clone(),
+            cause: cause.clone(),
         };
         let mut sink = RecSink {
             done: &mut side.done,
@@ -600,7 +600,7 @@ impl Pair {
                 side.done.push((slot, Err(err.duplicate())));
             }
         }
-        side.dead = Some(reason);
+        side.dead = Some(cause);
         for dir in 0..2 {
             for p in self.pipes[dir].iter_mut() {
                 p.closed = true;
@@ -668,8 +668,19 @@ impl Pair {
         for _ in 0..200_000 {
             if let Some(t) = self.faults.reset_at_us {
                 if self.now_us >= t {
-                    self.kill(0, "connection reset".into());
-                    self.kill(1, "connection reset by peer".into());
+                    self.kill(
+                        0,
+                        ConnFault::Closed {
+                            why: "connection reset",
+                        },
+                    );
+                    self.kill(
+                        1,
+                        ConnFault::from_io(
+                            "receive",
+                            &std::io::Error::from_raw_os_error(libc::ECONNRESET),
+                        ),
+                    );
                 }
             }
             for s in 0..2 {
@@ -842,7 +853,7 @@ mod tests {
             assert!(r.failed > 0, "seed {seed}");
             assert!(r.end_us >= 200_000, "seed {seed}: ended at {} µs", r.end_us);
             assert!(
-                r.errors.iter().any(|e| e.contains("op timeout")),
+                r.errors.iter().any(|e| e.contains("FERRY_OP_TIMEOUT_MS")),
                 "seed {seed}: {:?}",
                 r.errors
             );
@@ -1006,7 +1017,10 @@ mod tests {
             // it (or the sender's own op timeout fired first).
             let why = format!("{:?}", r.died);
             assert!(
-                why.contains("inbound frame stalled") || why.contains("op timeout"),
+                r.died
+                    .iter()
+                    .flatten()
+                    .any(|c| matches!(c, ConnFault::Timeout { .. })),
                 "seed {seed}: {why}"
             );
         }

@@ -6,6 +6,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 
 use super::proto::{Step, StreamLimits, StreamProto, MAX_IOV};
+use crate::error::ConnFault;
 use crate::region::Regions;
 use crate::sys::LazyClock;
 use crate::xfer::Sink;
@@ -76,7 +77,7 @@ impl Stream {
 
     /// Writes queued frames until the socket would block. Returns whether
     /// any byte was written.
-    pub fn flush(&mut self) -> Result<bool, String> {
+    pub fn flush(&mut self) -> Result<bool, ConnFault> {
         let fd = self.sock.as_raw_fd();
         let mut progress = false;
         let mut iov = [libc::iovec {
@@ -106,7 +107,7 @@ impl Stream {
                         return Ok(progress);
                     }
                     io::ErrorKind::Interrupted => continue,
-                    _ => return Err(format!("send failed: {e}")),
+                    _ => return Err(ConnFault::from_io("send", &e)),
                 }
             }
             progress = true;
@@ -131,7 +132,7 @@ impl Stream {
         regions: &mut impl Regions,
         sink: &mut impl Sink,
         clock: &mut LazyClock,
-    ) -> Result<bool, String> {
+    ) -> Result<bool, ConnFault> {
         let fd = self.sock.as_raw_fd();
         let mut progress = false;
         let mut iov = [libc::iovec {
@@ -173,11 +174,11 @@ impl Stream {
                         return Ok(progress);
                     }
                     io::ErrorKind::Interrupted => continue,
-                    _ => return Err(format!("receive failed: {e}")),
+                    _ => return Err(ConnFault::from_io("receive", &e)),
                 }
             }
             if n == 0 {
-                return Err("peer closed the connection".to_owned());
+                return Err(ConnFault::closed_by_peer());
             }
             progress = true;
             self.proto.on_received(n as usize, clock.now());

@@ -70,13 +70,18 @@ impl super::CqPoll for SharedCq {
     fn poll(
         &self,
         out: &mut dyn FnMut(u64, WcOutcome, &'static str),
-    ) -> std::result::Result<usize, String> {
+    ) -> std::result::Result<usize, crate::error::ConnFault> {
         let poller = match self.cq.start_poll() {
             Ok(p) => p,
             Err(sideway::ibverbs::completion::PollCompletionQueueError::CompletionQueueEmpty) => {
                 return Ok(0)
             }
-            Err(e) => return Err(format!("polling the completion queue: {e:?}")),
+            Err(e) => {
+                return Err(crate::error::ConnFault::device(
+                    "polling the completion queue",
+                    format_args!("{e:?}"),
+                ))
+            }
         };
         let mut n = 0;
         for wc in poller {

@@ -8,7 +8,7 @@
 use super::device::{verbs_err, Nic, NicSet, SharedCq, INLINE_MAX};
 use super::plan::{self, Piece, Post, WcOutcome};
 use super::VerbsConfig;
-use crate::error::{Error, Result};
+use crate::error::{ConnFault, Error, Result};
 use crate::region::RegionSlice;
 use crate::wire::{NicKeys, VerbsInfo};
 use sideway::ibverbs::address::AddressHandleAttribute;
@@ -161,7 +161,7 @@ pub(crate) struct Link {
     /// the shard routes completions of its shared queues here.
     id: u32,
     /// Set by the first error completion: the link is done.
-    broken: Option<String>,
+    broken: Option<ConnFault>,
 }
 
 // SAFETY: the verbs objects are used by one shard at a time (they move with
@@ -213,7 +213,7 @@ impl super::QpLink for Link {
         self.nic.poll_events()
     }
 
-    fn broken(&self) -> Option<String> {
+    fn broken(&self) -> Option<ConnFault> {
         let mut st = self
             .nic
             .events
@@ -223,15 +223,18 @@ impl super::QpLink for Link {
         let used = self.qps.cqs.len();
         for k in 0..used {
             if st.down & (1 << k) != 0 {
-                return Some(format!(
-                    "the port of RDMA device {} is down (async event)",
-                    self.nic.nics[k].name
+                return Some(ConnFault::device(
+                    "the RDMA port (async event)",
+                    format_args!("the port of RDMA device {} is down", self.nic.nics[k].name),
                 ));
             }
         }
         let mine: Vec<u32> = self.qps.qps.iter().map(|q| q.qp_number()).collect();
         if let Some(q) = mine.iter().find(|q| st.fatal_qps.contains(q)) {
-            let why = format!("the NIC moved queue pair {q} to the error state (async event)");
+            let why = ConnFault::device(
+                "an RDMA queue pair (async event)",
+                format_args!("the NIC moved queue pair {q} to the error state"),
+            );
             for q in &mine {
                 st.fatal_qps.remove(q);
             }
@@ -368,7 +371,10 @@ impl super::QpLink for Link {
     /// error completion: the QPs are in the error state and every later WR
     /// would be flushed; the caller fails the link (`fail_all`), which
     /// ends every op still owed once.
-    fn poll(&mut self, _done: &mut Vec<(u32, Result<()>)>) -> std::result::Result<usize, String> {
+    fn poll(
+        &mut self,
+        _done: &mut Vec<(u32, Result<()>)>,
+    ) -> std::result::Result<usize, ConnFault> {
         match &self.broken {
             Some(reason) => Err(reason.clone()),
             None => Ok(0),
@@ -416,7 +422,7 @@ impl super::QpLink for Link {
         // link is done, and its ops end through `fail_all`.
         if r.is_err() {
             self.broken
-                .get_or_insert_with(|| format!("RDMA completion {name}"));
+                .get_or_insert_with(|| ConnFault::device("an RDMA completion", name));
         }
         plan::settle(&mut self.owed, slot, r, done);
     }

@@ -81,7 +81,7 @@ pub(crate) trait QpLink: Send {
     fn nic_events(&self) -> u64;
     /// Why an asynchronous event broke this link (its port went down, the
     /// NIC moved one of its queue pairs to error), if one did.
-    fn broken(&self) -> Option<String>;
+    fn broken(&self) -> Option<crate::error::ConnFault>;
     /// Adds one part of the op being built: `local` (registered under
     /// `lkeys`; small WRITEs from host memory may go inline, read by the
     /// CPU at post time) to or from the peer's `raddr` under `rkeys`. The
@@ -108,7 +108,10 @@ pub(crate) trait QpLink: Send {
     /// `Err` once a completion (or an event) said the queue pairs are
     /// dead. Completions themselves arrive through the shard's shared
     /// queues (`shared_cqs`, `on_wc`).
-    fn poll(&mut self, done: &mut Vec<(u32, crate::error::Result<()>)>) -> Result<usize, String>;
+    fn poll(
+        &mut self,
+        done: &mut Vec<(u32, crate::error::Result<()>)>,
+    ) -> Result<usize, crate::error::ConnFault>;
     /// Its index in its shard, carried in its `wr_id`s.
     fn attach(&mut self, id: u32);
     /// The completion queues it posts to (shared by the shard's links).
@@ -138,7 +141,7 @@ pub(crate) trait CqPoll: Send + Sync {
     fn poll(
         &self,
         out: &mut dyn FnMut(u64, plan::WcOutcome, &'static str),
-    ) -> Result<usize, String>;
+    ) -> Result<usize, crate::error::ConnFault>;
 }
 
 /// Opens the NICs to use (up to `cfg.max_nics`, best first), or says why

@@ -263,6 +263,6 @@ pub(crate) enum CodecOutcome {
     /// The frame (spare again) and whether it decoded exactly into place.
     Decoded {
         buf: Vec<u8>,
-        result: std::result::Result<(), String>,
+        result: std::result::Result<(), crate::error::ConnFault>,
     },
 }

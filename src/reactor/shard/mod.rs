@@ -37,7 +37,7 @@ use super::source::{
 pub use super::spin::SpinStats;
 use super::spin::{Next, LOADED_STALL_SHARE};
 use super::tcp_side::TcpSide;
-use crate::error::{ConnId, Error, OpKind, Result};
+use crate::error::{ConnFault, ConnId, Error, OpKind, Result};
 use crate::region::{RegionSlice, RegionTable};
 use crate::wire::Status;
 
@@ -123,7 +123,7 @@ pub struct Shard {
     hot_checked: Instant,
     ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
     /// Connections found broken during a pass, dropped after it.
-    to_fail: Vec<(ConnRef, String)>,
+    to_fail: Vec<(ConnRef, ConnFault)>,
     /// (connection, allocation base) revocations heard on same-host rings.
     ipc_revoked: Vec<(ConnId, u64)>,
     /// Same-host requests for our memory that need a CUDA copy.
@@ -168,7 +168,7 @@ impl Shard {
         table: Arc<CompletionTable>,
         inbox: super::source::Inboxes,
         local_init: LocalInit,
-        closed: mpsc::Sender<ConnId>,
+        closed: mpsc::Sender<(ConnId, ConnFault)>,
         ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
     ) -> Result<(Shard, ShardHandle)> {
         let (mut tcp, waker) = TcpSide::new(id, cfg.op_timeout)?;
@@ -496,24 +496,20 @@ impl Shard {
     }
 
     /// A command for a connection that already has its share parked: an
-    /// op fails at once; a notification (which has no outcome to report)
-    /// fails the connection, so nothing is dropped silently.
+    /// op fails at once (its caller sees `Backlogged`); a notification,
+    /// which has no outcome to report, waits in line past the share. That
+    /// stays bounded: the application's are refused at the call past
+    /// `FERRY_NOTIFY_OUTBOX`, an op's own by the ops in flight, the
+    /// two-sided protocol's by its posted messages. A peer that never
+    /// reads fails the connection at the op timeout (`check_timeouts`).
     fn refuse_backlogged(&mut self, conn: ConnId, cmd: Command) {
-        let waiting = self.parked.len_of(conn);
         match cmd {
-            Command::Op(op) => self
-                .ledger
-                .fail(op.slot, Error::Backlogged { conn, waiting }),
-            _ => {
-                if let Some(at) = self.dir.get(conn) {
-                    self.to_fail.push((
-                        at,
-                        format!(
-                            "{waiting} commands waiting for room and a notification more: the peer is not reading"
-                        ),
-                    ));
-                }
+            Command::Op(op) => {
+                let waiting = self.parked.len_of(conn);
+                self.ledger
+                    .fail(op.slot, Error::Backlogged { conn, waiting })
             }
+            other => self.parked.push(conn, other),
         }
     }
 
@@ -568,7 +564,7 @@ impl Shard {
                     }
                     Err(e) => {
                         warn!(shard = self.id, %conn, "could not adopt connection: {e}");
-                        self.remember_failed(conn, group, e.to_string());
+                        self.remember_failed(conn, group, e.as_fault());
                     }
                 }
                 None
@@ -581,9 +577,9 @@ impl Shard {
                 debug!(shard = self.id, %conn, "same-host connection adopted");
                 None
             }
-            Command::RemoveConn(conn, ack, reason) => {
+            Command::RemoveConn(conn, ack, why) => {
                 if let Some(at) = self.dir.get(conn) {
-                    self.drop_at(at, reason.to_owned());
+                    self.drop_at(at, ConnFault::Closed { why });
                 }
                 self.dir.forget_failed(conn);
                 if let Some(ack) = ack {
@@ -591,15 +587,21 @@ impl Shard {
                 }
                 None
             }
-            Command::Notify { conn, payload } => {
+            Command::Notify {
+                conn,
+                payload,
+                ticket,
+            } => {
                 let Some(at) = self.dir.get(conn) else {
                     warn!(shard = self.id, %conn, "notification for a connection that is gone: dropped");
                     return None;
                 };
                 let (t, idx) = route(&mut self.tcp, &mut self.local, at);
-                t.notify(idx, payload)
-                    .err()
-                    .map(|payload| Command::Notify { conn, payload })
+                t.notify(idx, payload).err().map(|payload| Command::Notify {
+                    conn,
+                    payload,
+                    ticket,
+                })
             }
         }
     }
@@ -660,7 +662,11 @@ impl Shard {
                 shard,
                 payload,
             } = note;
-            let cmd = Command::Notify { conn, payload };
+            let cmd = Command::Notify {
+                conn,
+                payload,
+                ticket: None,
+            };
             if shard == self.id {
                 self.take(cmd);
                 continue;
@@ -670,7 +676,7 @@ impl Shard {
             };
             match h.submit(cmd) {
                 Ok(()) => {}
-                Err((Error::QueueFull { .. }, Command::Notify { conn, payload })) => {
+                Err((Error::QueueFull { .. }, Command::Notify { conn, payload, .. })) => {
                     self.notes_out.push(super::completion::Note {
                         conn,
                         shard,
@@ -703,7 +709,12 @@ impl Drop for Shard {
         let local = self.local.conns.iter().map(|(k, _)| ConnRef::Local(k));
         let all: Vec<ConnRef> = tcp.chain(local).collect();
         for at in all {
-            self.drop_at(at, "the shard shut down".to_owned());
+            self.drop_at(
+                at,
+                ConnFault::Closed {
+                    why: "the shard shut down",
+                },
+            );
         }
         let mut queued: Vec<Command> = self.parked.drain().collect();
         // Refused from now on (Error::Shutdown), so none is left behind.

@@ -5,18 +5,18 @@
 use super::*;
 
 impl Shard {
-    pub(super) fn remember_failed(&mut self, conn: ConnId, group: ConnId, reason: String) {
-        self.dir.remember_failed(conn, group, reason);
+    pub(super) fn remember_failed(&mut self, conn: ConnId, group: ConnId, cause: ConnFault) {
+        self.dir.remember_failed(conn, group, cause);
         self.ledger.forget_conn_if_idle(conn);
     }
 
     /// Drops a connection: its transport fails what it had under way,
     /// the shard forgets its grants and remembers why it died.
-    pub(super) fn drop_at(&mut self, at: ConnRef, reason: String) {
+    pub(super) fn drop_at(&mut self, at: ConnRef, cause: ConnFault) {
         let gone = {
             let mut cx = cx!(self, None);
             let (t, idx) = route(&mut self.tcp, &mut self.local, at);
-            t.remove(idx, &reason, &mut cx)
+            t.remove(idx, &cause, &mut cx)
         };
         self.regions.revoke_conn(gone.group);
         self.dir.remove(gone.id);
@@ -27,7 +27,7 @@ impl Shard {
                 g.revoke_owner(peer);
             }
         }
-        self.remember_failed(gone.id, gone.group, reason);
+        self.remember_failed(gone.id, gone.group, cause);
     }
 
     /// The longest a connection goes between looks by the timeout checks.
@@ -57,10 +57,11 @@ impl Shard {
                 if let Some(at) = self.dir.get(conn) {
                     self.to_fail.push((
                         at,
-                        format!(
-                            "commands found no room for {} ms (op timeout): the peer is not reading",
-                            limit.as_millis()
-                        ),
+                        ConnFault::Timeout {
+                            what:
+                                "room for commands (the peer is not reading; FERRY_OP_TIMEOUT_MS)",
+                            timeout_ms: limit.as_millis() as u64,
+                        },
                     ));
                 }
             }
@@ -136,10 +137,10 @@ impl Shard {
             if now.saturating_duration_since(last_active) > idle {
                 self.to_fail.push((
                     at,
-                    format!(
-                        "idle for more than {} ms (FERRY_IDLE_TIMEOUT_MS)",
-                        idle.as_millis()
-                    ),
+                    ConnFault::Timeout {
+                        what: "traffic on an idle connection (FERRY_IDLE_TIMEOUT_MS)",
+                        timeout_ms: idle.as_millis() as u64,
+                    },
                 ));
                 return None;
             }
@@ -161,17 +162,17 @@ impl Shard {
         to_fail.sort_by_key(|(at, _)| *at);
         to_fail.dedup_by_key(|(at, _)| *at);
         let n = to_fail.len();
-        for (at, reason) in to_fail.drain(..) {
+        for (at, cause) in to_fail.drain(..) {
             let (conn, busy) = {
                 let (t, idx) = route(&mut self.tcp, &mut self.local, at);
                 (t.conn_id(idx), t.has_pending(idx))
             };
             if busy {
-                warn!(shard = self.id, %conn, "connection failed: {reason}");
+                warn!(shard = self.id, %conn, "connection failed: {cause}");
             } else {
-                info!(shard = self.id, %conn, "connection closed: {reason}");
+                info!(shard = self.id, %conn, "connection closed: {cause}");
             }
-            self.drop_at(at, reason);
+            self.drop_at(at, cause);
         }
         self.to_fail = to_fail;
         n

@@ -40,7 +40,7 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use crate::auth::{ct_eq, FrameKey, Tag, TAG_LEN};
-use crate::error::{Error, OpKind};
+use crate::error::{ConnFault, Error, OpKind};
 use crate::region::{Access, KeyRef, RegionSlice, Regions};
 use crate::wire::{DataHeader, DataKind, Status, DATA_HEADER_LEN};
 use crate::xfer::{Bounce, PendingOp, Sink, Stage};

@@ -309,12 +309,12 @@ impl StreamProto {
         h: &DataHeader,
         dst: RegionSlice,
         then: Unpack,
-    ) -> Result<bool, String> {
+    ) -> Result<bool, ConnFault> {
         let Some(p) = self.pack.as_mut() else {
-            return Err(format!(
+            return Err(ConnFault::misbehaved(format!(
                 "a packed {:?} on a connection that did not agree to the codec",
                 h.kind
-            ));
+            )));
         };
         let n = h.packed_len as usize;
         if p.in_flight >= PACK_SLOTS {
@@ -383,7 +383,7 @@ impl StreamProto {
         ticket: CodecTicket,
         outcome: CodecOutcome,
         sink: &mut impl Sink,
-    ) -> Result<(), String> {
+    ) -> Result<(), ConnFault> {
         let Some(p) = self.pack.as_mut() else {
             return Ok(());
         };
@@ -401,7 +401,7 @@ impl StreamProto {
             }
             CodecOutcome::Decoded { buf, result } => {
                 p.give_back(buf);
-                result.map_err(|why| format!("a packed frame from the peer is bad: {why}"))?;
+                result?;
                 if let Some((gpu, bounce)) = ticket.post {
                     // Decoded into a bounce buffer: on into GPU memory,
                     // then the ack goes (or the READ completes).
@@ -519,7 +519,7 @@ mod tests {
 
     /// Feeds `wire` to `s` and runs what it queues with a real codec, as
     /// the pool would; returns the first error `codec_done` gave.
-    fn serve(s: &mut StreamProto, table: &RegionTable, wire: &[u8]) -> Result<(), String> {
+    fn serve(s: &mut StreamProto, table: &RegionTable, wire: &[u8]) -> Result<(), ConnFault> {
         let (mut done, mut inbox) = (Vec::new(), VecDeque::new());
         let mut sink = RecSink {
             done: &mut done,
@@ -544,10 +544,9 @@ mod tests {
             };
             // SAFETY: `dst` is the checked window of the test's region.
             let into = unsafe { std::slice::from_raw_parts_mut(dst.ptr(), dst.len()) };
-            let result = codec
-                .decode(&frame, into)
-                .map(|_| ())
-                .map_err(|e| e.to_string());
+            let result = codec.decode(&frame, into).map(|_| ()).map_err(|e| {
+                ConnFault::misbehaved(format!("a packed frame from the peer is bad: {e}"))
+            });
             let outcome = CodecOutcome::Decoded { buf: frame, result };
             s.codec_done(job.ticket, outcome, &mut sink)?;
         }
@@ -593,7 +592,8 @@ mod tests {
         fill(&mem, 0x5a, mem_len);
         let err = serve(&mut s, &table, &packed_write(&mem, 64 << 10, &frame)).unwrap_err();
         assert!(
-            err.contains("decodes to 2097152 bytes where 65536"),
+            err.to_string()
+                .contains("decodes to 2097152 bytes where 65536"),
             "{err}"
         );
         let untouched = bytes_of(&mem, 64 << 10, mem_len - (64 << 10));
@@ -622,7 +622,7 @@ mod tests {
             &packed_write(&mem, chunk.len() as u64, &frame),
         );
         let err = err.unwrap_err();
-        assert!(err.contains("checksum"), "{err}");
+        assert!(err.to_string().contains("checksum"), "{err}");
     }
 
     const FRAME_AT: usize = crate::codec::FRAME_HEADER;
@@ -643,7 +643,10 @@ mod tests {
         let mut table = RegionTable::default();
         table.insert(RKEY, Grant::whole(&mem));
         let err = serve(&mut s, &table, &packed_write(&mem, 1000, &[0; 100])).unwrap_err();
-        assert!(err.contains("did not agree to the codec"), "{err}");
+        assert!(
+            err.to_string().contains("did not agree to the codec"),
+            "{err}"
+        );
     }
 
     #[test]

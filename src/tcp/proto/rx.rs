@@ -117,7 +117,7 @@ impl StreamProto {
         &mut self,
         regions: &mut impl Regions,
         sink: &mut impl Sink,
-    ) -> Result<Step, String> {
+    ) -> Result<Step, ConnFault> {
         match self.rx {
             Rx::Header => self.step_header(regions, sink),
             Rx::Payload { .. } => self.step_payload(sink),
@@ -134,7 +134,7 @@ impl StreamProto {
         &mut self,
         regions: &mut impl Regions,
         sink: &mut impl Sink,
-    ) -> Result<Step, String> {
+    ) -> Result<Step, ConnFault> {
         let hdr_len = self.hdr_len();
         if self.re - self.rs < hdr_len {
             return Ok(Step::NeedBytes);
@@ -143,13 +143,16 @@ impl StreamProto {
         if let Some(m) = &self.mac {
             let want = m.rx.tag(self.rx_seq, &[TAG_HEADER, &raw[..HDR]]);
             if !ct_eq(&want, &raw[HDR..]) {
-                return Err(format!(
-                    "frame {} failed authentication (injected, replayed or altered on the path)",
-                    self.rx_seq
-                ));
+                return Err(ConnFault::Integrity {
+                    what: format!(
+                        "frame {} failed authentication (injected, replayed or altered on the path)",
+                        self.rx_seq
+                    ),
+                });
             }
         }
-        let h = DataHeader::decode(&raw[..HDR]).map_err(|e| e.to_string())?;
+        let h =
+            DataHeader::decode(&raw[..HDR]).map_err(|e| ConnFault::misbehaved(e.to_string()))?;
         self.rs += hdr_len;
         self.rx_seq += 1;
         if !self.on_header(h, regions, sink)? {
@@ -159,7 +162,7 @@ impl StreamProto {
     }
 
     /// Payload landing straight in its destination.
-    pub(super) fn step_payload(&mut self, sink: &mut impl Sink) -> Result<Step, String> {
+    pub(super) fn step_payload(&mut self, sink: &mut impl Sink) -> Result<Step, ConnFault> {
         let Rx::Payload { into, done, .. } = &mut self.rx else {
             unreachable!("step dispatches on the state")
         };
@@ -199,7 +202,7 @@ impl StreamProto {
     }
 
     /// A packed payload arriving into its buffer; whole, it is decoded.
-    pub(super) fn step_packed(&mut self) -> Result<Step, String> {
+    pub(super) fn step_packed(&mut self) -> Result<Step, ConnFault> {
         let Rx::Packed { buf, done, .. } = &mut self.rx else {
             unreachable!("step dispatches on the state")
         };
@@ -232,7 +235,7 @@ impl StreamProto {
     }
 
     /// Payload of a refused WRITE, read and dropped (the stream stays in step).
-    pub(super) fn step_discard(&mut self, sink: &mut impl Sink) -> Result<Step, String> {
+    pub(super) fn step_discard(&mut self, sink: &mut impl Sink) -> Result<Step, ConnFault> {
         let Rx::Discard { left, run, .. } = &mut self.rx else {
             unreachable!("step dispatches on the state")
         };
@@ -261,7 +264,7 @@ impl StreamProto {
     }
 
     /// The MAC trailer after a payload.
-    pub(super) fn step_trailer(&mut self, sink: &mut impl Sink) -> Result<Step, String> {
+    pub(super) fn step_trailer(&mut self, sink: &mut impl Sink) -> Result<Step, ConnFault> {
         let Rx::Trailer { expected, .. } = &mut self.rx else {
             unreachable!("step dispatches on the state")
         };
@@ -269,10 +272,12 @@ impl StreamProto {
             return Ok(Step::NeedBytes);
         }
         if !ct_eq(&expected[..], &self.rbuf[self.rs..self.rs + TAG_LEN]) {
-            return Err(format!(
-                "the payload of frame {} failed authentication (altered on the path)",
-                self.rx_seq - 1
-            ));
+            return Err(ConnFault::Integrity {
+                what: format!(
+                    "the payload of frame {} failed authentication (altered on the path)",
+                    self.rx_seq - 1
+                ),
+            });
         }
         self.rs += TAG_LEN;
         let Rx::Trailer { then, .. } = std::mem::replace(&mut self.rx, Rx::Header) else {
@@ -292,7 +297,7 @@ impl StreamProto {
     }
 
     /// A notification's bytes.
-    pub(super) fn step_notify(&mut self, sink: &mut impl Sink) -> Result<Step, String> {
+    pub(super) fn step_notify(&mut self, sink: &mut impl Sink) -> Result<Step, ConnFault> {
         let Rx::Notify { buf, want } = &mut self.rx else {
             unreachable!("step dispatches on the state")
         };
@@ -316,14 +321,18 @@ impl StreamProto {
     }
 
     /// A notification waiting for room in the inbox.
-    pub(super) fn step_blocked(&mut self, sink: &mut impl Sink) -> Result<Step, String> {
+    pub(super) fn step_blocked(&mut self, sink: &mut impl Sink) -> Result<Step, ConnFault> {
         let Rx::NotifyBlocked(buf) = std::mem::replace(&mut self.rx, Rx::Header) else {
             unreachable!()
         };
         self.deliver(buf, sink)
     }
 
-    pub(super) fn deliver(&mut self, buf: Vec<u8>, sink: &mut impl Sink) -> Result<Step, String> {
+    pub(super) fn deliver(
+        &mut self,
+        buf: Vec<u8>,
+        sink: &mut impl Sink,
+    ) -> Result<Step, ConnFault> {
         match sink.notify(buf) {
             Ok(()) => Ok(Step::Progress),
             Err(back) => {
@@ -335,12 +344,12 @@ impl StreamProto {
         }
     }
 
-    pub(super) fn take_request(&mut self) -> Result<(), String> {
+    pub(super) fn take_request(&mut self) -> Result<(), ConnFault> {
         if self.peer_owed >= self.limits.peer_max {
-            return Err(format!(
+            return Err(ConnFault::misbehaved(format!(
                 "peer sent more than the agreed {} requests in flight",
                 self.limits.peer_max
-            ));
+            )));
         }
         self.peer_owed += 1;
         Ok(())
@@ -353,7 +362,7 @@ impl StreamProto {
         h: DataHeader,
         regions: &mut impl Regions,
         sink: &mut impl Sink,
-    ) -> Result<bool, String> {
+    ) -> Result<bool, ConnFault> {
         match h.kind {
             DataKind::WriteReq => self.on_write_req(&h, regions, sink),
             DataKind::ReadReq => self.on_read_req(&h, regions, sink),
@@ -374,29 +383,28 @@ impl StreamProto {
         &mut self,
         h: &DataHeader,
         sink: &mut impl Sink,
-    ) -> Result<bool, String> {
-        let p = self
-            .pending
-            .front()
-            .ok_or_else(|| format!("{:?} with no request outstanding", h.kind))?;
+    ) -> Result<bool, ConnFault> {
+        let p = self.pending.front().ok_or_else(|| {
+            ConnFault::misbehaved(format!("{:?} with no request outstanding", h.kind))
+        })?;
         let want = if p.op.kind == OpKind::Write {
             DataKind::WriteAck
         } else {
             DataKind::ReadResp
         };
         if p.op_id != h.op_id || h.kind != want {
-            return Err(format!(
+            return Err(ConnFault::misbehaved(format!(
                 "response {:?} for op {:#x}, but the oldest request is {} op {:#x}",
                 h.kind, h.op_id, p.op.kind, p.op_id
-            ));
+            )));
         }
         if h.kind == DataKind::ReadResp && h.status == Status::Ok {
             if h.len != p.op.local.len() as u64 {
-                return Err(format!(
+                return Err(ConnFault::misbehaved(format!(
                     "READ response carries {} bytes, {} were asked",
                     h.len,
                     p.op.local.len()
-                ));
+                )));
             }
             if h.packed_len != 0 {
                 let dst = p.op.local.clone();

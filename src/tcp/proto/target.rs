@@ -22,7 +22,7 @@ impl StreamProto {
         h: &DataHeader,
         regions: &mut impl Regions,
         sink: &mut impl Sink,
-    ) -> Result<bool, String> {
+    ) -> Result<bool, ConnFault> {
         let key = key_of(h);
         self.take_request()?;
         let then_ok = |status| After::Ack {
@@ -110,7 +110,7 @@ impl StreamProto {
         h: &DataHeader,
         regions: &mut impl Regions,
         sink: &mut impl Sink,
-    ) -> Result<bool, String> {
+    ) -> Result<bool, ConnFault> {
         let key = key_of(h);
         self.take_request()?;
         let len = h.len as usize;
