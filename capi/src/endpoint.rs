@@ -562,8 +562,11 @@ pub unsafe extern "C" fn ferry_send_notification(
     guard("ferry_send_notification", || {
         // SAFETY: the caller's promises.
         let (ep, msg) = unsafe { (handle(ep, "ep")?, bytes(msg, len, "msg")?) };
-        ep.ep.send_notification(ConnId(conn), msg)?;
+        let sent = ep.ep.send_notification(ConnId(conn), msg);
+        // Refused for room too: a caller that tries again moves the
+        // shards that make the room (FERRY_DRIVE=caller).
         ep.ep.assist();
+        sent?;
         Ok(FERRY_OK)
     })
 }

@@ -17,12 +17,14 @@
 //     count bounded, at most MAX_PARTIAL_PER_CONN unfinished and
 //     MAX_PARTIAL_BYTES_PER_CONN held per connection: the oldest go).
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <new>
+#include <thread>
 
 #include "ferry.h"
 #include "nixl_abi.h"
@@ -43,6 +45,10 @@ constexpr size_t MAX_PIECES = (MAX_NOTIF_BYTES + PIECE_MAX - 1) / PIECE_MAX;
 // most this much of our memory per connection).
 constexpr size_t MAX_PARTIAL_PER_CONN = 64;
 constexpr size_t MAX_PARTIAL_BYTES_PER_CONN = 2 * MAX_NOTIF_BYTES + FERRY_MAX_NOTIFY;
+// How long a piece after a long message's first waits for room in its
+// connection's outbox (FERRY_NOTIFY_OUTBOX): a message goes whole, or is
+// refused before its first piece, never cut.
+constexpr std::chrono::milliseconds PIECE_ROOM_WAIT{10000};
 // Notifications taken per getNotifs call (the rest wait for the next).
 constexpr int MAX_NOTIFS_PER_CALL = 4096;
 
@@ -388,14 +394,14 @@ public:
         std::string last;
         st = send_leading_pieces(conn, msg, last);
         if (st != NIXL_SUCCESS) return st;
-        return send_note(conn, last);
+        return send_note(conn, last, msg.size() > WHOLE_MAX);
     }
 
 private:
     bool start(const nixlBackendInitParams *p);
     nixl_status_t conn_for(const std::string &agent, uint64_t &conn) const;
     nixl_status_t send_leading_pieces(uint64_t conn, const std::string &msg, std::string &last) const;
-    nixl_status_t send_note(uint64_t conn, const std::string &note) const;
+    nixl_status_t send_note(uint64_t conn, const std::string &note, bool wait_for_room = false) const;
     void take(uint64_t conn, const uint8_t *p, size_t n, notif_list_t &list);
 
     static ReqH *as_req(nixlBackendReqH *h) {
@@ -530,15 +536,20 @@ nixlFerryEngine::send_leading_pieces(uint64_t conn, const std::string &msg, std:
             last = std::move(piece);
             break;
         }
-        nixl_status_t st = send_note(conn, piece);
+        nixl_status_t st = send_note(conn, piece, i > 0);
         if (st != NIXL_SUCCESS) return st;
     }
     return NIXL_SUCCESS;
 }
 
-nixl_status_t nixlFerryEngine::send_note(uint64_t conn, const std::string &note) const {
-    int32_t rc =
-        ferry_send_notification(ep_, conn, reinterpret_cast<const uint8_t *>(note.data()), note.size());
+nixl_status_t nixlFerryEngine::send_note(uint64_t conn, const std::string &note, bool wait_for_room) const {
+    auto deadline = std::chrono::steady_clock::now() + PIECE_ROOM_WAIT;
+    int32_t rc;
+    for (;;) {
+        rc = ferry_send_notification(ep_, conn, reinterpret_cast<const uint8_t *>(note.data()), note.size());
+        if (rc != FERRY_ERR_BUSY || !wait_for_room || std::chrono::steady_clock::now() >= deadline) break;
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
     if (rc != FERRY_OK) {
         log_failure("notification", rc);
         forget_if_gone(rc, conn);
