@@ -12,7 +12,10 @@
 //     IPC mapping, ferry's fastest same-host GPU path);
 //   - notifications, each one ferry notification whose first byte says what
 //     it is: 'H' + agent name (the first one on every connection this
-//     plugin opens: who is on it), 'N' + a whole message, 'L' + piece of a
+//     plugin opens: who is on it; what its notifications are reported as
+//     from, never where our own traffic goes: that takes the connections
+//     we open to the conn info NIXL loaded; a bad, second or taken name
+//     drops the connection), 'N' + a whole message, 'L' + piece of a
 //     long message (u64 id, u32 index, u32 count, bytes; reassembled, the
 //     count bounded, at most MAX_PARTIAL_PER_CONN unfinished and
 //     MAX_PARTIAL_BYTES_PER_CONN held per connection: the oldest go).
@@ -49,6 +52,11 @@ constexpr size_t MAX_PARTIAL_BYTES_PER_CONN = 2 * MAX_NOTIF_BYTES + FERRY_MAX_NO
 // connection's outbox (FERRY_NOTIFY_OUTBOX): a message goes whole, or is
 // refused before its first piece, never cut.
 constexpr std::chrono::milliseconds PIECE_ROOM_WAIT{10000};
+// A peer's hello: its agent name at most this long, valid UTF-8 (NIXL's
+// Python API decodes names), one per connection; names claimed by peers'
+// connections at most MAX_CLAIMS at once.
+constexpr size_t MAX_AGENT_NAME = 256;
+constexpr size_t MAX_CLAIMS = 4096;
 // Notifications taken per getNotifs call (the rest wait for the next).
 constexpr int MAX_NOTIFS_PER_CALL = 4096;
 
@@ -403,6 +411,7 @@ private:
     nixl_status_t send_leading_pieces(uint64_t conn, const std::string &msg, std::string &last) const;
     nixl_status_t send_note(uint64_t conn, const std::string &note, bool wait_for_room = false) const;
     void take(uint64_t conn, const uint8_t *p, size_t n, notif_list_t &list);
+    bool hello(uint64_t conn, const std::string &agent);
 
     static ReqH *as_req(nixlBackendReqH *h) {
         auto *r = static_cast<ReqH *>(h);
@@ -426,6 +435,8 @@ private:
         if (it == conns_.end()) return;
         auto a = by_agent_.find(it->second);
         if (a != by_agent_.end() && a->second == conn) by_agent_.erase(a);
+        auto cl = claimed_.find(it->second);
+        if (cl != claimed_.end() && cl->second == conn) claimed_.erase(cl);
         conns_.erase(it);
         partial_.erase(conn);
     }
@@ -434,10 +445,14 @@ private:
     std::string conn_info_;
     bool ipc_allowed_ = true;
     mutable std::mutex mu_;
-    // Under mu_: conn info by agent; connection by agent (ours or theirs);
-    // agent by connection; long messages being reassembled.
+    // Under mu_: conn info by agent; the connection we opened to each agent
+    // (to the conn info NIXL loaded: the only ones our transfers and
+    // notifications go over); the connection each peer's hello claimed a
+    // name on (what its notifications are reported as from); agent by
+    // connection (both kinds); long messages being reassembled.
     mutable std::unordered_map<std::string, std::string> meta_;
     mutable std::unordered_map<std::string, uint64_t> by_agent_;
+    mutable std::unordered_map<std::string, uint64_t> claimed_;
     mutable std::unordered_map<uint64_t, std::string> conns_;
     mutable std::unordered_map<uint64_t, std::map<uint64_t, Partial>> partial_;
     mutable uint64_t next_msg_id_ = 1;
@@ -575,15 +590,79 @@ nixl_status_t nixlFerryEngine::getNotifs(notif_list_t &list) {
     return NIXL_SUCCESS;
 }
 
+namespace {
+bool valid_utf8(const std::string &s) {
+    size_t i = 0;
+    while (i < s.size()) {
+        unsigned char c = static_cast<unsigned char>(s[i]);
+        size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+        if (len == 0 || i + len > s.size()) return false;
+        uint32_t cp = len == 1 ? c : c & (0x7F >> len);
+        for (size_t k = 1; k < len; k++) {
+            unsigned char d = static_cast<unsigned char>(s[i + k]);
+            if ((d >> 6) != 0x2) return false;
+            cp = (cp << 6) | (d & 0x3F);
+        }
+        // No overlong forms, no surrogates, nothing past U+10FFFF.
+        static const uint32_t min_of[] = {0, 0, 0x80, 0x800, 0x10000};
+        if (cp < min_of[len] || (cp >= 0xD800 && cp <= 0xDFFF) || cp > 0x10FFFF) return false;
+        i += len;
+    }
+    return true;
+}
+} // namespace
+
+// A peer's hello on `conn`: `agent` is what its notifications are reported
+// as from. Refused (false: the caller drops the connection) for a name that
+// is empty, too long or not UTF-8, a second hello on one connection, a
+// name another live connection holds, or past MAX_CLAIMS. A claim never
+// steers our own traffic: that goes over connections we opened.
+bool nixlFerryEngine::hello(uint64_t conn, const std::string &agent) {
+    if (agent.empty() || agent.size() > MAX_AGENT_NAME || !valid_utf8(agent)) {
+        std::fprintf(stderr, "ferry nixl: a hello with a bad name (%zu bytes) on connection "
+                             "%llu: dropped\n", agent.size(), (unsigned long long)conn);
+        return false;
+    }
+    uint64_t holder;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        auto mine = conns_.find(conn);
+        if (mine != conns_.end()) return mine->second == agent; // once per connection
+        auto it = claimed_.find(agent);
+        if (it == claimed_.end()) {
+            if (claimed_.size() >= MAX_CLAIMS) return false;
+            claimed_.emplace(agent, conn);
+            conns_[conn] = agent;
+            return true;
+        }
+        holder = it->second;
+    }
+    // Held: by a connection still alive, the claim is a lie; a dead one's
+    // name is free again (its agent came back).
+    int32_t local = 0;
+    bool alive = ferry_peer_is_local(ep_, holder, &local) == FERRY_OK;
+    std::lock_guard<std::mutex> g(mu_);
+    if (alive) {
+        std::fprintf(stderr, "ferry nixl: connection %llu claims %s, which connection %llu holds: "
+                             "dropped\n", (unsigned long long)conn, agent.c_str(),
+                     (unsigned long long)holder);
+        return false;
+    }
+    conns_.erase(holder);
+    partial_.erase(holder);
+    claimed_[agent] = conn;
+    conns_[conn] = agent;
+    return true;
+}
+
 // One notification from `conn`: a hello, a whole message or a piece.
 void nixlFerryEngine::take(uint64_t conn, const uint8_t *p, size_t n, notif_list_t &list) {
-    std::lock_guard<std::mutex> g(mu_);
     if (p[0] == 'H') {
         std::string agent(reinterpret_cast<const char *>(p + 1), n - 1);
-        conns_[conn] = agent;
-        by_agent_.emplace(agent, conn);
+        if (!hello(conn, agent)) ferry_remove_remote(ep_, conn); // a liar: dropped
         return;
     }
+    std::lock_guard<std::mutex> g(mu_);
     auto who = conns_.find(conn);
     if (who == conns_.end()) {
         std::fprintf(stderr, "ferry nixl: a notification on connection %llu before its hello: "

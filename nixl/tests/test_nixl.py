@@ -460,6 +460,17 @@ class RawFerry:
             time.sleep(0.0005)
         assert rc == 0, rc
 
+    def try_note(self, b):
+        """Sends one notification; its status (the plugin may have
+        dropped this connection)."""
+        return self.lib.ferry_send_notification(self.ep, self.conn, b, len(b))
+
+    def inbox_empty(self):
+        c, n = self.c.c_uint64(), self.c.c_size_t()
+        buf = self.c.create_string_buffer(4096)
+        rc = self.lib.ferry_recv_notification(self.ep, 0, self.c.byref(c), buf, 4096, self.c.byref(n))
+        return rc == -2  # FERRY_ERR_TIMEOUT: nothing came
+
     def piece(self, msg_id, idx, count, body):
         hdr = b"L" + msg_id.to_bytes(8, "little") + idx.to_bytes(4, "little") + count.to_bytes(4, "little")
         self.note(hdr + body)
@@ -512,6 +523,73 @@ def test_hostile_notifications_are_bounded_and_dropped(peer):
         assert msgs[2] == b"after"
     finally:
         raw.close()
+
+
+def _drain(ag, deadline=1.5):
+    """What `ag` reports for `deadline` seconds (get_new_notifs must not
+    raise, whatever peers sent)."""
+    got, end = [], time.monotonic() + deadline
+    while time.monotonic() < end:
+        for agent, msgs in ag.get_new_notifs().items():
+            got += [(agent, bytes(m)) for m in msgs]
+        time.sleep(0.01)
+    return got
+
+
+def test_a_name_another_connection_holds_is_refused(peer):
+    peer.call("notify", "initiator", b"the real target")
+    assert ("target", b"the real target") in _drain(peer.ag)
+    raw = RawFerry(_ferry_meta(peer.ag.get_agent_metadata()))
+    try:
+        raw.try_note(b"Htarget")  # the target's connection holds it
+        raw.try_note(b"Nspoofed")
+        assert all(m != b"spoofed" for _, m in _drain(peer.ag))
+        peer.call("notify", "initiator", b"still the target")
+        assert ("target", b"still the target") in _drain(peer.ag)
+    finally:
+        raw.close()
+
+
+def test_a_squatter_never_receives_what_is_meant_for_the_agent(local):
+    """A peer that says hello as an agent before that agent does gets
+    none of what is sent to it: transfers and notifications go over the
+    connection made to the conn info NIXL loaded."""
+    p = Peer("initiator6", target="late")
+    raw = RawFerry(_ferry_meta(p.ag.get_agent_metadata()))
+    try:
+        raw.try_note(b"Hlate")
+        _drain(p.ag, 0.3)
+        p.ag.send_notif("late", b"for late only")
+        assert p.call("notifs", 1, DEADLINE_S) == [("initiator6", b"for late only")]
+        src = local(4096, seed=81, ag=p.ag)
+        xfer(p, "WRITE", src, 0, 0, 4096)
+        assert p.call("get", 0, 4096) == host(src).tobytes()
+        assert raw.inbox_empty()
+    finally:
+        raw.close()
+        p.close()
+
+
+def test_bad_names_and_name_floods_are_refused(peer):
+    """A name that is not UTF-8 or too long, or a second hello with
+    another name, drops the connection: what it sends after is never
+    reported, and get_new_notifs never raises."""
+    meta = _ferry_meta(peer.ag.get_agent_metadata())
+    raws = [RawFerry(meta) for _ in range(3)]
+    try:
+        raws[0].try_note(b"H\xff\xfe not utf-8")
+        raws[1].try_note(b"H" + b"x" * 4000)
+        raws[2].try_note(b"Hfirst-name")
+        for i in range(2000):  # a flood of names on one connection
+            if raws[2].try_note(b"Hname-%d" % i) != 0:
+                break
+        for r in raws:
+            r.try_note(b"Nafter a bad hello")
+        got = _drain(peer.ag)
+        assert all(m != b"after a bad hello" for _, m in got), got
+    finally:
+        for r in raws:
+            r.close()
 
 
 def test_bad_remote_metadata_is_an_error(peer):
