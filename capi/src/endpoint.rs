@@ -13,7 +13,7 @@ use crate::status::*;
 /// Settings for a new endpoint: the `FERRY_*` variables by name (values
 /// set here win over the environment's).
 pub struct ferry_config {
-    vars: HashMap<String, String>,
+    vars: Mutex<HashMap<String, String>>,
 }
 
 /// An endpoint (its shards run on ferry's threads, or with
@@ -56,9 +56,10 @@ pub const FERRY_MAX_NOTIFY: usize = 4096;
 /// A new, empty config.
 #[no_mangle]
 pub extern "C" fn ferry_config_new() -> *mut ferry_config {
-    Box::into_raw(Box::new(ferry_config {
-        vars: HashMap::new(),
-    }))
+    give_out(ferry_config {
+        vars: Mutex::new(HashMap::new()),
+    })
+    .unwrap_or(std::ptr::null_mut())
 }
 
 /// Sets variable `name` (e.g. "FERRY_SHARDS") to `value`. An unknown name
@@ -73,11 +74,16 @@ pub unsafe extern "C" fn ferry_config_set(
     value: *const c_char,
 ) -> i32 {
     guard("ferry_config_set", || {
-        // SAFETY: the caller's promise (a live config or NULL).
-        let cfg = unsafe { cfg.as_mut() }.ok_or_else(|| invalid("cfg is NULL"))?;
-        // SAFETY: the caller's promise (NUL-terminated or NULL).
-        let (n, v) = unsafe { (cstr(name, "name")?, cstr(value, "value")?) };
-        cfg.vars.insert(n, v);
+        // SAFETY: the caller's promises (not released meanwhile;
+        // NUL-terminated strings or NULL).
+        let (cfg, n, v) = unsafe {
+            (
+                handle(cfg, "cfg")?,
+                cstr(name, "name")?,
+                cstr(value, "value")?,
+            )
+        };
+        cfg.vars.lock().expect("lock").insert(n, v);
         Ok(FERRY_OK)
     })
 }
@@ -88,10 +94,7 @@ pub unsafe extern "C" fn ferry_config_set(
 /// `cfg` from `ferry_config_new`, not used again.
 #[no_mangle]
 pub unsafe extern "C" fn ferry_config_free(cfg: *mut ferry_config) {
-    if !cfg.is_null() {
-        // SAFETY: made by Box::into_raw in ferry_config_new, freed once.
-        drop(unsafe { Box::from_raw(cfg) });
-    }
+    drop(take_back(cfg, "ferry_config_free"));
 }
 
 /// # Safety
@@ -120,10 +123,16 @@ pub unsafe extern "C" fn ferry_endpoint_create(
         if out.is_null() {
             return Err(invalid("out is NULL"));
         }
-        // SAFETY: the caller's promise (NULL or live).
-        let vars = unsafe { cfg.as_ref() }
-            .map(|c| c.vars.clone())
-            .unwrap_or_default();
+        let vars = if cfg.is_null() {
+            HashMap::new()
+        } else {
+            // SAFETY: the caller's promise (not released meanwhile).
+            unsafe { handle(cfg, "cfg")? }
+                .vars
+                .lock()
+                .expect("lock")
+                .clone()
+        };
         let asked = Mutex::new(Vec::new());
         let config = engine::Config::from_lookup(|k| {
             asked.lock().expect("lock").push(k.to_owned());
@@ -159,12 +168,12 @@ pub unsafe extern "C" fn ferry_endpoint_create(
         } else {
             None
         };
-        let h = Box::new(ferry_endpoint {
+        let h = give_out(ferry_endpoint {
             ep: Arc::new(Engine { ep, drive }),
             held_note: Mutex::new(None),
-        });
+        })?;
         // SAFETY: `out` is non-null and valid (the caller's promise).
-        unsafe { *out = Box::into_raw(h) };
+        unsafe { *out = h };
         Ok(FERRY_OK)
     })
 }
@@ -176,9 +185,7 @@ pub unsafe extern "C" fn ferry_endpoint_create(
 /// `ep` from `ferry_endpoint_create`, not used again.
 #[no_mangle]
 pub unsafe extern "C" fn ferry_endpoint_destroy(ep: *mut ferry_endpoint) {
-    if !ep.is_null() {
-        // SAFETY: made by Box::into_raw in ferry_endpoint_create, freed once.
-        let h = unsafe { Box::from_raw(ep) };
+    if let Some(h) = take_back(ep, "ferry_endpoint_destroy") {
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(h)));
     }
 }
@@ -369,12 +376,12 @@ pub unsafe extern "C" fn ferry_register(
         // `access`; that it stays valid until deregistered is this
         // function's contract with its caller.
         let sh = unsafe { ep.ep.register_shared(ptr.cast(), len, access) }?;
-        let r = Box::new(ferry_region {
+        let r = give_out(ferry_region {
             ep: ep.ep.clone(),
             sh: Some(sh),
-        });
+        })?;
         // SAFETY: `out` non-null and valid (the caller's promise).
-        unsafe { *out = Box::into_raw(r) };
+        unsafe { *out = r };
         Ok(FERRY_OK)
     })
 }
@@ -421,8 +428,9 @@ pub unsafe extern "C" fn ferry_deregister(r: *mut ferry_region) -> i32 {
     if r.is_null() {
         return FERRY_OK;
     }
-    // SAFETY: made by Box::into_raw in ferry_register, freed once.
-    let mut r = unsafe { Box::from_raw(r) };
+    let Some(mut r) = take_back(r, "ferry_deregister") else {
+        return FERRY_ERR_INVALID;
+    };
     guard("ferry_deregister", move || {
         let Some(sh) = r.sh.take() else {
             return Ok(FERRY_OK);

@@ -7,7 +7,9 @@
 //! thread in [`ferry_last_error`]. Every entry catches panics
 //! (`FERRY_ERR_PANIC`); a null handle or pointer, or a buffer shorter than
 //! what it must hold, is `FERRY_ERR_INVALID`, never undefined behaviour.
-//! Handles are opaque; each `*_create`/`register`/`post` is paired with its
+//! Handles are opaque, generation-checked slot numbers (`handles.rs`): one
+//! released twice, used after its release or made up is
+//! `FERRY_ERR_INVALID`, never a read of freed memory. Each `*_create`/`register`/`post` is paired with its
 //! `*_destroy`/`deregister`/`release`. An endpoint lives until its last
 //! region and transfer are released, so no order of releases is unsafe.
 
@@ -16,6 +18,7 @@
 
 mod drive;
 mod endpoint;
+mod handles;
 mod msg;
 mod status;
 mod xfer;

@@ -43,13 +43,13 @@ fn start(
         };
         let (mr, at) = r.part(off, len)?;
         let op = post(&ep.ep, mr, at, len)?;
-        let m = Box::new(ferry_message {
+        let m = give_out(ferry_message {
             ep: ep.ep.clone(),
             op,
             outcome: Mutex::new(None),
-        });
+        })?;
         // SAFETY: non-null and valid (the callers' contracts).
-        unsafe { *out = Box::into_raw(m) };
+        unsafe { *out = m };
         Ok(FERRY_OK)
     })
 }
@@ -187,9 +187,7 @@ pub unsafe extern "C" fn ferry_message_wait(
 /// `m` from `ferry_send`/`ferry_recv`, not used again.
 #[no_mangle]
 pub unsafe extern "C" fn ferry_message_release(m: *mut ferry_message) {
-    if !m.is_null() {
-        // SAFETY: made by Box::into_raw in `start`, freed once.
-        let h = unsafe { Box::from_raw(m) };
+    if let Some(h) = take_back(m, "ferry_message_release") {
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(h)));
     }
 }

@@ -89,14 +89,48 @@ pub(crate) fn guard(what: &str, f: impl FnOnce() -> Result<i32, Fail>) -> i32 {
     }
 }
 
-/// `p` as a reference, or `FERRY_ERR_INVALID` naming `name`.
+/// The value of handle `p`, or `FERRY_ERR_INVALID` naming `name`: NULL,
+/// released, or never given out.
 ///
 /// # Safety
-/// `p` is null or points to a live `T` (the caller's promise for a handle
-/// this library gave out and that is not yet released).
-pub(crate) unsafe fn handle<'a, T>(p: *const T, name: &str) -> Result<&'a T, Fail> {
-    // SAFETY: null is refused; otherwise the caller's promise above.
-    unsafe { p.as_ref() }.ok_or_else(|| invalid(format!("{name} is NULL")))
+/// No other thread releases `p` during the call (the C face's contract).
+pub(crate) unsafe fn handle<'a, T: crate::handles::Handled>(
+    p: *const T,
+    name: &str,
+) -> Result<&'a T, Fail> {
+    if p.is_null() {
+        return Err(invalid(format!("{name} is NULL")));
+    }
+    T::table().get(p).ok_or_else(|| {
+        invalid(format!(
+            "{name} {p:p} is not a live handle (released, or never given out)"
+        ))
+    })
+}
+
+/// Gives out `value` as a handle (NULL past 4 Mi live ones of its kind).
+pub(crate) fn give_out<T: crate::handles::Handled>(value: T) -> Result<*mut T, Fail> {
+    T::table().insert(value).ok_or_else(|| {
+        Fail(
+            FERRY_ERR_BUSY,
+            "every handle slot of this kind is taken".into(),
+        )
+    })
+}
+
+/// Ends handle `p`, handing back its value; NULL or a dead handle: `None`
+/// (recorded as the thread's last error, as `what` found it).
+pub(crate) fn take_back<T: crate::handles::Handled>(p: *const T, what: &str) -> Option<Box<T>> {
+    if p.is_null() {
+        return None;
+    }
+    let v = T::table().remove(p);
+    if v.is_none() {
+        set_last(&format!(
+            "{what}: {p:p} is not a live handle (released twice, or never given out)"
+        ));
+    }
+    v
 }
 
 /// `len` bytes at `p` (empty for a zero length), or `FERRY_ERR_INVALID`.

@@ -108,15 +108,15 @@ pub unsafe extern "C" fn ferry_post(
                 .transfer_notify_async(c, kind, &locals, &windows, note)?
         };
         ep.ep.assist();
-        let h = Box::new(ferry_transfer {
+        let h = give_out(ferry_transfer {
             state: Mutex::new(State {
                 t: Some(t),
                 outcome: None,
             }),
             eng: ep.ep.clone(),
-        });
+        })?;
         // SAFETY: `out` non-null and valid (the caller's promise).
-        unsafe { *out = Box::into_raw(h) };
+        unsafe { *out = h };
         Ok(FERRY_OK)
     })
 }
@@ -251,9 +251,7 @@ pub unsafe extern "C" fn ferry_transfer_cancel(t: *const ferry_transfer) -> i32 
 /// `t` from `ferry_post`, not used again.
 #[no_mangle]
 pub unsafe extern "C" fn ferry_transfer_release(t: *mut ferry_transfer) {
-    if !t.is_null() {
-        // SAFETY: made by Box::into_raw in ferry_post, freed once.
-        let h = unsafe { Box::from_raw(t) };
+    if let Some(h) = take_back(t, "ferry_transfer_release") {
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(h)));
     }
 }
