@@ -82,7 +82,7 @@ impl Inner {
         (ours, peer): (&Hello, &Hello),
         deadline: Instant,
         shard: usize,
-    ) -> Result<Option<Box<crate::verbs::Link>>> {
+    ) -> Result<Option<Box<crate::verbs::DynLink>>> {
         #[cfg(feature = "rdma")]
         {
             let Some(nic) = &self.nic else {
@@ -104,7 +104,7 @@ impl Inner {
                 |f| ctl.borrow_mut().send_all(s, &f.encode(), deadline),
                 || handshake::read_frame(&mut ctl.borrow_mut(), s, deadline),
             )?;
-            Ok(link.map(|l| Box::new(l) as Box<crate::verbs::Link>))
+            Ok(link.map(|l| Box::new(l) as Box<crate::verbs::DynLink>))
         }
         #[cfg(not(feature = "rdma"))]
         {

@@ -510,7 +510,7 @@ impl Endpoint {
     }
 
     /// What the codec did so far (`FERRY_COMPRESS`); None when it is off.
-    pub fn compress_stats(&self) -> Option<crate::CompressStats> {
+    pub fn compress_stats(&self) -> Option<crate::reactor::CompressStats> {
         self.inner.codec.as_ref().map(|c| c.stats())
     }
 

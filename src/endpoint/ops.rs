@@ -215,7 +215,7 @@ impl Endpoint {
     /// with `write_async`; CUDA IPC windows too.
     pub fn write_async_on<W: Window>(
         &self,
-        shard: &mut crate::Shard,
+        shard: &mut crate::reactor::Shard,
         conn: ConnId,
         mr: &MemoryRegion,
         offset: usize,
@@ -229,7 +229,7 @@ impl Endpoint {
     /// by `shard` (see [`write_async_on`](Endpoint::write_async_on)).
     pub fn read_async_on<W: Window>(
         &self,
-        shard: &mut crate::Shard,
+        shard: &mut crate::reactor::Shard,
         conn: ConnId,
         mr: &MemoryRegion,
         offset: usize,
@@ -243,7 +243,7 @@ impl Endpoint {
     #[allow(clippy::too_many_arguments)]
     fn one_on<W: Window>(
         &self,
-        shard: &mut crate::Shard,
+        shard: &mut crate::reactor::Shard,
         conn: ConnId,
         kind: OpKind,
         mr: &MemoryRegion,

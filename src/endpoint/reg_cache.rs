@@ -207,7 +207,7 @@ mod tests {
     fn the_same_range_or_a_part_is_shared_an_overlap_is_not() {
         let cfg = Config {
             listen_addr: "127.0.0.1".parse().unwrap(),
-            transport: crate::Transport::Tcp,
+            transport: crate::endpoint::Transport::Tcp,
             ..Default::default()
         };
         let ep = Endpoint::builder().config(cfg).build().unwrap();

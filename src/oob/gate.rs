@@ -95,7 +95,7 @@ pub(crate) struct GateStats {
 }
 
 /// One accepted socket and its handshake.
-struct Stream {
+struct Accepting {
     sock: TcpStream,
     peer: SocketAddr,
     since: Instant,
@@ -111,7 +111,7 @@ pub(crate) struct Gate<S> {
     events: Events,
     listener_fd: i32,
     limits: GateLimits,
-    socks: Slab<Stream>,
+    socks: Slab<Accepting>,
     adm: Admission<S>,
     stats: GateStats,
     /// Sockets whose state changed outside an event and need a turn.
@@ -301,7 +301,7 @@ impl<S> Gate<S> {
             {
                 continue;
             }
-            entry.insert(Stream {
+            entry.insert(Accepting {
                 sock: s,
                 peer,
                 since: Instant::now(),
@@ -461,7 +461,7 @@ impl<S> Gate<S> {
         let _ = (&h.sock).write(&frame.encode());
     }
 
-    fn remove(&mut self, key: usize) -> Stream {
+    fn remove(&mut self, key: usize) -> Accepting {
         let h = self.socks.remove(key);
         let fd = h.sock.as_raw_fd();
         let _ = self.poll.registry().deregister(&mut SourceFd(&fd));

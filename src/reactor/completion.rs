@@ -500,7 +500,7 @@ mod tests {
         t.complete(
             b.slot(),
             Err(Error::Remote {
-                op: crate::OpKind::Read,
+                op: crate::error::OpKind::Read,
                 status: Status::UnknownKey,
                 rkey: 1,
                 addr: 2,

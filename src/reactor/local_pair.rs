@@ -2,7 +2,7 @@
 //! Two `LocalSide`s, the code a shard runs for its same-host connections,
 //! with one connection between them over rings in memfd memory (each side
 //! its own mapping, as two processes have; no names in /dev/shm), driven in
-//! one thread through the `Transport` and `Source` traits as the shard
+//! one thread through the `Carrier` and `Source` traits as the shard
 //! drives them, with the shard's own ledger and completion table. Only the
 //! shard's routing of an op (`Shard::apply_op`, a dozen lines) is
 //! restated here.
@@ -27,7 +27,7 @@ use super::completion::{CompletionTable, Transfer};
 use super::ledger::OpLedger;
 use super::local_side::{LocalInit, LocalSide};
 use super::queue::{OpCmd, OpDesc, OpParts};
-use super::source::{ConnRef, CxParts, Source, SubmitCx, Transport};
+use super::source::{Carrier, ConnRef, CxParts, Source, SubmitCx};
 use crate::error::{ConnFault, ConnId, Error, OpKind, Result};
 use crate::region::{Grant, KeyRef, Region, RegionSlice};
 use crate::shm::local::LocalConn;

@@ -28,7 +28,7 @@ use tracing::warn;
 use super::plan::{self, Route};
 use super::queue::OpCmd;
 use super::source::{
-    ConnCheck, ConnRef, Cx, LiveRegions, Park, Removed, ShardSink, Source, SubmitCx, Transport,
+    Carrier, ConnCheck, ConnRef, Cx, LiveRegions, Park, Removed, ShardSink, Source, SubmitCx,
 };
 use crate::error::{ConnFault, ConnId};
 use crate::region::KeyRef;
@@ -509,7 +509,7 @@ fn poll_one(idx: usize, lc: &mut LocalConn, peer_maps: &PeerMaps, cx: &mut Cx<'_
     }
 }
 
-impl Transport for LocalSide {
+impl Carrier for LocalSide {
     fn pieces(&self, _idx: usize, op: &OpCmd, chunk: usize) -> u32 {
         plan::pieces(
             Route::Local,

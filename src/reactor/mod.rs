@@ -23,7 +23,6 @@ mod cmd_ring;
 pub(crate) mod codec_pool;
 mod codec_side;
 pub(crate) mod completion;
-mod directory;
 mod gpu;
 mod ledger;
 #[cfg(test)]
@@ -31,6 +30,7 @@ mod local_pair;
 mod local_side;
 mod plan;
 mod queue;
+mod routes;
 mod shard;
 mod source;
 mod spin;

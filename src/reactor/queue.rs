@@ -156,7 +156,7 @@ pub(crate) enum Command {
         streams: Vec<TcpStream>,
         limits: StreamLimits,
         /// RDMA queue pairs, when both sides set them up.
-        verbs: Option<Box<crate::verbs::Link>>,
+        verbs: Option<Box<crate::verbs::DynLink>>,
         /// Each stream's frame MACs (authenticated connections); empty: none.
         macs: Vec<crate::tcp::Integrity>,
     },

@@ -115,7 +115,7 @@ pub(crate) struct Removed {
 /// queueing ops and notifications, what the timeout checks look at, and
 /// teardown. The shard routes to it by `ConnRef` and keeps the ledger,
 /// the parked commands and the timers.
-pub(crate) trait Transport: Source {
+pub(crate) trait Carrier: Source {
     /// The pieces `op` becomes on connection `idx`: its ledger count.
     fn pieces(&self, idx: usize, op: &OpCmd, chunk: usize) -> u32;
     /// Queues what fits of `op` on connection `idx` (its progress kept in

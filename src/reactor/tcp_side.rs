@@ -20,7 +20,7 @@ use super::ledger::OpLedger;
 use super::plan::{self, Route};
 use super::queue::OpCmd;
 use super::source::{
-    ConnCheck, ConnRef, Cx, LiveRegions, Park, Removed, ShardSink, Source, SubmitCx, Transport,
+    Carrier, ConnCheck, ConnRef, Cx, LiveRegions, Park, Removed, ShardSink, Source, SubmitCx,
 };
 use crate::error::{ConnFault, ConnId, Error, OpKind, Result};
 use crate::region::RegionSlice;
@@ -60,7 +60,7 @@ pub(crate) struct Conn {
     pub next: usize,
     /// RDMA queue pairs: ops whose windows carry a NIC key go here; the
     /// streams keep notifications and the rest.
-    pub verbs: Option<Box<crate::verbs::Link>>,
+    pub verbs: Option<Box<crate::verbs::DynLink>>,
     /// When the connection last moved a byte (for the idle timeout).
     pub last_active: std::time::Instant,
     /// Shared with the other lanes of the connection (None: not spread).
@@ -280,7 +280,7 @@ impl TcpSide {
         activity: Option<std::sync::Arc<crate::sys::Activity>>,
         streams: Vec<std::net::TcpStream>,
         limits: StreamLimits,
-        verbs: Option<Box<crate::verbs::Link>>,
+        verbs: Option<Box<crate::verbs::DynLink>>,
         macs: Vec<crate::tcp::Integrity>,
     ) -> Result<usize> {
         if !macs.is_empty() && macs.len() != streams.len() {
@@ -720,7 +720,7 @@ impl TcpSide {
     }
 }
 
-impl Transport for TcpSide {
+impl Carrier for TcpSide {
     fn pieces(&self, idx: usize, op: &OpCmd, chunk: usize) -> u32 {
         let route = if self.via_verbs(idx, op) {
             Route::Verbs

@@ -133,7 +133,7 @@ pub(crate) trait QpLink: Send {
 }
 
 /// What a connection holds for its queue pairs.
-pub(crate) type Link = dyn QpLink;
+pub(crate) type DynLink = dyn QpLink;
 
 /// A completion queue a shard polls once per pass for all its links:
 /// hands each completion's (`wr_id`, outcome, status name) to `out`.

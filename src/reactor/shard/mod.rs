@@ -4,7 +4,7 @@
 //!   waiting for room on their own connection (one connection's full
 //!   stream never holds up another's commands);
 //! * `regions`: the registrations peers' requests are checked against;
-//! * `dir` (`directory.rs`): which connection lives where, and why dead
+//! * `dir` (`routes.rs`, `ConnRoutes`): which connection lives where, and why dead
 //!   ones died;
 //! * the event sources (`source.rs`): `tcp` (sockets, epoll, RDMA CQs),
 //!   `local` (shared-memory rings, accept ring, fd passing) and `gpu`
@@ -25,14 +25,14 @@ use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
 
 use super::completion::CompletionTable;
-use super::directory::Directory;
 use super::gpu::GpuWork;
 use super::ledger::OpLedger;
 use super::local_side::LocalSide;
 pub(crate) use super::local_side::{LocalInit, LocalSetup};
 use super::queue::{Command, CopyJoin, CopySlice, OpCmd, RegionCmd, ShardHandle, WakeState};
+use super::routes::ConnRoutes;
 use super::source::{
-    apply_region_updates, ConnCheck, ConnRef, Cx, Park, Source, SubmitCx, Transport,
+    apply_region_updates, Carrier, ConnCheck, ConnRef, Cx, Park, Source, SubmitCx,
 };
 pub use super::spin::SpinStats;
 use super::spin::{Next, LOADED_STALL_SHARE};
@@ -96,7 +96,7 @@ pub struct Shard {
     region_rx: Receiver<RegionCmd>,
     regions: RegionTable,
     wake: Arc<WakeState>,
-    dir: Directory,
+    dir: ConnRoutes,
     tcp: TcpSide,
     local: LocalSide,
     /// When an idle pass parks.
@@ -213,7 +213,7 @@ impl Shard {
             region_rx,
             regions: RegionTable::default(),
             wake,
-            dir: Directory::new(closed),
+            dir: ConnRoutes::new(closed),
             tcp,
             local,
             spin,
@@ -694,7 +694,7 @@ fn route<'a>(
     tcp: &'a mut TcpSide,
     local: &'a mut LocalSide,
     at: ConnRef,
-) -> (&'a mut dyn Transport, usize) {
+) -> (&'a mut dyn Carrier, usize) {
     match at {
         ConnRef::Tcp(i) => (tcp, i),
         ConnRef::Local(i) => (local, i),

@@ -1,5 +1,5 @@
 //! The shard's timeout checks: each connection looked at when its timer
-//! is due (what it says: `Transport::check`), the idle and op timeouts,
+//! is due (what it says: `Carrier::check`), the idle and op timeouts,
 //! and the dropping of connections that failed.
 
 use super::*;

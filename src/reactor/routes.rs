@@ -1,4 +1,4 @@
-//! A shard's connection directory: where each connection id lives (tcp or
+//! A shard's connection routes: where each connection id lives (tcp or
 //! same-host side, and its index there), and the reasons recent dead
 //! connections died, so later calls on them get the error that killed them.
 
@@ -12,7 +12,7 @@ use crate::sys::IntMap;
 /// Dead connections remembered; past this the memory is cleared.
 const FAILED_MEMORY: usize = 4096;
 
-pub(crate) struct Directory {
+pub(crate) struct ConnRoutes {
     by_id: IntMap<ConnId, ConnRef>,
     /// By the shard's id of the dead connection: the id the application
     /// knows it by (see `Conn::group`) and why it died.
@@ -21,7 +21,7 @@ pub(crate) struct Directory {
     closed: mpsc::Sender<(ConnId, ConnFault)>,
 }
 
-impl Directory {
+impl ConnRoutes {
     pub fn new(closed: mpsc::Sender<(ConnId, ConnFault)>) -> Self {
         Self {
             by_id: Default::default(),
