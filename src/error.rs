@@ -23,7 +23,9 @@ impl fmt::Display for ConnId {
 /// Which one-sided operation an error belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum OpKind {
+    /// Bytes from here into the peer's window.
     Write,
+    /// Bytes from the peer's window into here.
     Read,
 }
 
@@ -53,6 +55,7 @@ impl fmt::Display for Status {
     }
 }
 
+/// The library's `Result`: its error is [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Why a connection failed: a cause a caller can match, carried unchanged
@@ -64,31 +67,61 @@ pub enum ConnFault {
     /// Nothing came back within a deadline of ours (`FERRY_OP_TIMEOUT_MS`,
     /// `FERRY_IDLE_TIMEOUT_MS`, a handshake's).
     #[error("{what}: nothing within {timeout_ms} ms")]
-    Timeout { what: &'static str, timeout_ms: u64 },
+    Timeout {
+        /// What did not come (and the setting that bounds it).
+        what: &'static str,
+        /// The deadline that passed.
+        timeout_ms: u64,
+    },
     /// The peer went away: it closed its end, reset it, or its process died.
     #[error("the peer is gone: {how}")]
-    PeerGone { how: &'static str },
+    PeerGone {
+        /// How it went: closed, reset, its process died, the network.
+        how: &'static str,
+    },
     /// An I/O failure on our side of the connection that is not the peer
     /// leaving (`errno` as the kernel gave it).
     #[error("{op} failed: {}", io::Error::from_raw_os_error(*errno))]
-    Io { op: &'static str, errno: i32 },
+    Io {
+        /// The call that failed.
+        op: &'static str,
+        /// Its `errno`.
+        errno: i32,
+    },
     /// The peer sent what the protocol forbids (bytes, requests, counts);
     /// `what` says which rule it broke, for a human.
     #[error("the peer broke the protocol: {what}")]
-    PeerMisbehaved { what: String },
+    PeerMisbehaved {
+        /// The rule it broke.
+        what: String,
+    },
     /// Bytes failed their integrity check (a frame's MAC).
     #[error("integrity check failed: {what}")]
-    Integrity { what: String },
+    Integrity {
+        /// Which bytes (the frame's number).
+        what: String,
+    },
     /// A bound of ours, or the peer, refused what the connection needed
     /// (`why` names it).
     #[error("refused: {why}")]
-    Refused { why: String },
+    Refused {
+        /// The bound, or the peer's refusal.
+        why: String,
+    },
     /// Closed on this side: `remove_remote`, or the endpoint shut down.
     #[error("closed here: {why}")]
-    Closed { why: &'static str },
+    Closed {
+        /// Who closed it: `remove_remote`, a shutdown, another lane.
+        why: &'static str,
+    },
     /// The NIC, the GPU or the OS failed a resource the connection needs.
     #[error("{what} failed: {detail}")]
-    Device { what: &'static str, detail: String },
+    Device {
+        /// The resource or call.
+        what: &'static str,
+        /// What it said.
+        detail: String,
+    },
 }
 
 /// What kind of failure an error is: the one mapping every face reports
@@ -192,112 +225,253 @@ impl ConnFault {
     }
 }
 
+/// Every failure of the library, with the values that were wrong.
+/// [`Error::kind`] says which kind it is (what the C, Python and NIXL
+/// faces report); a dead connection's cause is a [`ConnFault`].
 #[derive(Debug, Error)]
 #[non_exhaustive]
 pub enum Error {
+    /// Bytes from outside (metadata, a window, a frame) that do not parse.
     #[error("bad bytes: {0}")]
     Decode(#[from] DecodeError),
+    /// A system call failed.
     #[error("{op} failed: {source}")]
     Io {
+        /// The call.
         op: &'static str,
+        /// What the OS said.
         #[source]
         source: io::Error,
     },
+    /// Connecting (and the handshake) took longer than
+    /// `FERRY_CONNECT_TIMEOUT_MS`.
     #[error("connect to {addr} timed out after {timeout_ms} ms")]
-    ConnectTimeout { addr: SocketAddr, timeout_ms: u64 },
+    ConnectTimeout {
+        /// The peer's address.
+        addr: SocketAddr,
+        /// The deadline.
+        timeout_ms: u64,
+    },
+    /// The peer could not be reached.
     #[error("connect to {addr} failed: {source}")]
     Connect {
+        /// The peer's address.
         addr: SocketAddr,
+        /// What the OS said.
         #[source]
         source: io::Error,
     },
+    /// `accept` waited its whole timeout.
     #[error("no connection arrived within {timeout_ms} ms")]
-    AcceptTimeout { timeout_ms: u64 },
+    AcceptTimeout {
+        /// The wait.
+        timeout_ms: u64,
+    },
+    /// The peer answered the handshake with a refusal or nonsense.
     #[error("handshake with {peer} failed: {reason}")]
-    Handshake { peer: SocketAddr, reason: String },
+    Handshake {
+        /// The peer's address.
+        peer: SocketAddr,
+        /// What went wrong, for a human.
+        reason: String,
+    },
+    /// No such connection here (never opened, or removed by
+    /// `remove_remote`).
     #[error("{conn} is unknown (never opened here, or removed)")]
-    UnknownConn { conn: ConnId },
+    UnknownConn {
+        /// The id asked for.
+        conn: ConnId,
+    },
     /// The connection is dead; every later operation on it gets this error
     /// (`cause` says why: match it).
     #[error("{conn} failed: {cause}")]
-    ConnFailed { conn: ConnId, cause: ConnFault },
+    ConnFailed {
+        /// The connection.
+        conn: ConnId,
+        /// Why it died.
+        cause: ConnFault,
+    },
+    /// The target checked the request and refused it.
     #[error("target refused {op} of {len} bytes at {addr:#x} (rkey {rkey:#x}): {status}")]
     Remote {
+        /// WRITE or READ.
         op: OpKind,
+        /// The target's answer.
         status: Status,
+        /// The key the request named.
         rkey: u32,
+        /// The remote address it named.
         addr: u64,
+        /// Its length.
         len: u64,
     },
+    /// A range outside its region.
     #[error("range offset {offset} + len {len} is outside the {region_len}-byte region")]
     OutOfRange {
+        /// The range's start in the region.
         offset: usize,
+        /// Its length.
         len: usize,
+        /// The region's length.
         region_len: usize,
     },
+    /// More bytes than the peer's window holds.
     #[error("{len} bytes do not fit the {remote_size}-byte remote buffer")]
-    RemoteTooSmall { len: usize, remote_size: u32 },
+    RemoteTooSmall {
+        /// The op's length.
+        len: usize,
+        /// The window's.
+        remote_size: u32,
+    },
+    /// A READ into memory registered read-only.
     #[error("the region at {addr:#x} ({len} bytes) is read-only here: a READ cannot land in it")]
-    ReadOnlyDestination { addr: u64, len: usize },
+    ReadOnlyDestination {
+        /// The region's address.
+        addr: u64,
+        /// Its length.
+        len: usize,
+    },
+    /// Memory that cannot be registered (unmapped, wrong access, empty).
     #[error("[{addr:#x}, +{len}) cannot be registered: {reason}")]
     BadRange {
+        /// The range's address.
         addr: u64,
+        /// Its length.
         len: usize,
+        /// Why, for a human.
         reason: String,
     },
+    /// A vectored op whose two lists differ in length.
     #[error("vectored op has {locals} local slices but {remotes} remote buffers")]
-    VectorMismatch { locals: usize, remotes: usize },
+    VectorMismatch {
+        /// Local pieces given.
+        locals: usize,
+        /// Remote windows given.
+        remotes: usize,
+    },
+    /// A vectored op with no piece.
     #[error("vectored op is empty")]
     EmptyVector,
+    /// Back-pressure: the shard's submission queue is full (`FERRY_SQ_DEPTH`).
     #[error("submission queue of shard {shard} is full ({capacity} entries)")]
-    QueueFull { shard: usize, capacity: usize },
+    QueueFull {
+        /// The shard.
+        shard: usize,
+        /// Its queue's entries.
+        capacity: usize,
+    },
     /// One connection may hold at most `FERRY_SQ_DEPTH` commands waiting
     /// for room; more are refused at once (its peer is not keeping up).
     #[error("{conn} already has {waiting} commands waiting for room (FERRY_SQ_DEPTH): its peer is not keeping up")]
-    Backlogged { conn: ConnId, waiting: usize },
+    Backlogged {
+        /// The connection.
+        conn: ConnId,
+        /// Its commands waiting.
+        waiting: usize,
+    },
+    /// Back-pressure: every in-flight slot is taken.
     #[error("all {max} in-flight operation slots are taken (FERRY_MAX_INFLIGHT_OPS)")]
-    TooManyInflight { max: usize },
+    TooManyInflight {
+        /// `FERRY_MAX_INFLIGHT_OPS`.
+        max: usize,
+    },
+    /// A wait of the caller's ran out; what it waited for goes on.
     #[error("timed out after {timeout_ms} ms waiting for {what}")]
-    Timeout { what: &'static str, timeout_ms: u64 },
+    Timeout {
+        /// What was waited for.
+        what: &'static str,
+        /// The wait.
+        timeout_ms: u64,
+    },
     /// Back-pressure: `conn` already has `queued` notifications accepted
     /// and not yet sent (its peer is not reading); try again later.
     #[error("{conn} has {queued} notifications not yet sent (FERRY_NOTIFY_OUTBOX = {max}): its peer is not reading; try again")]
     NotifyOutboxFull {
+        /// The connection.
         conn: ConnId,
+        /// Its notifications not yet sent.
         queued: usize,
+        /// `FERRY_NOTIFY_OUTBOX`.
         max: usize,
     },
+    /// A notification longer than a notification may be.
     #[error("notification of {len} bytes exceeds the {max}-byte limit")]
-    NotifyTooLong { len: usize, max: usize },
+    NotifyTooLong {
+        /// Its length.
+        len: usize,
+        /// The limit (4096).
+        max: usize,
+    },
     /// Two-sided: the message (`len` bytes) was longer than the buffer the
     /// receiver posted for it (`posted` bytes); both sides get this.
     #[error(
         "a message of {len} bytes does not fit the {posted}-byte receive buffer posted for it"
     )]
-    MessageTooLarge { len: u64, posted: u64 },
+    MessageTooLarge {
+        /// The message's length.
+        len: u64,
+        /// The buffer's.
+        posted: u64,
+    },
+    /// A setting with a bad value.
     #[error("invalid {name} = {value:?}: {reason}")]
     Config {
+        /// The setting (field and variable).
         name: &'static str,
+        /// The value given.
         value: String,
+        /// What it must be.
         reason: String,
     },
+    /// Not possible here or on this path.
     #[error("{what} is not possible: {reason}")]
-    Unsupported { what: &'static str, reason: String },
+    Unsupported {
+        /// What was asked.
+        what: &'static str,
+        /// Why not.
+        reason: String,
+    },
+    /// A bound of ours is reached (connections, registrations, messages).
     #[error("limit {limit}={max} reached")]
-    LimitReached { limit: &'static str, max: usize },
+    LimitReached {
+        /// The bound's name.
+        limit: &'static str,
+        /// Its value.
+        max: usize,
+    },
+    /// The endpoint is shut down.
     #[error("the endpoint is shut down")]
     Shutdown,
     /// No GPU path: no driver, no device, or a build without `gpu`.
     #[error("no GPU: {why}")]
-    NoGpu { why: String },
+    NoGpu {
+        /// Which of those.
+        why: String,
+    },
+    /// A GPU index past the GPUs there are.
     #[error("GPU index {idx} is out of range: {count} GPU(s) visible")]
-    GpuOutOfRange { idx: usize, count: usize },
+    GpuOutOfRange {
+        /// The index asked for.
+        idx: usize,
+        /// The GPUs visible.
+        count: usize,
+    },
+    /// An RDMA verbs call failed.
     #[error("RDMA verbs: {what} failed: {reason}")]
-    Verbs { what: &'static str, reason: String },
+    Verbs {
+        /// The call.
+        what: &'static str,
+        /// What it said.
+        reason: String,
+    },
+    /// A CUDA driver call failed.
     #[error("CUDA {call} failed: {name} ({code})")]
     Cuda {
+        /// The call.
         call: &'static str,
+        /// Its `CUresult`.
         code: u32,
+        /// The result's name.
         name: String,
     },
 }
