@@ -655,6 +655,9 @@ impl Endpoint {
                 max: MAX_NOTIFY_BYTES,
             });
         }
+        // A connection the shards already saw die says so here, rather
+        // than taking a notification it can no longer send.
+        self.inner.reap_closed();
         // Counted from the call until its stream or ring takes it: past
         // the bound the call is refused, so nothing accepted is dropped.
         let ticket = {
