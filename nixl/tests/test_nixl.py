@@ -626,6 +626,78 @@ def test_killed_peer_is_an_error_not_a_hang(local):
         p.ag.send_notif("doomed", b"anyone?")
 
 
+def _rogue_ferry_peer():
+    """A peer that completes ferry's handshake (a real HelloAck to each
+    stream's Hello: no capabilities, no host token) and then sends a frame
+    header of garbage: a protocol violation. Returns its port."""
+    import socket
+    import threading
+
+    l = socket.socket()
+    l.bind(("127.0.0.1", 0))
+    l.listen(16)
+
+    def serve(s):
+        with s:
+            s.settimeout(DEADLINE_S)
+            head = s.recv(12, socket.MSG_WAITALL)
+            n = int.from_bytes(head[8:12], "little")
+            body = bytearray(s.recv(n, socket.MSG_WAITALL))
+            # Hello -> HelloAck: kind byte 6; endpoint_id 7, caps 0, host token 0.
+            ack = bytearray(head)
+            ack[6] = 2
+            body[0:8] = (7).to_bytes(8, "little")
+            body[8:12] = bytes(4)
+            body[28:36] = bytes(8)
+            s.sendall(bytes(ack) + bytes(body) + b"\xee" * 64)
+            while s.recv(65536):
+                pass
+
+    def accept():
+        with l:
+            for _ in range(8):
+                s, _ = l.accept()
+                threading.Thread(target=serve, args=(s,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return l.getsockname()[1]
+
+
+def test_misbehaving_peer_is_not_allowed_apart_from_gone_and_timeout(local):
+    """An agent whose conn info leads to a peer that breaks ferry's
+    protocol: its transfers fail with NIXL_ERR_NOT_ALLOWED — a cause apart
+    from a peer gone (REMOTE_DISCONNECT) and a silent one (BACKEND)."""
+    if os.environ.get("FERRY_TRANSPORT") == "shm":
+        pytest.skip("the rogue peer speaks tcp; run_tests.sh runs this under FERRY_TRANSPORT=tcp")
+    decoy = make_agent("decoy")
+    buf = new_buf(4096, 3)
+    register(decoy, buf)
+    md = bytearray(decoy.get_agent_metadata())
+    at = md.index(b"FERRY|c") + len(b"FERRY|c") + 8
+    # The conn info is ferry's metadata: IPv4, then the port (big-endian).
+    md[at + 4 : at + 6] = _rogue_ferry_peer().to_bytes(2, "big")
+    victim = make_agent("victim")
+    assert victim.add_remote_agent(bytes(md)) == b"decoy"
+    src = new_buf(4096, 4)
+    register(victim, src)
+    l = victim.get_xfer_descs([(addr(src), 4096, DEV)], MEM)
+    r = victim.get_xfer_descs([(addr(buf), 4096, DEV)], MEM)
+    end = time.monotonic() + DEADLINE_S
+    state = None
+    while time.monotonic() < end:
+        try:
+            h = victim.initialize_xfer("WRITE", l, r, "decoy")
+            state = victim.transfer(h)
+            if state != "ERR":
+                state = wait_done(victim, h)
+        except Exception as e:  # nixlNotAllowedError and kin
+            state = type(e).__name__
+        if state != "DONE":
+            break
+        time.sleep(0.05)
+    assert state == "nixlNotAllowedError", state
+
+
 def test_stopped_peer_is_a_backend_error_not_a_disconnect(local, monkeypatch):
     """A peer that stops answering (SIGSTOP: alive, silent) fails the
     connection at ferry's op timeout: NIXL_ERR_BACKEND, a cause apart from
