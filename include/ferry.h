@@ -262,6 +262,10 @@ int32_t ferry_advertise_ipc(const struct ferry_endpoint *ep,
                             size_t out_len);
 
 // Sends `len` bytes (at most `FERRY_MAX_NOTIFY`) to the peer's inbox.
+// `FERRY_OK`: it will arrive, or the connection fails (later calls say
+// why). `FERRY_ERR_BUSY`: the connection already holds
+// `FERRY_NOTIFY_OUTBOX` notifications not yet sent (its peer is not
+// reading); nothing was taken: try again.
 //
 // # Safety
 // `ep` live; `msg` valid for `len` bytes.
@@ -299,6 +303,8 @@ int32_t ferry_send(const struct ferry_endpoint *ep,
 
 // Posts `[off, off + max)` of `r` (cut to the region's end) for the next
 // message from `conn`; a longer message fails here and at its sender.
+// Up to 65 536 receives (and as many sends) may be under way per
+// connection; past that the post is `FERRY_ERR_BUSY`.
 //
 // # Safety
 // `ep`, `r` live; `out` valid.

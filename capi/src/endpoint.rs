@@ -557,6 +557,10 @@ pub unsafe extern "C" fn ferry_advertise_ipc(
 }
 
 /// Sends `len` bytes (at most `FERRY_MAX_NOTIFY`) to the peer's inbox.
+/// `FERRY_OK`: it will arrive, or the connection fails (later calls say
+/// why). `FERRY_ERR_BUSY`: the connection already holds
+/// `FERRY_NOTIFY_OUTBOX` notifications not yet sent (its peer is not
+/// reading); nothing was taken: try again.
 ///
 /// # Safety
 /// `ep` live; `msg` valid for `len` bytes.

@@ -83,6 +83,8 @@ pub unsafe extern "C" fn ferry_send(
 
 /// Posts `[off, off + max)` of `r` (cut to the region's end) for the next
 /// message from `conn`; a longer message fails here and at its sender.
+/// Up to 65 536 receives (and as many sends) may be under way per
+/// connection; past that the post is `FERRY_ERR_BUSY`.
 ///
 /// # Safety
 /// `ep`, `r` live; `out` valid.

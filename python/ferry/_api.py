@@ -222,7 +222,11 @@ class Connection:
         self.readv_async(dsts, windows).wait()
 
     def notify(self, message: bytes) -> None:
-        """Sends a small message (at most 4096 bytes) to the peer's inbox."""
+        """Sends a small message (at most 4096 bytes) to the peer's inbox.
+        Raises ``ferry.Busy`` when the connection already holds
+        ``FERRY_NOTIFY_OUTBOX`` messages not yet sent (nothing was taken:
+        try again); once it returns, the message arrives or the connection
+        fails (later calls raise ``ferry.ConnectionFailed``)."""
         self._c.notify(bytes(message))
 
     def close(self) -> None:

@@ -648,6 +648,12 @@ impl Endpoint {
     // ---- notifications -------------------------------------------------
 
     /// Sends a small message (at most 4096 bytes) to the peer's inbox.
+    ///
+    /// `Ok`: it arrives, in order with this connection's others, or the
+    /// connection fails (later calls get `ConnFailed` with the cause).
+    /// [`Error::NotifyOutboxFull`]: the connection already holds
+    /// `FERRY_NOTIFY_OUTBOX` notifications not yet sent (its peer is not
+    /// reading); nothing was taken, try again later.
     pub fn send_notification(&self, conn: ConnId, msg: &[u8]) -> Result<()> {
         if msg.len() > MAX_NOTIFY_BYTES {
             return Err(Error::NotifyTooLong {
