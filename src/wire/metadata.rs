@@ -28,7 +28,9 @@ const WHAT: &str = "endpoint metadata";
 /// Where an endpoint listens, and which GPU (by PCI bus id) it serves.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct EndpointMetadata {
+    /// The address it listens on (and advertises).
     pub addr: IpAddr,
+    /// Its listening port.
     pub port: u16,
     /// Normalized PCI bus id of the endpoint's GPU; empty for host-only endpoints.
     pub gpu_bdf: String,
@@ -45,15 +47,19 @@ impl EndpointMetadata {
         })
     }
 
+    /// `addr:port`, to connect to.
     pub fn socket_addr(&self) -> SocketAddr {
         SocketAddr::new(self.addr, self.port)
     }
 
+    /// The length of `encode`'s bytes.
     pub fn encoded_len(&self) -> usize {
         let ip = if self.addr.is_ipv4() { 4 } else { 16 };
         ip + 2 + 1 + self.gpu_bdf.len()
     }
 
+    /// The seed's bytes: IPv4 (4) or IPv6 (16), port (2, network order),
+    /// bus id length (1), bus id.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(self.encoded_len());
         match self.addr {
@@ -67,6 +73,8 @@ impl EndpointMetadata {
         out
     }
 
+    /// Parses the seed's bytes (a UCCL peer's too); trailing bytes, a bad
+    /// length or a bus id that is not one are refused.
     pub fn decode(buf: &[u8]) -> Result<Self, DecodeError> {
         let v4_rule = buf.len() >= 7 && buf.len() == 7 + buf[6] as usize;
         let v6_rule = buf.len() >= 19 && buf.len() == 19 + buf[18] as usize;

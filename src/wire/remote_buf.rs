@@ -11,6 +11,7 @@
 
 use super::cursor::{DecodeError, Reader};
 
+/// A window's bytes: the seed's 64-byte `FifoItem`.
 pub const REMOTE_BUF_LEN: usize = 64;
 /// `reserved[8]` bit: the window is GPU memory.
 pub const REMOTE_FLAG_DEVICE: u8 = 1;
@@ -45,10 +46,12 @@ impl NicKeys {
         Some(k)
     }
 
+    /// How many keys (one per NIC).
     pub fn len(&self) -> usize {
         self.n as usize
     }
 
+    /// Whether it has none.
     pub fn is_empty(&self) -> bool {
         self.n == 0
     }
@@ -58,6 +61,7 @@ impl NicKeys {
         self.keys[qp % self.len().max(1)]
     }
 
+    /// The keys, in NIC order.
     pub fn as_slice(&self) -> &[u32] {
         &self.keys[..self.len()]
     }
