@@ -600,6 +600,25 @@ def test_bad_remote_metadata_is_an_error(peer):
         peer.ag.add_remote_agent(good[: len(good) // 2])
 
 
+def _write_until_it_fails(ag, local_descs, remote_descs, agent):
+    """WRITEs until one does not end DONE; the state it ended in, or the
+    class name of what NIXL raised (nixlRemoteDisconnectError and kin)."""
+    end = time.monotonic() + DEADLINE_S
+    state = None
+    while time.monotonic() < end:
+        try:
+            h = ag.initialize_xfer("WRITE", local_descs, remote_descs, agent)
+            state = ag.transfer(h)
+            if state != "ERR":
+                state = wait_done(ag, h)
+        except Exception as e:
+            state = type(e).__name__
+        if state != "DONE":
+            break
+        time.sleep(0.05)
+    return state
+
+
 def test_killed_peer_is_an_error_not_a_hang(local):
     p = Peer("initiator2", target="doomed")
     src = local(1 << 20, seed=71, ag=p.ag)
@@ -607,19 +626,7 @@ def test_killed_peer_is_an_error_not_a_hang(local):
     os.kill(p.proc.pid, signal.SIGKILL)
     p.proc.join(10)
     l = p.ag.get_xfer_descs([(addr(src), 1 << 20, DEV)], MEM)
-    end = time.monotonic() + DEADLINE_S
-    state = None
-    while time.monotonic() < end:
-        try:
-            h = p.ag.initialize_xfer("WRITE", l, p.remote(0, 1 << 20), "doomed")
-            state = p.ag.transfer(h)
-            if state != "ERR":
-                state = wait_done(p.ag, h)
-        except Exception as e:  # nixlRemoteDisconnectError and kin
-            state = type(e).__name__
-        if state != "DONE":
-            break
-        time.sleep(0.05)
+    state = _write_until_it_fails(p.ag, l, p.remote(0, 1 << 20), "doomed")
     # NIXL_ERR_REMOTE_DISCONNECT, as NIXL's Python API raises it.
     assert state == "nixlRemoteDisconnectError", state
     with pytest.raises(Exception, match="REMOTE_DISCONNECT"):
@@ -682,19 +689,7 @@ def test_misbehaving_peer_is_not_allowed_apart_from_gone_and_timeout(local):
     register(victim, src)
     l = victim.get_xfer_descs([(addr(src), 4096, DEV)], MEM)
     r = victim.get_xfer_descs([(addr(buf), 4096, DEV)], MEM)
-    end = time.monotonic() + DEADLINE_S
-    state = None
-    while time.monotonic() < end:
-        try:
-            h = victim.initialize_xfer("WRITE", l, r, "decoy")
-            state = victim.transfer(h)
-            if state != "ERR":
-                state = wait_done(victim, h)
-        except Exception as e:  # nixlNotAllowedError and kin
-            state = type(e).__name__
-        if state != "DONE":
-            break
-        time.sleep(0.05)
+    state = _write_until_it_fails(victim, l, r, "decoy")
     assert state == "nixlNotAllowedError", state
 
 
@@ -709,19 +704,7 @@ def test_stopped_peer_is_a_backend_error_not_a_disconnect(local, monkeypatch):
     os.kill(p.proc.pid, signal.SIGSTOP)
     try:
         l = p.ag.get_xfer_descs([(addr(src), 1 << 20, DEV)], MEM)
-        end = time.monotonic() + DEADLINE_S
-        state = None
-        while time.monotonic() < end:
-            try:
-                h = p.ag.initialize_xfer("WRITE", l, p.remote(0, 1 << 20), "frozen")
-                state = p.ag.transfer(h)
-                if state != "ERR":
-                    state = wait_done(p.ag, h)
-            except Exception as e:  # nixlBackendError and kin
-                state = type(e).__name__
-            if state != "DONE":
-                break
-            time.sleep(0.05)
+        state = _write_until_it_fails(p.ag, l, p.remote(0, 1 << 20), "frozen")
         assert state == "nixlBackendError", state
     finally:
         os.kill(p.proc.pid, signal.SIGKILL)

@@ -9,16 +9,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "ferry.h"
-
-#define CHECK(cond)                                                          \
-    do {                                                                     \
-        if (!(cond)) {                                                       \
-            fprintf(stderr, "%s:%d: %s failed (last error: %s)\n", __FILE__, \
-                    __LINE__, #cond, ferry_last_error());                    \
-            exit(1);                                                         \
-        }                                                                    \
-    } while (0)
+#include "check.h"
 
 /* Writes to the rogue at port `$var` until the connection fails; returns
  * the status it failed with. */

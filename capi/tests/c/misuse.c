@@ -8,16 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "ferry.h"
-
-#define CHECK(cond)                                                          \
-    do {                                                                     \
-        if (!(cond)) {                                                       \
-            fprintf(stderr, "%s:%d: %s failed (last error: %s)\n", __FILE__, \
-                    __LINE__, #cond, ferry_last_error());                    \
-            exit(1);                                                         \
-        }                                                                    \
-    } while (0)
+#include "check.h"
 
 #define DEAD(call)                                                 \
     do {                                                           \

@@ -13,30 +13,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "ferry.h"
-
-#define CHECK(cond)                                                          \
-    do {                                                                     \
-        if (!(cond)) {                                                       \
-            fprintf(stderr, "%s:%d: %s failed (last error: %s)\n", __FILE__, \
-                    __LINE__, #cond, ferry_last_error());                    \
-            exit(1);                                                         \
-        }                                                                    \
-    } while (0)
+#include "check.h"
 
 #define LEN (1 << 20)
 #define ROUNDS 4
-
-static void put_all(int fd, const void *p, size_t n) { CHECK(write(fd, p, n) == (ssize_t)n); }
-
-static void get_all(int fd, void *p, size_t n) {
-    size_t got = 0;
-    while (got < n) {
-        ssize_t r = read(fd, (char *)p + got, n - got);
-        CHECK(r > 0);
-        got += (size_t)r;
-    }
-}
 
 static double now_s(void) {
     struct timespec ts;

@@ -10,33 +10,12 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "ferry.h"
-
-#define CHECK(cond)                                                          \
-    do {                                                                     \
-        if (!(cond)) {                                                       \
-            fprintf(stderr, "%s:%d: %s failed (last error: %s)\n", __FILE__, \
-                    __LINE__, #cond, ferry_last_error());                    \
-            exit(1);                                                         \
-        }                                                                    \
-    } while (0)
+#include "check.h"
 
 #define LEN (1 << 20)
 
 static unsigned char pattern(size_t i, unsigned seed) { return (unsigned char)(i * 31 + seed); }
 
-static void put_all(int fd, const void *p, size_t n) {
-    CHECK(write(fd, p, n) == (ssize_t)n);
-}
-
-static void get_all(int fd, void *p, size_t n) {
-    size_t got = 0;
-    while (got < n) {
-        ssize_t r = read(fd, (char *)p + got, n - got);
-        CHECK(r > 0);
-        got += (size_t)r;
-    }
-}
 
 /* The target: accepts, advertises two windows (one to write into, one to
  * read from), checks what lands, answers notifications. */
