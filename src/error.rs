@@ -55,7 +55,7 @@ impl fmt::Display for Status {
     }
 }
 
-/// The library's `Result`: its error is [`Error`].
+/// The library's `Result`: its error is [`enum@Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Why a connection failed: a cause a caller can match, carried unchanged

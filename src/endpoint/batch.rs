@@ -54,6 +54,7 @@ impl std::fmt::Debug for Batch<'_> {
     }
 }
 
+/// # Batches of operations
 impl Endpoint {
     /// A batch of ops to queue together (see [`Batch`]).
     pub fn batch(&self) -> Batch<'_> {

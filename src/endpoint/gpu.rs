@@ -12,6 +12,7 @@ use crate::reactor::{Command, IpcCmd, IpcDesc, IpcParts, RegionCmd, Transfer};
 use crate::region::{Access, Backing};
 use crate::wire::IpcBuf;
 
+/// # GPU memory and CUDA IPC windows
 impl Endpoint {
     /// The endpoint's GPU: given to the builder, or picked by the first
     /// registered GPU pointer (lazy mode); `None` until then.

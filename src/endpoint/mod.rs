@@ -210,6 +210,10 @@ pub struct Endpoint {
     embedded: Mutex<Vec<Shard>>,
 }
 
+/// # Making one, and what it is
+///
+/// [`Endpoint::builder`], its metadata and settings, its shards (embedded
+/// mode), and counts of what it holds.
 impl Endpoint {
     pub fn builder() -> EndpointBuilder {
         EndpointBuilder::default()
@@ -294,9 +298,13 @@ impl Endpoint {
     pub fn inflight_ops(&self) -> usize {
         self.inner.table.in_use()
     }
+}
 
-    // ---- connections -------------------------------------------------
-
+/// # Connections
+///
+/// Connecting (`add_remote`, `connect`), accepting, removing, and what
+/// a connection is (`peer`, `conn_status`).
+impl Endpoint {
     /// Connects to the endpoint listening at `addr`.
     pub fn connect(&self, addr: SocketAddr) -> Result<ConnId> {
         self.inner.connect(addr)
@@ -446,9 +454,13 @@ impl Endpoint {
             let _ = t.join();
         }
     }
+}
 
-    // ---- memory ------------------------------------------------------
-
+/// # Memory
+///
+/// Registering memory (owned, borrowed or raw), deregistering it, and
+/// advertising windows of it to peers.
+impl Endpoint {
     /// Registers a buffer the engine takes and keeps alive, with remote read
     /// and write allowed.
     pub fn register(&self, buf: impl Into<Box<[u8]>>) -> Result<MemoryRegion> {
@@ -644,9 +656,13 @@ impl Endpoint {
             .map(|(m, o, l)| self.advertise(conn, m, *o, *l))
             .collect()
     }
+}
 
-    // ---- notifications -------------------------------------------------
-
+/// # Notifications
+///
+/// Small messages to a peer's inbox, in order per connection, delivered or
+/// refused at the call (`FERRY_NOTIFY_OUTBOX`).
+impl Endpoint {
     /// Sends a small message (at most 4096 bytes) to the peer's inbox.
     ///
     /// `Ok`: it arrives, in order with this connection's others, or the

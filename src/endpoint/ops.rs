@@ -162,6 +162,12 @@ mod sealed {
     }
 }
 
+/// # One-sided operations
+///
+/// WRITE and READ of a window a peer advertised (a `RemoteBuf` or an
+/// `IpcBuf`): `*_async` start one and return its [`Transfer`]; `write`,
+/// `read`, `writev`, `readv` are the same waited on; `*_on` apply it on the
+/// calling thread's own shard.
 impl Endpoint {
     /// Starts a WRITE of `mr[offset..offset + len]` to the start of
     /// `remote`. With an [`IpcBuf`] it is a CUDA IPC copy (the seed's

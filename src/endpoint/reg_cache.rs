@@ -151,6 +151,10 @@ impl RegCache {
     }
 }
 
+/// # Shared raw registrations
+///
+/// The registration cache the C and Python faces use: the same range
+/// registered again shares one registration.
 impl Endpoint {
     /// Registers `[ptr, ptr + len)` through the registration cache: a live
     /// registration with the same access that holds the range is shared

@@ -126,6 +126,10 @@ impl Messages {
     }
 }
 
+/// # Two-sided messages
+///
+/// `send_async` / `recv_async`, matched in order per connection, then
+/// `poll_message` / `wait_message`.
 impl Endpoint {
     /// Sends `mr[offset..offset + len]` as one message to the peer on
     /// `conn`, into the next receive buffer posted there (in order per
