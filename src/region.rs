@@ -14,7 +14,9 @@ bitflags! {
     /// may have it written: a local READ writes into its destination.
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
     pub struct Access: u8 {
+        /// Peers may WRITE into it.
         const REMOTE_WRITE = 1;
+        /// Peers may READ from it.
         const REMOTE_READ = 2;
         /// The destination of this side's READs may be this region (not
         /// for memory its owner holds read-only, such as Python `bytes`).

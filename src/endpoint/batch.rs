@@ -136,6 +136,7 @@ impl Batch<'_> {
         self.staged.iter().map(Vec::len).sum()
     }
 
+    /// Whether nothing is queued in it.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }

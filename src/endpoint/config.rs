@@ -107,6 +107,8 @@ macro_rules! settings {
             advertise_addr: Option<IpAddr> = None, "FERRY_ADVERTISE_ADDR", with(some_addr);
             /// Number of shards (`FERRY_SHARDS`, default 1).
             shards: usize = 1, "FERRY_SHARDS", range(1, 256);
+            /// Who runs the shards: ferry's threads (`Managed`) or the caller
+            /// (`Embedded`, `take_shards`); set in code.
             mode: Mode = Mode::Managed, "", code;
             /// Operations in flight across the endpoint (`FERRY_MAX_INFLIGHT_OPS`, default 4096).
             max_inflight_ops: usize = 4096, "FERRY_MAX_INFLIGHT_OPS", range(1, 1 << 20);
@@ -207,8 +209,9 @@ macro_rules! settings {
             rdma_max_nics: usize = 4, "FERRY_RDMA_MAX_NICS", range(1, crate::wire::MAX_NICS);
             /// Outstanding RDMA READs per queue pair (`FERRY_RDMA_MAX_RD_ATOMIC`, default 16).
             rdma_max_rd_atomic: u8 = 16, "FERRY_RDMA_MAX_RD_ATOMIC", range(1, 255);
-            /// Service level and traffic class (`FERRY_RDMA_SL`, `FERRY_RDMA_TC`, default 0).
+            /// Service level of the queue pairs (`FERRY_RDMA_SL`, default 0).
             rdma_sl: u8 = 0, "FERRY_RDMA_SL", range(0, 15);
+            /// Traffic class of the queue pairs (`FERRY_RDMA_TC`, default 0).
             rdma_tc: u8 = 0, "FERRY_RDMA_TC", range(0, 255);
             /// Log filter for the `ferry` binary (`FERRY_LOG`, default "warn"); the
             /// library itself only emits `tracing` events.
@@ -456,10 +459,12 @@ impl Config {
         Ok(c)
     }
 
+    /// `connect_timeout_ms` as a `Duration`.
     pub fn connect_timeout(&self) -> Duration {
         Duration::from_millis(self.connect_timeout_ms)
     }
 
+    /// `op_timeout_ms` as a `Duration`.
     pub fn op_timeout(&self) -> Duration {
         Duration::from_millis(self.op_timeout_ms)
     }

@@ -57,26 +57,32 @@ impl std::fmt::Debug for MemoryRegion {
 }
 
 impl MemoryRegion {
+    /// Its length in bytes.
     pub fn len(&self) -> usize {
         self.inner.len()
     }
 
+    /// Whether it is empty.
     pub fn is_empty(&self) -> bool {
         self.inner.len() == 0
     }
 
+    /// The address of its first byte (this process's).
     pub fn addr(&self) -> u64 {
         self.inner.addr()
     }
 
+    /// The key its windows carry (what a peer's requests name).
     pub fn rkey(&self) -> u32 {
         self.inner.rkey
     }
 
+    /// What peers (and this side's READs) may do with it.
     pub fn access(&self) -> Access {
         self.inner.access
     }
 
+    /// Its first byte (host or GPU memory: check `MemKind` before reading).
     pub fn as_ptr(&self) -> *mut u8 {
         self.inner.ptr()
     }
@@ -97,6 +103,7 @@ impl MemoryRegion {
         self
     }
 
+    /// The value type it was marked with for the codec, if any.
     pub fn dtype(&self) -> Option<crate::codec::FloatType> {
         self.inner.dtype()
     }

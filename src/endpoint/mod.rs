@@ -116,7 +116,12 @@ pub enum Peer {
     /// Over the network (tcp), at this address.
     Net(SocketAddr),
     /// On this host, over shared memory.
-    Local { endpoint_id: u64, pid: u32 },
+    Local {
+        /// The peer endpoint's id.
+        endpoint_id: u64,
+        /// Its process.
+        pid: u32,
+    },
 }
 
 impl std::fmt::Display for Peer {
@@ -215,6 +220,7 @@ pub struct Endpoint {
 /// [`Endpoint::builder`], its metadata and settings, its shards (embedded
 /// mode), and counts of what it holds.
 impl Endpoint {
+    /// Starts building an endpoint (settings, GPU, mode).
     pub fn builder() -> EndpointBuilder {
         EndpointBuilder::default()
     }
@@ -234,6 +240,7 @@ impl Endpoint {
         self.inner.id
     }
 
+    /// The settings it runs with.
     pub fn config(&self) -> &Config {
         &self.inner.cfg
     }
@@ -446,6 +453,8 @@ impl Endpoint {
         Ok(())
     }
 
+    /// Stops accepting in the background (`start_passive_accept`);
+    /// connections made stay.
     pub fn stop_accept(&self) {
         let p = self.inner.passive.lock().expect("lock").take();
         if let Some((stop, t)) = p {
@@ -467,6 +476,7 @@ impl Endpoint {
         self.register_with(buf, Access::all())
     }
 
+    /// As `register`, with the access peers get (`Access`: read-only, say).
     pub fn register_with(&self, buf: impl Into<Box<[u8]>>, access: Access) -> Result<MemoryRegion> {
         let mut b: Box<[u8]> = buf.into();
         let (ptr, len) = (b.as_mut_ptr(), b.len());

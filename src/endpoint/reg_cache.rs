@@ -39,10 +39,12 @@ impl SharedRegion {
         self.offset
     }
 
+    /// Its length in bytes.
     pub fn len(&self) -> usize {
         self.len
     }
 
+    /// Whether it is empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

@@ -13,9 +13,11 @@ pub use crate::wire::normalize_bus_id;
 /// One visible GPU.
 #[derive(Debug)]
 pub struct DeviceInfo {
+    /// Its ordinal (the driver's numbering).
     pub ordinal: i32,
     /// Normalised PCI bus id, `dddd:bb:dd.f` in lower case (the seed's form).
     pub bus_id: String,
+    /// The driver's name for it.
     pub name: String,
     /// `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`: its memory can be exported
     /// as a dma-buf (for `ibv_reg_dmabuf_mr`).
@@ -36,6 +38,7 @@ unsafe impl Sync for CtxPtr {}
 /// The driver after `cuInit`, with every visible device.
 #[derive(Debug)]
 pub struct Cuda {
+    /// Every visible GPU, by ordinal.
     pub devices: Vec<DeviceInfo>,
     /// The driver has `cuMemcpyBatchAsync_v2` (CUDA 13 drivers do).
     pub has_batch_copy: bool,

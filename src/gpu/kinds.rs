@@ -13,13 +13,17 @@ pub enum MemKind {
     /// Memory of GPU `ordinal`, inside the allocation `[alloc_base,
     /// alloc_base + alloc_len)` (from the driver, not assumed).
     Device {
+        /// The GPU's ordinal.
         ordinal: i32,
+        /// The start of the allocation holding it.
         alloc_base: u64,
+        /// The allocation's length.
         alloc_len: usize,
     },
 }
 
 impl MemKind {
+    /// Whether it is GPU memory.
     pub fn is_device(&self) -> bool {
         matches!(self, MemKind::Device { .. })
     }

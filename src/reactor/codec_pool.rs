@@ -34,17 +34,21 @@ const HELD_MAX: usize = 256 << 20;
 pub struct CompressStats {
     /// Codec threads running (0: no connection has agreed to compress yet).
     pub threads: usize,
-    /// Chunks this side tried to pack, and those that went packed (the
-    /// rest did not shrink by 5 % and went as they were).
+    /// Chunks this side tried to pack.
     pub tried: u64,
+    /// Of those, the ones that went packed (the rest did not shrink by
+    /// 5 % and went as they were).
     pub packed: u64,
-    /// Bytes of the chunks that went packed, and of their packed frames:
-    /// their ratio is what packing saved.
+    /// Bytes of the chunks that went packed (their ratio to `wire_bytes`
+    /// is what packing saved).
     pub raw_bytes: u64,
+    /// Bytes of their packed frames.
     pub wire_bytes: u64,
-    /// Packed frames received from peers, and the bytes they decode to.
+    /// Packed frames received from peers.
     pub unpacked: u64,
+    /// The bytes they decode to.
     pub unpacked_bytes: u64,
+    /// Their bytes on the wire.
     pub unpacked_wire_bytes: u64,
 }
 

@@ -348,6 +348,7 @@ impl Transfer {
         self.try_reap().then(|| self.result_copy())
     }
 
+    /// Whether it has ended (its outcome is then `poll`'s).
     pub fn is_done(&mut self) -> bool {
         self.try_reap()
     }
