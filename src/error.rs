@@ -190,9 +190,7 @@ impl ConnFault {
                 how: "it reset the connection",
             },
             Some(libc::EPIPE) | Some(libc::ENOTCONN) | Some(libc::ESHUTDOWN) => {
-                ConnFault::PeerGone {
-                    how: "it closed the connection",
-                }
+                Self::closed_by_peer()
             }
             Some(libc::ECONNABORTED) | Some(libc::EHOSTUNREACH) | Some(libc::ENETUNREACH) => {
                 ConnFault::PeerGone {

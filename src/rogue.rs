@@ -66,7 +66,8 @@ fn serve(mut s: TcpStream, how: Behaviour) -> io::Result<()> {
     let mut header = [0u8; CONTROL_HEADER_LEN];
     s.read_exact(&mut header)?;
     let body = ControlFrame::body_len(&header).map_err(io::Error::other)?;
-    let mut frame = vec![0u8; CONTROL_HEADER_LEN + body.min(1 << 16)];
+    // `body_len` refused anything past MAX_CONTROL_BODY.
+    let mut frame = vec![0u8; CONTROL_HEADER_LEN + body];
     frame[..CONTROL_HEADER_LEN].copy_from_slice(&header);
     s.read_exact(&mut frame[CONTROL_HEADER_LEN..])?;
     let ControlFrame::Hello(h) = ControlFrame::decode(&frame).map_err(io::Error::other)? else {

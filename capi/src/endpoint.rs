@@ -307,11 +307,7 @@ pub unsafe extern "C" fn ferry_peer_is_local(
         // SAFETY: the caller's promise.
         let (ep, local) = unsafe { (handle(ep, "ep")?, slot(local, "local")?) };
         let c = ConnId(conn);
-        ep.ep.conn_status(c)?;
-        let peer = ep
-            .ep
-            .peer(c)
-            .ok_or(engine::Error::UnknownConn { conn: c })?;
+        let peer = ep.ep.conn_status(c)?;
         *local = i32::from(matches!(peer, engine::Peer::Local { .. }));
         Ok(FERRY_OK)
     })

@@ -7,8 +7,8 @@
 //! A handle's value is `(generation << 32) | (slot + 1)` (never NULL). A
 //! slot's generation moves on when its handle is released, so an old value
 //! no longer matches; slots live in chunks that are never freed, so looking
-//! one up is always a read of live memory. A lookup is one atomic load and
-//! a compare; taking and giving back a slot is a lock-free stack (its head
+//! one up is always a read of live memory. A lookup is two atomic loads
+//! and a compare; taking and giving back a slot is a lock-free stack (its head
 //! tagged against ABA). What this cannot catch is a handle used on one
 //! thread while another releases it (the release may free what the use is
 //! reading): that stays the caller's contract, as for any C handle.

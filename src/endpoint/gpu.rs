@@ -66,10 +66,7 @@ impl Endpoint {
         offset: usize,
         len: usize,
     ) -> Result<IpcBuf> {
-        self.inner.reap_closed();
-        if self.peer(conn).is_none() {
-            return Err(self.inner.gone(conn));
-        }
+        self.conn_status(conn)?;
         mr.advertise_ipc(offset, len)
     }
 

@@ -268,14 +268,11 @@ impl Endpoint {
             .map(|c| c.peer)
     }
 
-    /// `Ok` while `conn` is live; else what every call on it gets: the
-    /// cause it died of (`ConnFailed`, until `remove_remote`), or
-    /// `UnknownConn`.
-    pub fn conn_status(&self, conn: ConnId) -> Result<()> {
-        match self.peer(conn) {
-            Some(_) => Ok(()),
-            None => Err(self.inner.gone(conn)),
-        }
+    /// Who is at the other end while `conn` is live; else what every call
+    /// on it gets: the cause it died of (`ConnFailed`, until
+    /// `remove_remote`), or `UnknownConn`.
+    pub fn conn_status(&self, conn: ConnId) -> Result<Peer> {
+        self.peer(conn).ok_or_else(|| self.inner.gone(conn))
     }
 
     /// Whether `conn` has RDMA queue pairs (both sides had a usable NIC):

@@ -284,8 +284,8 @@ impl Endpoint {
             .map(|(k, _)| *k)
             .collect();
         for conn in conns {
-            if self.peer(conn).is_none() {
-                st.fail_conn(conn, &self.inner.gone(conn));
+            if let Err(e) = self.conn_status(conn) {
+                st.fail_conn(conn, &e);
                 continue;
             }
             self.match_and_write(&mut st, conn);

@@ -478,15 +478,23 @@ impl Shard {
         Arc::ptr_eq(&self.wake, &h.wake)
     }
 
-    /// A command from the queue: refused when its connection has its
-    /// share parked, parked behind that connection's waiting ones, else
-    /// applied (and parked if it finds no room). A batch overshoots the
-    /// backlog's total by less than `MAX_BATCH`: the bound still holds.
+    /// A command from the queue: an op refused when its connection has its
+    /// share parked, anything parked behind that connection's waiting ones,
+    /// else applied (and parked if it finds no room). A batch overshoots
+    /// the backlog's total by less than `MAX_BATCH`: the bound still holds.
+    ///
+    /// Only ops are refused at the share: an op's caller sees
+    /// `Backlogged`, while a notification has no outcome to report and
+    /// waits in line past the share. That stays bounded: the application's
+    /// are refused at the call past `FERRY_NOTIFY_OUTBOX`, an op's own by
+    /// the ops in flight, the two-sided protocol's by its posted messages.
+    /// A peer that never reads fails the connection at the op timeout
+    /// (`check_timeouts`).
     fn take(&mut self, cmd: Command) {
-        match cmd.waits_on() {
-            Some(c) if self.parked.at_share(c) => self.refuse_backlogged(c, cmd),
-            Some(c) if self.parked.has(c) => self.parked.push(c, cmd),
-            _ => {
+        match (cmd.waits_on(), cmd) {
+            (Some(c), Command::Op(op)) if self.parked.at_share(c) => self.refuse_backlogged(c, op),
+            (Some(c), cmd) if self.parked.has(c) => self.parked.push(c, cmd),
+            (_, cmd) => {
                 if let Some(back) = self.apply(cmd) {
                     let c = back.waits_on().expect("only waiting commands come back");
                     self.parked.push(c, back);
@@ -495,22 +503,12 @@ impl Shard {
         }
     }
 
-    /// A command for a connection that already has its share parked: an
-    /// op fails at once (its caller sees `Backlogged`); a notification,
-    /// which has no outcome to report, waits in line past the share. That
-    /// stays bounded: the application's are refused at the call past
-    /// `FERRY_NOTIFY_OUTBOX`, an op's own by the ops in flight, the
-    /// two-sided protocol's by its posted messages. A peer that never
-    /// reads fails the connection at the op timeout (`check_timeouts`).
-    fn refuse_backlogged(&mut self, conn: ConnId, cmd: Command) {
-        match cmd {
-            Command::Op(op) => {
-                let waiting = self.parked.len_of(conn);
-                self.ledger
-                    .fail(op.slot, Error::Backlogged { conn, waiting })
-            }
-            other => self.parked.push(conn, other),
-        }
+    /// An op for a connection that already has its share parked: it fails
+    /// at once, naming the connection and its count.
+    fn refuse_backlogged(&mut self, conn: ConnId, op: OpCmd) {
+        let waiting = self.parked.len_of(conn);
+        self.ledger
+            .fail(op.slot, Error::Backlogged { conn, waiting })
     }
 
     /// Applies parked commands, each connection's in order, until one
