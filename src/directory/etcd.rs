@@ -220,11 +220,14 @@ impl Etcd {
     }
 
     /// Every key under `prefix` (no values), in key order, read one page
-    /// of `page` keys at a time; at most `max` keys (then `more` is true).
-    pub fn keys(&self, prefix: &[u8], page: usize, max: usize) -> R<(Vec<Vec<u8>>, bool)> {
+    /// of `page` keys at a time; at most `max_bytes` of keys in all (past
+    /// that `more` is true: whoever writes the keys does not size our
+    /// memory).
+    pub fn keys(&self, prefix: &[u8], page: usize, max_bytes: usize) -> R<(Vec<Vec<u8>>, bool)> {
         let end = prefix_end(prefix);
         let mut from = prefix.to_vec();
         let mut out = Vec::new();
+        let mut bytes = 0usize;
         loop {
             let body = json!({
                 "key": b64(&from),
@@ -243,10 +246,11 @@ impl Etcd {
                         call: "range",
                         why: format!("bad key {k}"),
                     })?;
+                bytes += key.len();
                 out.push(key);
             }
             let more = v.get("more").and_then(Value::as_bool).unwrap_or(false);
-            if !more || out.len() >= max {
+            if !more || bytes >= max_bytes {
                 return Ok((out, more));
             }
             // The next page starts just past the last key.

@@ -63,8 +63,9 @@ const MAX_OUTLIVE: Duration = Duration::from_secs(30);
 const MAX_RECORD_BYTES: usize = 1 << 20;
 /// Keys read per page when listing.
 const LIST_PAGE_KEYS: usize = 512;
-/// The most keys a listing reads (the rest are left out, and logged).
-const MAX_LIST_KEYS: usize = 1 << 20;
+/// The most bytes of keys a listing reads (the rest are left out, and
+/// logged): the bound the whole listing had when it was one answer.
+const MAX_LIST_KEY_BYTES: usize = http::MAX_BODY;
 const OUTLIVE_POLL: Duration = Duration::from_millis(200);
 
 fn check_name(what: &'static str, s: &str) -> Result<()> {
@@ -373,13 +374,13 @@ impl Directory {
         // Keys first, a page at a time; then each name's records on their
         // own, bounded: one oversized or bad record costs only its name.
         let cluster = format!("ferry/{}/", self.cluster);
-        let (keys, more) = self
-            .etcd
-            .keys(cluster.as_bytes(), LIST_PAGE_KEYS, MAX_LIST_KEYS)?;
+        let (keys, more) =
+            self.etcd
+                .keys(cluster.as_bytes(), LIST_PAGE_KEYS, MAX_LIST_KEY_BYTES)?;
         if more {
             tracing::warn!(
                 cluster = %self.cluster,
-                "directory: listing only the first {MAX_LIST_KEYS} keys"
+                "directory: listing only the first {MAX_LIST_KEY_BYTES} bytes of keys"
             );
         }
         let mut names: Vec<String> = keys
