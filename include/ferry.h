@@ -203,6 +203,21 @@ int32_t ferry_peer_is_local(const struct ferry_endpoint *ep, uint64_t conn, int3
 // `ep` live.
 int32_t ferry_remove_remote(const struct ferry_endpoint *ep, uint64_t conn);
 
+// Whether the far end of `conn` is the endpoint that `meta` (`len`
+// bytes, metadata the caller trusts, e.g. loaded for a peer it knows by
+// name) describes: `*vouched` = 1 or 0. For a connection a peer dialed,
+// that endpoint is asked whether it dialed it to us (one round trip,
+// within the connect timeout); an error means it could not be asked, and
+// nothing is proven either way.
+//
+// # Safety
+// `ep` live; `meta` valid for `len` bytes; `vouched` valid.
+int32_t ferry_vouch(const struct ferry_endpoint *ep,
+                    uint64_t conn,
+                    const uint8_t *meta,
+                    size_t len,
+                    int32_t *vouched);
+
 // Registers `[ptr, ptr + len)`, host or GPU memory (`flags`: 0 or
 // `FERRY_ACCESS_READONLY`). The range must be mapped with that access
 // (checked: an unmapped address is an error naming it) and stay valid

@@ -142,6 +142,22 @@ pub fn proof(
     )
 }
 
+/// The MAC of a vouch answer (`ControlFrame::Vouched`): over the asked
+/// connection nonce, the asker's fresh challenge and the answer's address
+/// bytes, so an answer cannot be replayed for another question or altered
+/// on the way.
+pub fn vouch_mac(key: &[u8], conn_nonce: u64, challenge: u64, dialed: &[u8]) -> Mac {
+    hmac(
+        key,
+        &[
+            b"ferry-vouch-v1:",
+            &conn_nonce.to_le_bytes(),
+            &challenge.to_le_bytes(),
+            dialed,
+        ],
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

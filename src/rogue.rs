@@ -22,6 +22,13 @@ pub enum Behaviour {
     Garbage,
     /// Closes the connection: the peer is gone.
     HangUp,
+    /// Dials `to` with each stream's hello as it came (the connection's
+    /// nonce included) and holds both: a third party passing off a
+    /// connection someone dialed to it as theirs (`Endpoint::vouch`).
+    Relay {
+        /// Whom it dials.
+        to: SocketAddr,
+    },
 }
 
 impl std::str::FromStr for Behaviour {
@@ -73,6 +80,22 @@ fn serve(mut s: TcpStream, how: Behaviour) -> io::Result<()> {
     let ControlFrame::Hello(h) = ControlFrame::decode(&frame).map_err(io::Error::other)? else {
         return Ok(());
     };
+    // The same hello, onwards: nothing of it is ours to prove.
+    let _onwards = match how {
+        Behaviour::Relay { to } => {
+            let mut o = TcpStream::connect_timeout(&to, LINGER)?;
+            o.write_all(
+                &ControlFrame::Hello(Hello {
+                    caps: 0,
+                    host_token: 0,
+                    ..h
+                })
+                .encode(),
+            )?;
+            Some(o)
+        }
+        _ => None,
+    };
     // No capabilities and no host token: the plain tcp protocol.
     let ack = Hello {
         endpoint_id: 7,
@@ -84,7 +107,7 @@ fn serve(mut s: TcpStream, how: Behaviour) -> io::Result<()> {
     match how {
         Behaviour::HangUp => return Ok(()),
         Behaviour::Garbage => s.write_all(&[0xEE; 64])?,
-        Behaviour::Silent => {}
+        Behaviour::Silent | Behaviour::Relay { .. } => {}
     }
     // Swallow what comes until the initiator lets go (or `LINGER`).
     let mut sink = [0u8; 64 << 10];

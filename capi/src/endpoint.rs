@@ -328,6 +328,40 @@ pub unsafe extern "C" fn ferry_remove_remote(ep: *const ferry_endpoint, conn: u6
     })
 }
 
+/// Whether the far end of `conn` is the endpoint that `meta` (`len`
+/// bytes, metadata the caller trusts, e.g. loaded for a peer it knows by
+/// name) describes: `*vouched` = 1 or 0. For a connection a peer dialed,
+/// that endpoint is asked whether it dialed it to us (one round trip,
+/// within the connect timeout); an error means it could not be asked, and
+/// nothing is proven either way.
+///
+/// # Safety
+/// `ep` live; `meta` valid for `len` bytes; `vouched` valid.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_vouch(
+    ep: *const ferry_endpoint,
+    conn: u64,
+    meta: *const u8,
+    len: usize,
+    vouched: *mut i32,
+) -> i32 {
+    guard("ferry_vouch", || {
+        // SAFETY: the caller's promises, as documented.
+        let (ep, meta, vouched) = unsafe {
+            (
+                handle(ep, "ep")?,
+                bytes(meta, len, "meta")?,
+                slot(vouched, "vouched")?,
+            )
+        };
+        let at = engine::wire::EndpointMetadata::decode(meta)
+            .map_err(engine::Error::from)?
+            .socket_addr();
+        *vouched = i32::from(ep.ep.vouch(ConnId(conn), at)?);
+        Ok(FERRY_OK)
+    })
+}
+
 /// The output slot `p`, checked before the call does (or waits for)
 /// anything: a NULL output is refused at once.
 ///

@@ -739,3 +739,59 @@ fn a_silent_a_lying_and_a_gone_peer_are_three_causes() {
     assert!(matches!(gone, ConnFault::PeerGone { .. }), "{gone:?}");
     assert_eq!(gone.kind(), FailureKind::Disconnected);
 }
+
+/// `vouch` proves who dialed a connection by asking the endpoint the
+/// caller trusts by its address: the real dialer says yes, another
+/// endpoint's connection is not vouched for, and a relay that passes off
+/// a connection the trusted endpoint dialed *to the relay* is caught (the
+/// trusted endpoint answers with the relay's address, not ours).
+#[test]
+fn vouch_tells_the_dialer_from_a_claimant_and_a_relay() {
+    let ours = Endpoint::builder()
+        .config(config(IoPreference::Auto))
+        .build()
+        .unwrap();
+    ours.start_passive_accept().unwrap();
+    let trusted = Endpoint::builder()
+        .config(config(IoPreference::Auto))
+        .build()
+        .unwrap();
+    trusted.start_passive_accept().unwrap();
+    let other = client(IoPreference::Auto);
+    let at = trusted.metadata().socket_addr();
+
+    let dialed = trusted.add_remote(&ours.metadata_bytes()).unwrap();
+    let (from_trusted, _) = ours.accept(Duration::from_secs(5)).unwrap();
+    assert!(ours.vouch(from_trusted, at).unwrap(), "the real dialer");
+    // The dialing side knows whom it dialed without asking.
+    assert!(trusted
+        .vouch(dialed, ours.metadata().socket_addr())
+        .unwrap());
+    assert!(!trusted
+        .vouch(dialed, other.metadata().socket_addr())
+        .unwrap());
+
+    other.add_remote(&ours.metadata_bytes()).unwrap();
+    let (from_other, _) = ours.accept(Duration::from_secs(5)).unwrap();
+    assert!(!ours.vouch(from_other, at).unwrap(), "someone else");
+
+    // The trusted endpoint dials a relay, which offers that very
+    // connection (its nonce) to us.
+    let relay = ferry::rogue::spawn(ferry::rogue::Behaviour::Relay {
+        to: ours.metadata().socket_addr(),
+    })
+    .unwrap();
+    trusted.connect(relay).unwrap();
+    let (relayed, _) = ours.accept(Duration::from_secs(5)).unwrap();
+    assert!(!ours.vouch(relayed, at).unwrap(), "a relay");
+
+    // Asking an address where no endpoint listens is an error, not a no.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let nobody = closed.local_addr().unwrap();
+    drop(closed);
+    assert!(ours.vouch(from_trusted, nobody).is_err());
+    assert!(matches!(
+        ours.vouch(ferry::ConnId(u64::MAX >> 8), at),
+        Err(Error::UnknownConn { .. })
+    ));
+}

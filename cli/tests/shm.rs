@@ -494,3 +494,26 @@ fn a_neighbour_resizing_a_planted_object_crashes_no_start() {
         deaths.len()
     );
 }
+
+/// `vouch` on a same-host connection: the endpoint that dialed us (by
+/// our metadata) vouches for it; one that dialed us by id alone
+/// (`connect_local`, no address) vouches for none, nor does a stranger.
+#[test]
+fn vouch_on_one_host() {
+    let ours = path_client(Path::Shm);
+    ours.start_passive_accept().unwrap();
+    let trusted = path_client(Path::Shm);
+    trusted.start_passive_accept().unwrap();
+    let at = trusted.metadata().socket_addr();
+    trusted.add_remote(&ours.metadata_bytes()).unwrap();
+    let (by_meta, peer) = ours.accept(Duration::from_secs(5)).unwrap();
+    assert!(matches!(peer, Peer::Local { .. }), "{peer}");
+    assert!(ours.vouch(by_meta, at).unwrap());
+    trusted.connect_local(ours.id()).unwrap();
+    let (by_id, _) = ours.accept(Duration::from_secs(5)).unwrap();
+    assert!(!ours.vouch(by_id, at).unwrap());
+    let stranger = path_client(Path::Shm);
+    stranger.add_remote(&ours.metadata_bytes()).unwrap();
+    let (theirs, _) = ours.accept(Duration::from_secs(5)).unwrap();
+    assert!(!ours.vouch(theirs, at).unwrap());
+}

@@ -15,7 +15,13 @@
 //     plugin opens: who is on it; what its notifications are reported as
 //     from, never where our own traffic goes: that takes the connections
 //     we open to the conn info NIXL loaded; a bad, second or taken name
-//     drops the connection), 'N' + a whole message, 'L' + piece of a
+//     drops the connection. A name whose conn info NIXL loaded is proven,
+//     not believed: the endpoint at that conn info's address must vouch
+//     that it dialed this very connection to us (ferry_vouch, answered by
+//     its accept loop), else the connection is dropped; a name claimed
+//     before its conn info came is proven when it comes. A name NIXL
+//     knows nothing of yet has nothing to be checked against: first come,
+//     until proven otherwise), 'N' + a whole message, 'L' + piece of a
 //     long message (u64 id, u32 index, u32 count, bytes; reassembled, the
 //     count bounded, at most MAX_PARTIAL_PER_CONN unfinished and
 //     MAX_PARTIAL_BYTES_PER_CONN held per connection: the oldest go).
@@ -28,6 +34,7 @@
 #include <memory>
 #include <new>
 #include <thread>
+#include <unordered_set>
 
 #include "ferry.h"
 #include "nixl_abi.h"
@@ -367,8 +374,16 @@ public:
 
     nixl_status_t loadRemoteConnInfo(const std::string &agent, const std::string &info) override {
         if (info.empty()) return NIXL_ERR_INVALID_PARAM;
-        std::lock_guard<std::mutex> g(mu_);
-        meta_[agent] = info;
+        uint64_t holder = FERRY_ANY_CONN;
+        {
+            std::lock_guard<std::mutex> g(mu_);
+            meta_[agent] = info;
+            auto it = claimed_.find(agent);
+            if (it != claimed_.end() && proven_.count(it->second) == 0) holder = it->second;
+        }
+        // A peer that claimed this name before we knew where the agent
+        // lives: proven now, or dropped.
+        if (holder != FERRY_ANY_CONN) prove_or_drop(holder, agent, info);
         return NIXL_SUCCESS;
     }
 
@@ -412,6 +427,10 @@ private:
     nixl_status_t send_note(uint64_t conn, const std::string &note, bool wait_for_room = false) const;
     void take(uint64_t conn, const uint8_t *p, size_t n, notif_list_t &list);
     bool hello(uint64_t conn, const std::string &agent);
+    bool proven_hello(uint64_t conn, const std::string &agent, const std::string &meta);
+    bool vouched(uint64_t conn, const std::string &agent, const std::string &meta) const;
+    void prove_or_drop(uint64_t conn, const std::string &agent, const std::string &meta);
+    void forget_locked(uint64_t conn) const;
 
     static ReqH *as_req(nixlBackendReqH *h) {
         auto *r = static_cast<ReqH *>(h);
@@ -435,10 +454,7 @@ private:
         if (it == conns_.end()) return;
         auto a = by_agent_.find(it->second);
         if (a != by_agent_.end() && a->second == conn) by_agent_.erase(a);
-        auto cl = claimed_.find(it->second);
-        if (cl != claimed_.end() && cl->second == conn) claimed_.erase(cl);
-        conns_.erase(it);
-        partial_.erase(conn);
+        forget_locked(conn);
     }
 
     ferry_endpoint *ep_ = nullptr;
@@ -454,6 +470,8 @@ private:
     mutable std::unordered_map<std::string, uint64_t> by_agent_;
     mutable std::unordered_map<std::string, uint64_t> claimed_;
     mutable std::unordered_map<uint64_t, std::string> conns_;
+    // Accepted connections whose name was vouched for (a subset of conns_).
+    mutable std::unordered_set<uint64_t> proven_;
     mutable std::unordered_map<uint64_t, std::map<uint64_t, Partial>> partial_;
     mutable uint64_t next_msg_id_ = 1;
     uint64_t arrivals_ = 0;
@@ -612,22 +630,76 @@ bool valid_utf8(const std::string &s) {
 }
 } // namespace
 
+// Under mu_: `conn` no longer carries a name (its claim, its partial
+// messages, its proof go).
+void nixlFerryEngine::forget_locked(uint64_t conn) const {
+    auto it = conns_.find(conn);
+    if (it != conns_.end()) {
+        auto cl = claimed_.find(it->second);
+        if (cl != claimed_.end() && cl->second == conn) claimed_.erase(cl);
+        conns_.erase(it);
+    }
+    partial_.erase(conn);
+    proven_.erase(conn);
+}
+
+// Whether the agent whose conn info is `meta` dialed `conn` to us.
+bool nixlFerryEngine::vouched(uint64_t conn, const std::string &agent,
+                              const std::string &meta) const {
+    int32_t yes = 0;
+    int32_t rc = ferry_vouch(ep_, conn, reinterpret_cast<const uint8_t *>(meta.data()), meta.size(),
+                             &yes);
+    if (rc != FERRY_OK) {
+        std::fprintf(stderr, "ferry nixl: %s could not vouch for connection %llu (%d): %s\n",
+                     agent.c_str(), (unsigned long long)conn, rc, ferry_last_error());
+        return false;
+    }
+    if (yes == 0)
+        std::fprintf(stderr, "ferry nixl: connection %llu claims %s, which did not dial it\n",
+                     (unsigned long long)conn, agent.c_str());
+    return yes != 0;
+}
+
+// A connection holding `agent`'s name unproven: proven now, or dropped.
+void nixlFerryEngine::prove_or_drop(uint64_t conn, const std::string &agent,
+                                    const std::string &meta) {
+    bool ok = vouched(conn, agent, meta);
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        if (ok) {
+            if (conns_.count(conn) != 0) proven_.insert(conn);
+            return;
+        }
+        forget_locked(conn);
+    }
+    ferry_remove_remote(ep_, conn);
+}
+
 // A peer's hello on `conn`: `agent` is what its notifications are reported
 // as from. Refused (false: the caller drops the connection) for a name that
 // is empty, too long or not UTF-8, a second hello on one connection, a
-// name another live connection holds, or past MAX_CLAIMS. A claim never
-// steers our own traffic: that goes over connections we opened.
+// name whose conn info we loaded and whose agent does not vouch for this
+// connection, a name another live connection holds unproven, or past
+// MAX_CLAIMS. A claim never steers our own traffic: that goes over
+// connections we opened.
 bool nixlFerryEngine::hello(uint64_t conn, const std::string &agent) {
     if (agent.empty() || agent.size() > MAX_AGENT_NAME || !valid_utf8(agent)) {
         std::fprintf(stderr, "ferry nixl: a hello with a bad name (%zu bytes) on connection "
                              "%llu: dropped\n", agent.size(), (unsigned long long)conn);
         return false;
     }
-    uint64_t holder;
+    std::string meta;
     {
         std::lock_guard<std::mutex> g(mu_);
         auto mine = conns_.find(conn);
         if (mine != conns_.end()) return mine->second == agent; // once per connection
+        auto m = meta_.find(agent);
+        if (m != meta_.end()) meta = m->second;
+    }
+    if (!meta.empty()) return proven_hello(conn, agent, meta);
+    uint64_t holder;
+    {
+        std::lock_guard<std::mutex> g(mu_);
         auto it = claimed_.find(agent);
         if (it == claimed_.end()) {
             if (claimed_.size() >= MAX_CLAIMS) return false;
@@ -648,10 +720,29 @@ bool nixlFerryEngine::hello(uint64_t conn, const std::string &agent) {
                      (unsigned long long)holder);
         return false;
     }
-    conns_.erase(holder);
-    partial_.erase(holder);
+    forget_locked(holder);
     claimed_[agent] = conn;
     conns_[conn] = agent;
+    return true;
+}
+
+// A hello for an agent whose conn info we loaded: only if that agent
+// vouches for `conn`. It then holds the name; a holder before it keeps
+// its own (proven) label or, unproven, must prove it or go.
+bool nixlFerryEngine::proven_hello(uint64_t conn, const std::string &agent,
+                                   const std::string &meta) {
+    if (!vouched(conn, agent, meta)) return false;
+    uint64_t holder = FERRY_ANY_CONN;
+    {
+        std::lock_guard<std::mutex> g(mu_);
+        auto it = claimed_.find(agent);
+        if (it == claimed_.end() && claimed_.size() >= MAX_CLAIMS) return false;
+        if (it != claimed_.end() && proven_.count(it->second) == 0) holder = it->second;
+        claimed_[agent] = conn;
+        conns_[conn] = agent;
+        proven_.insert(conn);
+    }
+    if (holder != FERRY_ANY_CONN) prove_or_drop(holder, agent, meta);
     return true;
 }
 

@@ -145,15 +145,16 @@ def _target(pipe, name, nbytes):
 class Peer:
     """This process's agent and a target process."""
 
-    def __init__(self, name, target="target", nbytes=TARGET_BYTES):
+    def __init__(self, name, target="target", nbytes=TARGET_BYTES, load_target=True):
         ctx = mp.get_context("spawn")
         self.pipe, child = ctx.Pipe()
         self.proc = ctx.Process(target=_target, args=(child, target, nbytes), daemon=True)
         self.proc.start()
         self.target = target
         self.ag = make_agent(name)
-        meta, self.taddr = self.call_raw()
-        assert self.ag.add_remote_agent(meta) == target.encode()
+        self.tmeta, self.taddr = self.call_raw()
+        if load_target:
+            assert self.ag.add_remote_agent(self.tmeta) == target.encode()
         assert self.call("meta", self.ag.get_agent_metadata()) == name.encode()
 
     def call_raw(self):
@@ -565,6 +566,46 @@ def test_a_squatter_never_receives_what_is_meant_for_the_agent(local):
         xfer(p, "WRITE", src, 0, 0, 4096)
         assert p.call("get", 0, 4096) == host(src).tobytes()
         assert raw.inbox_empty()
+    finally:
+        raw.close()
+        p.close()
+
+
+def test_a_squatter_on_a_known_agents_name_is_refused_and_the_agent_is_not(local):
+    """An agent whose metadata we loaded is proven, not believed: a peer
+    that says hello as it first is dropped (the agent's endpoint does not
+    vouch for its connection), and the agent's own hello after it holds
+    the name."""
+    p = Peer("initiator7", target="known")
+    raw = RawFerry(_ferry_meta(p.ag.get_agent_metadata()))
+    try:
+        raw.try_note(b"Hknown")
+        raw.try_note(b"Nspoofed")
+        got = _drain(p.ag, 0.5)
+        assert all(m != b"spoofed" for _, m in got), got
+        assert p.call("notify", "initiator7", b"the real one")
+        assert ("known", b"the real one") in _drain(p.ag)
+    finally:
+        raw.close()
+        p.close()
+
+
+def test_a_name_claimed_before_its_metadata_is_proven_when_it_comes(local):
+    """A name NIXL knows nothing of yet is first come; once the agent's
+    metadata is loaded the claimant must be vouched for by that agent or
+    is dropped, and the real agent then holds the name."""
+    p = Peer("initiator8", target="early", load_target=False)
+    raw = RawFerry(_ferry_meta(p.ag.get_agent_metadata()))
+    try:
+        raw.try_note(b"Hearly")
+        raw.try_note(b"Nbefore the metadata")
+        assert ("early", b"before the metadata") in _drain(p.ag, 0.5)
+        assert p.ag.add_remote_agent(p.tmeta) == b"early"
+        raw.try_note(b"Nafter the metadata")
+        got = _drain(p.ag, 0.5)
+        assert all(m != b"after the metadata" for _, m in got), got
+        assert p.call("notify", "initiator8", b"the real one")
+        assert ("early", b"the real one") in _drain(p.ag)
     finally:
         raw.close()
         p.close()

@@ -40,6 +40,11 @@ impl GateHooks for AcceptHooks<'_> {
         self.0.check_conn_limit()?;
         self.0.reserve_peer_slot(peer.ip())
     }
+
+    fn dialed(&self, conn_nonce: u64) -> Option<SocketAddr> {
+        let conns = self.0.conns.lock().expect("lock");
+        conns.values().find_map(|c| c.origin.dialed(conn_nonce))
+    }
 }
 
 impl Inner {

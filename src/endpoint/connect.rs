@@ -14,7 +14,7 @@ impl Inner {
         let ack = hellos[0].1;
         if self.goes_local(&ours, &ack) {
             drop(streams);
-            match self.connect_local(ack.endpoint_id) {
+            match self.connect_local(ack.endpoint_id, Some(addr)) {
                 Ok(conn) => return Ok(conn),
                 Err(e) if self.cfg.transport == Transport::Shm => return Err(e),
                 Err(e) => {
@@ -197,6 +197,16 @@ impl Inner {
                 peer: Peer::Net(peer),
                 verbs: verbs.is_some(),
                 outbox: Default::default(),
+                origin: if client {
+                    Origin::Dialed {
+                        nonce: hellos[0].0.conn_nonce,
+                        to: Some(peer),
+                    }
+                } else {
+                    Origin::Accepted {
+                        nonce: peer_hello.conn_nonce,
+                    }
+                },
             },
         );
         let total = streams.len();

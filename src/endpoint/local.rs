@@ -1,13 +1,15 @@
 //! The endpoint's same-host side: local connect/accept over the shared-
 //! memory rings, and sharing `alloc_host` memory with local peers.
 
+use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
 use tracing::{info, warn};
 
-use super::{ConnInfo, Inner, Peer};
+use super::table::{ConnInfo, Origin};
+use super::{Inner, Peer};
 use crate::error::{ConnId, Error, Result};
 use crate::reactor::Command;
 use crate::region::Backing;
@@ -144,8 +146,9 @@ impl Inner {
     }
 
     /// Connects to the endpoint `peer_id` on this host through its accept
-    /// ring (the messages: `shm/connect.rs`).
-    pub(crate) fn connect_local(&self, peer_id: u64) -> Result<ConnId> {
+    /// ring (the messages: `shm/connect.rs`); `via`: the address whose tcp
+    /// handshake named it (what a vouch answer says we dialed).
+    pub(crate) fn connect_local(&self, peer_id: u64, via: Option<SocketAddr>) -> Result<ConnId> {
         if let Some(why) = &self.shm_note {
             return Err(refuse("a same-host connection", why.clone()));
         }
@@ -178,17 +181,25 @@ impl Inner {
         }
         self.share_with(peer_id, &self.my_shared_regions());
         self.local_peers.lock().expect("lock").insert(peer_id);
-        self.adopt_local(lc, peer_id, peer.pid, deadline)?;
+        let origin = Origin::Dialed { nonce, to: via };
+        self.adopt_local(lc, (peer_id, peer.pid), origin, deadline)?;
         Ok(conn)
     }
 
-    fn adopt_local(&self, lc: LocalConn, peer_id: u64, pid: u32, deadline: Instant) -> Result<()> {
+    fn adopt_local(
+        &self,
+        lc: LocalConn,
+        (peer_id, pid): (u64, u32),
+        origin: Origin,
+        deadline: Instant,
+    ) -> Result<()> {
         let conn = lc.id;
         self.conns.lock().expect("lock").insert(
             conn,
             ConnInfo {
                 verbs: false,
                 outbox: Default::default(),
+                origin,
                 peer: Peer::Local {
                     endpoint_id: peer_id,
                     pid,
@@ -252,7 +263,8 @@ impl Inner {
             conn, peer_id, peer.pid, peer.conn, rx, tx, inflight, inflight,
         );
         // Adopt before answering, so the peer's first request finds us.
-        self.adopt_local(lc, peer_id, peer.pid, deadline)?;
+        let origin = Origin::Accepted { nonce: m.aux2 };
+        self.adopt_local(lc, (peer_id, peer.pid), origin, deadline)?;
         let tx2 = self.open_ring(&pair_ring_name(self.id, peer_id, m.conn), peer_id)?;
         let (ack, server_proof) = connect::ack_msg(&me, Ok(m.aux2), self.auth_key(), peer_id);
         connect::push_msg(&tx2, &ack, &server_proof, deadline)?;

@@ -16,11 +16,12 @@ mod reg_cache;
 mod start;
 mod table;
 mod two_sided;
+mod vouch;
 
 use accept::PeerSlot;
 pub use batch::Batch;
 use lanes::{lanes_of, LANES_SHIFT};
-use table::ConnInfo;
+use table::{ConnInfo, Origin};
 pub use two_sided::MessageOp;
 
 use std::collections::{HashMap, VecDeque};
@@ -511,7 +512,7 @@ impl Endpoint {
     /// (the seed's `connect_local`). `add_remote` does this by itself when
     /// the metadata names a same-host endpoint.
     pub fn connect_local(&self, peer_id: u64) -> Result<ConnId> {
-        self.inner.connect_local(peer_id)
+        self.inner.connect_local(peer_id, None)
     }
 
     /// The RDMA NICs verbs would use here (best first), or why verbs is off.

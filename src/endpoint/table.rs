@@ -14,6 +14,28 @@ pub(super) struct ConnInfo {
     pub(super) verbs: bool,
     /// Its notifications accepted and not yet sent (`FERRY_NOTIFY_OUTBOX`).
     pub(super) outbox: Arc<AtomicUsize>,
+    /// Who dialed it (what a vouch question asks).
+    pub(super) origin: Origin,
+}
+
+/// Who dialed a connection, and the nonce both of its sides know it by
+/// (the tcp handshake's `conn_nonce`, or the same-host CONNECT's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Origin {
+    /// We did, to this address (`None`: by endpoint id, `connect_local`).
+    Dialed { nonce: u64, to: Option<SocketAddr> },
+    /// The peer did.
+    Accepted { nonce: u64 },
+}
+
+impl Origin {
+    /// Where we dialed the connection of nonce `nonce` to, if we did.
+    pub(super) fn dialed(&self, nonce: u64) -> Option<SocketAddr> {
+        match *self {
+            Origin::Dialed { nonce: n, to } if n == nonce => to,
+            _ => None,
+        }
+    }
 }
 
 impl Inner {

@@ -9,6 +9,10 @@
 //! here and the connection is admitted, `acknowledge`s each stream: our
 //! `HelloAck` (and our proof with a secret). With a secret, read the
 //! peer's proof and answer `AuthOk`. `finished` once all of it is sent.
+//!
+//! A socket may instead open with a `Vouch` question (another endpoint
+//! asking who dialed one of its connections, `Endpoint::vouch`): the
+//! caller looks the answer up and `answer`s it; the socket then closes.
 
 use super::handshake::FrameReader;
 use crate::auth::{ct_eq, proof};
@@ -24,6 +28,17 @@ pub(crate) enum Phase {
     Proving,
     /// Everything sent once the output drains.
     Finished,
+}
+
+/// What a socket's bytes amounted to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Heard {
+    /// Not a whole frame yet, or nothing the caller acts on.
+    Nothing,
+    /// The peer's `Hello`: the caller files it under its connection.
+    Hello(Hello),
+    /// A vouch question: the caller `answer`s it.
+    Vouch { conn_nonce: u64, challenge: u64 },
 }
 
 pub(crate) struct AcceptHs {
@@ -89,24 +104,32 @@ impl AcceptHs {
         self.rx.want()
     }
 
-    /// `n` bytes landed in `rx_buf`. `Ok(Some(hello))`: the peer's `Hello`
-    /// arrived (the caller files it under its connection); `Err`: the
-    /// reason to refuse the stream.
-    pub fn received(&mut self, n: usize, key: Option<&[u8]>) -> Result<Option<Hello>, String> {
+    /// `n` bytes landed in `rx_buf`. `Err`: the reason to refuse the
+    /// stream.
+    pub fn received(&mut self, n: usize, key: Option<&[u8]>) -> Result<Heard, String> {
         self.heard |= n > 0;
         match self.rx.filled(n) {
-            Ok(None) => Ok(None),
+            Ok(None) => Ok(Heard::Nothing),
             Ok(Some(frame)) => self.on_frame(frame, key),
             Err(e) => Err(e.to_string()),
         }
     }
 
-    fn on_frame(
-        &mut self,
-        frame: ControlFrame,
-        key: Option<&[u8]>,
-    ) -> Result<Option<Hello>, String> {
+    fn on_frame(&mut self, frame: ControlFrame, key: Option<&[u8]>) -> Result<Heard, String> {
         match (self.phase, frame) {
+            (
+                Phase::Hello,
+                ControlFrame::Vouch {
+                    conn_nonce,
+                    challenge,
+                },
+            ) => {
+                self.phase = Phase::Waiting;
+                Ok(Heard::Vouch {
+                    conn_nonce,
+                    challenge,
+                })
+            }
             (Phase::Hello, ControlFrame::Hello(theirs)) => {
                 match (key.is_some(), theirs.caps & CAP_AUTH != 0) {
                     (true, false) => {
@@ -122,7 +145,7 @@ impl AcceptHs {
                 }
                 self.theirs = Some(theirs);
                 self.phase = Phase::Waiting;
-                Ok(Some(theirs))
+                Ok(Heard::Hello(theirs))
             }
             (Phase::Proving, ControlFrame::Auth(mac)) => {
                 let (Some(key), Some(ours), Some(theirs)) = (key, self.ours, self.theirs) else {
@@ -143,7 +166,7 @@ impl AcceptHs {
                 }
                 self.tx.extend_from_slice(&ControlFrame::AuthOk.encode());
                 self.phase = Phase::Finished;
-                Ok(None)
+                Ok(Heard::Nothing)
             }
             (Phase::Hello, other) => Err(format!("expected Hello, got {other:?}")),
             (_, _) => Err("authentication failed: wrong or missing proof of FERRY_AUTH_KEY".into()),
@@ -179,6 +202,14 @@ impl AcceptHs {
         }
     }
 
+    /// Answers a vouch question (only after `Heard::Vouch`): the socket is
+    /// finished once the answer is sent.
+    pub fn answer(&mut self, answer: ControlFrame) {
+        debug_assert!(self.theirs.is_none() && self.phase == Phase::Waiting);
+        self.tx.extend_from_slice(&answer.encode());
+        self.phase = Phase::Finished;
+    }
+
     /// Done, and all of it sent.
     pub fn finished(&self) -> bool {
         self.phase == Phase::Finished && self.to_send().is_empty()
@@ -209,18 +240,60 @@ mod tests {
         step: usize,
         key: Option<&[u8]>,
     ) -> Result<Option<Hello>, String> {
+        Ok(match feed_any(hs, bytes, step, key)? {
+            Heard::Hello(h) => Some(h),
+            _ => None,
+        })
+    }
+
+    fn feed_any(
+        hs: &mut AcceptHs,
+        bytes: &[u8],
+        step: usize,
+        key: Option<&[u8]>,
+    ) -> Result<Heard, String> {
         let mut at = 0;
-        let mut got = None;
+        let mut got = Heard::Nothing;
         while at < bytes.len() {
             let buf = hs.rx_buf();
             let n = buf.len().min(step).min(bytes.len() - at);
             buf[..n].copy_from_slice(&bytes[at..at + n]);
             at += n;
-            if let Some(h) = hs.received(n, key)? {
-                got = Some(h);
+            match hs.received(n, key)? {
+                Heard::Nothing => {}
+                h => got = h,
             }
         }
         Ok(got)
+    }
+
+    #[test]
+    fn a_vouch_question_is_answered_once_and_the_socket_is_done() {
+        let mut hs = AcceptHs::new();
+        let q = ControlFrame::Vouch {
+            conn_nonce: 7,
+            challenge: 8,
+        };
+        let got = feed_any(&mut hs, &q.encode(), 5, None).unwrap();
+        assert_eq!(
+            got,
+            Heard::Vouch {
+                conn_nonce: 7,
+                challenge: 8
+            }
+        );
+        assert!(!hs.reading() && !hs.finished());
+        let a = ControlFrame::Vouched {
+            dialed: None,
+            mac: [1; 32],
+        };
+        hs.answer(a.clone());
+        assert_eq!(frames(&mut hs), vec![a]);
+        assert!(hs.finished());
+        // A second question is not read: the socket is done.
+        let mut again = AcceptHs::new();
+        feed_any(&mut again, &q.encode(), 64, None).unwrap();
+        assert!(feed_any(&mut again, &q.encode(), 64, None).is_err() || !again.reading());
     }
 
     /// The frames queued to send, decoded.

@@ -36,7 +36,7 @@ use mio::{Events, Interest, Poll, Token};
 use slab::Slab;
 use tracing::debug;
 
-use super::accept::AcceptHs;
+use super::accept::{AcceptHs, Heard};
 use super::admission::{eviction_scope, victim, Admission, Candidate, GroupKey};
 use crate::error::{Error, Result};
 use crate::wire::{ControlFrame, Hello};
@@ -68,6 +68,9 @@ pub(crate) trait GateHooks {
     /// Called once per connection when all its streams have arrived, before
     /// any is acknowledged: `Err` refuses the connection with its text.
     fn admit(&self, theirs: &Hello, peer: SocketAddr) -> Result<Self::Slot>;
+    /// The address we dialed the connection of nonce `conn_nonce` to, if
+    /// one of ours has it (a vouch question, `Endpoint::vouch`).
+    fn dialed(&self, conn_nonce: u64) -> Option<SocketAddr>;
 }
 
 /// A connection whose every stream finished its handshake.
@@ -338,6 +341,11 @@ impl<S> Gate<S> {
             }
         }
         if self.socks[key].hs.finished() {
+            if self.socks[key].group.is_none() {
+                // A vouch question, answered: nothing more on it.
+                self.remove(key);
+                return;
+            }
             if let Some(d) = self.take_if_done(key) {
                 self.stats.done += 1;
                 done.push(d);
@@ -367,8 +375,26 @@ impl<S> Gate<S> {
                 Err(_) => return Next::Drop("receive failed"),
             };
             let joined = match got {
-                Ok(None) => Ok(()),
-                Ok(Some(theirs)) => self.join(key, theirs, hooks),
+                Ok(Heard::Nothing) => Ok(()),
+                Ok(Heard::Hello(theirs)) => self.join(key, theirs, hooks),
+                Ok(Heard::Vouch {
+                    conn_nonce,
+                    challenge,
+                }) => {
+                    let dialed = hooks.dialed(conn_nonce);
+                    let mac = hooks.key().map_or([0; 32], |k| {
+                        crate::auth::vouch_mac(
+                            k,
+                            conn_nonce,
+                            challenge,
+                            &crate::wire::encode_dialed(dialed),
+                        )
+                    });
+                    self.socks[key]
+                        .hs
+                        .answer(ControlFrame::Vouched { dialed, mac });
+                    Ok(())
+                }
                 Err(why) => Err(why),
             };
             if let Err(why) = joined {
@@ -511,6 +537,9 @@ mod tests {
         fn key(&self) -> Option<&[u8]> {
             self.key.as_deref()
         }
+        fn dialed(&self, conn_nonce: u64) -> Option<SocketAddr> {
+            (conn_nonce == 42).then(|| "10.0.0.42:4242".parse().unwrap())
+        }
         fn admit(&self, _: &Hello, _: SocketAddr) -> Result<()> {
             if self.refuse {
                 return Err(Error::LimitReached {
@@ -572,6 +601,28 @@ mod tests {
         let mut ctl = Ctl::new(IoBackend::Epoll)?;
         handshake::connect(&mut ctl, addr, h, Duration::from_secs(3), key.as_deref())
             .map(|(_, pairs)| pairs[0].1)
+    }
+
+    #[test]
+    fn a_vouch_question_is_answered_from_the_hooks_and_the_socket_closed() {
+        let (l, addr) = listener();
+        let mut gate = Gate::new(&l, limits(64, 1000, 3000)).unwrap();
+        for key in [None, Some(b"k".to_vec())] {
+            let hooks = Hooks {
+                key: key.clone(),
+                refuse: false,
+            };
+            for (nonce, want) in [(42, Some("10.0.0.42:4242".parse().unwrap())), (7, None)] {
+                let k = key.clone();
+                let (got, done) = drive(&mut gate, &l, &hooks, move || {
+                    let mut ctl = Ctl::new(IoBackend::Epoll).unwrap();
+                    handshake::vouch(&mut ctl, addr, nonce, Duration::from_secs(3), k.as_deref())
+                });
+                assert_eq!(got.unwrap(), want);
+                assert!(done.is_empty());
+            }
+        }
+        assert_eq!(gate.pending(), 0, "answered sockets are closed");
     }
 
     #[test]

@@ -58,6 +58,46 @@ pub(crate) fn check_ack(ours: &Hello, answer: ControlFrame, peer: SocketAddr) ->
 /// A connected side's sockets, and each stream's (our hello, the ack).
 pub(crate) type Handshaken = (Vec<TcpStream>, Vec<(Hello, Hello)>);
 
+/// Asks the endpoint listening at `addr` whether it dialed the connection
+/// of nonce `conn_nonce`, and to which address (`ControlFrame::Vouch`).
+/// With a shared secret the answer must carry its MAC over our fresh
+/// challenge, else it is an error.
+pub(crate) fn vouch(
+    ctl: &mut Ctl,
+    addr: SocketAddr,
+    conn_nonce: u64,
+    timeout: Duration,
+    key: Option<&[u8]>,
+) -> Result<Option<SocketAddr>> {
+    let deadline = Instant::now() + timeout;
+    let challenge = crate::sys::random_u64();
+    let fail = |reason: String| Error::Handshake { peer: addr, reason };
+    let s = ctl.connect(addr, timeout)?;
+    let question = ControlFrame::Vouch {
+        conn_nonce,
+        challenge,
+    };
+    ctl.send_all(&s, &question.encode(), deadline)?;
+    match read_frame(ctl, &s, deadline)? {
+        ControlFrame::Vouched { dialed, mac } => {
+            if let Some(k) = key {
+                let bytes = crate::wire::encode_dialed(dialed);
+                let expected = crate::auth::vouch_mac(k, conn_nonce, challenge, &bytes);
+                if !ct_eq(&mac, &expected) {
+                    return Err(fail(
+                        "a vouch answer without a valid MAC of FERRY_AUTH_KEY".into(),
+                    ));
+                }
+            }
+            Ok(dialed)
+        }
+        ControlFrame::Error { code, message } => Err(fail(format!(
+            "vouch refused by peer (code {code}): {message}"
+        ))),
+        other => Err(fail(format!("peer answered Vouch with {other:?}"))),
+    }
+}
+
 /// Opens the `count` sockets of one connection, sends every `Hello`, then
 /// reads each ack (the peer acknowledges none before all have arrived).
 /// Returns the sockets (in stream order) and each stream's (our hello,

@@ -7,6 +7,8 @@
 //!                               | host_token u64 | auth_nonce u64
 //! Error body: code u16 | msg_len u16 | msg (UTF-8, <= 1024 B)
 //! Auth body: mac [32]          AuthOk body: empty
+//! Vouch body (16 B): conn_nonce u64 | challenge u64
+//! Vouched body: family u8 (0: none, 4, 6) | ip [0/4/16] | port u16 (absent for 0) | mac [32]
 //! ```
 //!
 //! A connection of N streams opens N sockets; each sends a `Hello` naming the
@@ -40,6 +42,8 @@ const KIND_AUTH: u8 = 4;
 const KIND_AUTH_OK: u8 = 5;
 const KIND_VERBS: u8 = 6;
 const KIND_VERBS_READY: u8 = 7;
+const KIND_VOUCH: u8 = 8;
+const KIND_VOUCHED: u8 = 9;
 
 /// One side's introduction on a new stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,6 +111,21 @@ pub enum ControlFrame {
     /// neither side posts before the other reaches RTR, and a side whose
     /// setup failed never leaves the other on verbs against a dead QP.
     VerbsReady(bool),
+    /// Sent instead of a `Hello` on a socket of its own: "did you dial the
+    /// connection whose nonce is `conn_nonce`, and to which address?" (an
+    /// endpoint checking who is at the other end of a connection it
+    /// accepted, `Endpoint::vouch`). `challenge` goes into the answer's MAC.
+    Vouch {
+        conn_nonce: u64,
+        challenge: u64,
+    },
+    /// The answer to `Vouch`: the address the connection was dialed to,
+    /// `None` when no connection of ours has that nonce. `mac` is the
+    /// HMAC of the answer under the shared secret (zeros without one).
+    Vouched {
+        dialed: Option<std::net::SocketAddr>,
+        mac: [u8; 32],
+    },
 }
 
 impl ControlFrame {
@@ -133,6 +152,19 @@ impl ControlFrame {
                 (KIND_VERBS, v.as_ref().map_or_else(Vec::new, |v| v.encode()))
             }
             ControlFrame::VerbsReady(ok) => (KIND_VERBS_READY, vec![u8::from(*ok)]),
+            ControlFrame::Vouch {
+                conn_nonce,
+                challenge,
+            } => {
+                let mut b = conn_nonce.to_le_bytes().to_vec();
+                b.extend_from_slice(&challenge.to_le_bytes());
+                (KIND_VOUCH, b)
+            }
+            ControlFrame::Vouched { dialed, mac } => {
+                let mut b = encode_dialed(*dialed);
+                b.extend_from_slice(mac);
+                (KIND_VOUCHED, b)
+            }
         };
         let mut out = Vec::with_capacity(CONTROL_HEADER_LEN + body.len());
         out.extend_from_slice(&CONTROL_MAGIC.to_le_bytes());
@@ -165,7 +197,7 @@ impl ControlFrame {
             });
         }
         let kind = r.u8()?;
-        if !(KIND_HELLO..=KIND_VERBS_READY).contains(&kind) {
+        if !(KIND_HELLO..=KIND_VOUCHED).contains(&kind) {
             return Err(DecodeError::UnknownKind { what, got: kind });
         }
         let flags = r.u8()?;
@@ -219,6 +251,22 @@ impl ControlFrame {
                     reason: format!("body {body:02x?}; expected exactly one byte, 0 or 1"),
                 }),
             },
+            KIND_VOUCH => {
+                let mut r = Reader::new(body, "vouch frame");
+                let (conn_nonce, challenge) = (r.u64_le()?, r.u64_le()?);
+                r.finish()?;
+                Ok(ControlFrame::Vouch {
+                    conn_nonce,
+                    challenge,
+                })
+            }
+            KIND_VOUCHED => {
+                let mut r = Reader::new(body, "vouched frame");
+                let dialed = decode_dialed(&mut r)?;
+                let mac = r.array()?;
+                r.finish()?;
+                Ok(ControlFrame::Vouched { dialed, mac })
+            }
             _ => {
                 let what = "control error frame";
                 let mut r = Reader::new(body, what);
@@ -243,6 +291,45 @@ impl ControlFrame {
             }
         }
     }
+}
+
+/// A vouch answer's address: the bytes its MAC covers too.
+pub fn encode_dialed(dialed: Option<std::net::SocketAddr>) -> Vec<u8> {
+    use std::net::IpAddr;
+    let mut b = Vec::with_capacity(19);
+    match dialed {
+        None => b.push(0),
+        Some(a) => {
+            match a.ip() {
+                IpAddr::V4(ip) => {
+                    b.push(4);
+                    b.extend_from_slice(&ip.octets());
+                }
+                IpAddr::V6(ip) => {
+                    b.push(6);
+                    b.extend_from_slice(&ip.octets());
+                }
+            }
+            b.extend_from_slice(&a.port().to_le_bytes());
+        }
+    }
+    b
+}
+
+fn decode_dialed(r: &mut Reader<'_>) -> Result<Option<std::net::SocketAddr>, DecodeError> {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+    let ip = match r.u8()? {
+        0 => return Ok(None),
+        4 => IpAddr::V4(Ipv4Addr::from(r.array::<4>()?)),
+        6 => IpAddr::V6(Ipv6Addr::from(r.array::<16>()?)),
+        got => {
+            return Err(DecodeError::Invalid {
+                what: "vouched frame",
+                reason: format!("address family {got}; expected 0, 4 or 6"),
+            })
+        }
+    };
+    Ok(Some(SocketAddr::new(ip, r.u16_le()?)))
 }
 
 fn encode_hello(h: &Hello) -> Vec<u8> {
@@ -334,8 +421,30 @@ mod tests {
     fn property_round_trip() {
         let mut rng = Rng(99);
         for i in 0..3000 {
-            let f = match i % 8 {
+            let f = match i % 11 {
                 0 => ControlFrame::Hello(hello(&mut rng)),
+                8 => ControlFrame::Vouch {
+                    conn_nonce: rng.next(),
+                    challenge: rng.next(),
+                },
+                9 => ControlFrame::Vouched {
+                    dialed: None,
+                    mac: rng.bytes(32).try_into().unwrap(),
+                },
+                10 => ControlFrame::Vouched {
+                    dialed: Some(if rng.next() & 1 == 1 {
+                        std::net::SocketAddr::from((
+                            [127, 0, 0, rng.next() as u8],
+                            rng.next() as u16,
+                        ))
+                    } else {
+                        std::net::SocketAddr::from((
+                            std::net::Ipv6Addr::from(rng.next() as u128),
+                            rng.next() as u16,
+                        ))
+                    }),
+                    mac: rng.bytes(32).try_into().unwrap(),
+                },
                 7 => ControlFrame::VerbsReady(rng.next() & 1 == 1),
                 5 => ControlFrame::Verbs(None),
                 6 => ControlFrame::Verbs(Some(crate::wire::verbs_sample(&mut rng))),
@@ -354,6 +463,28 @@ mod tests {
                 assert_eq!(d, f);
             }
         }
+    }
+
+    #[test]
+    fn a_vouched_frame_with_an_unknown_family_or_a_short_body_is_refused() {
+        let mut b = ControlFrame::Vouched {
+            dialed: Some("127.0.0.1:9".parse().unwrap()),
+            mac: [0; 32],
+        }
+        .encode();
+        b[CONTROL_HEADER_LEN] = 5;
+        assert!(matches!(
+            ControlFrame::decode(&b),
+            Err(DecodeError::Invalid { .. })
+        ));
+        let mut short = ControlFrame::Vouch {
+            conn_nonce: 1,
+            challenge: 2,
+        }
+        .encode();
+        short.pop();
+        short[8..12].copy_from_slice(&15u32.to_le_bytes());
+        assert!(ControlFrame::decode(&short).is_err());
     }
 
     #[test]
