@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Real tensor bytes for `ferry bench --compress` and BENCHMARKS.md.
+"""Real tensor bytes for `ferry bench --compress` and docs/benchmarks-log.md.
 
 Fetches the `wordllama` 0.4.0.post1 wheel from PyPI (`pip download`,
 which checks the hashes the index lists), takes the one tensor of its

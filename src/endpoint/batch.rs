@@ -7,7 +7,7 @@
 //! slot cross cores either way): with the one-CAS command queue a thread
 //! feeding four shards spends no less per small op in a batch than alone,
 //! and less alone since a submit fetches its queue slot early, which a
-//! staged op does not (BENCHMARKS.md, issue 29, 2026-12-03).
+//! staged op does not (docs/benchmarks-log.md, issue 29, 2026-12-03).
 
 use super::lanes::Via;
 use super::ops::Window;

@@ -15,7 +15,7 @@
 //! ends are memory of the copier's own GPU: such a copy runs on the GPU's
 //! own engines as one call, and pieces on parallel streams only compete
 //! (a 16 MiB same-GPU copy through CUDA IPC ran at 0.44 of one
-//! cudaMemcpy split four ways, 0.81 whole; BENCHMARKS.md).
+//! cudaMemcpy split four ways, 0.81 whole; docs/benchmarks-log.md).
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};

@@ -103,7 +103,7 @@ impl<T> CmdRing<T> {
     /// A push's stores go to lines the shard read on the ring's last lap;
     /// each waits for its line to come over from the shard's core, and the
     /// op's later stores queue behind it (a submitter feeding four managed
-    /// shards stalled there: `perf`, BENCHMARKS.md). Asked for here, the
+    /// shards stalled there: `perf`, docs/benchmarks-log.md). Asked for here, the
     /// lines travel meanwhile. All of them, the first (with `seq`, which an
     /// idle shard polls) too: measured, it is the one that saves the most.
     /// A hint: another submitter may take the position, and then nothing

@@ -10,7 +10,7 @@
 //! Vyukov's queue, which this was, the consumer frees a slot by writing its
 //! `seq` and a producer reads that first: a cache miss on the line before
 //! every message, on the round trip's critical path, twice per round trip;
-//! BENCHMARKS.md has the A/B.) A full ring hands the message back:
+//! docs/benchmarks-log.md has the A/B.) A full ring hands the message back:
 //! back-pressure. `enqueue` and `dequeue` sit on separate cache lines, away
 //! from the header, so producers and the consumer do not false-share.
 //!

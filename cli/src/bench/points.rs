@@ -105,7 +105,7 @@ pub(super) fn measure_points(
                     baseline_gbps: (!base.is_empty()).then(|| median(&base)),
                     ratio: (!ratios.is_empty()).then(|| median(&ratios)),
                     baseline_p50_us: None,
-                    latency_ref: "",
+                    reference: ref_name,
                     baseline_p99_us: None,
                     submit_ns: (!submit_ns.is_empty()).then(|| median(&submit_ns)),
                 },
@@ -181,7 +181,7 @@ pub(super) fn measure_latency(
                 baseline_gbps: None,
                 ratio: None,
                 baseline_p50_us: (!b50.is_empty()).then(|| median(&b50)),
-                latency_ref: match reference {
+                reference: match reference {
                     _ if o.contend > 0 => "quiet",
                     Some(Reference::Memcpy(..)) => "cache-line ping-pong",
                     _ => "raw tcp ping-pong",

@@ -26,9 +26,10 @@ pub(super) struct Row {
     /// Median over rounds of ferry / baseline measured back to back.
     pub(super) ratio: Option<f64>,
     pub(super) baseline_p50_us: Option<f64>,
-    /// What the baseline latencies are ("raw tcp ping-pong",
-    /// "cache-line ping-pong", "quiet").
-    pub(super) latency_ref: &'static str,
+    /// What the baseline is ("raw tcp", "memcpy", "peer copy", … for
+    /// throughput; "raw tcp ping-pong", "cache-line ping-pong", "quiet"
+    /// for latency); empty without one.
+    pub(super) reference: &'static str,
     pub(super) baseline_p99_us: Option<f64>,
     /// ns per op the submitting thread spent submitting (JSON only).
     pub(super) submit_ns: Option<f64>,
@@ -57,6 +58,9 @@ pub(super) fn print_row(r: &Row, json: bool) {
         if let (Some(b), Some(ratio)) = (r.baseline_gbps, r.ratio) {
             s += &format!(",\"baseline_gbps\":{b:.4},\"ratio\":{ratio:.3}");
         }
+        if r.baseline_gbps.is_some() || r.baseline_p50_us.is_some() {
+            s += &format!(",\"reference\":\"{}\"", r.reference);
+        }
         if let (Some(p50), Some(p99)) = (r.baseline_p50_us, r.baseline_p99_us) {
             s += &format!(",\"baseline_p50_us\":{p50:.2},\"baseline_p99_us\":{p99:.2}");
         }
@@ -66,7 +70,7 @@ pub(super) fn print_row(r: &Row, json: bool) {
         println!("{s}}}");
     } else if r.op.ends_with("_latency") {
         let base = match (r.baseline_p50_us, r.baseline_p99_us) {
-            (Some(a), Some(b)) => format!("   {} p50 {a:.1} us, p99 {b:.1} us", r.latency_ref),
+            (Some(a), Some(b)) => format!("   {} p50 {a:.1} us, p99 {b:.1} us", r.reference),
             _ => String::new(),
         };
         println!(

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# What a session runs on the GPU machine (the `device` tool: no Rust, no
+# internet there), from the repository root, with everything built here
+# and carried in target/carry (benches/device_carry.sh makes it):
+#   ferry (the CLI), gpu (the GPU suite's test binary), libplugin_FERRY.so,
+#   wheel/ferry-*.whl (the Python package), uccl/ (UCCL v0.1.1's own
+#   p2p/tests, unchanged, and a one-line `uccl` package that is ferry.p2p).
+#
+#   benches/device_run.sh tests|benches     (results under $OUT)
+#
+# tests: the GPU suite, the Python suite, UCCL's own tests, the NIXL suite
+# on VRAM (nixl-cu13 as installed there) over shm and tcp.
+# benches: `ferry bench` and benches/nixl_bench.py points recorded into
+# $OUT/results/*.jsonl (benches/record.py) for BENCHMARKS.md's summary.
+set -uo pipefail
+what=${1:?tests or benches}
+carry=$PWD/target/carry
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export FERRY_BIN=$carry/ferry FERRY_COMMIT=${FERRY_COMMIT:-unknown}
+export FERRY_LISTEN_ADDR=127.0.0.1 FERRY_ADVERTISE_ADDR=127.0.0.1
+py=python3
+
+# NIXL's plugins beside ours (the installed wheel's, found by its module).
+nixl_dir() {
+    local mod libs
+    for mod in nixl_cu13 nixl_cu12; do
+        libs=$($py -c "import $mod, os; print(os.path.join(os.path.dirname(os.path.dirname($mod.__file__)), '.$mod.mesonpy.libs'))" 2>/dev/null) || continue
+        mkdir -p /tmp/nixl-plugins
+        for p in "$libs"/plugins/*.so; do ln -sf "$p" /tmp/nixl-plugins/; done
+        ln -sf "$carry/libplugin_FERRY.so" /tmp/nixl-plugins/libplugin_FERRY.so
+        export NIXL_PLUGIN_DIR=/tmp/nixl-plugins
+        export LD_LIBRARY_PATH="$libs:$libs/../$mod.libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        echo "NIXL: $mod ($libs)"
+        return 0
+    done
+    echo "NIXL: no nixl_cu13 or nixl_cu12 module"
+    return 1
+}
+
+step() { echo "== $*"; }
+
+if [ "$what" = tests ]; then
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    step "GPU suite"
+    timeout 240 "$carry/gpu" --ignored --test-threads=1 2>&1 | tail -30
+    step "python wheel + suite"
+    $py -m pip install -q --no-deps --no-index --force-reinstall "$carry"/wheel/ferry-*.whl 2>&1 | tail -2
+    (cd python/tests && timeout 200 $py -m pytest -q -p no:cacheprovider -rs 2>&1 | tail -12)
+    step "UCCL v0.1.1 p2p/tests, unchanged"
+    export PYTHONPATH=$carry/uccl${PYTHONPATH:+:$PYTHONPATH}
+    for t in test_engine_read.py test_engine_write.py test_register_memory_cache.py test_remove_remote_endpoint.py; do
+        (cd "$carry/uccl" && timeout 120 $py "$t" > "$OUT/uccl-$t.log" 2>&1; echo "$t rc $?"; tail -3 "$OUT/uccl-$t.log")
+    done
+    (cd "$carry/uccl" && CUDA_VISIBLE_DEVICES= timeout 120 $py test_engine_send.py > "$OUT/uccl-send.log" 2>&1; echo "test_engine_send.py (host memory) rc $?"; tail -3 "$OUT/uccl-send.log")
+    if nixl_dir; then
+        for t in shm tcp; do
+            step "NIXL suite, VRAM, $t"
+            FERRY_NIXL_MEM=VRAM FERRY_TRANSPORT=$t timeout 200 $py -m pytest -q -p no:cacheprovider nixl/tests/test_nixl.py 2>&1 | tail -6
+        done
+    fi
+elif [ "$what" = benches ]; then
+    mkdir -p "$OUT/results"
+    rec() { local file=$1; shift; $py benches/record.py "$OUT/results/$file.jsonl" "$@"; }
+    step "ferry bench"
+    rec host --label "shm, host memory" -- "$FERRY_BIN" bench --transport shm --op write --sizes 4K,64M --latency --baseline --json
+    rec host --label "tcp, host memory" -- "$FERRY_BIN" bench --transport tcp --op write --sizes 4K,64M --latency --baseline --json
+    rec gpu --label "CUDA IPC, GPU memory" -- "$FERRY_BIN" bench --transport ipc --op write --sizes 4K,1M,256M --baseline --json
+    rec gpu --label "tcp, GPU memory" -- "$FERRY_BIN" bench --transport tcp --device gpu --op write --sizes 64M --baseline --json
+    if nixl_dir; then
+        step "NIXL"
+        rec nixl --label "NIXL, VRAM, same host" -- $py benches/nixl_bench.py --mem vram --backends FERRY,UCX --op WRITE --sizes 4Kx32,64Kx32,16Kx1024,1M,256M --json
+        rec nixl --label "NIXL, DRAM, same host" -- $py benches/nixl_bench.py --op WRITE --sizes 4Kx32,1M,64M --json
+    fi
+fi

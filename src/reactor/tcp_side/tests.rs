@@ -1,0 +1,94 @@
+use super::*;
+
+/// Adds a one-stream connection `id` (no lanes, verbs or MACs).
+fn add_plain(side: &mut TcpSide, id: u64, s: std::net::TcpStream, limits: StreamLimits) -> usize {
+    side.add(
+        ConnId(id),
+        ConnId(id),
+        None,
+        vec![s],
+        limits,
+        None,
+        Vec::new(),
+    )
+    .unwrap()
+}
+
+/// Data sockets carry keepalive and a user timeout equal to the op
+/// timeout (a peer that stops acknowledging is dropped in seconds, not
+/// after the kernel's ~15 minutes of retransmissions).
+#[test]
+fn data_sockets_get_keepalive_and_a_user_timeout() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (_b, _) = l.accept().unwrap();
+    let (mut side, _waker) = TcpSide::new(0, Duration::from_millis(7_000)).unwrap();
+    let limits = StreamLimits {
+        own_max: 4,
+        peer_max: 4,
+        codec: false,
+    };
+    let idx = add_plain(&mut side, 1, a, limits);
+    let sock = socket2::SockRef::from(&side.conns[idx].streams[0].sock);
+    assert_eq!(
+        sock.tcp_user_timeout().unwrap(),
+        Some(Duration::from_millis(7_000))
+    );
+    assert!(sock.keepalive().unwrap());
+    let conn = side.take(idx);
+    assert_eq!(conn.id, ConnId(1));
+    assert_eq!(side.stream_count, 0);
+}
+
+/// A pass visits what epoll reported (and what left work behind), not
+/// every connection: 40 idle connections cost a pass nothing, and a
+/// frame on one of them costs a visit to that one.
+#[test]
+fn a_pass_visits_only_ready_connections() {
+    use crate::reactor::source::CxParts;
+    use crate::wire::{DataHeader, DataKind};
+    use std::io::Write;
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let (mut side, _waker) = TcpSide::new(0, Duration::from_secs(7)).unwrap();
+    let limits = StreamLimits {
+        own_max: 4,
+        peer_max: 4,
+        codec: false,
+    };
+    let mut peers = Vec::new();
+    for i in 0..40 {
+        let a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        add_plain(&mut side, i, a, limits);
+        peers.push(b);
+    }
+    let (mut parts, notes) = CxParts::new(16);
+    let mut cx = parts.cx();
+    // Each new connection gets a first turn; then nothing is ready.
+    side.poll(&mut cx);
+    assert_eq!(side.visited, 40);
+    for _ in 0..3 {
+        side.poll(&mut cx);
+    }
+    assert_eq!(side.visited, 0, "idle connections were visited");
+    assert_eq!(side.may_park(), Park::Yes);
+    // A notification on connection 17: one visit delivers it.
+    let mut frame = DataHeader::request(DataKind::Notify, 0, 0, 0, 0, 4)
+        .encode()
+        .to_vec();
+    frame.extend_from_slice(b"\0abc");
+    peers[17].write_all(&frame).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let mut visits = 0;
+    let got = loop {
+        side.poll(&mut cx);
+        visits += side.visited;
+        if let Ok(n) = notes.try_recv() {
+            break n;
+        }
+        assert!(std::time::Instant::now() < deadline, "never delivered");
+    };
+    assert_eq!(got, (ConnId(17), b"abc".to_vec()));
+    assert!(visits <= 2, "{visits} visits for one ready connection");
+    assert!(cx.to_fail.is_empty());
+}
