@@ -57,15 +57,20 @@ def commit():
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 usage="%(prog)s OUT --label PATH [--machine M] [--commit C] [--command-as TEXT] -- COMMAND ...")
     ap.add_argument("out", help="the results file (JSON lines) to append to")
     ap.add_argument("--label", required=True, help="the path as the summary names it, e.g. 'tcp, host memory'")
     ap.add_argument("--machine", help="instead of what is found")
     ap.add_argument("--commit", help="instead of what is found")
     ap.add_argument("--command-as", help="the command as the summary shows it (default: the one run)")
-    ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the bench command")
-    a = ap.parse_args()
-    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
+    argv = sys.argv[1:]
+    if "--" not in argv:
+        ap.parse_args(argv)  # --help, or what is missing
+        ap.error("no command: put it after --")
+    cut = argv.index("--")
+    a = ap.parse_args(argv[:cut])
+    cmd = argv[cut + 1 :]
     if not cmd:
         ap.error("no command after --")
     context = {

@@ -419,3 +419,25 @@ fn the_file_checker_sees_imports_and_circles() {
     g2.get_mut(&p("c")).unwrap().insert(p("a"));
     assert_eq!(circles(&g2), vec![vec![p("a"), p("b"), p("c")]]);
 }
+
+/// A file says what it takes from its parent: no glob import of the
+/// parent module at a file's top level (a test module's `use super::*`
+/// is the one kept: tests see everything of what they test).
+#[test]
+fn no_file_takes_all_of_its_parent() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    assert!(files.len() > 50, "found only {} files", files.len());
+    let globbing: Vec<_> = files
+        .iter()
+        .filter(|f| f.file_name().is_some_and(|n| n != "tests.rs"))
+        .filter(|f| {
+            std::fs::read_to_string(f)
+                .unwrap()
+                .lines()
+                .any(|l| l == "use super::*;")
+        })
+        .collect();
+    assert!(globbing.is_empty(), "`use super::*` in {globbing:?}");
+}

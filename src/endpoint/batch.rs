@@ -60,7 +60,9 @@ impl Endpoint {
     pub fn batch(&self) -> Batch<'_> {
         Batch {
             ep: self,
-            staged: (0..self.inner.shards.len()).map(|_| Vec::new()).collect(),
+            staged: (0..self.inner.shards.shards.len())
+                .map(|_| Vec::new())
+                .collect(),
         }
     }
 }
@@ -157,7 +159,7 @@ impl Batch<'_> {
             }
             if q.capacity() > 0 {
                 // A buffer that went out as one op: back for the next batch.
-                self.ep.inner.shards[shard]
+                self.ep.inner.shards.shards[shard]
                     .wake
                     .bufs
                     .give(std::mem::take(q));

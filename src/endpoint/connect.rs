@@ -2,12 +2,33 @@
 //! stream, the stream MACs, the RDMA link when both sides have a NIC, and
 //! the adoption of the streams by the shards (connect and accept share it).
 
-use super::*;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tracing::{info, warn};
+
+use super::lanes::LANES_SHIFT;
+use super::table::{ConnInfo, Origin};
+use super::{Inner, Integrity, Peer, Transport};
+use crate::error::{ConnId, Error, Result};
+use crate::oob::{handshake, Ctl};
+use crate::reactor::Command;
+use crate::sys::random_u64;
+use crate::tcp::StreamLimits;
+use crate::wire::{Hello, CAP_AUTH, CAP_INTEGRITY_FULL, CAP_SHM};
+
+/// The NIC side: the NICs verbs would use, or why verbs is off
+/// (connections then use tcp), and the opened NIC when it is on.
+pub(crate) struct NicSide {
+    pub(super) status: std::result::Result<Vec<String>, String>,
+    pub(crate) handle: Option<crate::verbs::NicHandle>,
+}
 
 impl Inner {
     pub(super) fn connect(&self, addr: SocketAddr) -> Result<ConnId> {
         self.check_conn_limit()?;
-        let mut ctl = Ctl::new(self.backend)?;
+        let mut ctl = Ctl::new(self.me.backend)?;
         let timeout = self.cfg.connect_timeout();
         let ours = self.stream_hello();
         let (streams, hellos) = handshake::connect(&mut ctl, addr, ours, timeout, self.auth_key())?;
@@ -43,8 +64,8 @@ impl Inner {
 
     pub(super) fn stream_hello(&self) -> Hello {
         Hello {
-            endpoint_id: self.id,
-            caps: if self.nic.is_some() {
+            endpoint_id: self.me.id,
+            caps: if self.nics.handle.is_some() {
                 crate::wire::CAP_VERBS
             } else {
                 0
@@ -65,7 +86,7 @@ impl Inner {
                     crate::wire::CAP_CODEC
                 },
             auth_nonce: random_u64(),
-            host_token: self.host_token,
+            host_token: self.me.host_token,
             conn_nonce: random_u64(),
             stream_idx: 0,
             stream_count: self.cfg.streams_per_conn,
@@ -175,15 +196,15 @@ impl Inner {
         // split alike. A connection that may get queue pairs stays whole
         // (one set of QPs, one lane), and its id — so its shard — is known
         // first: its QPs post to that shard's shared completion queues.
-        let may_verbs =
-            self.nic.is_some() && hellos[0].0.both_offer(&peer_hello, crate::wire::CAP_VERBS);
+        let may_verbs = self.nics.handle.is_some()
+            && hellos[0].0.both_offer(&peer_hello, crate::wire::CAP_VERBS);
         let k = if may_verbs {
             1
         } else {
             self.lanes_for(streams.len())
         };
         let base = self.alloc_conn_ids(k);
-        let shard = (base % self.shards.len() as u64) as usize;
+        let shard = (base % self.shards.shards.len() as u64) as usize;
         let mut verbs =
             self.verbs_link(&streams[0], (&hellos[0].0, &peer_hello), deadline, shard)?;
         let conn = if k > 1 {
@@ -191,7 +212,7 @@ impl Inner {
         } else {
             ConnId(base)
         };
-        self.conns.lock().expect("lock").insert(
+        self.conns.live.lock().expect("lock").insert(
             conn,
             ConnInfo {
                 peer: Peer::Net(peer),
@@ -240,7 +261,7 @@ impl Inner {
     /// Whether accepting `theirs` leads to an RDMA exchange.
     pub(super) fn wants_verbs(&self, ours: &Hello, theirs: &Hello) -> bool {
         cfg!(feature = "rdma")
-            && self.nic.is_some()
+            && self.nics.handle.is_some()
             && ours.both_offer(theirs, crate::wire::CAP_VERBS)
     }
 

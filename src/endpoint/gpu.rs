@@ -17,14 +17,14 @@ impl Endpoint {
     /// The endpoint's GPU: given to the builder, or picked by the first
     /// registered GPU pointer (lazy mode); `None` until then.
     pub fn gpu(&self) -> Option<usize> {
-        self.inner.gpu.get().map(|&g| g as usize)
+        self.inner.gpus.ordinal.get().map(|&g| g as usize)
     }
 
     /// Allocates and registers `len` bytes of memory on the endpoint's GPU
     /// (GPU 0 if none is chosen yet, which then becomes the endpoint's).
     /// The contents are undefined until written.
     pub fn alloc_gpu(&self, len: usize) -> Result<MemoryRegion> {
-        let ordinal = *self.inner.gpu.get_or_init(|| 0);
+        let ordinal = *self.inner.gpus.ordinal.get_or_init(|| 0);
         crate::gpu::cuda()?.device(ordinal as usize)?;
         let buf = DeviceBuf::new(ordinal, len)?;
         let ptr = buf.ptr() as *mut u8;
@@ -85,7 +85,7 @@ impl Endpoint {
     /// CUDA IPC counters: handles opened (cache misses), cache hits,
     /// handles closed, same-process shortcuts, mappings open now.
     pub fn ipc_stats(&self) -> IpcStats {
-        self.inner.ipc_counters.snapshot()
+        self.inner.gpus.ipc_counters.snapshot()
     }
 }
 
@@ -114,8 +114,8 @@ impl MemoryRegion {
         let handle = self.inner.export_ipc()?;
         Ok(IpcBuf {
             device: ordinal as u16,
-            owner_id: ep.id,
-            host_token: ep.host_token,
+            owner_id: ep.me.id,
+            host_token: ep.me.host_token,
             owner_pid: std::process::id(),
             alloc_id: self.inner.tag,
             alloc_base,
@@ -125,6 +125,17 @@ impl MemoryRegion {
             handle,
         })
     }
+}
+
+/// The GPU side.
+pub(super) struct GpuSide {
+    /// The endpoint's GPU ordinal, once given or picked (lazy mode).
+    pub(super) ordinal: std::sync::OnceLock<i32>,
+    /// GPUs (bit = ordinal, < 64) with memory registered here: an RDMA
+    /// peer may write into them, so a notification from a verbs connection
+    /// flushes them first (`flush_rdma_writes`).
+    pub(super) registered: std::sync::atomic::AtomicU64,
+    pub(super) ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
 }
 
 impl Inner {
@@ -143,7 +154,7 @@ impl Inner {
                 remote_size: remote.len.min(u32::MAX as u64) as u32,
             });
         }
-        if remote.host_token != self.host_token {
+        if remote.host_token != self.me.host_token {
             return Err(Error::Unsupported {
                 what: "CUDA IPC with another host",
                 reason: format!(
@@ -152,7 +163,13 @@ impl Inner {
                 ),
             });
         }
-        let peer = self.conns.lock().expect("lock").get(&conn).map(|c| c.peer);
+        let peer = self
+            .conns
+            .live
+            .lock()
+            .expect("lock")
+            .get(&conn)
+            .map(|c| c.peer);
         if let Some(Peer::Local { endpoint_id, .. }) = peer {
             if endpoint_id != remote.owner_id && remote.owner_pid != std::process::id() {
                 return Err(Error::Unsupported {
@@ -187,11 +204,11 @@ impl Inner {
         };
         let ordinal = match ordinal {
             MemKind::Device { ordinal, .. } => ordinal,
-            _ => *self.gpu.get_or_init(|| 0),
+            _ => *self.gpus.ordinal.get_or_init(|| 0),
         };
         cuda.device(ordinal as usize)?;
-        let t = self.table.claim().ok_or(Error::TooManyInflight {
-            max: self.table.capacity(),
+        let t = self.shards.table.claim().ok_or(Error::TooManyInflight {
+            max: self.shards.table.capacity(),
         })?;
         if let Some(n) = note {
             self.attach_note(&t, conn, n);
@@ -206,8 +223,8 @@ impl Inner {
         match self.shard_of(conn).submit(Command::Ipc(cmd)) {
             Ok(()) => Ok(t),
             Err((e, _)) => {
-                self.table.cancel_note(t.slot());
-                self.table.complete(t.slot(), Ok(()));
+                self.shards.table.cancel_note(t.slot());
+                self.shards.table.complete(t.slot(), Ok(()));
                 drop(t);
                 Err(e)
             }
@@ -220,7 +237,7 @@ impl Inner {
         if let MemKind::Device { alloc_base, .. } = mem {
             // Same-host connections live on every shard: each tells its own.
             // (A shard that is gone has no connections left to tell.)
-            for s in &self.shards {
+            for s in &self.shards.shards {
                 let _ = s.region(RegionCmd::RevokeIpc(alloc_base));
             }
         }

@@ -3,7 +3,14 @@
 //! which shard serves each. The arithmetic is pure (tested below); the
 //! submission of an op over a connection's lanes is here too.
 
-use super::*;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::{Inner, Mode};
+use crate::error::{ConnId, Error, OpKind, Result};
+use crate::reactor::completion::CompletionTable;
+use crate::reactor::{Command, OpCmd, OpParts, Shard, ShardHandle, Transfer, MAX_BATCH};
+use crate::wire::MAX_NOTIFY_BYTES;
 
 /// A connection spread over shards has an id whose top byte is its lane
 /// count (2..=255) and whose rest is its first lane's id; lane i is
@@ -75,12 +82,26 @@ pub(super) fn cut(
     }
 }
 
+/// The shards and what every op goes through.
+pub(super) struct ShardSet {
+    pub(super) shards: Vec<ShardHandle>,
+    /// Every op's completion slot.
+    pub(super) table: Arc<CompletionTable>,
+    /// The codec threads (None: `FERRY_COMPRESS=off`).
+    pub(super) codec: Option<Arc<crate::reactor::codec_pool::LazyCodecPool>>,
+    /// Turn of the lanes handed to threads for their small ops
+    /// (`thread_lane`).
+    pub(super) next_lane: AtomicU64,
+    /// The shard the next same-host connection goes to (mod the shards).
+    pub(super) next_local_shard: AtomicU64,
+}
+
 impl Inner {
     /// The shard that serves `conn` (for a connection spread over shards:
     /// its first lane's).
     pub(super) fn shard_of(&self, conn: ConnId) -> &ShardHandle {
         let (base, _) = lanes_of(conn);
-        &self.shards[(base % self.shards.len() as u64) as usize]
+        &self.shards.shards[(base % self.shards.shards.len() as u64) as usize]
     }
 
     /// Before an op on `conn` is checked and built: has the queue slot its
@@ -91,7 +112,7 @@ impl Inner {
         if self.cfg.mode != Mode::Managed {
             return;
         }
-        self.table.prepare_claim();
+        self.shards.table.prepare_claim();
         if lanes_of(conn).1 == 1 {
             self.shard_of(conn).wake.cmds.prepare_push();
         }
@@ -101,13 +122,18 @@ impl Inner {
     /// shard that serves it.
     pub(super) fn lanes(&self, conn: ConnId) -> impl Iterator<Item = (ConnId, &ShardHandle)> {
         let (base, k) = lanes_of(conn);
-        let n = self.shards.len() as u64;
-        (0..k as u64).map(move |i| (ConnId(base + i), &self.shards[((base + i) % n) as usize]))
+        let n = self.shards.shards.len() as u64;
+        (0..k as u64).map(move |i| {
+            (
+                ConnId(base + i),
+                &self.shards.shards[((base + i) % n) as usize],
+            )
+        })
     }
 
     /// How many lanes a new tcp connection of `streams` streams gets.
     pub(super) fn lanes_for(&self, streams: usize) -> usize {
-        lane_count(streams, self.shards.len(), self.cfg.lanes)
+        lane_count(streams, self.shards.shards.len(), self.cfg.lanes)
     }
 
     /// The lane (modulo a connection's count) this thread's small ops use:
@@ -119,7 +145,7 @@ impl Inner {
         LANE.with(|l| match l.get() {
             Some(lane) => lane,
             None => {
-                let lane = self.next_lane.fetch_add(1, Ordering::Relaxed);
+                let lane = self.shards.next_lane.fetch_add(1, Ordering::Relaxed);
                 l.set(Some(lane));
                 lane
             }
@@ -130,13 +156,13 @@ impl Inner {
     /// shard count when k > 1, so lane i is served by shard i.
     pub(super) fn alloc_conn_ids(&self, k: usize) -> u64 {
         if k <= 1 {
-            return self.next_conn.fetch_add(1, Ordering::Relaxed);
+            return self.conns.next_id.fetch_add(1, Ordering::Relaxed);
         }
-        let n = self.shards.len() as u64;
-        let mut cur = self.next_conn.load(Ordering::Relaxed);
+        let n = self.shards.shards.len() as u64;
+        let mut cur = self.conns.next_id.load(Ordering::Relaxed);
         loop {
             let base = lanes_base(cur, n);
-            match self.next_conn.compare_exchange_weak(
+            match self.conns.next_id.compare_exchange_weak(
                 cur,
                 base + k as u64,
                 Ordering::Relaxed,
@@ -158,8 +184,8 @@ impl Inner {
         via: &mut Via<'_>,
     ) -> Result<Transfer> {
         check_note(via.note)?;
-        let t = self.table.claim().ok_or(Error::TooManyInflight {
-            max: self.table.capacity(),
+        let t = self.shards.table.claim().ok_or(Error::TooManyInflight {
+            max: self.shards.table.capacity(),
         })?;
         if let Some(n) = via.note {
             self.attach_note(&t, conn, n);
@@ -180,8 +206,8 @@ impl Inner {
             Ok(()) => Ok(t),
             Err(e) => {
                 // Never submitted: complete it ourselves so the slot frees.
-                self.table.cancel_note(t.slot());
-                self.table.complete(t.slot(), Ok(()));
+                self.shards.table.cancel_note(t.slot());
+                self.shards.table.complete(t.slot(), Ok(()));
                 drop(t);
                 Err(e)
             }
@@ -204,15 +230,15 @@ impl Inner {
     ) -> Result<Transfer> {
         let slot = t.slot();
         let chunk = self.cfg.chunk_bytes as u64;
-        let n = self.shards.len() as u64;
+        let n = self.shards.shards.len() as u64;
         let pieces = cut(parts, k, chunk, || self.thread_lane());
-        self.table.set_parts(slot, pieces.len() as u32);
+        self.shards.table.set_parts(slot, pieces.len() as u32);
         let mut failed = None;
         for (lane_idx, piece) in pieces {
             let lane = base + lane_idx % k as u64;
             if failed.is_some() {
                 // An earlier piece was refused: this one is never sent.
-                self.table.complete(slot, Ok(()));
+                self.shards.table.complete(slot, Ok(()));
                 continue;
             }
             let cmd = OpCmd {
@@ -227,8 +253,8 @@ impl Inner {
                 // Never submitted: its part is completed here, so the slot
                 // frees once the pieces already sent end (and the note is
                 // never sent: the op is not whole).
-                self.table.cancel_note(slot);
-                self.table.complete(slot, Ok(()));
+                self.shards.table.cancel_note(slot);
+                self.shards.table.complete(slot, Ok(()));
                 failed = Some(e);
             }
         }
@@ -246,16 +272,16 @@ impl Inner {
     /// `MAX_BATCH`). Only a command queued now can be refused here.
     fn send_op(&self, shard: usize, cmd: OpCmd, via: &mut Via<'_>) -> Result<()> {
         match &mut via.to {
-            To::Shard(s) if s.is(&self.shards[shard]) => {
+            To::Shard(s) if s.is(&self.shards.shards[shard]) => {
                 s.submit_here(Command::Op(cmd)).map_err(|(e, _)| e)
             }
-            To::Queue | To::Shard(_) => self.shards[shard]
+            To::Queue | To::Shard(_) => self.shards.shards[shard]
                 .submit(Command::Op(cmd))
                 .map_err(|(e, _)| e),
             To::Staged(staged) => {
                 let q = &mut staged[shard];
                 if q.capacity() == 0 {
-                    *q = self.shards[shard].wake.bufs.take();
+                    *q = self.shards.shards[shard].wake.bufs.take();
                 }
                 q.push(cmd);
                 if q.len() >= MAX_BATCH {
@@ -275,7 +301,7 @@ impl Inner {
             1 => Command::Op(q.pop().expect("one op")),
             _ => Command::Ops(std::mem::take(q)),
         };
-        let Err((e, cmd)) = self.shards[shard].submit(cmd) else {
+        let Err((e, cmd)) = self.shards.shards[shard].submit(cmd) else {
             return Ok(());
         };
         let ops = match cmd {
@@ -284,7 +310,7 @@ impl Inner {
             _ => unreachable!("only ops are staged"),
         };
         for op in ops {
-            self.table.complete(op.slot, Err(e.duplicate()));
+            self.shards.table.complete(op.slot, Err(e.duplicate()));
         }
         Err(e)
     }
@@ -316,7 +342,7 @@ impl Inner {
             shard: shard.id,
             payload,
         };
-        self.table.set_note(t.slot(), note);
+        self.shards.table.set_note(t.slot(), note);
     }
 }
 
@@ -381,7 +407,8 @@ impl<'a> Via<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::region::RegionSlice;
+    use crate::reactor::OpDesc;
+    use crate::region::{Region, RegionSlice};
     use crate::xfer::testing::owned_region;
 
     fn desc(region: &std::sync::Arc<Region>, off: usize, len: usize) -> OpDesc {

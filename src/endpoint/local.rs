@@ -1,9 +1,11 @@
 //! The endpoint's same-host side: local connect/accept over the shared-
 //! memory rings, and sharing `alloc_host` memory with local peers.
 
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::mpsc::Receiver;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 use tracing::{info, warn};
@@ -12,7 +14,7 @@ use super::table::{ConnInfo, Origin};
 use super::{Inner, Peer};
 use crate::error::{ConnId, Error, Result};
 use crate::reactor::Command;
-use crate::region::Backing;
+use crate::region::{Backing, Region};
 use crate::shm::bell::RemoteBell;
 use crate::shm::cma::probe_cma;
 use crate::shm::connect;
@@ -29,9 +31,28 @@ fn refuse(what: &'static str, reason: String) -> Error {
     Error::Unsupported { what, reason }
 }
 
+/// The same-host side: the accept ring's CONNECTs, local peers, the
+/// memory shared with them, and the doorbells.
+pub(super) struct LocalSide {
+    /// Why the same-host path is off, if it is.
+    pub(super) note: Option<String>,
+    pub(super) connects: Mutex<Receiver<(Msg, Vec<u8>)>>,
+    /// `alloc_host` regions (memfd-backed) by key, shared with local peers.
+    pub(super) memfd_regions: Mutex<HashMap<u32, Weak<Region>>>,
+    /// Endpoint ids of the local peers we share memory with.
+    pub(super) peers: Mutex<HashSet<u64>>,
+    /// Which shards have a doorbell (our rings into them name it in their
+    /// header).
+    pub(super) bell: Vec<bool>,
+    /// Same-host peers and their mapped memory, for every shard.
+    pub(super) shares: Arc<crate::shm::peers::PeerShares>,
+    /// Local peers' doorbells we ring, shared by the rings into one shard.
+    pub(super) bells: Mutex<HashMap<(u64, u32), Weak<RemoteBell>>>,
+}
+
 impl Inner {
     pub(crate) fn shm_ready(&self) -> bool {
-        self.shm_note.is_none()
+        self.local.note.is_none()
     }
 
     /// Creates a ring that connection `conn`'s shard consumes, naming that
@@ -39,8 +60,8 @@ impl Inner {
     fn create_ring(&self, name: &str, conn: ConnId) -> Result<ShmRing> {
         let rx = ShmRing::create(name, PAIR_RING_SLOTS, random_u64())?;
         let shard = self.shard_of(conn).id;
-        if self.local_bell.get(shard).copied().unwrap_or(false) {
-            rx.ring.set_bell_home(self.id, shard as u32);
+        if self.local.bell.get(shard).copied().unwrap_or(false) {
+            rx.ring.set_bell_home(self.me.id, shard as u32);
         }
         Ok(rx)
     }
@@ -58,7 +79,7 @@ impl Inner {
                     ),
                 ));
             }
-            let mut bells = self.bells.lock().expect("lock");
+            let mut bells = self.local.bells.lock().expect("lock");
             let bell = match bells
                 .get(&(owner, shard))
                 .and_then(std::sync::Weak::upgrade)
@@ -81,10 +102,10 @@ impl Inner {
     /// same-host connect also spends ids on its tcp handshake, so ids
     /// alone would fall on the same shard every time).
     fn local_conn_id(&self) -> ConnId {
-        let n = self.shards.len() as u64;
-        let shard = self.next_local_shard.fetch_add(1, Ordering::Relaxed) % n;
+        let n = self.shards.shards.len() as u64;
+        let shard = self.shards.next_local_shard.fetch_add(1, Ordering::Relaxed) % n;
         loop {
-            let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
+            let id = self.conns.next_id.fetch_add(1, Ordering::Relaxed);
             if id % n == shard {
                 return ConnId(id);
             }
@@ -92,7 +113,7 @@ impl Inner {
     }
 
     fn my_shared_regions(&self) -> Vec<Shared> {
-        let regions = self.memfd_regions.lock().expect("lock");
+        let regions = self.local.memfd_regions.lock().expect("lock");
         regions
             .values()
             .filter_map(|w| w.upgrade())
@@ -114,7 +135,7 @@ impl Inner {
         if regions.is_empty() {
             return;
         }
-        if let Err(e) = fdpass::share(self.id, peer, regions, self.cfg.connect_timeout()) {
+        if let Err(e) = fdpass::share(self.me.id, peer, regions, self.cfg.connect_timeout()) {
             warn!(
                 peer = format_args!("{peer:016x}"),
                 "sharing host memory with a local peer failed: {e}"
@@ -128,7 +149,8 @@ impl Inner {
             return;
         };
         let peers: Vec<u64> = self
-            .local_peers
+            .local
+            .peers
             .lock()
             .expect("lock")
             .iter()
@@ -149,12 +171,12 @@ impl Inner {
     /// ring (the messages: `shm/connect.rs`); `via`: the address whose tcp
     /// handshake named it (what a vouch answer says we dialed).
     pub(crate) fn connect_local(&self, peer_id: u64, via: Option<SocketAddr>) -> Result<ConnId> {
-        if let Some(why) = &self.shm_note {
+        if let Some(why) = &self.local.note {
             return Err(refuse("a same-host connection", why.clone()));
         }
         let deadline = Instant::now() + self.cfg.connect_timeout();
         let conn = self.local_conn_id();
-        let rx = self.create_ring(&pair_ring_name(peer_id, self.id, conn.0 as u32), conn)?;
+        let rx = self.create_ring(&pair_ring_name(peer_id, self.me.id, conn.0 as u32), conn)?;
         let accept = self.open_ring(&accept_ring_name(peer_id), peer_id)?;
         if !pid_alive(accept.owner_pid()) {
             return Err(refuse(
@@ -162,14 +184,14 @@ impl Inner {
                 format!("peer process {} is gone", accept.owner_pid()),
             ));
         }
-        let me = connect::this_side(self.id, conn.0 as u32, self.cfg.stream_inflight as u32);
+        let me = connect::this_side(self.me.id, conn.0 as u32, self.cfg.stream_inflight as u32);
         let nonce = random_u64();
         let (m, client_proof) = connect::connect_msg(&me, nonce, peer_id, self.auth_key());
         connect::push_msg(&accept, &m, &client_proof, deadline)?;
         let (ack, inline) = connect::await_msg(&rx, deadline, self.cfg.connect_timeout_ms)?;
-        let peer = connect::check_ack(&ack, &inline, peer_id, self.id, nonce, self.auth_key())
+        let peer = connect::check_ack(&ack, &inline, peer_id, self.me.id, nonce, self.auth_key())
             .map_err(|why| refuse("a same-host connection", why))?;
-        let tx = self.open_ring(&pair_ring_name(self.id, peer_id, conn.0 as u32), peer_id)?;
+        let tx = self.open_ring(&pair_ring_name(self.me.id, peer_id, conn.0 as u32), peer_id)?;
         let inflight = self.agreed_inflight(peer.inflight as usize);
         let mut lc = LocalConn::new(
             conn, peer_id, peer.pid, peer.conn, rx, tx, inflight, inflight,
@@ -180,7 +202,7 @@ impl Inner {
             return Err(refuse("a same-host connection", why));
         }
         self.share_with(peer_id, &self.my_shared_regions());
-        self.local_peers.lock().expect("lock").insert(peer_id);
+        self.local.peers.lock().expect("lock").insert(peer_id);
         let origin = Origin::Dialed { nonce, to: via };
         self.adopt_local(lc, (peer_id, peer.pid), origin, deadline)?;
         Ok(conn)
@@ -194,7 +216,7 @@ impl Inner {
         deadline: Instant,
     ) -> Result<()> {
         let conn = lc.id;
-        self.conns.lock().expect("lock").insert(
+        self.conns.live.lock().expect("lock").insert(
             conn,
             ConnInfo {
                 verbs: false,
@@ -208,12 +230,12 @@ impl Inner {
         );
         // Known before adopted: the peer may share its memory as soon as
         // its first request could arrive.
-        self.shares.conn_up(peer_id, pid);
+        self.local.shares.conn_up(peer_id, pid);
         if let Err(e) = self
             .shard_of(conn)
             .submit_blocking(Command::AddLocal(Box::new(lc)), deadline)
         {
-            self.shares.conn_down(peer_id, pid);
+            self.local.shares.conn_down(peer_id, pid);
             return Err(e);
         }
         info!(%conn, peer = format_args!("{peer_id:016x}"), pid, "same-host connection up");
@@ -223,7 +245,7 @@ impl Inner {
     /// Answers the CONNECT messages shard 0 has forwarded.
     pub(crate) fn accept_local_step(self: &Arc<Self>) {
         loop {
-            let (m, inline) = match self.local_connects.lock().expect("lock").try_recv() {
+            let (m, inline) = match self.local.connects.lock().expect("lock").try_recv() {
                 Ok(got) => got,
                 Err(_) => return,
             };
@@ -240,11 +262,11 @@ impl Inner {
         let deadline = Instant::now() + self.cfg.connect_timeout();
         let peer_id = m.aux;
         // The connector made the ring we answer into.
-        let tx = self.open_ring(&pair_ring_name(self.id, peer_id, m.conn), peer_id)?;
+        let tx = self.open_ring(&pair_ring_name(self.me.id, peer_id, m.conn), peer_id)?;
         let conn = self.local_conn_id();
-        let me = connect::this_side(self.id, conn.0 as u32, self.cfg.stream_inflight as u32);
+        let me = connect::this_side(self.me.id, conn.0 as u32, self.cfg.stream_inflight as u32);
         let checked =
-            connect::check_connect(m, inline, self.id, self.auth_key()).and_then(|peer| {
+            connect::check_connect(m, inline, self.me.id, self.auth_key()).and_then(|peer| {
                 self.check_conn_limit().map_err(|e| e.to_string())?;
                 probe_cma(peer.pid, peer.canary)?;
                 Ok(peer)
@@ -257,7 +279,7 @@ impl Inner {
                 return Err(refuse("a same-host connection", why));
             }
         };
-        let rx = self.create_ring(&pair_ring_name(peer_id, self.id, m.conn), conn)?;
+        let rx = self.create_ring(&pair_ring_name(peer_id, self.me.id, m.conn), conn)?;
         let inflight = self.agreed_inflight(peer.inflight as usize);
         let lc = LocalConn::new(
             conn, peer_id, peer.pid, peer.conn, rx, tx, inflight, inflight,
@@ -265,11 +287,11 @@ impl Inner {
         // Adopt before answering, so the peer's first request finds us.
         let origin = Origin::Accepted { nonce: m.aux2 };
         self.adopt_local(lc, (peer_id, peer.pid), origin, deadline)?;
-        let tx2 = self.open_ring(&pair_ring_name(self.id, peer_id, m.conn), peer_id)?;
+        let tx2 = self.open_ring(&pair_ring_name(self.me.id, peer_id, m.conn), peer_id)?;
         let (ack, server_proof) = connect::ack_msg(&me, Ok(m.aux2), self.auth_key(), peer_id);
         connect::push_msg(&tx2, &ack, &server_proof, deadline)?;
         self.share_with(peer_id, &self.my_shared_regions());
-        self.local_peers.lock().expect("lock").insert(peer_id);
+        self.local.peers.lock().expect("lock").insert(peer_id);
         self.push_accepted(
             conn,
             Peer::Local {

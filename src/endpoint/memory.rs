@@ -33,6 +33,27 @@ pub struct MemoryRegion {
 /// `MemoryRegion::advertise` (each is a key in every shard's table).
 pub const MAX_WINDOWS: usize = 1024;
 
+/// Registrations: their keys and count, and the raw ones that may be
+/// shared.
+pub(crate) struct Registry {
+    /// The next registration's key (random start, odd steps).
+    pub(super) next_rkey: std::sync::atomic::AtomicU32,
+    /// Live registrations (for FERRY_MAX_REGISTRATIONS).
+    pub(crate) live: Arc<std::sync::atomic::AtomicUsize>,
+    /// Raw registrations that may be shared (`reg_cache.rs`).
+    pub(super) cache: super::reg_cache::RegCache,
+}
+
+impl Registry {
+    pub(super) fn new() -> Self {
+        Self {
+            next_rkey: std::sync::atomic::AtomicU32::new((crate::sys::random_u64() as u32) | 1),
+            live: Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            cache: Default::default(),
+        }
+    }
+}
+
 fn forget(ep: &Arc<Inner>, region: &Region) {
     ep.forget_region(region.rkey);
     if region
@@ -41,7 +62,8 @@ fn forget(ep: &Arc<Inner>, region: &Region) {
     {
         ep.revoke_ipc(region.mem);
     }
-    ep.registrations
+    ep.regs
+        .live
         .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
 }
 
@@ -250,7 +272,7 @@ impl MemoryRegion {
             reserved[8] |= crate::wire::REMOTE_FLAG_DEVICE;
         }
         let ep = self.ep.upgrade();
-        let nic = ep.as_ref().and_then(|ep| ep.nic.as_ref());
+        let nic = ep.as_ref().and_then(|ep| ep.nics.handle.as_ref());
         let mut rb = RemoteBuf {
             addr: self.addr() + offset as u64,
             size,

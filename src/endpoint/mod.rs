@@ -20,15 +20,12 @@ mod vouch;
 
 use accept::PeerSlot;
 pub use batch::Batch;
-use lanes::{lanes_of, LANES_SHIFT};
-use table::{ConnInfo, Origin};
 pub use two_sided::MessageOp;
 
-use std::collections::{HashMap, VecDeque};
-use std::net::{IpAddr, SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
-use std::sync::{Arc, Condvar, Mutex};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -39,20 +36,12 @@ pub use memory::{MemoryRegion, MAX_WINDOWS};
 pub use ops::Window;
 pub use reg_cache::{RegCacheStats, SharedRegion};
 
-use crate::error::{ConnFault, ConnId, Error, OpKind, Result};
-use crate::oob::gate::{Done, Gate, GateHooks};
-use crate::oob::handshake;
-use crate::oob::{self, Ctl, IoBackend};
-use crate::reactor::completion::CompletionTable;
-use crate::reactor::{
-    Command, NoteTicket, OpCmd, OpDesc, OpParts, RegionCmd, Shard, ShardHandle, Transfer, MAX_BATCH,
-};
+use crate::error::{ConnId, Error, Result};
+use crate::oob::IoBackend;
+use crate::reactor::{Command, NoteTicket, OpDesc, RegionCmd, Shard};
 use crate::region::{Access, Backing, Region};
 use crate::sys::random_u64;
-use crate::tcp::StreamLimits;
-use crate::wire::{
-    EndpointMetadata, Hello, RemoteBuf, CAP_AUTH, CAP_INTEGRITY_FULL, CAP_SHM, MAX_NOTIFY_BYTES,
-};
+use crate::wire::{EndpointMetadata, RemoteBuf, MAX_NOTIFY_BYTES};
 
 /// Sockets in handshake at once (the gate evicts the oldest beyond it).
 /// How long the passive accept thread waits in the gate at most (it is
@@ -136,78 +125,36 @@ impl std::fmt::Display for Peer {
     }
 }
 
+/// The endpoint's state, as parts that each hold their own locks, each
+/// defined beside the code that uses it most: who we are (here), the
+/// shards (`lanes.rs`), the connection table (`table.rs`), incoming
+/// connections (`accept.rs`), notifications and messages
+/// (`two_sided.rs`), the same-host side (`local.rs`), the NIC side
+/// (`connect.rs`), the GPU side (`gpu.rs`), the registrations
+/// (`memory.rs`).
 pub(crate) struct Inner {
     pub(crate) cfg: Config,
-    /// The codec threads (None: `FERRY_COMPRESS=off`).
-    codec: Option<Arc<crate::reactor::codec_pool::LazyCodecPool>>,
-    id: u64,
-    backend: IoBackend,
-    backend_note: Option<String>,
-    listener: TcpListener,
-    metadata: EndpointMetadata,
-    shards: Vec<ShardHandle>,
-    table: Arc<CompletionTable>,
-    next_conn: AtomicU64,
-    next_rkey: AtomicU32,
-    conns: Mutex<HashMap<ConnId, ConnInfo>>,
-    remotes: Mutex<HashMap<SocketAddr, ConnId>>,
-    inbox: Mutex<Receiver<(ConnId, Vec<u8>)>>,
-    /// Two-sided send/recv: the engine's own messages and the matching.
-    messages: two_sided::Messages,
-    /// Incoming handshakes, driven by whoever accepts.
-    gate: Mutex<Gate<PeerSlot>>,
-    /// Ends the gate's wait early (a same-host CONNECT for the passive
-    /// accept thread, or `stop_accept`).
-    gate_waker: Arc<mio::Waker>,
-    accepted: Mutex<VecDeque<(ConnId, Peer)>>,
-    accepted_cv: Condvar,
-    passive: Mutex<Option<(Arc<AtomicBool>, JoinHandle<()>)>>,
-    /// RDMA setups of accepted connections under way.
-    verbs_setups: AtomicUsize,
-    /// Why the same-host path is off, if it is.
-    shm_note: Option<String>,
-    /// The NICs verbs would use, or why verbs is off (connections use tcp).
-    verbs: std::result::Result<Vec<String>, String>,
-    /// The opened NIC when verbs is on.
-    pub(crate) nic: Option<crate::verbs::NicHandle>,
-    host_token: u64,
-    local_connects: Mutex<Receiver<(crate::wire::shm_msg::Msg, Vec<u8>)>>,
-    memfd_regions: Mutex<HashMap<u32, std::sync::Weak<Region>>>,
-    local_peers: Mutex<std::collections::HashSet<u64>>,
-    /// Turn of the lanes handed to threads for their small ops
-    /// (`thread_lane`).
-    next_lane: AtomicU64,
-    /// The shard the next same-host connection goes to (mod the shards).
-    next_local_shard: AtomicU64,
-    /// GPUs (bit = ordinal, < 64) with memory registered here: an RDMA
-    /// peer may write into them, so a notification from a verbs connection
-    /// flushes them first (`flush_rdma_writes`).
-    gpus_registered: AtomicU64,
-    /// Which shards have a doorbell (our rings into them name it in their
-    /// header).
-    local_bell: Vec<bool>,
-    /// Same-host peers and their mapped memory, for every shard.
-    shares: Arc<crate::shm::peers::PeerShares>,
-    /// Local peers' doorbells we ring, shared by the rings into one shard.
-    bells: Mutex<HashMap<(u64, u32), std::sync::Weak<crate::shm::bell::RemoteBell>>>,
-    /// Connections the shards saw die, with why; moved to `dead` on the
-    /// next control call.
-    closed: Mutex<Receiver<(ConnId, ConnFault)>>,
-    /// Why each dead connection died, so every later call on it gets the
-    /// same cause (until `remove_remote`); at most `DEAD_MEMORY` entries.
-    dead: Mutex<HashMap<ConnId, ConnFault>>,
-    /// Handshakes under way per remote address (they count against its
-    /// quota before their connection is adopted).
-    handshaking: Arc<Mutex<HashMap<IpAddr, usize>>>,
-    /// Live registrations (for FERRY_MAX_REGISTRATIONS).
-    pub(crate) registrations: Arc<AtomicUsize>,
-    /// Raw registrations that may be shared (`reg_cache.rs`).
-    reg_cache: reg_cache::RegCache,
-    /// The endpoint's GPU ordinal, once given or picked (lazy mode).
-    gpu: std::sync::OnceLock<i32>,
-    ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
+    me: Me,
+    shards: lanes::ShardSet,
+    conns: table::ConnTable,
+    accept: accept::Acceptor,
+    mail: two_sided::Mail,
+    local: local::LocalSide,
+    pub(crate) nics: connect::NicSide,
+    gpus: gpu::GpuSide,
+    pub(crate) regs: memory::Registry,
 }
 
+/// Who this endpoint is to its peers.
+struct Me {
+    id: u64,
+    metadata: EndpointMetadata,
+    /// Same host and /dev/shm as a peer whose hello carries the same token.
+    host_token: u64,
+    /// The control path's I/O backend, and why it is not the preferred one.
+    backend: IoBackend,
+    backend_note: Option<String>,
+}
 /// A transfer engine endpoint: one control listener, N shards, and the
 /// connections and registrations they serve.
 pub struct Endpoint {
@@ -228,17 +175,17 @@ impl Endpoint {
 
     /// The endpoint's metadata (what a peer needs to connect).
     pub fn metadata(&self) -> &EndpointMetadata {
-        &self.inner.metadata
+        &self.inner.me.metadata
     }
 
     /// The metadata in the seed's byte format.
     pub fn metadata_bytes(&self) -> Vec<u8> {
-        self.inner.metadata.encode()
+        self.inner.me.metadata.encode()
     }
 
     /// Random identity of this endpoint, sent in every handshake.
     pub fn id(&self) -> u64 {
-        self.inner.id
+        self.inner.me.id
     }
 
     /// The settings it runs with.
@@ -248,7 +195,7 @@ impl Endpoint {
 
     /// The control-path backend in use, and why io_uring was not, if not.
     pub fn io_backend(&self) -> (IoBackend, Option<&str>) {
-        (self.inner.backend, self.inner.backend_note.as_deref())
+        (self.inner.me.backend, self.inner.me.backend_note.as_deref())
     }
 
     /// Embedded mode: hands the shards to the caller, once. The caller must
@@ -263,6 +210,7 @@ impl Endpoint {
         self.inner.reap_closed();
         self.inner
             .conns
+            .live
             .lock()
             .expect("lock")
             .get(&conn)
@@ -282,6 +230,7 @@ impl Endpoint {
     pub fn uses_verbs(&self, conn: ConnId) -> bool {
         self.inner
             .conns
+            .live
             .lock()
             .expect("lock")
             .get(&conn)
@@ -291,17 +240,17 @@ impl Endpoint {
     /// Open connections (dead ones are forgotten first).
     pub fn conn_count(&self) -> usize {
         self.inner.reap_closed();
-        self.inner.conns.lock().expect("lock").len()
+        self.inner.conns.live.lock().expect("lock").len()
     }
 
     /// Live registrations.
     pub fn registration_count(&self) -> usize {
-        self.inner.registrations.load(Ordering::Acquire)
+        self.inner.regs.live.load(Ordering::Acquire)
     }
 
     /// Operations in flight or completed but not yet reaped.
     pub fn inflight_ops(&self) -> usize {
-        self.inner.table.in_use()
+        self.inner.shards.table.in_use()
     }
 }
 
@@ -322,11 +271,11 @@ impl Endpoint {
         let addr = m.socket_addr();
         // A memoized connection that died is forgotten, so this reconnects.
         self.inner.reap_closed();
-        if let Some(&c) = self.inner.remotes.lock().expect("lock").get(&addr) {
+        if let Some(&c) = self.inner.conns.remotes.lock().expect("lock").get(&addr) {
             return Ok(c);
         }
         let c = self.inner.connect(addr)?;
-        let mut remotes = self.inner.remotes.lock().expect("lock");
+        let mut remotes = self.inner.conns.remotes.lock().expect("lock");
         // Another thread may have raced us; keep the first, close ours.
         if let Some(&first) = remotes.get(&addr) {
             drop(remotes);
@@ -340,15 +289,16 @@ impl Endpoint {
     /// Closes a connection; its in-flight operations fail.
     pub fn remove_remote(&self, conn: ConnId) -> Result<()> {
         self.inner.reap_closed();
-        let info = self.inner.conns.lock().expect("lock").remove(&conn);
+        let info = self.inner.conns.live.lock().expect("lock").remove(&conn);
         let Some(info) = info else {
             // A dead connection is forgotten: its cause goes with it.
-            return match self.inner.dead.lock().expect("lock").remove(&conn) {
+            return match self.inner.conns.dead.lock().expect("lock").remove(&conn) {
                 Some(_) => Ok(()),
                 None => Err(Error::UnknownConn { conn }),
             };
         };
         self.inner
+            .conns
             .remotes
             .lock()
             .expect("lock")
@@ -379,7 +329,7 @@ impl Endpoint {
     /// A same-host peer (`Peer::Local`) connects over shared memory; a remote
     /// one over tcp.
     pub fn accept(&self, timeout: Duration) -> Result<(ConnId, Peer)> {
-        if self.inner.passive.lock().expect("lock").is_some() {
+        if self.inner.accept.passive.lock().expect("lock").is_some() {
             return self.inner.next_accepted(timeout);
         }
         self.inner.accept_one(timeout)
@@ -397,7 +347,7 @@ impl Endpoint {
         loop {
             self.inner.accept_local_step();
             {
-                let mut q = self.inner.accepted.lock().expect("lock");
+                let mut q = self.inner.accept.queue.lock().expect("lock");
                 if let Some(i) = q.iter().position(|(_, p)| matches!(p, Peer::Local { .. })) {
                     if let Some((conn, Peer::Local { endpoint_id, pid })) = q.remove(i) {
                         return Ok((conn, endpoint_id, pid));
@@ -412,7 +362,7 @@ impl Endpoint {
             // A same-host peer that found us by our metadata (`add_remote`)
             // handshakes over tcp first: drive those handshakes too (one
             // that ends on tcp is queued for `accept`).
-            if self.inner.passive.lock().expect("lock").is_some() {
+            if self.inner.accept.passive.lock().expect("lock").is_some() {
                 std::thread::sleep(Duration::from_micros(200));
             } else {
                 self.inner.accept_step(Duration::from_millis(1))?;
@@ -426,7 +376,7 @@ impl Endpoint {
     /// [`stop_accept`]: Endpoint::stop_accept
     /// [`accept`]: Endpoint::accept
     pub fn start_passive_accept(&self) -> Result<()> {
-        let mut p = self.inner.passive.lock().expect("lock");
+        let mut p = self.inner.accept.passive.lock().expect("lock");
         if p.is_some() {
             return Ok(());
         }
@@ -454,10 +404,10 @@ impl Endpoint {
     /// Stops accepting in the background (`start_passive_accept`);
     /// connections made stay.
     pub fn stop_accept(&self) {
-        let p = self.inner.passive.lock().expect("lock").take();
+        let p = self.inner.accept.passive.lock().expect("lock").take();
         if let Some((stop, t)) = p {
             stop.store(true, Ordering::Relaxed);
-            let _ = self.inner.gate_waker.wake();
+            let _ = self.inner.accept.gate_waker.wake();
             let _ = t.join();
         }
     }
@@ -500,6 +450,7 @@ impl Endpoint {
                 .add_region(ptr, len, Access::all(), Backing::Memfd(m))?
         };
         self.inner
+            .local
             .memfd_regions
             .lock()
             .expect("lock")
@@ -518,12 +469,12 @@ impl Endpoint {
     /// The RDMA NICs verbs would use here (best first), or why verbs is off.
     /// Without verbs, connections use tcp.
     pub fn verbs_status(&self) -> std::result::Result<&[String], &str> {
-        self.inner.verbs.as_deref().map_err(String::as_str)
+        self.inner.nics.status.as_deref().map_err(String::as_str)
     }
 
     /// Whether same-host connections are possible, and if not, why.
     pub fn shm_status(&self) -> std::result::Result<(), &str> {
-        match &self.inner.shm_note {
+        match &self.inner.local.note {
             None => Ok(()),
             Some(why) => Err(why),
         }
@@ -531,7 +482,7 @@ impl Endpoint {
 
     /// What the codec did so far (`FERRY_COMPRESS`); None when it is off.
     pub fn compress_stats(&self) -> Option<crate::reactor::CompressStats> {
-        self.inner.codec.as_ref().map(|c| c.stats())
+        self.inner.shards.codec.as_ref().map(|c| c.stats())
     }
 
     /// Registers several buffers (the seed's `regv`).
@@ -642,7 +593,14 @@ impl Endpoint {
         len: usize,
     ) -> Result<RemoteBuf> {
         let mut rb = mr.window(offset, len)?;
-        if !self.inner.conns.lock().expect("lock").contains_key(&conn) {
+        if !self
+            .inner
+            .conns
+            .live
+            .lock()
+            .expect("lock")
+            .contains_key(&conn)
+        {
             return Err(self.inner.gone(conn));
         }
         let (rkey, tag) = self
@@ -691,7 +649,7 @@ impl Endpoint {
         // Counted from the call until its stream or ring takes it: past
         // the bound the call is refused, so nothing accepted is dropped.
         let ticket = {
-            let conns = self.inner.conns.lock().expect("lock");
+            let conns = self.inner.conns.live.lock().expect("lock");
             let Some(info) = conns.get(&conn) else {
                 drop(conns);
                 return Err(self.inner.gone(conn));
@@ -729,7 +687,13 @@ impl Endpoint {
     /// peer must notify after its WRITE completed: notifications travel on
     /// tcp, not behind the WRITEs).
     pub fn recv_notification(&self, timeout: Duration) -> Result<(ConnId, Vec<u8>)> {
-        let got = self.inner.inbox.lock().expect("lock").recv_timeout(timeout);
+        let got = self
+            .inner
+            .mail
+            .inbox
+            .lock()
+            .expect("lock")
+            .recv_timeout(timeout);
         match got {
             Ok(n) => {
                 self.inner.flush_for_notification(n.0);
@@ -745,7 +709,14 @@ impl Endpoint {
 
     /// A notification if one is waiting (flushed as by `recv_notification`).
     pub fn try_recv_notification(&self) -> Option<(ConnId, Vec<u8>)> {
-        let n = self.inner.inbox.lock().expect("lock").try_recv().ok()?;
+        let n = self
+            .inner
+            .mail
+            .inbox
+            .lock()
+            .expect("lock")
+            .try_recv()
+            .ok()?;
         self.inner.flush_for_notification(n.0);
         Some(n)
     }
@@ -823,11 +794,12 @@ impl Inner {
     /// visible to GPU work). A failed flush is logged: the notification
     /// itself is still delivered.
     fn flush_for_notification(&self, conn: ConnId) {
-        if self.gpus_registered.load(Ordering::Relaxed) == 0 || self.nic.is_none() {
+        if self.gpus.registered.load(Ordering::Relaxed) == 0 || self.nics.handle.is_none() {
             return;
         }
         let verbs = self
             .conns
+            .live
             .lock()
             .expect("lock")
             .get(&conn)
@@ -842,7 +814,7 @@ impl Inner {
 
     /// `cuFlushGPUDirectRDMAWrites` on every GPU with registered memory.
     fn flush_gpus(&self) -> Result<()> {
-        let mask = self.gpus_registered.load(Ordering::Relaxed);
+        let mask = self.gpus.registered.load(Ordering::Relaxed);
         if mask == 0 {
             return Ok(());
         }
@@ -883,9 +855,9 @@ impl Inner {
                 reason: format!("len {len}"),
             });
         }
-        let n = self.registrations.fetch_add(1, Ordering::AcqRel);
+        let n = self.regs.live.fetch_add(1, Ordering::AcqRel);
         if n >= self.cfg.max_registrations {
-            self.registrations.fetch_sub(1, Ordering::AcqRel);
+            self.regs.live.fetch_sub(1, Ordering::AcqRel);
             return Err(Error::LimitReached {
                 limit: "FERRY_MAX_REGISTRATIONS",
                 max: self.cfg.max_registrations,
@@ -894,19 +866,20 @@ impl Inner {
         let mem = match crate::gpu::memory::classify(ptr as u64) {
             Ok(m) => m,
             Err(e) => {
-                self.registrations.fetch_sub(1, Ordering::AcqRel);
+                self.regs.live.fetch_sub(1, Ordering::AcqRel);
                 return Err(e);
             }
         };
         if let crate::gpu::MemKind::Device { ordinal, .. } = mem {
             // Lazy mode: the first GPU pointer picks the endpoint's GPU.
-            let _ = self.gpu.set(ordinal);
+            let _ = self.gpus.ordinal.set(ordinal);
             if (0..64).contains(&ordinal) {
-                self.gpus_registered
+                self.gpus
+                    .registered
                     .fetch_or(1 << ordinal, Ordering::Relaxed);
             }
         }
-        let rkey = self.next_rkey.fetch_add(1, Ordering::Relaxed);
+        let rkey = self.regs.next_rkey.fetch_add(1, Ordering::Relaxed);
         // SAFETY: `backing` holds the memory (owned buffers, memfds), or the
         // caller of `register_raw` promised to keep it valid until
         // deregistration; `classify` found it host or GPU memory.
@@ -916,8 +889,8 @@ impl Inner {
         // With a NIC, register it there now, on the caller's thread: the
         // pinning stays out of the shard loop, and a refusal (MEMLOCK) is
         // found once — the region's ops then go over tcp.
-        let _ = crate::verbs::remote_keys(self.nic.as_ref(), &r);
-        for s in &self.shards {
+        let _ = crate::verbs::remote_keys(self.nics.handle.as_ref(), &r);
+        for s in &self.shards.shards {
             s.region(RegionCmd::Add(r.clone()))?;
         }
         Ok(MemoryRegion {
@@ -938,7 +911,7 @@ impl Inner {
         len: u64,
         conn: Option<ConnId>,
     ) -> Result<(u32, u64)> {
-        let rkey = self.next_rkey.fetch_add(1, Ordering::Relaxed);
+        let rkey = self.regs.next_rkey.fetch_add(1, Ordering::Relaxed);
         let tag = random_u64();
         let grant = |conn| crate::region::Grant {
             region: region.clone(),
@@ -958,7 +931,7 @@ impl Inner {
                 }
             }
             None => {
-                for s in &self.shards {
+                for s in &self.shards.shards {
                     s.region(RegionCmd::Grant {
                         rkey,
                         grant: grant(None),
@@ -970,7 +943,7 @@ impl Inner {
     }
 
     pub(crate) fn forget_region(&self, rkey: u32) {
-        for s in &self.shards {
+        for s in &self.shards.shards {
             // After the ops queued so far (they may hold borrowed slices).
             let after = s.wake.cmds.accepted();
             let _ = s.region(RegionCmd::Remove { rkey, after });
@@ -981,7 +954,7 @@ impl Inner {
 impl Drop for Endpoint {
     fn drop(&mut self) {
         self.stop_accept();
-        for s in &self.inner.shards {
+        for s in &self.inner.shards.shards {
             s.wake.shutdown.store(true, Ordering::SeqCst);
             let _ = s.wake.waker.wake();
         }

@@ -59,7 +59,7 @@ impl Drop for SharedRegion {
     fn drop(&mut self) {
         if let Some(mr) = self.mr.take() {
             if let Some(ep) = mr.ep.upgrade() {
-                ep.reg_cache.release(&mr);
+                ep.regs.cache.release(&mr);
             }
         }
     }
@@ -174,7 +174,7 @@ impl Endpoint {
         len: usize,
         access: Access,
     ) -> Result<SharedRegion> {
-        let cache = &self.inner.reg_cache;
+        let cache = &self.inner.regs.cache;
         if let Some(hit) = cache.find(ptr as u64, len, access) {
             cache.hits.fetch_add(1, Ordering::Relaxed);
             return Ok(hit);
@@ -196,12 +196,12 @@ impl Endpoint {
     /// None.
     pub fn release_shared(&self, mut sh: SharedRegion) -> Option<Arc<MemoryRegion>> {
         let mr = sh.mr.take()?;
-        self.inner.reg_cache.release(&mr).then_some(mr)
+        self.inner.regs.cache.release(&mr).then_some(mr)
     }
 
     /// The registration cache's hits and misses so far.
     pub fn reg_cache_stats(&self) -> RegCacheStats {
-        self.inner.reg_cache.stats()
+        self.inner.regs.cache.stats()
     }
 }
 

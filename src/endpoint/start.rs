@@ -2,11 +2,11 @@
 //! listener and gate, the same-host side (accept ring, fd passing,
 //! doorbells), the NIC, the shards — and `start` puts them together.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener};
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize};
+use std::sync::atomic::AtomicU64;
 use std::sync::mpsc::{self, SyncSender};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -244,7 +244,7 @@ fn spawn_shards(inner: &Inner, shards: Vec<Shard>) -> Result<Vec<JoinHandle<()>>
     let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
     let pin = inner.cfg.pin_cores;
     let order = if pin {
-        crate::sys::machine_pin_order(Some(inner.metadata.gpu_bdf.as_str()))
+        crate::sys::machine_pin_order(Some(inner.me.metadata.gpu_bdf.as_str()))
     } else {
         Vec::new()
     };
@@ -304,53 +304,52 @@ impl Endpoint {
         };
         let (shards, handles) = shard_set(&cfg, host, &shared)?;
         let inner = Arc::new(Inner {
-            codec: shared.codec.clone(),
-            gpu,
-            ipc_counters: shared.ipc_counters,
-            id,
-            host_token: crate::shm::object::host_token(),
-            shm_note,
-            verbs,
-            nic,
-            local_connects: Mutex::new(connects_rx),
-            closed: Mutex::new(closed_rx),
-            dead: Mutex::new(HashMap::new()),
-            handshaking: Arc::new(Mutex::new(HashMap::new())),
-            registrations: Arc::new(AtomicUsize::new(0)),
-            reg_cache: Default::default(),
-            memfd_regions: Mutex::new(HashMap::new()),
-            local_peers: Mutex::new(std::collections::HashSet::new()),
-            local_bell,
-            shares: shared.shares,
-            next_lane: AtomicU64::new(0),
-            next_local_shard: AtomicU64::new(0),
-            gpus_registered: AtomicU64::new(0),
-            bells: Mutex::new(HashMap::new()),
-            backend,
-            backend_note: note,
-            listener,
-            metadata,
-            shards: handles,
-            table: shared.table,
-            next_conn: AtomicU64::new(1),
-            next_rkey: AtomicU32::new((random_u64() as u32) | 1),
-            conns: Mutex::new(HashMap::new()),
-            remotes: Mutex::new(HashMap::new()),
-            inbox: Mutex::new(inbox_rx),
-            messages: super::two_sided::Messages::new(ctl_rx),
-            gate_waker: gate.waker(),
-            gate: Mutex::new(gate),
-            accepted: Mutex::new(VecDeque::new()),
-            accepted_cv: Condvar::new(),
-            passive: Mutex::new(None),
-            verbs_setups: AtomicUsize::new(0),
+            me: super::Me {
+                id,
+                metadata,
+                host_token: crate::shm::object::host_token(),
+                backend,
+                backend_note: note,
+            },
+            shards: super::lanes::ShardSet {
+                shards: handles,
+                table: shared.table,
+                codec: shared.codec.clone(),
+                next_lane: AtomicU64::new(0),
+                next_local_shard: AtomicU64::new(0),
+            },
+            conns: super::table::ConnTable::new(closed_rx),
+            accept: super::accept::Acceptor::new(listener, gate),
+            mail: super::two_sided::Mail {
+                inbox: Mutex::new(inbox_rx),
+                messages: super::two_sided::Messages::new(ctl_rx),
+            },
+            local: super::local::LocalSide {
+                note: shm_note,
+                connects: Mutex::new(connects_rx),
+                memfd_regions: Mutex::new(HashMap::new()),
+                peers: Mutex::new(std::collections::HashSet::new()),
+                bell: local_bell,
+                shares: shared.shares,
+                bells: Mutex::new(HashMap::new()),
+            },
+            nics: super::connect::NicSide {
+                status: verbs,
+                handle: nic,
+            },
+            gpus: super::gpu::GpuSide {
+                ordinal: gpu,
+                registered: AtomicU64::new(0),
+                ipc_counters: shared.ipc_counters,
+            },
+            regs: super::memory::Registry::new(),
             cfg,
         });
         let (threads, embedded) = match inner.cfg.mode {
             Mode::Managed => (spawn_shards(&inner, shards)?, Vec::new()),
             Mode::Embedded => (Vec::new(), shards),
         };
-        info!(id = inner.id, addr = %local, backend = %backend, shards = inner.cfg.shards, "endpoint started");
+        info!(id = inner.me.id, addr = %local, backend = %backend, shards = inner.cfg.shards, "endpoint started");
         Ok(Endpoint {
             inner,
             threads,

@@ -1,11 +1,47 @@
 //! The connection table: what the control side knows of each connection,
 //! its limits, and the forgetting of those the shards saw die.
 
-use super::*;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::mpsc::Receiver;
+use std::sync::{Arc, Mutex};
+
+use super::lanes::lanes_of;
+use super::{Inner, Peer};
+use crate::error::{ConnFault, ConnId, Error, Result};
+use crate::reactor::Command;
 
 /// Dead connections whose cause is remembered (then the memory starts
 /// over: a caller that asks that late gets `UnknownConn`).
 const DEAD_MEMORY: usize = 4096;
+
+/// The connection table: who is connected, and who died of what.
+pub(super) struct ConnTable {
+    pub(super) live: Mutex<HashMap<ConnId, ConnInfo>>,
+    /// The connection `add_remote`/`connect` made to each address.
+    pub(super) remotes: Mutex<HashMap<SocketAddr, ConnId>>,
+    /// Connections the shards saw die, with why; moved to `dead` on the
+    /// next control call.
+    pub(super) closed: Mutex<Receiver<(ConnId, ConnFault)>>,
+    /// Why each dead connection died, so every later call on it gets the
+    /// same cause (until `remove_remote`); at most `DEAD_MEMORY` entries.
+    pub(super) dead: Mutex<HashMap<ConnId, ConnFault>>,
+    pub(super) next_id: AtomicU64,
+}
+
+impl ConnTable {
+    /// Empty; `closed` hears of the connections the shards saw die.
+    pub(super) fn new(closed: Receiver<(ConnId, ConnFault)>) -> Self {
+        Self {
+            live: Mutex::new(HashMap::new()),
+            remotes: Mutex::new(HashMap::new()),
+            closed: Mutex::new(closed),
+            dead: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+        }
+    }
+}
 
 /// A connection's record on the control side.
 pub(super) struct ConnInfo {
@@ -41,12 +77,13 @@ impl Origin {
 impl Inner {
     /// Forgets connections the shards reported dead.
     pub(super) fn reap_closed(&self) {
-        let gone: Vec<(ConnId, ConnFault)> = self.closed.lock().expect("lock").try_iter().collect();
+        let gone: Vec<(ConnId, ConnFault)> =
+            self.conns.closed.lock().expect("lock").try_iter().collect();
         if gone.is_empty() {
             return;
         }
-        let mut conns = self.conns.lock().expect("lock");
-        let mut causes = self.dead.lock().expect("lock");
+        let mut conns = self.conns.live.lock().expect("lock");
+        let mut causes = self.conns.dead.lock().expect("lock");
         let mut dead = Vec::with_capacity(gone.len());
         for (c, cause) in gone {
             // A live entry only: a connection removed here is not dead.
@@ -74,7 +111,8 @@ impl Inner {
                 }
             }
         }
-        self.remotes
+        self.conns
+            .remotes
             .lock()
             .expect("lock")
             .retain(|_, c| !dead.contains(c));
@@ -83,7 +121,7 @@ impl Inner {
     /// The error for a call on `conn`, which is not live: the cause it
     /// died of, or that it is unknown.
     pub(super) fn gone(&self, conn: ConnId) -> Error {
-        match self.dead.lock().expect("lock").get(&conn) {
+        match self.conns.dead.lock().expect("lock").get(&conn) {
             Some(cause) => Error::ConnFailed {
                 conn,
                 cause: cause.clone(),
@@ -95,7 +133,7 @@ impl Inner {
     /// Fails with `LimitReached` when no further connection may open.
     pub(crate) fn check_conn_limit(&self) -> Result<()> {
         self.reap_closed();
-        if self.conns.lock().expect("lock").len() >= self.cfg.max_conns {
+        if self.conns.live.lock().expect("lock").len() >= self.cfg.max_conns {
             return Err(Error::LimitReached {
                 limit: "FERRY_MAX_CONNS",
                 max: self.cfg.max_conns,

@@ -55,6 +55,15 @@ const SWEEP_FLOOR: usize = 64;
 pub struct MessageOp(u64);
 
 /// The two-sided state of an endpoint.
+/// What peers send that is not an op: notifications and two-sided
+/// messages.
+pub(super) struct Mail {
+    /// The application's notifications, as the shards deliver them.
+    pub(super) inbox: Mutex<Receiver<(ConnId, Vec<u8>)>>,
+    /// Two-sided send/recv: the engine's own messages and the matching.
+    pub(super) messages: Messages,
+}
+
 pub(super) struct Messages {
     ctl: Mutex<Receiver<(ConnId, Vec<u8>)>>,
     state: Mutex<State>,
@@ -143,10 +152,17 @@ impl Endpoint {
         len: usize,
     ) -> Result<MessageOp> {
         let msg = mr.slice(offset, len)?;
-        if !self.inner.conns.lock().expect("lock").contains_key(&conn) {
+        if !self
+            .inner
+            .conns
+            .live
+            .lock()
+            .expect("lock")
+            .contains_key(&conn)
+        {
             return Err(self.inner.gone(conn));
         }
-        let mut st = self.inner.messages.state.lock().expect("lock");
+        let mut st = self.inner.mail.messages.state.lock().expect("lock");
         let id = st.new_id();
         let c = st.conns.entry(conn).or_default();
         if c.sends.len() + c.writing.len() >= MAX_POSTED_MESSAGES {
@@ -189,14 +205,21 @@ impl Endpoint {
         }
         let window = if max == 0 {
             mr.slice(offset, 0)?;
-            if !self.inner.conns.lock().expect("lock").contains_key(&conn) {
+            if !self
+                .inner
+                .conns
+                .live
+                .lock()
+                .expect("lock")
+                .contains_key(&conn)
+            {
                 return Err(self.inner.gone(conn));
             }
             RemoteBuf::default()
         } else {
             self.advertise(conn, mr, offset, max)?
         };
-        let mut st = self.inner.messages.state.lock().expect("lock");
+        let mut st = self.inner.mail.messages.state.lock().expect("lock");
         let id = st.new_id();
         let c = st.conns.entry(conn).or_default();
         if c.recvs.len() >= MAX_POSTED_MESSAGES {
@@ -229,6 +252,7 @@ impl Endpoint {
     pub fn poll_message(&self, op: MessageOp) -> Option<Result<usize>> {
         self.progress();
         self.inner
+            .mail
             .messages
             .state
             .lock()
@@ -268,12 +292,12 @@ impl Endpoint {
     /// connection held, and queue what is to be said.
     fn progress(&self) {
         let arrived: Vec<(ConnId, Vec<u8>)> = {
-            let rx = self.inner.messages.ctl.lock().expect("lock");
+            let rx = self.inner.mail.messages.ctl.lock().expect("lock");
             std::iter::from_fn(|| rx.try_recv().ok())
                 .take(256)
                 .collect()
         };
-        let mut st = self.inner.messages.state.lock().expect("lock");
+        let mut st = self.inner.mail.messages.state.lock().expect("lock");
         for (conn, bytes) in arrived {
             self.take_ctl(&mut st, conn, &bytes);
         }
@@ -304,7 +328,7 @@ impl Endpoint {
             return;
         }
         self.inner.reap_closed();
-        let live = self.inner.conns.lock().expect("lock");
+        let live = self.inner.conns.live.lock().expect("lock");
         st.conns
             .retain(|k, c| c.pending() || !c.offers.is_empty() || live.contains_key(k));
         drop(live);
@@ -315,7 +339,14 @@ impl Endpoint {
     /// that ended idle are swept as the map grows, so this stays near the
     /// open connections plus those with messages under way).
     pub fn message_conns(&self) -> usize {
-        self.inner.messages.state.lock().expect("lock").conns.len()
+        self.inner
+            .mail
+            .messages
+            .state
+            .lock()
+            .expect("lock")
+            .conns
+            .len()
     }
 
     /// One of the engine's messages from the peer on `conn`.

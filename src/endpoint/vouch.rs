@@ -45,6 +45,7 @@ impl Endpoint {
         let origin = self
             .inner
             .conns
+            .live
             .lock()
             .expect("lock")
             .get(&conn)
@@ -54,7 +55,7 @@ impl Endpoint {
             Some(Origin::Dialed { to, .. }) => return Ok(to == Some(at)),
             Some(Origin::Accepted { nonce }) => nonce,
         };
-        let mut ctl = Ctl::new(self.inner.backend)?;
+        let mut ctl = Ctl::new(self.inner.me.backend)?;
         let timeout = self.inner.cfg.connect_timeout();
         let dialed = handshake::vouch(&mut ctl, at, nonce, timeout, self.inner.auth_key())?;
         Ok(dialed.is_some_and(|d| self.is_ours(d)))
@@ -63,7 +64,12 @@ impl Endpoint {
     /// Whether `addr` reaches our listener: the address we advertise, or
     /// the one it is bound to.
     fn is_ours(&self, addr: SocketAddr) -> bool {
-        addr == self.inner.metadata.socket_addr()
-            || self.inner.listener.local_addr().is_ok_and(|l| l == addr)
+        addr == self.inner.me.metadata.socket_addr()
+            || self
+                .inner
+                .accept
+                .listener
+                .local_addr()
+                .is_ok_and(|l| l == addr)
     }
 }

@@ -2,7 +2,17 @@
 //! the sibling shards, CUDA copies for same-host requests and IPC ops,
 //! tcp frames staged through pinned bounce buffers, and IPC revocations.
 
-use super::*;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::Shard;
+use crate::error::OpKind;
+use crate::reactor::gpu::GpuWork;
+use crate::reactor::queue::{Command, CopyJoin, CopySlice};
+use crate::reactor::source::ConnRef;
+use crate::region::RegionSlice;
+use crate::wire::Status;
 
 impl Shard {
     /// Cuts each large same-host copy of this pass into a slice per shard:

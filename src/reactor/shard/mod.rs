@@ -22,23 +22,21 @@ use std::sync::mpsc::{self, Receiver};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
 use super::completion::CompletionTable;
 use super::gpu::GpuWork;
 use super::ledger::OpLedger;
 use super::local_side::LocalSide;
 pub(crate) use super::local_side::{LocalInit, LocalSetup};
-use super::queue::{Command, CopyJoin, CopySlice, OpCmd, RegionCmd, ShardHandle, WakeState};
+use super::queue::{Command, CopyJoin, OpCmd, RegionCmd, ShardHandle, WakeState};
 use super::routes::ConnRoutes;
-use super::source::{
-    apply_region_updates, Carrier, ConnCheck, ConnRef, Cx, Park, Source, SubmitCx,
-};
+use super::source::{apply_region_updates, Carrier, ConnRef, Park, Source, SubmitCx};
 pub use super::spin::SpinStats;
 use super::spin::{Next, LOADED_STALL_SHARE};
 use super::tcp_side::TcpSide;
-use crate::error::{ConnFault, ConnId, Error, OpKind, Result};
-use crate::region::{RegionSlice, RegionTable};
+use crate::error::{ConnFault, ConnId, Error, Result};
+use crate::region::RegionTable;
 use crate::wire::Status;
 
 /// Commands taken from the queue per `poll`, so one busy submitter cannot
@@ -143,7 +141,7 @@ pub struct Shard {
 /// fields for one pass (`gpu`: the GPU work, unless it is the source).
 macro_rules! cx {
     ($s:ident, $gpu:expr) => {
-        Cx {
+        $crate::reactor::source::Cx {
             regions: &mut $s.regions,
             updates: &$s.region_rx,
             done: &mut $s.ledger.done,

@@ -2,7 +2,13 @@
 //! is due (what it says: `Carrier::check`), the idle and op timeouts,
 //! and the dropping of connections that failed.
 
-use super::*;
+use std::time::{Duration, Instant};
+
+use tracing::{info, warn};
+
+use super::{route, Shard, HOT_LOCAL_CHECK, MAX_CHECK_INTERVAL, MAX_DUE_PER_CHECK};
+use crate::error::{ConnFault, ConnId};
+use crate::reactor::source::{ConnCheck, ConnRef};
 
 impl Shard {
     pub(super) fn remember_failed(&mut self, conn: ConnId, group: ConnId, cause: ConnFault) {

@@ -1,7 +1,7 @@
 //! Frame MACs on an authenticated connection: the tags that seal what we
 //! send, and the lengths they add.
 
-use super::*;
+use super::{Integrity, StreamProto, TxFrame, HDR, TAG_LEN};
 
 /// Domain labels, so a header tag and a payload tag of one frame differ.
 pub(super) const TAG_HEADER: &[u8] = b"H";

@@ -39,11 +39,11 @@ mod tx;
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use crate::auth::{ct_eq, FrameKey, Tag, TAG_LEN};
-use crate::error::{ConnFault, Error, OpKind};
-use crate::region::{Access, KeyRef, RegionSlice, Regions};
-use crate::wire::{DataHeader, DataKind, Status, DATA_HEADER_LEN};
-use crate::xfer::{Bounce, PendingOp, Sink, Stage};
+use crate::auth::{FrameKey, Tag, TAG_LEN};
+use crate::error::Error;
+use crate::region::RegionSlice;
+use crate::wire::{Status, DATA_HEADER_LEN};
+use crate::xfer::{PendingOp, Sink};
 
 pub(crate) use pack::{CodecCounters, PackChoice, PackMode, PackShared};
 

@@ -12,10 +12,17 @@
 //! gated until then, a READ completes then. A frame that does not decode
 //! to exactly its request kills the connection with the codec's reason.
 
+use std::time::Instant;
+
+use super::{Rx, StreamProto, TxPayload, HDR};
+use crate::error::{ConnFault, OpKind};
+use crate::region::{KeyRef, RegionSlice};
+use crate::wire::{DataHeader, DataKind, Status};
+use crate::xfer::{Sink, Stage};
+
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use super::*;
 use crate::codec::FloatType;
 use crate::wire::MAX_PACKED_FRAME;
 use crate::xfer::{CodecJob, CodecOutcome, CodecTicket, CodecWork, Held};

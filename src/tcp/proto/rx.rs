@@ -2,8 +2,17 @@
 //! handles one buffered unit at a time (header, payload, trailer,
 //! notification), with the responses to our requests.
 
+use std::time::Instant;
+
+use super::pack::Unpack;
+use super::{After, Rx, Step, StreamProto, Then, TxPayload, EMPTY_IOV, HDR};
+use crate::auth::{ct_eq, TAG_LEN};
+use crate::error::{ConnFault, OpKind};
+use crate::region::Regions;
+use crate::wire::{DataHeader, DataKind, Status};
+use crate::xfer::{Sink, Stage};
+
 use super::integrity::{TAG_HEADER, TAG_PAYLOAD};
-use super::*;
 
 impl StreamProto {
     /// Where the next received bytes go: the rest of a payload's
@@ -408,7 +417,7 @@ impl StreamProto {
             }
             if h.packed_len != 0 {
                 let dst = p.op.local.clone();
-                if !self.take_packed(h, dst, pack::Unpack::Read)? {
+                if !self.take_packed(h, dst, Unpack::Read)? {
                     return Ok(self.unread_header());
                 }
                 return Ok(true);

@@ -2,8 +2,12 @@
 //! and its payload received in place, a peer's READ request checked and
 //! answered from our memory.
 
-use super::pack;
-use super::*;
+use super::pack::{self, PackChoice};
+use super::{After, Rx, StreamProto, TxPayload};
+use crate::error::ConnFault;
+use crate::region::{Access, KeyRef, RegionSlice, Regions};
+use crate::wire::{DataHeader, DataKind, Status};
+use crate::xfer::{Bounce, Sink, Stage};
 
 /// The key a request header names.
 pub(super) fn key_of(h: &DataHeader) -> KeyRef {

@@ -2,8 +2,16 @@
 //! frames, gated frames held until their staged copy ends, and the iovecs
 //! of what may be written now.
 
+use std::time::Instant;
+
+use super::{FrameClass, Pending, Rx, StreamProto, TxFrame, TxPayload, HDR};
+use crate::auth::TAG_LEN;
+use crate::error::OpKind;
+use crate::region::{KeyRef, RegionSlice};
+use crate::wire::{DataHeader, DataKind, Status};
+use crate::xfer::PendingOp;
+
 use super::integrity::seal;
-use super::*;
 
 impl StreamProto {
     /// Queues a frame; numbers it, and tags it unless it is gated (then

@@ -2,6 +2,7 @@ use super::*;
 use crate::codec::Codec;
 use crate::error::ConnId;
 use crate::region::{Grant, Region, RegionTable};
+use crate::tcp::proto::{Step, StreamLimits};
 use crate::xfer::testing::{bytes_of, owned_region, RecSink, View};
 use std::collections::VecDeque;
 
