@@ -6,11 +6,13 @@ mod accept;
 mod batch;
 mod config;
 mod connect;
+mod conns;
 mod gpu;
 pub mod gpu_registry;
 mod lanes;
 mod local;
 mod memory;
+mod notes;
 mod ops;
 mod reg_cache;
 mod start;
@@ -23,13 +25,10 @@ pub use batch::Batch;
 pub use two_sided::MessageOp;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
-
-use tracing::{info, warn};
+use std::time::Duration;
 
 pub use config::{Compress, Config, Integrity, Mode, Secret, Transport};
 pub use memory::{MemoryRegion, MAX_WINDOWS};
@@ -38,10 +37,10 @@ pub use reg_cache::{RegCacheStats, SharedRegion};
 
 use crate::error::{ConnId, Error, Result};
 use crate::oob::IoBackend;
-use crate::reactor::{Command, NoteTicket, OpDesc, RegionCmd, Shard};
+use crate::reactor::{RegionCmd, Shard};
 use crate::region::{Access, Backing, Region};
 use crate::sys::random_u64;
-use crate::wire::{EndpointMetadata, RemoteBuf, MAX_NOTIFY_BYTES};
+use crate::wire::{EndpointMetadata, RemoteBuf};
 
 /// Sockets in handshake at once (the gate evicts the oldest beyond it).
 /// How long the passive accept thread waits in the gate at most (it is
@@ -251,165 +250,6 @@ impl Endpoint {
     /// Operations in flight or completed but not yet reaped.
     pub fn inflight_ops(&self) -> usize {
         self.inner.shards.table.in_use()
-    }
-}
-
-/// # Connections
-///
-/// Connecting (`add_remote`, `connect`), accepting, removing, and what
-/// a connection is (`peer`, `conn_status`).
-impl Endpoint {
-    /// Connects to the endpoint listening at `addr`.
-    pub fn connect(&self, addr: SocketAddr) -> Result<ConnId> {
-        self.inner.connect(addr)
-    }
-
-    /// Connects to the endpoint that `metadata` (seed byte format) names,
-    /// reusing the connection if one to that address exists.
-    pub fn add_remote(&self, metadata: &[u8]) -> Result<ConnId> {
-        let m = EndpointMetadata::decode(metadata)?;
-        let addr = m.socket_addr();
-        // A memoized connection that died is forgotten, so this reconnects.
-        self.inner.reap_closed();
-        if let Some(&c) = self.inner.conns.remotes.lock().expect("lock").get(&addr) {
-            return Ok(c);
-        }
-        let c = self.inner.connect(addr)?;
-        let mut remotes = self.inner.conns.remotes.lock().expect("lock");
-        // Another thread may have raced us; keep the first, close ours.
-        if let Some(&first) = remotes.get(&addr) {
-            drop(remotes);
-            let _ = self.remove_remote(c);
-            return Ok(first);
-        }
-        remotes.insert(addr, c);
-        Ok(c)
-    }
-
-    /// Closes a connection; its in-flight operations fail.
-    pub fn remove_remote(&self, conn: ConnId) -> Result<()> {
-        self.inner.reap_closed();
-        let info = self.inner.conns.live.lock().expect("lock").remove(&conn);
-        let Some(info) = info else {
-            // A dead connection is forgotten: its cause goes with it.
-            return match self.inner.conns.dead.lock().expect("lock").remove(&conn) {
-                Some(_) => Ok(()),
-                None => Err(Error::UnknownConn { conn }),
-            };
-        };
-        self.inner
-            .conns
-            .remotes
-            .lock()
-            .expect("lock")
-            .retain(|_, c| *c != conn);
-        let deadline = Instant::now() + self.inner.cfg.connect_timeout();
-        // Managed shards confirm, so that once this returns the connection
-        // serves no further request (an embedded shard is polled by the
-        // caller, who may be this thread: no waiting there).
-        let managed = self.inner.cfg.mode == Mode::Managed;
-        for (lane, shard) in self.inner.lanes(conn) {
-            let (ack, done) = mpsc::sync_channel(1);
-            shard.submit_blocking(
-                Command::RemoveConn(lane, managed.then_some(ack), "removed by remove_remote"),
-                deadline,
-            )?;
-            if managed {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if done.recv_timeout(left).is_err() {
-                    warn!(%conn, %lane, "shard did not confirm the removal in time");
-                }
-            }
-        }
-        info!(%conn, peer = %info.peer, "connection removed");
-        Ok(())
-    }
-
-    /// Waits up to `timeout` for one incoming connection.
-    /// A same-host peer (`Peer::Local`) connects over shared memory; a remote
-    /// one over tcp.
-    pub fn accept(&self, timeout: Duration) -> Result<(ConnId, Peer)> {
-        if self.inner.accept.passive.lock().expect("lock").is_some() {
-            return self.inner.next_accepted(timeout);
-        }
-        self.inner.accept_one(timeout)
-    }
-
-    /// Waits up to `timeout` for a same-host connection (the seed's
-    /// `accept_local`); returns it with the peer's endpoint id and pid. Tcp
-    /// connections that arrive meanwhile stay queued for [`accept`]. A
-    /// same-host peer may come by `connect_local` (our id) or by
-    /// `add_remote` (our metadata: its tcp handshake is answered here).
-    ///
-    /// [`accept`]: Endpoint::accept
-    pub fn accept_local(&self, timeout: Duration) -> Result<(ConnId, u64, u32)> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            self.inner.accept_local_step();
-            {
-                let mut q = self.inner.accept.queue.lock().expect("lock");
-                if let Some(i) = q.iter().position(|(_, p)| matches!(p, Peer::Local { .. })) {
-                    if let Some((conn, Peer::Local { endpoint_id, pid })) = q.remove(i) {
-                        return Ok((conn, endpoint_id, pid));
-                    }
-                }
-            }
-            if Instant::now() >= deadline {
-                return Err(Error::AcceptTimeout {
-                    timeout_ms: timeout.as_millis() as u64,
-                });
-            }
-            // A same-host peer that found us by our metadata (`add_remote`)
-            // handshakes over tcp first: drive those handshakes too (one
-            // that ends on tcp is queued for `accept`).
-            if self.inner.accept.passive.lock().expect("lock").is_some() {
-                std::thread::sleep(Duration::from_micros(200));
-            } else {
-                self.inner.accept_step(Duration::from_millis(1))?;
-            }
-        }
-    }
-
-    /// Accepts connections in the background until [`stop_accept`]; they
-    /// become usable as they arrive and are reported by [`accept`].
-    ///
-    /// [`stop_accept`]: Endpoint::stop_accept
-    /// [`accept`]: Endpoint::accept
-    pub fn start_passive_accept(&self) -> Result<()> {
-        let mut p = self.inner.accept.passive.lock().expect("lock");
-        if p.is_some() {
-            return Ok(());
-        }
-        let stop = Arc::new(AtomicBool::new(false));
-        let (inner, stop2) = (self.inner.clone(), stop.clone());
-        let t = std::thread::Builder::new()
-            .name("ferry-accept".to_owned())
-            .spawn(move || {
-                while !stop2.load(Ordering::Relaxed) {
-                    inner.accept_local_step();
-                    // The gate's own deadlines end its wait when a handshake
-                    // is due; same-host CONNECTs and stop_accept wake it. So
-                    // an idle endpoint wakes this thread twice a second.
-                    if let Err(e) = inner.accept_step(PASSIVE_ACCEPT_WAIT) {
-                        warn!("passive accept: {e}");
-                        std::thread::sleep(Duration::from_millis(10));
-                    }
-                }
-            })
-            .map_err(|e| Error::io("spawn accept thread", e))?;
-        *p = Some((stop, t));
-        Ok(())
-    }
-
-    /// Stops accepting in the background (`start_passive_accept`);
-    /// connections made stay.
-    pub fn stop_accept(&self) {
-        let p = self.inner.accept.passive.lock().expect("lock").take();
-        if let Some((stop, t)) = p {
-            stop.store(true, Ordering::Relaxed);
-            let _ = self.inner.accept.gate_waker.wake();
-            let _ = t.join();
-        }
     }
 }
 
@@ -624,206 +464,7 @@ impl Endpoint {
     }
 }
 
-/// # Notifications
-///
-/// Small messages to a peer's inbox, in order per connection, delivered or
-/// refused at the call (`FERRY_NOTIFY_OUTBOX`).
-impl Endpoint {
-    /// Sends a small message (at most 4096 bytes) to the peer's inbox.
-    ///
-    /// `Ok`: it arrives, in order with this connection's others, or the
-    /// connection fails (later calls get `ConnFailed` with the cause).
-    /// [`Error::NotifyOutboxFull`]: the connection already holds
-    /// `FERRY_NOTIFY_OUTBOX` notifications not yet sent (its peer is not
-    /// reading); nothing was taken, try again later.
-    pub fn send_notification(&self, conn: ConnId, msg: &[u8]) -> Result<()> {
-        if msg.len() > MAX_NOTIFY_BYTES {
-            return Err(Error::NotifyTooLong {
-                len: msg.len(),
-                max: MAX_NOTIFY_BYTES,
-            });
-        }
-        // A connection the shards already saw die says so here, rather
-        // than taking a notification it can no longer send.
-        self.inner.reap_closed();
-        // Counted from the call until its stream or ring takes it: past
-        // the bound the call is refused, so nothing accepted is dropped.
-        let ticket = {
-            let conns = self.inner.conns.live.lock().expect("lock");
-            let Some(info) = conns.get(&conn) else {
-                drop(conns);
-                return Err(self.inner.gone(conn));
-            };
-            let max = self.inner.cfg.notify_outbox;
-            NoteTicket::take(&info.outbox, max).map_err(|queued| Error::NotifyOutboxFull {
-                conn,
-                queued,
-                max,
-            })?
-        };
-        let deadline = Instant::now() + self.inner.cfg.connect_timeout();
-        // A connection spread over shards sends them on its first lane (in
-        // order with each other; ops complete before they are reported).
-        let (lane, shard) = self.inner.lanes(conn).next().expect("a lane");
-        let mut payload = Vec::with_capacity(1 + msg.len());
-        payload.push(crate::wire::NOTE_APP);
-        payload.extend_from_slice(msg);
-        shard.submit_blocking(
-            Command::Notify {
-                conn: lane,
-                payload,
-                ticket: Some(ticket),
-            },
-            deadline,
-        )
-    }
-
-    /// Waits up to `timeout` for a notification from any peer.
-    ///
-    /// A notification from a connection that uses RDMA verbs first flushes
-    /// the RDMA WRITEs into this endpoint's GPU memory
-    /// ([`flush_rdma_writes`](Self::flush_rdma_writes)), so a kernel
-    /// launched after it sees what the peer wrote before notifying (the
-    /// peer must notify after its WRITE completed: notifications travel on
-    /// tcp, not behind the WRITEs).
-    pub fn recv_notification(&self, timeout: Duration) -> Result<(ConnId, Vec<u8>)> {
-        let got = self
-            .inner
-            .mail
-            .inbox
-            .lock()
-            .expect("lock")
-            .recv_timeout(timeout);
-        match got {
-            Ok(n) => {
-                self.inner.flush_for_notification(n.0);
-                Ok(n)
-            }
-            Err(RecvTimeoutError::Timeout) => Err(Error::Timeout {
-                what: "a notification",
-                timeout_ms: timeout.as_millis() as u64,
-            }),
-            Err(RecvTimeoutError::Disconnected) => Err(Error::Shutdown),
-        }
-    }
-
-    /// A notification if one is waiting (flushed as by `recv_notification`).
-    pub fn try_recv_notification(&self) -> Option<(ConnId, Vec<u8>)> {
-        let n = self
-            .inner
-            .mail
-            .inbox
-            .lock()
-            .expect("lock")
-            .try_recv()
-            .ok()?;
-        self.inner.flush_for_notification(n.0);
-        Some(n)
-    }
-
-    /// Makes the RDMA WRITEs that NICs have completed into this endpoint's
-    /// registered GPU memory visible to GPU work launched afterwards
-    /// (`cuFlushGPUDirectRDMAWrites` on each GPU with registered memory).
-    /// A verbs completion at the initiator says the target's NIC placed
-    /// the bytes, not that the target's GPU sees them; call this before
-    /// using data that arrived by RDMA without a notification (e.g. a
-    /// polled flag). A no-op without registered GPU memory.
-    pub fn flush_rdma_writes(&self) -> Result<()> {
-        self.inner.flush_gpus()
-    }
-}
-
-/// One part of an op on a window. `same_host` says whether the
-/// connection is a same-host one (asked only for GPU memory). `borrow`:
-/// the op is queued now, so its slice need not hold a count of the region
-/// (`RegionSlice::borrowed`; its shard adopts it).
-pub(super) fn desc(
-    mr: &MemoryRegion,
-    offset: usize,
-    len: usize,
-    remote: &RemoteBuf,
-    same_host: &dyn Fn() -> bool,
-    borrow: bool,
-) -> Result<OpDesc> {
-    let local = if borrow {
-        mr.slice_borrowed(offset, len)?
-    } else {
-        mr.slice(offset, len)?
-    };
-    desc_of(local, remote, same_host)
-}
-
-/// One part of an op from a checked slice of ours (see [`desc`]).
-pub(super) fn desc_of(
-    local: crate::region::RegionSlice,
-    remote: &RemoteBuf,
-    same_host: &dyn Fn() -> bool,
-) -> Result<OpDesc> {
-    let len = local.len();
-    if local.is_device() && same_host() {
-        // A same-host target reaches GPU memory through its IPC handle;
-        // export it now so that a failure is this call's error. Over tcp
-        // and verbs nothing is exported: memory that cannot be (VMM,
-        // cudaMallocAsync pools) still moves there.
-        local.region().export_ipc()?;
-    }
-    if len > remote.size as usize {
-        return Err(Error::RemoteTooSmall {
-            len,
-            remote_size: remote.size,
-        });
-    }
-    Ok(OpDesc {
-        remote_addr: remote.addr,
-        rkey: remote.rkey,
-        tag: remote.key_tag(),
-        remote_device: remote.is_device(),
-        nic_rkeys: remote.nic_rkeys(),
-        dtype: remote
-            .dtype()
-            .and_then(crate::codec::FloatType::from_u8)
-            .or_else(|| local.region().dtype()),
-        local,
-    })
-}
-
 impl Inner {
-    /// Before a notification from `conn` reaches the application: if
-    /// `conn` uses verbs and GPU memory is registered here, flush the RDMA
-    /// WRITEs into it (what the peer wrote before notifying is then
-    /// visible to GPU work). A failed flush is logged: the notification
-    /// itself is still delivered.
-    fn flush_for_notification(&self, conn: ConnId) {
-        if self.gpus.registered.load(Ordering::Relaxed) == 0 || self.nics.handle.is_none() {
-            return;
-        }
-        let verbs = self
-            .conns
-            .live
-            .lock()
-            .expect("lock")
-            .get(&conn)
-            .is_some_and(|c| c.verbs);
-        if !verbs {
-            return;
-        }
-        if let Err(e) = self.flush_gpus() {
-            warn!(%conn, "flushing RDMA writes into GPU memory before a notification: {e}");
-        }
-    }
-
-    /// `cuFlushGPUDirectRDMAWrites` on every GPU with registered memory.
-    fn flush_gpus(&self) -> Result<()> {
-        let mask = self.gpus.registered.load(Ordering::Relaxed);
-        if mask == 0 {
-            return Ok(());
-        }
-        let cuda = crate::gpu::cuda()?;
-        (0..64)
-            .filter(|i| mask & (1u64 << i) != 0)
-            .try_for_each(|i| cuda.flush_rdma_writes(i))
-    }
-
     /// Requests in flight per stream, both ways: the smaller of ours and
     /// the peer's declaration (both sides compute the same). Queues are
     /// sized by it, so a peer declaring 2^20 reserves nothing beyond our

@@ -5,8 +5,9 @@
 //! endpoint's GPU streams; the seed's `write_ipc`/`read_ipc`).
 
 use super::lanes::Via;
-use super::{desc, Endpoint, MemoryRegion};
+use super::{Endpoint, MemoryRegion};
 use crate::error::{ConnId, Error, OpKind, Result};
+use crate::reactor::OpDesc;
 use crate::reactor::{IpcParts, OpParts, Transfer};
 use crate::region::Access;
 use crate::wire::{AnyWindow, IpcBuf, RemoteBuf};
@@ -52,6 +53,60 @@ fn check_local(kind: OpKind, locals: &[(&MemoryRegion, usize, usize)]) -> Result
         }),
         None => Ok(()),
     }
+}
+
+/// One part of an op on a window. `same_host` says whether the
+/// connection is a same-host one (asked only for GPU memory). `borrow`:
+/// the op is queued now, so its slice need not hold a count of the region
+/// (`RegionSlice::borrowed`; its shard adopts it).
+pub(super) fn desc(
+    mr: &MemoryRegion,
+    offset: usize,
+    len: usize,
+    remote: &RemoteBuf,
+    same_host: &dyn Fn() -> bool,
+    borrow: bool,
+) -> Result<OpDesc> {
+    let local = if borrow {
+        mr.slice_borrowed(offset, len)?
+    } else {
+        mr.slice(offset, len)?
+    };
+    desc_of(local, remote, same_host)
+}
+
+/// One part of an op from a checked slice of ours (see [`desc`]).
+pub(super) fn desc_of(
+    local: crate::region::RegionSlice,
+    remote: &RemoteBuf,
+    same_host: &dyn Fn() -> bool,
+) -> Result<OpDesc> {
+    let len = local.len();
+    if local.is_device() && same_host() {
+        // A same-host target reaches GPU memory through its IPC handle;
+        // export it now so that a failure is this call's error. Over tcp
+        // and verbs nothing is exported: memory that cannot be (VMM,
+        // cudaMallocAsync pools) still moves there.
+        local.region().export_ipc()?;
+    }
+    if len > remote.size as usize {
+        return Err(Error::RemoteTooSmall {
+            len,
+            remote_size: remote.size,
+        });
+    }
+    Ok(OpDesc {
+        remote_addr: remote.addr,
+        rkey: remote.rkey,
+        tag: remote.key_tag(),
+        remote_device: remote.is_device(),
+        nic_rkeys: remote.nic_rkeys(),
+        dtype: remote
+            .dtype()
+            .and_then(crate::codec::FloatType::from_u8)
+            .or_else(|| local.region().dtype()),
+        local,
+    })
 }
 
 mod sealed {

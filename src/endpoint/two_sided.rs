@@ -498,7 +498,7 @@ impl Endpoint {
     /// WRITEs `msg` into the start of `window`.
     fn write_from(&self, conn: ConnId, msg: RegionSlice, window: &RemoteBuf) -> Result<Transfer> {
         let same_host = || matches!(self.peer(conn), Some(super::Peer::Local { .. }));
-        let d = super::desc_of(msg, window, &same_host)?;
+        let d = super::ops::desc_of(msg, window, &same_host)?;
         let parts = crate::reactor::OpParts::One(d);
         self.inner
             .submit(conn, crate::error::OpKind::Write, parts, &mut Via::now())

@@ -21,143 +21,17 @@ use std::time::{Duration, Instant};
 
 use super::conn::{deal, Dealt, FramePart};
 use super::proto::{Integrity, Step, StreamLimits, StreamProto, NOTIFY_QUEUE};
-use crate::auth::{Direction, FrameKey, TAG_LEN};
+use crate::auth::{Direction, FrameKey};
 use crate::error::{ConnFault, ConnId, Error, OpKind, Result};
 use crate::region::{Grant, KeyRef, Region, RegionSlice, RegionTable};
 use crate::wire::testrng::Rng;
-use crate::wire::{DataHeader, DataKind, DATA_HEADER_LEN};
+use crate::wire::DATA_HEADER_LEN;
 use crate::xfer::testing::{self, bytes_of, RecSink, View};
 use crate::xfer::Progress;
 
 const HDR: usize = DATA_HEADER_LEN;
 const RKEY: u32 = 0x5151;
 const TAG: u64 = 0x7a67_7a67_0000_0001;
-
-/// How a relay spoils a header in flight.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Corrupt {
-    /// An unknown frame kind: a decode error.
-    Kind,
-    /// Non-zero reserved bits: a decode error.
-    Reserved,
-    /// A flipped op id: a response that matches no request.
-    OpId,
-    /// A flipped key tag: the target refuses the request (UnknownKey).
-    Tag,
-    /// A flipped payload byte (the first after the nth header).
-    Payload,
-    /// A forged READ request slipped in before the nth header.
-    Inject,
-}
-
-/// The faults of one run.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Faults {
-    /// Writes and reads move a few random bytes at a time.
-    pub fragment: bool,
-    /// Each stream delays its bytes by up to this many µs (its own amount).
-    pub delay_us: u64,
-    /// (side, from µs, for µs): that side reads nothing in the window.
-    pub stop_reading: Option<(usize, u64, u64)>,
-    /// (direction a→b = 0, stream, bytes): the stream dies after that many
-    /// bytes in that direction; the reader sees them, then end of stream.
-    pub cut: Option<(usize, usize, usize)>,
-    /// The connection resets at this virtual time (µs).
-    pub reset_at_us: Option<u64>,
-    /// (direction, stream, bytes): the sender goes quiet after that many
-    /// bytes, the connection staying open (a stopped process).
-    pub stall: Option<(usize, usize, usize)>,
-    /// (direction, nth header on stream 0, how).
-    pub corrupt: Option<(usize, usize, Corrupt)>,
-    /// Notifications the receiving application holds before it must drain
-    /// (a full inbox pushes back through the stream).
-    pub inbox_cap: usize,
-    /// Frame MACs on every stream: `Some(full)`.
-    pub integrity: Option<bool>,
-}
-
-/// One direction of one stream: the kernel's send and receive buffers.
-struct Pipe {
-    /// Bytes in flight, each with the virtual time it may be read.
-    bytes: VecDeque<(u64, u8)>,
-    cap: usize,
-    delay_us: u64,
-    /// Bytes accepted so far, and the count after which the pipe dies.
-    accepted: usize,
-    cut_after: Option<usize>,
-    /// Bytes handed to the reader, and the count it never gets past.
-    delivered: usize,
-    stall_after: Option<usize>,
-    closed: bool,
-    relay: Relay,
-}
-
-/// Watches frames go by (headers and payload lengths) and can spoil one
-/// header, as a hostile box on the path would.
-struct Relay {
-    hdr: Vec<u8>,
-    payload_left: u64,
-    headers_seen: usize,
-    corrupt: Option<(usize, Corrupt)>,
-    /// Frame MACs on the link: `Some(full)` (the relay only skips them).
-    integrity: Option<bool>,
-    /// A payload byte is to be flipped (`Corrupt::Payload`).
-    flip_next_payload: bool,
-}
-
-impl Relay {
-    /// Passes `b` on, changed if it completes the header to spoil.
-    fn pass(&mut self, out: &mut Vec<u8>, b: u8) {
-        if self.payload_left > 0 {
-            self.payload_left -= 1;
-            out.push(if std::mem::take(&mut self.flip_next_payload) {
-                b ^ 0x10
-            } else {
-                b
-            });
-            return;
-        }
-        self.hdr.push(b);
-        let tag = if self.integrity.is_some() { TAG_LEN } else { 0 };
-        if self.hdr.len() < HDR + tag {
-            return;
-        }
-        let mut h = std::mem::take(&mut self.hdr);
-        if let Ok(d) = DataHeader::decode(&h[..HDR]) {
-            let len = d.payload_len();
-            let trailer = if self.integrity == Some(true) && len > 0 {
-                TAG_LEN as u64
-            } else {
-                0
-            };
-            self.payload_left = len + trailer;
-        }
-        if let Some((nth, how)) = self.corrupt {
-            if nth == self.headers_seen {
-                match how {
-                    Corrupt::Kind => h[0] = 0x7f,
-                    Corrupt::Reserved => h[2] = 1,
-                    Corrupt::OpId => h[8] ^= 0x40,
-                    Corrupt::Tag => h[32] ^= 0x01,
-                    Corrupt::Payload => self.flip_next_payload = true,
-                    Corrupt::Inject => {
-                        let forged = DataHeader::request(DataKind::ReadReq, RKEY, TAG, 0xbad, 0, 8);
-                        out.extend_from_slice(&forged.encode());
-                        out.extend(std::iter::repeat_n(0u8, tag));
-                    }
-                }
-            }
-        }
-        self.headers_seen += 1;
-        out.extend_from_slice(&h);
-    }
-}
-
-impl Pipe {
-    fn room(&self) -> usize {
-        self.cap - self.bytes.len()
-    }
-}
 
 /// An operation one side started, as its application sees it.
 struct OpRec {
@@ -757,35 +631,9 @@ impl Pair {
     }
 }
 
-/// A workload: both sides start a mix of READs and WRITEs (single- and
-/// multi-frame) and some notifications.
-fn workload(p: &mut Pair, seed: u64, ops: usize) {
-    let mut rng = Rng(seed ^ 0xabcdef);
-    for i in 0..ops {
-        let s = i % 2;
-        let kind = if rng.below(2) == 0 {
-            OpKind::Write
-        } else {
-            OpKind::Read
-        };
-        let len = match rng.below(4) {
-            0 => 1 + rng.below(64) as usize,
-            1 => 1 + rng.below(8 << 10) as usize,
-            _ => 1 + rng.below(96 << 10) as usize,
-        };
-        p.start_op(s, kind, len);
-        if rng.below(4) == 0 {
-            let n = rng.below(300) as usize;
-            p.notify(s, (0..n).map(|j| (j as u8) ^ (i as u8)).collect());
-        }
-    }
-}
-
-fn run(seed: u64, streams: usize, faults: Faults) -> Report {
-    let mut p = Pair::new(seed, streams, faults);
-    workload(&mut p, seed, 40);
-    p.run()
-}
-
+mod link;
 #[cfg(test)]
 mod tests;
+
+pub(crate) use link::{Corrupt, Faults};
+use link::{Pipe, Relay};

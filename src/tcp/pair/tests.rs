@@ -1,5 +1,35 @@
 use super::*;
 
+/// A workload: both sides start a mix of READs and WRITEs (single- and
+/// multi-frame) and some notifications.
+fn workload(p: &mut Pair, seed: u64, ops: usize) {
+    let mut rng = Rng(seed ^ 0xabcdef);
+    for i in 0..ops {
+        let s = i % 2;
+        let kind = if rng.below(2) == 0 {
+            OpKind::Write
+        } else {
+            OpKind::Read
+        };
+        let len = match rng.below(4) {
+            0 => 1 + rng.below(64) as usize,
+            1 => 1 + rng.below(8 << 10) as usize,
+            _ => 1 + rng.below(96 << 10) as usize,
+        };
+        p.start_op(s, kind, len);
+        if rng.below(4) == 0 {
+            let n = rng.below(300) as usize;
+            p.notify(s, (0..n).map(|j| (j as u8) ^ (i as u8)).collect());
+        }
+    }
+}
+
+fn run(seed: u64, streams: usize, faults: Faults) -> Report {
+    let mut p = Pair::new(seed, streams, faults);
+    workload(&mut p, seed, 40);
+    p.run()
+}
+
 const SEEDS: std::ops::Range<u64> = 1..9;
 
 #[test]
