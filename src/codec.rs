@@ -28,14 +28,20 @@ use std::fmt;
 pub enum FloatType {
     /// Opaque bytes: zstd on all of them.
     Bytes = 0,
+    /// bfloat16: 8 exponent bits (a plane of their own), 7 mantissa.
     Bf16 = 1,
+    /// IEEE half: 5 exponent bits, 10 mantissa.
     Fp16 = 2,
+    /// IEEE single: 8 exponent bits, 23 mantissa.
     Fp32 = 3,
+    /// 8-bit float, 4 exponent bits and 3 mantissa (OCP E4M3).
     Fp8E4m3 = 4,
+    /// 8-bit float, 5 exponent bits and 2 mantissa (OCP E5M2).
     Fp8E5m2 = 5,
 }
 
 impl FloatType {
+    /// The type a wire byte names (its discriminant); `None` for any other.
     pub fn from_u8(v: u8) -> Option<Self> {
         Some(match v {
             0 => Self::Bytes,
@@ -101,18 +107,46 @@ pub const MAX_CHUNK: usize = u32::MAX as usize;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CodecError {
     /// Shorter than its header or than its lengths say.
-    Truncated { len: usize, need: usize },
+    Truncated {
+        /// Bytes there were.
+        len: usize,
+        /// Bytes needed.
+        need: usize,
+    },
     /// A version, flag or dtype we do not know.
-    Unknown { what: &'static str, value: u8 },
+    Unknown {
+        /// Which field.
+        what: &'static str,
+        /// Its value.
+        value: u8,
+    },
     /// It describes `len` bytes where `expected` were asked.
-    Length { len: u64, expected: usize },
+    Length {
+        /// Bytes the frame describes.
+        len: u64,
+        /// Bytes asked for.
+        expected: usize,
+    },
     /// Its lengths do not add up (`payload` bytes after the header).
-    Inconsistent { packed: u64, payload: usize },
+    Inconsistent {
+        /// The packed plane's length the header gives.
+        packed: u64,
+        /// Bytes after the header.
+        payload: usize,
+    },
     /// The packed plane does not decode to exactly `expected` bytes, or
     /// fails zstd's checksum.
-    Packed { why: String, expected: usize },
+    Packed {
+        /// zstd's complaint, or how many bytes came out.
+        why: String,
+        /// Bytes it must decode to.
+        expected: usize,
+    },
     /// The chunk is larger than a frame can describe.
-    TooLarge { len: usize },
+    TooLarge {
+        /// The chunk's length.
+        len: usize,
+    },
 }
 
 impl fmt::Display for CodecError {
@@ -160,6 +194,7 @@ impl fmt::Debug for Codec {
 }
 
 impl Codec {
+    /// A codec with its zstd contexts (checksums on), scratch empty.
     pub fn new() -> std::io::Result<Self> {
         use zstd::zstd_safe::CParameter as P;
         let mut cctx = zstd::bulk::Compressor::new(LEVEL)?;

@@ -73,6 +73,8 @@
 //! # }
 //! ```
 
+#![warn(missing_docs)]
+
 pub(crate) mod auth;
 pub mod codec;
 #[cfg(feature = "directory")]
@@ -91,6 +93,10 @@ pub(crate) mod sync;
 pub(crate) mod sys;
 pub(crate) mod tcp;
 pub mod verbs;
+// The wire formats: public for the CLI, the fuzz targets and the faces
+// (C, Python, NIXL), not a user's API; what a user handles of them
+// (metadata, windows) is re-exported below.
+#[doc(hidden)]
 pub mod wire;
 pub(crate) mod xfer;
 

@@ -41,6 +41,7 @@ pub enum Stage {
 }
 
 impl Stage {
+    /// Every stage, in the order an op reaches them.
     pub const ALL: [Stage; 9] = [
         Stage::Submit,
         Stage::Submitted,
@@ -60,11 +61,14 @@ pub const ENABLED: bool = cfg!(feature = "stage-trace");
 #[cfg(not(feature = "stage-trace"))]
 mod imp {
     use super::Stage;
+    /// Nothing: this build stamps no stage.
     #[inline(always)]
     pub fn mark(_: Stage) {}
+    /// 0: this build stamps no stage.
     pub fn get(_: Stage) -> u64 {
         0
     }
+    /// Nothing to share: this build stamps no stage.
     pub fn attach(_: &std::path::Path) -> std::io::Result<()> {
         Ok(())
     }
@@ -138,11 +142,13 @@ mod imp {
         ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
     }
 
+    /// Stamps the time stage `s` was reached.
     #[inline]
     pub fn mark(s: Stage) {
         stamps()[s as usize].store(now_ns(), Ordering::Relaxed);
     }
 
+    /// The last stamp of stage `s`, ns of `CLOCK_MONOTONIC` (0: never).
     pub fn get(s: Stage) -> u64 {
         stamps()[s as usize].load(Ordering::Relaxed)
     }

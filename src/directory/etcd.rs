@@ -10,18 +10,27 @@ use serde_json::{json, Value};
 
 use super::http::{self, HttpError, Messages, Response};
 
+/// Why an etcd call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum EtcdError {
+    /// The HTTP exchange failed (connect, deadline, a malformed answer).
     #[error(transparent)]
     Http(#[from] HttpError),
+    /// etcd answered with an error, or with JSON we could not read.
     #[error("etcd {call}: {why}")]
-    Reply { call: &'static str, why: String },
+    Reply {
+        /// The call ("put", "range", "lease grant", …).
+        call: &'static str,
+        /// What etcd said, or what was wrong with its answer.
+        why: String,
+    },
 }
 
 type R<T> = Result<T, EtcdError>;
 
 const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 
+/// Standard base64 with padding (how the v3 JSON gateway carries bytes).
 pub fn b64(data: &[u8]) -> String {
     let mut o = String::with_capacity(data.len().div_ceil(3) * 4);
     for c in data.chunks(3) {
@@ -39,6 +48,7 @@ pub fn b64(data: &[u8]) -> String {
     o
 }
 
+/// Decodes standard base64 (padding optional); `None` for anything else.
 pub fn unb64(s: &str) -> Option<Vec<u8>> {
     let s = s.trim_end_matches('=');
     let mut out = Vec::with_capacity(s.len() * 3 / 4);
@@ -72,16 +82,22 @@ pub fn prefix_end(prefix: &[u8]) -> Vec<u8> {
 /// One stored key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Kv {
+    /// The key.
     pub key: Vec<u8>,
+    /// Its value (empty from a keys-only range).
     pub value: Vec<u8>,
+    /// The lease it is attached to (0: none).
     pub lease: i64,
+    /// The revision of its last change.
     pub mod_revision: i64,
 }
 
 /// A watch event.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
+    /// The key was written.
     Put(Kv),
+    /// The key was deleted.
     Delete(Vec<u8>),
 }
 
@@ -108,7 +124,9 @@ fn kv(v: &Value) -> Option<Kv> {
 /// A client of one etcd member's gateway.
 #[derive(Debug, Clone)]
 pub struct Etcd {
+    /// The member's client address.
     pub addr: SocketAddr,
+    /// Each call's deadline.
     pub timeout: Duration,
 }
 
@@ -167,6 +185,7 @@ impl Etcd {
         Ok((left, v.get("grantedTTL").and_then(int).unwrap_or(0)))
     }
 
+    /// Revokes lease `id` (its keys go with it).
     pub fn revoke(&self, id: i64) -> R<()> {
         self.call(
             "lease revoke",
@@ -176,6 +195,7 @@ impl Etcd {
         .map(|_| ())
     }
 
+    /// Writes `key` = `value`, attached to `lease` (0: none).
     pub fn put(&self, key: &[u8], value: &[u8], lease: i64) -> R<()> {
         let mut body = json!({ "key": b64(key), "value": b64(value) });
         if lease != 0 {
@@ -276,6 +296,7 @@ impl Etcd {
             .collect()
     }
 
+    /// Deletes every key under `prefix`.
     pub fn delete_prefix(&self, prefix: &[u8]) -> R<()> {
         let body = json!({ "key": b64(prefix), "range_end": b64(&prefix_end(prefix)) });
         self.call("delete", "/v3/kv/deleterange", body).map(|_| ())

@@ -29,29 +29,55 @@ use etcd::{Change, Etcd, EtcdError};
 use crate::endpoint::Endpoint;
 use crate::error::ConnId;
 
+/// Why a directory call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum DirError {
+    /// etcd could not be reached, or refused or garbled the call.
     #[error("directory: {0}")]
     Etcd(#[from] EtcdError),
+    /// A name, cluster or record that is not one we accept.
     #[error("directory: {what} {value:?}: {why}")]
     Bad {
+        /// What it is ("name", "cluster", "record", …).
         what: &'static str,
+        /// The value given (or found).
         value: String,
+        /// What is wrong with it.
         why: String,
     },
+    /// Nothing is published under the name.
     #[error("directory: no endpoint named {name:?} in cluster {cluster:?}")]
-    NotFound { cluster: String, name: String },
+    NotFound {
+        /// The cluster looked in.
+        cluster: String,
+        /// The name looked for.
+        name: String,
+    },
+    /// The endpoint has no window of that name.
     #[error("directory: {name:?} has no window {window:?}")]
-    NoWindow { name: String, window: String },
+    NoWindow {
+        /// The endpoint's name.
+        name: String,
+        /// The window asked for.
+        window: String,
+    },
+    /// A live endpoint holds the name.
     #[error(
         "directory: {name:?} is held by a live endpoint (incarnation {incarnation:016x}); \
          publish_replacing (ferry serve --replace) takes it over"
     )]
-    Taken { name: String, incarnation: u64 },
+    Taken {
+        /// The name.
+        name: String,
+        /// The holder's incarnation.
+        incarnation: u64,
+    },
+    /// The endpoint failed (connecting to a name found).
     #[error("directory: {0}")]
     Endpoint(#[from] crate::error::Error),
 }
 
+/// A directory call's result.
 pub type Result<T> = std::result::Result<T, DirError>;
 
 /// The longest `publish` waits for a holder of the name that has stopped
@@ -101,11 +127,13 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
 /// A published endpoint as others see it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry {
+    /// The name it is published under.
     pub name: String,
     /// The endpoint's metadata bytes (the seed's format): `add_remote` them.
     pub metadata: Vec<u8>,
     /// Random per publication: a restarted peer has a new one.
     pub incarnation: u64,
+    /// The address its metadata names.
     pub addr: SocketAddr,
     /// (window name, its `RemoteBuf`/`IpcBuf` bytes), by name.
     pub windows: Vec<(String, Vec<u8>)>,
@@ -116,15 +144,32 @@ pub struct Entry {
 pub enum Event {
     /// Published (first time, or again after a restart: a new incarnation).
     Up {
+        /// The publication's incarnation.
         incarnation: u64,
     },
     /// Its entry is gone: the process closed, died, or lost its lease.
     Gone,
+    /// A window of this name was published (or published again).
     WindowSet(String),
+    /// The window of this name was removed.
     WindowGone(String),
 }
 
 /// A client of the directory of one cluster.
+///
+/// ```no_run
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # let ep = ferry::Endpoint::builder().build()?;
+/// # let client = ferry::Endpoint::builder().build()?;
+/// use ferry::directory::Directory;
+/// let dir = Directory::new("http://127.0.0.1:2379", "ferry")?;
+/// // The target: its name held while `_held` lives (a lease, renewed).
+/// let _held = dir.publish(&ep, "prefill-0", std::time::Duration::from_secs(10))?;
+/// // A peer: from the name to a connection.
+/// let conn = dir.connect_by_name(&client, "prefill-0")?;
+/// # let _ = conn;
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct Directory {
     etcd: Etcd,
@@ -560,6 +605,7 @@ pub struct Publication {
 }
 
 impl Publication {
+    /// This publication's incarnation (random; a restart makes a new one).
     pub fn incarnation(&self) -> u64 {
         self.incarnation
     }
@@ -579,6 +625,7 @@ impl Publication {
         Ok(())
     }
 
+    /// Removes window `name` from the publication.
     pub fn remove_window(&self, name: &str) -> Result<()> {
         check_name("window", name)?;
         self.shared

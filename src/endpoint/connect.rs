@@ -106,7 +106,7 @@ impl Inner {
     ) -> Result<Option<Box<crate::verbs::DynLink>>> {
         #[cfg(feature = "rdma")]
         {
-            let Some(nic) = &self.nic else {
+            let Some(nic) = &self.nics.handle else {
                 return Ok(None);
             };
             // Both hellos, as the accepting side decides (`wants_verbs`):
@@ -115,7 +115,7 @@ impl Inner {
             if !ours.both_offer(peer, crate::wire::CAP_VERBS) {
                 return Ok(None);
             }
-            let ctl = std::cell::RefCell::new(Ctl::new(self.backend)?);
+            let ctl = std::cell::RefCell::new(Ctl::new(self.me.backend)?);
             let chunk = self.cfg.chunk_bytes.min(1 << 30) as u32;
             let link = crate::verbs::link::exchange(
                 nic,

@@ -18,6 +18,21 @@ use crate::wire::RemoteBuf;
 /// it ends; raw memory (`register_raw`) is waited for, so that the caller
 /// may free it after `deregister` returns.
 ///
+/// ```
+/// # fn main() -> ferry::Result<()> {
+/// # let mut cfg = ferry::Config::default();
+/// # cfg.listen_addr = "127.0.0.1".parse().unwrap();
+/// # let ep = ferry::Endpoint::builder().config(cfg).build()?;
+/// let mr = ep.alloc(4096)?; // or ep.register(vec), or register_raw
+/// mr.write_at(0, b"kv block")?;
+/// let window = mr.advertise(0, 4096)?; // what a peer WRITEs to or READs from
+/// let mut back = [0u8; 8];
+/// mr.read_at(0, &mut back)?;
+/// assert_eq!(&back, b"kv block");
+/// # let _ = window;
+/// # Ok(()) }
+/// ```
+///
 /// [`read_at`]: MemoryRegion::read_at
 pub struct MemoryRegion {
     pub(crate) inner: Arc<Region>,

@@ -156,6 +156,17 @@ struct Me {
 }
 /// A transfer engine endpoint: one control listener, N shards, and the
 /// connections and registrations they serve.
+///
+/// ```
+/// # fn main() -> ferry::Result<()> {
+/// let mut cfg = ferry::Config::default();
+/// cfg.listen_addr = "127.0.0.1".parse().unwrap();
+/// let ep = ferry::Endpoint::builder().config(cfg).build()?;
+/// // What a peer needs to connect (send it over any channel).
+/// let meta = ep.metadata_bytes();
+/// assert_eq!(ferry::EndpointMetadata::decode(&meta)?.port, ep.metadata().port);
+/// # Ok(()) }
+/// ```
 pub struct Endpoint {
     inner: Arc<Inner>,
     threads: Vec<JoinHandle<()>>,

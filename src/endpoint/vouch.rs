@@ -34,7 +34,7 @@ impl Endpoint {
     ///
     /// ```no_run
     /// # fn f(ep: &ferry::Endpoint, conn: ferry::ConnId, trusted: &[u8]) -> ferry::Result<()> {
-    /// let meta = ferry::wire::EndpointMetadata::decode(trusted)?;
+    /// let meta = ferry::EndpointMetadata::decode(trusted)?;
     /// if !ep.vouch(conn, meta.socket_addr())? {
     ///     ep.remove_remote(conn)?; // it claimed a name it does not hold
     /// }

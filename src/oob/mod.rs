@@ -26,7 +26,10 @@ use crate::error::{Error, Result};
 /// Which mechanism the control path uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IoBackend {
+    /// io_uring: one-shot operations with linked timeouts.
     Uring,
+    /// epoll readiness and non-blocking calls (where io_uring is refused,
+    /// as in many containers).
     Epoll,
 }
 
@@ -42,8 +45,11 @@ impl std::fmt::Display for IoBackend {
 /// What the caller asked for (`FERRY_IO`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IoPreference {
+    /// io_uring where it works, else epoll (the default).
     Auto,
+    /// io_uring or an error.
     Uring,
+    /// epoll, even where io_uring works.
     Epoll,
 }
 

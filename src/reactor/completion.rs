@@ -296,6 +296,23 @@ impl CompletionTable {
 
 /// An operation in flight. Poll it, wait for it, or drop it (the operation
 /// still runs to completion; only its result is discarded).
+///
+/// ```
+/// # fn main() -> ferry::Result<()> {
+/// # let mut cfg = ferry::Config::default();
+/// # cfg.listen_addr = "127.0.0.1".parse().unwrap();
+/// # let target = ferry::Endpoint::builder().config(cfg.clone()).build()?;
+/// # let initiator = ferry::Endpoint::builder().config(cfg).build()?;
+/// # target.start_passive_accept()?;
+/// # let window = target.alloc(4096)?.advertise(0, 4096)?;
+/// # let conn = initiator.add_remote(&target.metadata_bytes())?;
+/// let src = initiator.register(vec![7u8; 4096])?;
+/// let mut t = initiator.write_async(conn, &src, 0, 4096, &window)?;
+/// while t.poll().is_none() {
+///     // other work; `t.wait()` blocks instead
+/// }
+/// # Ok(()) }
+/// ```
 pub struct Transfer {
     table: Arc<CompletionTable>,
     idx: u32,

@@ -48,6 +48,7 @@ pub struct NicSet {
     /// of that shard: the shard polls it once per pass, however many
     /// connections it carries. (First: dropped before the NICs.)
     pub(super) shared: std::sync::Mutex<std::collections::HashMap<(usize, usize), Arc<SharedCq>>>,
+    /// The opened NICs, best first.
     pub nics: Vec<Nic>,
     pub(super) events: NicEvents,
 }
@@ -127,6 +128,8 @@ pub(super) const INLINE_MAX: u32 = 64;
 const MAX_FATAL_QPS: usize = 4096;
 
 impl NicSet {
+    /// The set of `nics` (1..=`MAX_NICS`, else a panic), their async event
+    /// descriptors made non-blocking (the shards poll them).
     pub fn new(nics: Vec<Nic>) -> NicSet {
         assert!(
             (1..=crate::wire::MAX_NICS).contains(&nics.len()),
@@ -323,6 +326,7 @@ pub fn device_names() -> std::result::Result<Vec<String>, String> {
 
 /// One opened NIC port.
 pub struct Nic {
+    /// Its libibverbs name (`mlx5_0`).
     pub name: String,
     pub(super) ctx: Arc<DeviceContext>,
     pub(super) pd: Arc<ProtectionDomain>,
@@ -337,6 +341,7 @@ pub struct Nic {
 }
 
 impl Nic {
+    /// Opens NIC `name`'s port with `cfg` (its GID chosen, its PD made).
     pub fn open(name: &str, cfg: &VerbsConfig) -> Result<Nic> {
         let list = DeviceList::new().map_err(|e| verbs_err("ibv_get_device_list", e))?;
         let dev = list

@@ -13,6 +13,7 @@
 //! whenever verbs is off.
 
 pub mod nic;
+#[doc(hidden)]
 pub mod plan;
 
 #[cfg(feature = "rdma")]
@@ -328,20 +329,29 @@ pub fn sysfs_root() -> std::path::PathBuf {
 /// Verbs settings (`FERRY_RDMA_*`).
 #[derive(Debug, Clone)]
 pub struct VerbsConfig {
+    /// The NIC port (1 on every NIC we drive).
     pub port: u8,
     /// `FERRY_RDMA_GID_INDEX`; `None`: `nic::best_gid` picks one.
     pub gid_index: Option<u32>,
+    /// `FERRY_RDMA_QPS`: data queue pairs per connection.
     pub n_qps: usize,
     /// `FERRY_RDMA_MAX_NICS`: NICs opened and striped over (1..=4).
     pub max_nics: usize,
+    /// `FERRY_RDMA_QP_DEPTH`: work requests each data queue pair holds.
     pub qp_depth: u32,
+    /// `FERRY_RDMA_SL`: the queue pairs' service level.
     pub service_level: u8,
+    /// `FERRY_RDMA_TC`: the queue pairs' traffic class.
     pub traffic_class: u8,
     /// `FERRY_RDMA_MAX_RD_ATOMIC`: outstanding RDMA READs per QP.
     pub max_rd_atomic: u8,
+    /// The QP's local ACK timeout exponent (4.096 µs × 2^timeout).
     pub timeout: u8,
+    /// Retransmissions before a QP errors.
     pub retry_cnt: u8,
+    /// Work requests chained into one post (one doorbell).
     pub max_wr_per_post: usize,
+    /// Every this many work requests one is signalled (completes in the CQ).
     pub signal_every: usize,
 }
 

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 /// An RDMA device and where it sits on the PCIe tree.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Nic {
+    /// Its libibverbs name (`mlx5_0`).
     pub name: String,
     /// Canonical sysfs path of its PCI function
     /// (`/sys/devices/pci0000:00/0000:00:01.0/0000:03:00.0`).
@@ -166,7 +167,9 @@ fn gid_score(gid: &[u8; 16], kind: &str) -> Option<u8> {
 /// A GID table entry as sysfs shows it, and how good it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GidChoice {
+    /// Its index in the port's GID table.
     pub index: u32,
+    /// The GID.
     pub gid: [u8; 16],
     /// `gid_attrs/types/<i>` ("RoCE v2", "IB/RoCE v1"; empty on IB ports
     /// of older kernels).

@@ -237,6 +237,7 @@ impl Shard {
         Ok((shard, handle))
     }
 
+    /// This shard's index in its endpoint (0..shards).
     pub fn id(&self) -> usize {
         self.id
     }
