@@ -9,6 +9,47 @@ use std::net::{IpAddr, Ipv4Addr};
 
 use tracing::warn;
 
+/// A libc return value that says "failed, see errno" by being -1.
+pub(crate) trait MinusOne: Copy + PartialEq {
+    /// -1 of this type.
+    const MINUS_ONE: Self;
+}
+
+impl MinusOne for i32 {
+    const MINUS_ONE: Self = -1;
+}
+
+impl MinusOne for i64 {
+    const MINUS_ONE: Self = -1;
+}
+
+impl MinusOne for isize {
+    const MINUS_ONE: Self = -1;
+}
+
+/// The one place a libc call's -1 becomes an `io::Error` with its errno
+/// (std's `cvt`); `syscall!` calls it.
+pub(crate) fn cvt<T: MinusOne>(r: T) -> io::Result<T> {
+    if r == T::MINUS_ONE {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+/// `syscall!(fstat(fd, &mut st))`: calls libc's `fstat` and returns its
+/// result as an `io::Result` (errno on -1), as mio's `syscall!` does. The
+/// call is unsafe: a `// SAFETY:` comment above each use says why its
+/// arguments are valid, as for any unsafe block.
+macro_rules! syscall {
+    ($fn:ident ( $($arg:expr),* $(,)? )) => {{
+        // SAFETY: stated at the macro's call site (see above).
+        let r = unsafe { libc::$fn($($arg),*) };
+        $crate::sys::cvt(r)
+    }};
+}
+pub(crate) use syscall;
+
 /// 32 random bits (PSNs and the like).
 #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
 pub(crate) fn random_u32() -> u32 {
@@ -83,12 +124,9 @@ pub(crate) fn move_off_this_core() -> bool {
         }
         let mut elsewhere = allowed;
         libc::CPU_CLR(cur, &mut elsewhere);
-        let moved = libc::sched_setaffinity(0, SIZE, &elsewhere) == 0;
-        if libc::sched_setaffinity(0, SIZE, &allowed) != 0 {
-            warn!(
-                "could not restore this thread's core affinity: {}",
-                std::io::Error::last_os_error()
-            );
+        let moved = cvt(libc::sched_setaffinity(0, SIZE, &elsewhere)).is_ok();
+        if let Err(e) = cvt(libc::sched_setaffinity(0, SIZE, &allowed)) {
+            warn!("could not restore this thread's core affinity: {e}");
         }
         moved
     }
@@ -101,12 +139,12 @@ pub(crate) fn pin_to_core(core: usize) {
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(core, &mut set);
-        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-            warn!(
-                core,
-                "could not pin shard thread: {}",
-                std::io::Error::last_os_error()
-            );
+        if let Err(e) = cvt(libc::sched_setaffinity(
+            0,
+            std::mem::size_of::<libc::cpu_set_t>(),
+            &set,
+        )) {
+            warn!(core, "could not pin shard thread: {e}");
         }
     }
 }
@@ -334,16 +372,10 @@ impl MemfdBuf {
     pub fn new(len: usize) -> crate::error::Result<MemfdBuf> {
         let name = std::ffi::CString::new("ferry-host").expect("no NUL");
         // SAFETY: valid name; flags are plain bits.
-        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(crate::error::Error::io(
-                "memfd_create",
-                io::Error::last_os_error(),
-            ));
-        }
+        let fd = syscall!(memfd_create(name.as_ptr(), libc::MFD_CLOEXEC))
+            .map_err(|e| crate::error::Error::io("memfd_create", e))?;
         // SAFETY: fd is ours.
-        if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
-            let e = io::Error::last_os_error();
+        if let Err(e) = syscall!(ftruncate(fd, len as libc::off_t)) {
             // SAFETY: fd is ours.
             unsafe { libc::close(fd) };
             return Err(crate::error::Error::io("ftruncate(memfd)", e));
@@ -373,8 +405,10 @@ pub(crate) fn pid_alive(pid: u32) -> bool {
         return false;
     }
     // SAFETY: signal 0 only checks for existence and permission.
-    let r = unsafe { libc::kill(pid as i32, 0) };
-    r == 0 || io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+    match syscall!(kill(pid as i32, 0)) {
+        Ok(_) => true,
+        Err(e) => e.raw_os_error() == Some(libc::EPERM),
+    }
 }
 
 pub(crate) fn this_pid() -> u32 {

@@ -441,3 +441,18 @@ fn no_file_takes_all_of_its_parent() {
         .collect();
     assert!(globbing.is_empty(), "`use super::*` in {globbing:?}");
 }
+
+/// errno is read in one place: `sys::cvt` (which `syscall!` calls), and
+/// `sys.rs`'s own calls with other conventions (mmap's MAP_FAILED).
+#[test]
+fn errno_is_read_in_one_place() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let reading: Vec<_> = files
+        .iter()
+        .filter(|f| !f.ends_with("sys.rs") && !f.ends_with("tests.rs"))
+        .filter(|f| code_of(&std::fs::read_to_string(f).unwrap()).contains("last_os_error"))
+        .collect();
+    assert!(reading.is_empty(), "errno read outside sys.rs: {reading:?}");
+}

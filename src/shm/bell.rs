@@ -33,14 +33,13 @@
 
 use crate::sync::{fence, AtomicU32, AtomicU64, Ordering};
 use std::ffi::CString;
-use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use super::object::{create_mapping, map_existing, pid_ns, unlink};
 use super::ring::Header;
 pub(crate) use super::ring::BELL_MAGIC;
 use crate::error::{Error, Result};
-use crate::sys::{this_pid, Mapping};
+use crate::sys::{syscall, this_pid, Mapping};
 
 const BELL_VERSION: u32 = 1;
 /// Rings one doorbell serves (per shard); connections past it are polled.
@@ -193,27 +192,23 @@ impl Bell {
         // SAFETY: valid path.
         unsafe { libc::unlink(path.as_ptr()) };
         // SAFETY: valid path.
-        if unsafe { libc::mkfifo(path.as_ptr(), 0o600) } != 0 {
-            let e = io::Error::last_os_error();
+        if let Err(e) = syscall!(mkfifo(path.as_ptr(), 0o600)) {
             unlink(&name);
             return Err(Error::io("mkfifo(doorbell)", e));
         }
         // O_RDWR: the FIFO always has a writer (us), so it never reports
         // end-of-file and opening it never blocks.
+        let flags = libc::O_RDWR | libc::O_NONBLOCK | libc::O_CLOEXEC;
         // SAFETY: valid path.
-        let fd = unsafe {
-            libc::open(
-                path.as_ptr(),
-                libc::O_RDWR | libc::O_NONBLOCK | libc::O_CLOEXEC,
-            )
+        let fd = match syscall!(open(path.as_ptr(), flags)) {
+            Ok(fd) => fd,
+            Err(e) => {
+                // SAFETY: valid path.
+                unsafe { libc::unlink(path.as_ptr()) };
+                unlink(&name);
+                return Err(Error::io("open(doorbell fifo)", e));
+            }
         };
-        if fd < 0 {
-            let e = io::Error::last_os_error();
-            // SAFETY: valid path.
-            unsafe { libc::unlink(path.as_ptr()) };
-            unlink(&name);
-            return Err(Error::io("open(doorbell fifo)", e));
-        }
         let bell = Bell {
             map,
             // SAFETY: `fd` was just opened (checked above) and is ours.
@@ -290,16 +285,10 @@ impl RemoteBell {
         // O_RDWR, not O_WRONLY: we are a reader of the FIFO too, so when its
         // owner dies a ring is a byte into a full-or-not pipe (EAGAIN at
         // worst), never EPIPE and the SIGPIPE that kills a C host.
+        let flags = libc::O_RDWR | libc::O_NONBLOCK | libc::O_CLOEXEC;
         // SAFETY: valid path. O_NONBLOCK: never wait for a reader.
-        let fd = unsafe {
-            libc::open(
-                path.as_ptr(),
-                libc::O_RDWR | libc::O_NONBLOCK | libc::O_CLOEXEC,
-            )
-        };
-        if fd < 0 {
-            return Err(Error::io("open(doorbell fifo)", io::Error::last_os_error()));
-        }
+        let fd = syscall!(open(path.as_ptr(), flags))
+            .map_err(|e| Error::io("open(doorbell fifo)", e))?;
         // SAFETY: `fd` was just opened (checked above) and is ours.
         let fifo = unsafe { OwnedFd::from_raw_fd(fd) };
         // SAFETY: stat of an fd we hold into a zeroed struct.

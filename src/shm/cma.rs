@@ -7,6 +7,7 @@ use std::io;
 
 use super::local::PeerMemory;
 use crate::region::RegionSlice;
+use crate::sys::syscall;
 
 /// The driver's `PeerMemory`.
 pub(crate) struct Cma;
@@ -79,16 +80,11 @@ unsafe fn cma_v(
         local.len() as libc::c_ulong,
     );
     // SAFETY: the caller's contract; `n` iovecs on both sides.
-    let got = unsafe {
-        if read_from_peer {
-            libc::process_vm_readv(pid as i32, l, n, r, n, 0)
-        } else {
-            libc::process_vm_writev(pid as i32, l, n, r, n, 0)
-        }
-    };
-    if got < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    let got = if read_from_peer {
+        syscall!(process_vm_readv(pid as i32, l, n, r, n, 0))
+    } else {
+        syscall!(process_vm_writev(pid as i32, l, n, r, n, 0))
+    }?;
     if got as usize != want {
         return Err(io::Error::other("process_vm copied part of a batch"));
     }
@@ -122,16 +118,11 @@ pub(crate) unsafe fn cma(
         // SAFETY: `l` lies in memory the caller checked and keeps alive; the
         // remote iovec is only dereferenced by the kernel, in the peer's
         // address space, with its own permission checks.
-        let n = unsafe {
-            if read_from_peer {
-                libc::process_vm_readv(pid as i32, &l, 1, &r, 1, 0)
-            } else {
-                libc::process_vm_writev(pid as i32, &l, 1, &r, 1, 0)
-            }
-        };
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let n = if read_from_peer {
+            syscall!(process_vm_readv(pid as i32, &l, 1, &r, 1, 0))
+        } else {
+            syscall!(process_vm_writev(pid as i32, &l, 1, &r, 1, 0))
+        }?;
         if n == 0 {
             return Err(io::Error::other("process_vm copied nothing"));
         }

@@ -11,7 +11,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
 
 use super::local::{PeerMap, PeerMaps};
-use crate::sys::Mapping;
+use crate::sys::{cvt, Mapping};
 
 /// Regions per message (and descriptors per SCM_RIGHTS).
 pub const MAX_PER_MSG: usize = 64;
@@ -45,14 +45,6 @@ fn own(fd: RawFd) -> OwnedFd {
     unsafe { OwnedFd::from_raw_fd(fd) }
 }
 
-fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
-    if r < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(r)
-    }
-}
-
 /// A blocking call on socket `fd`, made again when a signal interrupted
 /// it, with the socket's timeouts cut to what is left before `deadline`
 /// (a retry must not start the whole timeout again: a stream of signals
@@ -64,13 +56,9 @@ fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
 /// the kernel).
 fn restart(fd: i32, deadline: Instant, mut call: impl FnMut() -> isize) -> io::Result<isize> {
     loop {
-        let r = call();
-        if r >= 0 {
-            return Ok(r);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(e);
+        match cvt(call()) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            done => return done,
         }
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
@@ -323,13 +311,11 @@ fn read_message(fd: i32) -> io::Result<Option<Received>> {
     let mut mh = msghdr(&mut iov, &mut ctl);
     // SAFETY: every pointer in mh refers to live local buffers.
     let got = unsafe { libc::recvmsg(fd, &mut mh, libc::MSG_CMSG_CLOEXEC | libc::MSG_DONTWAIT) };
-    if got < 0 {
-        let e = io::Error::last_os_error();
-        return match e.kind() {
-            io::ErrorKind::WouldBlock => Ok(None),
-            _ => Err(e),
-        };
-    }
+    let got = match cvt(got) {
+        Ok(got) => got,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(None),
+        Err(e) => return Err(e),
+    };
     let mut fds = Vec::new();
     // SAFETY: walking the control buffer the kernel filled, with its macros.
     unsafe {

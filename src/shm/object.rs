@@ -2,12 +2,11 @@
 //! removing them, and sweeping those whose owner died.
 
 use std::ffi::CString;
-use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use super::ring::{Header, BELL_MAGIC, RING_MAGIC};
 use crate::error::{Error, Result};
-use crate::sys::{pid_alive, Mapping};
+use crate::sys::{pid_alive, syscall, Mapping};
 
 fn cname(name: &str) -> CString {
     CString::new(name).expect("ring names have no NUL")
@@ -164,18 +163,14 @@ pub(crate) fn unlink(name: &str) {
 pub(crate) fn map_existing(name: &str) -> Result<Mapping> {
     let c = cname(name);
     // SAFETY: valid name.
-    let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0) };
-    if fd < 0 {
-        return Err(Error::io("shm_open", io::Error::last_os_error()));
-    }
+    let fd = syscall!(shm_open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC, 0))
+        .map_err(|e| Error::io("shm_open", e))?;
     // SAFETY: `fd` was just opened (checked above) and is ours.
     let guard = unsafe { OwnedFd::from_raw_fd(fd) };
     // SAFETY: stat of an fd we hold into a zeroed struct.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: as above.
-    if unsafe { libc::fstat(fd, &mut st) } != 0 {
-        return Err(Error::io("fstat(shm)", io::Error::last_os_error()));
-    }
+    syscall!(fstat(fd, &mut st)).map_err(|e| Error::io("fstat(shm)", e))?;
     if st.st_mode & libc::S_IFMT != libc::S_IFREG {
         return Err(Error::Unsupported {
             what: "opening a shared-memory object",
@@ -194,46 +189,44 @@ pub(crate) fn create_mapping(name: &str, len: usize) -> Result<Mapping> {
     let c = cname(name);
     let mut retried = false;
     loop {
+        let flags = libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_CLOEXEC;
         // SAFETY: c is a valid NUL-terminated name.
-        let fd = unsafe {
-            libc::shm_open(
-                c.as_ptr(),
-                libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_CLOEXEC,
-                0o600,
-            )
-        };
-        if fd < 0 {
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EEXIST) && !retried {
-                retried = true;
-                let refuse = |reason: String| Error::Unsupported {
-                    what: "creating a shared-memory object",
-                    reason: format!("{name} {reason}"),
-                };
-                let found = peek(name);
-                match found {
-                    Peek::NotOurs => {
-                        return Err(refuse(
-                            "exists and is not a regular file of this user: left alone".into(),
-                        ))
-                    }
-                    Peek::Owned { pid, .. } if !found.owner_gone() => {
-                        return Err(refuse(format!("is in use by live process {pid}")))
-                    }
-                    _ => {
-                        tracing::warn!(name, "removing an object left by a process that is gone");
-                        unlink(name);
-                        continue;
+        let fd = match syscall!(shm_open(c.as_ptr(), flags, 0o600)) {
+            Ok(fd) => fd,
+            Err(e) => {
+                if e.raw_os_error() == Some(libc::EEXIST) && !retried {
+                    retried = true;
+                    let refuse = |reason: String| Error::Unsupported {
+                        what: "creating a shared-memory object",
+                        reason: format!("{name} {reason}"),
+                    };
+                    let found = peek(name);
+                    match found {
+                        Peek::NotOurs => {
+                            return Err(refuse(
+                                "exists and is not a regular file of this user: left alone".into(),
+                            ))
+                        }
+                        Peek::Owned { pid, .. } if !found.owner_gone() => {
+                            return Err(refuse(format!("is in use by live process {pid}")))
+                        }
+                        _ => {
+                            tracing::warn!(
+                                name,
+                                "removing an object left by a process that is gone"
+                            );
+                            unlink(name);
+                            continue;
+                        }
                     }
                 }
+                return Err(Error::io("shm_open(O_CREAT)", e));
             }
-            return Err(Error::io("shm_open(O_CREAT)", e));
-        }
+        };
         // SAFETY: `fd` was just opened (checked above) and is ours.
         let guard = unsafe { OwnedFd::from_raw_fd(fd) };
         // SAFETY: fd is ours; ftruncate sizes the new object.
-        if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
-            let e = io::Error::last_os_error();
+        if let Err(e) = syscall!(ftruncate(fd, len as libc::off_t)) {
             unlink(name);
             return Err(Error::io("ftruncate(shm)", e));
         }

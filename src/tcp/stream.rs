@@ -8,7 +8,7 @@ use std::os::fd::AsRawFd;
 use super::proto::{Step, StreamLimits, StreamProto, MAX_IOV};
 use crate::error::ConnFault;
 use crate::region::Regions;
-use crate::sys::LazyClock;
+use crate::sys::{syscall, LazyClock};
 use crate::xfer::Sink;
 
 pub(crate) struct Stream {
@@ -95,10 +95,9 @@ impl Stream {
             // SAFETY: the engine's iovecs point into frame headers it owns
             // and payloads its frames hold alive (`RegionSlice`s, owned
             // buffers); nothing changes them before `on_sent`.
-            let n = unsafe { libc::sendmsg(fd, &mh, libc::MSG_NOSIGNAL) };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                match e.kind() {
+            let n = match syscall!(sendmsg(fd, &mh, libc::MSG_NOSIGNAL)) {
+                Ok(n) => n,
+                Err(e) => match e.kind() {
                     io::ErrorKind::WouldBlock => {
                         self.writable = false;
                         if let Some(m) = self.proto.link_meter() {
@@ -108,8 +107,8 @@ impl Stream {
                     }
                     io::ErrorKind::Interrupted => continue,
                     _ => return Err(ConnFault::from_io("send", &e)),
-                }
-            }
+                },
+            };
             progress = true;
             self.proto.on_sent(n as usize);
             if let Some(m) = self.proto.link_meter() {
@@ -165,18 +164,17 @@ impl Stream {
             let n_iov = self.proto.rx_iovecs(&mut iov);
             // SAFETY: the engine's iovecs are a payload destination it holds
             // alive (a checked `RegionSlice`) and its own buffer.
-            let n = unsafe { libc::readv(fd, iov.as_ptr(), n_iov as libc::c_int) };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                match e.kind() {
+            let n = match syscall!(readv(fd, iov.as_ptr(), n_iov as libc::c_int)) {
+                Ok(n) => n,
+                Err(e) => match e.kind() {
                     io::ErrorKind::WouldBlock => {
                         self.readable = false;
                         return Ok(progress);
                     }
                     io::ErrorKind::Interrupted => continue,
                     _ => return Err(ConnFault::from_io("receive", &e)),
-                }
-            }
+                },
+            };
             if n == 0 {
                 return Err(ConnFault::closed_by_peer());
             }
