@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A/B of two builds of ferry, measured alternately in the same minutes:
-# the way every latency claim in BENCHMARKS.md is made.
+# the way every latency claim in docs/benchmarks-log.md is made.
 #
 #   benches/ab.sh [--rounds N] [--seconds S] [--points LIST] REV_A REV_B
 #

@@ -113,7 +113,7 @@ pub use wire::{AnyWindow, EndpointMetadata, IpcBuf, RemoteBuf};
 /// Whether the same-host (shared-memory) path can work on this machine;
 /// `Err` says why not.
 pub fn probe_shm() -> std::result::Result<(), String> {
-    shm::probe()
+    shm::probe().map_err(|e| e.to_string())
 }
 
 /// The address an endpoint puts in its metadata when none is configured:

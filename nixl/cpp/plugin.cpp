@@ -64,6 +64,8 @@ constexpr std::chrono::milliseconds PIECE_ROOM_WAIT{10000};
 // connections at most MAX_CLAIMS at once.
 constexpr size_t MAX_AGENT_NAME = 256;
 constexpr size_t MAX_CLAIMS = 4096;
+// Unproven names logged (a flood of names logs this many lines at most).
+constexpr size_t MAX_UNPROVEN_SAID = 8;
 // Notifications taken per getNotifs call (the rest wait for the next).
 constexpr int MAX_NOTIFS_PER_CALL = 4096;
 
@@ -472,6 +474,8 @@ private:
     mutable std::unordered_map<uint64_t, std::string> conns_;
     // Accepted connections whose name was vouched for (a subset of conns_).
     mutable std::unordered_set<uint64_t> proven_;
+    // Unproven names taken so far, as far as the log says (MAX_UNPROVEN_SAID).
+    size_t unproven_said_ = 0;
     mutable std::unordered_map<uint64_t, std::map<uint64_t, Partial>> partial_;
     mutable uint64_t next_msg_id_ = 1;
     uint64_t arrivals_ = 0;
@@ -705,6 +709,14 @@ bool nixlFerryEngine::hello(uint64_t conn, const std::string &agent) {
             if (claimed_.size() >= MAX_CLAIMS) return false;
             claimed_.emplace(agent, conn);
             conns_[conn] = agent;
+            // Said, not proven: NIXL loaded nothing to check it against.
+            if (unproven_said_ < MAX_UNPROVEN_SAID) {
+                unproven_said_++;
+                std::fprintf(stderr, "ferry nixl: connection %llu says it is %s, whose conn info is "
+                                     "not loaded: taken unproven until it is%s\n",
+                             (unsigned long long)conn, agent.c_str(),
+                             unproven_said_ == MAX_UNPROVEN_SAID ? " (further ones not logged)" : "");
+            }
             return true;
         }
         holder = it->second;

@@ -903,7 +903,7 @@ pub fn gpu_bus_id(index: usize) -> PyResult<String> {
 /// The same-host endpoint that published GPU `bus_id` (any spelling).
 #[pyfunction]
 pub fn endpoint_of_gpu(bus_id: &str) -> PyResult<u64> {
-    ferry::endpoint::gpu_registry::find(bus_id).map_err(FerryError::new_err)
+    ferry::endpoint::gpu_registry::find(bus_id).map_err(|e| FerryError::new_err(e.to_string()))
 }
 
 /// The GPU bus id endpoint `endpoint_id` published, or "".

@@ -12,7 +12,7 @@ use tracing::{info, warn};
 
 use super::table::{ConnInfo, Origin};
 use super::{Inner, Peer};
-use crate::error::{ConnId, Error, Result};
+use crate::error::{ConnFault, ConnId, Error, Result};
 use crate::reactor::Command;
 use crate::region::{Backing, Region};
 use crate::shm::bell::RemoteBell;
@@ -29,6 +29,14 @@ pub(crate) const PAIR_RING_SLOTS: usize = 1024;
 
 fn refuse(what: &'static str, reason: String) -> Error {
     Error::Unsupported { what, reason }
+}
+
+/// What a refusal says (to the peer, in our error): its reason alone.
+fn reason(f: &ConnFault) -> String {
+    match f {
+        ConnFault::Refused { why } => why.clone(),
+        other => other.to_string(),
+    }
 }
 
 /// The same-host side: the accept ring's CONNECTs, local peers, the
@@ -190,16 +198,16 @@ impl Inner {
         connect::push_msg(&accept, &m, &client_proof, deadline)?;
         let (ack, inline) = connect::await_msg(&rx, deadline, self.cfg.connect_timeout_ms)?;
         let peer = connect::check_ack(&ack, &inline, peer_id, self.me.id, nonce, self.auth_key())
-            .map_err(|why| refuse("a same-host connection", why))?;
+            .map_err(|f| refuse("a same-host connection", reason(&f)))?;
         let tx = self.open_ring(&pair_ring_name(self.me.id, peer_id, conn.0 as u32), peer_id)?;
         let inflight = self.agreed_inflight(peer.inflight as usize);
         let mut lc = LocalConn::new(
             conn, peer_id, peer.pid, peer.conn, rx, tx, inflight, inflight,
         );
         // We serve the peer's requests by copying its memory: check we can.
-        if let Err(why) = probe_cma(peer.pid, peer.canary) {
+        if let Err(f) = probe_cma(peer.pid, peer.canary) {
             lc.send_close();
-            return Err(refuse("a same-host connection", why));
+            return Err(refuse("a same-host connection", reason(&f)));
         }
         self.share_with(peer_id, &self.my_shared_regions());
         self.local.peers.lock().expect("lock").insert(peer_id);
@@ -267,13 +275,15 @@ impl Inner {
         let me = connect::this_side(self.me.id, conn.0 as u32, self.cfg.stream_inflight as u32);
         let checked =
             connect::check_connect(m, inline, self.me.id, self.auth_key()).and_then(|peer| {
-                self.check_conn_limit().map_err(|e| e.to_string())?;
+                self.check_conn_limit()
+                    .map_err(|e| ConnFault::refused(e.to_string()))?;
                 probe_cma(peer.pid, peer.canary)?;
                 Ok(peer)
             });
         let peer = match checked {
             Ok(peer) => peer,
-            Err(why) => {
+            Err(f) => {
+                let why = reason(&f);
                 let (ack, text) = connect::ack_msg(&me, Err(&why), None, peer_id);
                 connect::push_msg(&tx, &ack, &text, deadline)?;
                 return Err(refuse("a same-host connection", why));

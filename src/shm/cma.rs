@@ -6,6 +6,7 @@
 use std::io;
 
 use super::local::PeerMemory;
+use crate::error::ConnFault;
 use crate::region::RegionSlice;
 use crate::sys::syscall;
 
@@ -136,14 +137,17 @@ pub(crate) unsafe fn cma(
 pub(crate) static CMA_CANARY: u64 = 0x6665_7272_795f_636d;
 
 /// Whether this process can read `pid`'s memory at `addr` (the peer's canary).
-pub(crate) fn probe_cma(pid: u32, addr: u64) -> std::result::Result<(), String> {
+/// `Err`: the peer is refused (a same-host connection needs it).
+pub(crate) fn probe_cma(pid: u32, addr: u64) -> std::result::Result<(), ConnFault> {
     let mut v = 0u64;
     // SAFETY: `v` is 8 bytes of our stack, live for the call.
     match unsafe { cma(pid, &mut v as *mut u64 as *mut u8, addr, 8, true) } {
         Ok(()) if v == CMA_CANARY => Ok(()),
-        Ok(()) => Err(format!(
+        Ok(()) => Err(ConnFault::refused(format!(
             "read {v:#x} at the peer's canary, expected {CMA_CANARY:#x}"
-        )),
-        Err(e) => Err(format!("process_vm_readv of pid {pid}: {e}")),
+        ))),
+        Err(e) => Err(ConnFault::refused(format!(
+            "process_vm_readv of pid {pid}: {e}"
+        ))),
     }
 }

@@ -15,7 +15,7 @@ use super::cma::CMA_CANARY;
 use super::named_ring::ShmRing;
 use super::ring::SLOT_PAYLOAD;
 use crate::auth::{ct_eq, proof};
-use crate::error::{Error, Result};
+use crate::error::{ConnFault, Error, Result};
 use crate::sys::this_pid;
 use crate::wire::shm_msg::{Msg, MsgKind, MAX_INLINE};
 
@@ -72,11 +72,13 @@ pub(crate) fn check_connect(
     inline: &[u8],
     my_id: u64,
     key: Option<&[u8]>,
-) -> std::result::Result<Side, String> {
+) -> std::result::Result<Side, ConnFault> {
     if let Some(k) = key {
         let expected = proof(k, "local-client", my_id, m.aux2, m.aux, my_id);
         if !ct_eq(inline, &expected) {
-            return Err("authentication failed: wrong or missing proof of FERRY_AUTH_KEY".into());
+            return Err(ConnFault::refused(
+                "authentication failed: wrong or missing proof of FERRY_AUTH_KEY",
+            ));
         }
     }
     Ok(Side {
@@ -126,17 +128,25 @@ pub(crate) fn check_ack(
     my_id: u64,
     nonce: u64,
     key: Option<&[u8]>,
-) -> std::result::Result<Side, String> {
+) -> std::result::Result<Side, ConnFault> {
     if ack.kind != MsgKind::ConnectAck || ack.aux != peer_id {
-        return Err(format!("peer answered {:?} from {:#x}", ack.kind, ack.aux));
+        return Err(ConnFault::misbehaved(format!(
+            "peer answered {:?} from {:#x}",
+            ack.kind, ack.aux
+        )));
     }
     if ack.status != 0 {
-        return Err(format!("peer refused: {}", String::from_utf8_lossy(inline)));
+        return Err(ConnFault::refused(format!(
+            "peer refused: {}",
+            String::from_utf8_lossy(inline)
+        )));
     }
     if let Some(k) = key {
         let expected = proof(k, "local-server", nonce, 0, peer_id, my_id);
         if !ct_eq(inline, &expected) {
-            return Err("the peer's authentication proof is wrong or missing".into());
+            return Err(ConnFault::misbehaved(
+                "the peer's authentication proof is wrong or missing",
+            ));
         }
     }
     Ok(Side {
@@ -226,10 +236,12 @@ mod tests {
             if key.is_some() {
                 assert!(check_ack(&ack, &ap, 2, 1, 556, key)
                     .unwrap_err()
+                    .to_string()
                     .contains("proof"));
             }
             assert!(check_ack(&ack, &ap, 3, 1, 555, key)
                 .unwrap_err()
+                .to_string()
                 .contains("from 0x2"));
         }
     }
@@ -239,12 +251,15 @@ mod tests {
         let a = side(1, 7);
         let (m, _) = connect_msg(&a, 555, 2, None);
         let e = check_connect(&m, &[], 2, Some(KEY)).unwrap_err();
-        assert!(e.contains("authentication failed"), "{e}");
+        assert!(e.to_string().contains("authentication failed"), "{e}");
         let (m, p) = connect_msg(&a, 555, 2, Some(b"another secret!!"));
         assert!(check_connect(&m, &p, 2, Some(KEY)).is_err());
         let (ack, text) = ack_msg(&side(2, 0), Err("too many connections"), None, 1);
         let (ack, text) = wire(&ack, &text);
         let e = check_ack(&ack, &text, 2, 1, 555, None).unwrap_err();
-        assert!(e.contains("peer refused: too many connections"), "{e}");
+        assert!(
+            e.to_string().contains("peer refused: too many connections"),
+            "{e}"
+        );
     }
 }

@@ -22,10 +22,10 @@ pub(crate) mod ring;
 
 /// Whether same-host connections can work here: a ring can be created in
 /// /dev/shm and an abstract Unix socket bound. `Err` says why not.
-pub fn probe() -> Result<(), String> {
+pub fn probe() -> crate::error::Result<()> {
     let name = format!("/ferry-probe-{:x}", std::process::id());
-    named_ring::ShmRing::create(&name, 2, 0).map_err(|e| format!("shared memory: {e}"))?;
+    named_ring::ShmRing::create(&name, 2, 0)?;
     fdpass::FdListener::bind(u64::from(std::process::id()) << 32 | 0xfeed)
-        .map_err(|e| format!("abstract Unix socket for fd passing: {e}"))?;
+        .map_err(|e| crate::error::Error::io("an abstract Unix socket for fd passing", e))?;
     Ok(())
 }

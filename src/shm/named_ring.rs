@@ -70,7 +70,7 @@ impl ShmRing {
         let producer =
             unsafe { Ring::attach(theirs.ptr(), len) }.map_err(|reason| Error::Unsupported {
                 what: "attaching a memfd ring",
-                reason,
+                reason: reason.to_string(),
             })?;
         let view = |ring, map| ShmRing {
             ring,

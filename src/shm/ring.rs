@@ -19,6 +19,7 @@
 //! code on heap memory, under Miri too.
 
 use crate::sync::{fence, AtomicU32, AtomicU64, Ordering, UnsafeCell};
+use crate::wire::DecodeError;
 
 pub const RING_MAGIC: u64 = u64::from_le_bytes(*b"FRYRING1");
 /// The magic of a doorbell page (`bell.rs`), which starts with the same
@@ -203,14 +204,22 @@ impl Ring {
     /// # Safety
     /// `base` must be 128-byte aligned and valid for `len` bytes for as long
     /// as the returned value lives.
-    pub unsafe fn attach(base: *mut u8, len: usize) -> Result<Ring, String> {
+    pub unsafe fn attach(base: *mut u8, len: usize) -> Result<Ring, DecodeError> {
+        let what = "ring header";
         if len < ring_bytes(1) {
-            return Err(format!("mapping of {len} bytes is too small for a ring"));
+            return Err(DecodeError::BadLength {
+                what: "ring mapping",
+                len,
+                expected: "at least a one-slot ring",
+            });
         }
         // SAFETY: len covers the header, per the check above.
         let h = unsafe { &*(base as *const Header) };
         if h.magic.load(Ordering::Acquire) != RING_MAGIC {
-            return Err("no ring magic (not a ferry ring, or not yet laid out)".into());
+            return Err(DecodeError::Invalid {
+                what,
+                reason: "no ring magic (not a ferry ring, or not yet laid out)".into(),
+            });
         }
         let (v, sb, cap) = (
             h.version.load(Ordering::Relaxed),
@@ -223,9 +232,10 @@ impl Ring {
             || cap < 2
             || ring_bytes(cap as usize) > len
         {
-            return Err(format!(
-                "ring header says version {v}, slot {sb} B, {cap} slots in a {len}-byte mapping"
-            ));
+            return Err(DecodeError::Invalid {
+                what,
+                reason: format!("version {v}, slot {sb} B, {cap} slots in a {len}-byte mapping"),
+            });
         }
         // SAFETY: the header's capacity fits `len` (checked above).
         Ok(unsafe { Ring::at(base, u64::from(cap)) })

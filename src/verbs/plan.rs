@@ -194,23 +194,47 @@ pub fn wc_outcome(status: u32) -> WcOutcome {
 /// only to cross subnets (the GIDs' 64-bit prefixes differ). Ports of
 /// different link layers, or an InfiniBand peer without a LID, cannot
 /// connect.
-pub fn address_plan(ours: (u8, [u8; 16]), theirs: (u8, [u8; 16], u16)) -> Result<bool, String> {
+pub fn address_plan(
+    ours: (u8, [u8; 16]),
+    theirs: (u8, [u8; 16], u16),
+) -> Result<bool, Unreachable> {
     use crate::wire::{LINK_ETHERNET, LINK_INFINIBAND};
     let ((our_ll, our_gid), (ll, gid, lid)) = (ours, theirs);
     if our_ll != ll {
-        return Err(format!(
-            "link layers differ (ours {}, the peer's {})",
-            link_name(our_ll),
-            link_name(ll)
-        ));
+        return Err(Unreachable::LinkLayers {
+            ours: link_name(our_ll),
+            theirs: link_name(ll),
+        });
     }
     match ll {
-        LINK_ETHERNET if gid == [0u8; 16] => Err("the peer's RoCE port has no GID".into()),
+        LINK_ETHERNET if gid == [0u8; 16] => Err(Unreachable::NoGid),
         LINK_ETHERNET => Ok(true),
-        LINK_INFINIBAND if lid == 0 => Err("the peer's InfiniBand port has no LID".into()),
+        LINK_INFINIBAND if lid == 0 => Err(Unreachable::NoLid),
         LINK_INFINIBAND => Ok(gid != [0u8; 16] && gid[..8] != our_gid[..8]),
-        other => Err(format!("unknown link layer {other}")),
+        other => Err(Unreachable::UnknownLinkLayer(other)),
     }
+}
+
+/// Why two NIC ports cannot reach each other (`address_plan`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unreachable {
+    /// One is Ethernet (RoCE), the other InfiniBand.
+    #[error("link layers differ (ours {ours}, the peer's {theirs})")]
+    LinkLayers {
+        /// Ours.
+        ours: &'static str,
+        /// The peer's.
+        theirs: &'static str,
+    },
+    /// A RoCE port is addressed by GID, and the peer's has none.
+    #[error("the peer's RoCE port has no GID")]
+    NoGid,
+    /// An InfiniBand port is addressed by LID, and the peer's has none.
+    #[error("the peer's InfiniBand port has no LID")]
+    NoLid,
+    /// A link layer we do not know.
+    #[error("unknown link layer {0}")]
+    UnknownLinkLayer(u8),
 }
 
 fn link_name(ll: u8) -> &'static str {
@@ -351,11 +375,13 @@ mod tests {
         assert!(
             address_plan((LINK_INFINIBAND, sub_a), (LINK_INFINIBAND, sub_a, 0))
                 .unwrap_err()
+                .to_string()
                 .contains("no LID")
         );
         assert!(
             address_plan((LINK_ETHERNET, sub_a), (LINK_INFINIBAND, sub_a, 7))
                 .unwrap_err()
+                .to_string()
                 .contains("link layers differ")
         );
         assert!(address_plan((LINK_ETHERNET, sub_a), (LINK_ETHERNET, [0; 16], 0)).is_err());
