@@ -23,19 +23,23 @@ py=python3
 
 # NIXL's plugins beside ours (the installed wheel's, found by its module).
 nixl_dir() {
-    local mod libs
-    for mod in nixl_cu13 nixl_cu12; do
-        libs=$($py -c "import $mod, os; print(os.path.join(os.path.dirname(os.path.dirname($mod.__file__)), '.$mod.mesonpy.libs'))" 2>/dev/null) || continue
-        mkdir -p /tmp/nixl-plugins
-        for p in "$libs"/plugins/*.so; do ln -sf "$p" /tmp/nixl-plugins/; done
-        ln -sf "$carry/libplugin_FERRY.so" /tmp/nixl-plugins/libplugin_FERRY.so
-        export NIXL_PLUGIN_DIR=/tmp/nixl-plugins
-        export LD_LIBRARY_PATH="$libs:$libs/../$mod.libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-        echo "NIXL: $mod ($libs)"
-        return 0
-    done
-    echo "NIXL: no nixl_cu13 or nixl_cu12 module"
-    return 1
+    local base plugdir libs
+    base=$($py -c 'import nixl, os; print(os.path.dirname(os.path.dirname(os.path.realpath(nixl.__file__))))' 2>/dev/null) || {
+        echo "NIXL: no nixl module"; return 1; }
+    plugdir=$(find "$base" -maxdepth 4 -type f -name 'libplugin_UCX*.so' 2>/dev/null | head -1)
+    [ -n "$plugdir" ] || { echo "NIXL: no plugin folder under $base"; return 1; }
+    plugdir=$(dirname "$plugdir")
+    libs=$(dirname "$plugdir")
+    mkdir -p /tmp/nixl-plugins
+    for p in "$plugdir"/*.so; do ln -sf "$p" /tmp/nixl-plugins/; done
+    ln -sf "$carry/libplugin_FERRY.so" /tmp/nixl-plugins/libplugin_FERRY.so
+    export NIXL_PLUGIN_DIR=/tmp/nixl-plugins
+    local extra
+    extra=$(find "$base" -maxdepth 1 -type d -name '*nixl*.libs' | tr '\n' ':')
+    export LD_LIBRARY_PATH="$libs:$extra${LD_LIBRARY_PATH:-}"
+    echo "NIXL: plugins from $plugdir"
+    $py -m pip list 2>/dev/null | grep -i nixl
+    return 0
 }
 
 step() { echo "== $*"; }

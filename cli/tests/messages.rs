@@ -289,3 +289,38 @@ fn connections_that_end_idle_leave_no_message_state() {
     assert!(a.message_conns() <= 64, "a keeps {}", a.message_conns());
     assert!(b.message_conns() <= 64, "b keeps {}", b.message_conns());
 }
+
+/// What a sender was told is done is not lost when it closes at once: a
+/// send that returned and a notification accepted, then the endpoint
+/// dropped — the receive still completes with the bytes and the
+/// notification arrives (a closing shard sends what it accepted: its
+/// `linger`). UCCL's own `test_engine_send.py` exits this way.
+fn close_after_send(path: Path) {
+    for round in 0..10 {
+        let (a, b, ca, cb) = pair(path);
+        let src = a.alloc(4096).unwrap();
+        src.write_at(0, &[round as u8 + 1; 4096]).unwrap();
+        let dst = b.alloc(8192).unwrap();
+        let r = b.recv_async(cb, &dst, 0, 8192).unwrap();
+        let s = a.send_async(ca, &src, 0, 4096).unwrap();
+        assert_eq!(done(&a, s).unwrap(), 4096);
+        a.send_notification(ca, b"last words").unwrap();
+        drop(a);
+        assert_eq!(done(&b, r).unwrap(), 4096, "{path:?} round {round}");
+        let mut got = vec![0u8; 4096];
+        dst.read_at(0, &mut got).unwrap();
+        assert!(got.iter().all(|&x| x == round as u8 + 1), "{path:?}");
+        let (_, note) = b.recv_notification(WAIT).unwrap();
+        assert_eq!(note, b"last words", "{path:?} round {round}");
+    }
+}
+
+#[test]
+fn a_sender_that_closes_at_once_loses_nothing_over_tcp() {
+    close_after_send(Path::TcpEpoll);
+}
+
+#[test]
+fn a_sender_that_closes_at_once_loses_nothing_on_one_host() {
+    close_after_send(Path::Shm);
+}

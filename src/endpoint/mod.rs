@@ -613,5 +613,12 @@ impl Drop for Endpoint {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+        // Embedded shards send what they accepted too (`Shard::linger`).
+        for s in self.embedded.get_mut().expect("lock").iter_mut() {
+            s.linger(CLOSE_LINGER);
+        }
     }
 }
+
+/// How long a closing embedded shard keeps sending what it accepted.
+const CLOSE_LINGER: Duration = Duration::from_secs(2);

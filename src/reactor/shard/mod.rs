@@ -42,6 +42,11 @@ use crate::wire::Status;
 /// Commands taken from the queue per `poll`, so one busy submitter cannot
 /// starve the sockets.
 const COMMANDS_PER_POLL: usize = 256;
+/// How long a closing shard keeps sending what it accepted (`linger`).
+const CLOSE_LINGER: Duration = Duration::from_secs(2);
+/// Passes in a row with nothing to do after which a closing shard has
+/// sent all it can.
+const LINGER_IDLE_PASSES: u32 = 16;
 /// All connections of a shard together park at most this many times
 /// `sq_depth` commands (one connection at most `sq_depth`).
 const PARKED_PER_DEPTH: usize = 8;
@@ -418,10 +423,32 @@ impl Shard {
         self.spin.stats
     }
 
-    /// Drives the shard until the endpoint shuts down (managed mode).
+    /// Drives the shard until the endpoint shuts down (managed mode), then
+    /// sends what was accepted before it did (`linger`).
     pub(crate) fn run(mut self) {
         while !self.wake.shutdown.load(Ordering::Relaxed) {
             self.poll_or_park(Duration::from_millis(100));
+        }
+        self.linger(CLOSE_LINGER);
+    }
+
+    /// Before the shard closes its connections: applies the commands still
+    /// queued and sends what its streams and rings hold — a notification
+    /// `send_notification` accepted, the `Fin` of a two-sided send that
+    /// reported done — until `LINGER_IDLE_PASSES` passes in a row find
+    /// nothing to do, or `max` has passed (a peer that stops reading holds
+    /// a close that long at most). Without it, a process that exits right
+    /// after its last send loses what that send's receiver waits for.
+    pub(crate) fn linger(&mut self, max: Duration) {
+        let end = Instant::now() + max;
+        let mut idle = 0;
+        while idle < LINGER_IDLE_PASSES && Instant::now() < end {
+            if self.poll() == 0 && !self.wake.cmds.pending(&self.cmds) {
+                idle += 1;
+                std::thread::yield_now();
+            } else {
+                idle = 0;
+            }
         }
     }
 
