@@ -9,8 +9,8 @@ table from these files.
         -- ferry bench --transport shm --sizes 4K,64M --baseline --json
 
 --machine and --commit override what is found (nproc and the CPU model,
-plus `nvidia-smi`'s GPU name; `git rev-parse --short HEAD`, else
-$FERRY_COMMIT: the device machine's copy of the tree has no .git).
+plus `nvidia-smi`'s GPU name; $FERRY_COMMIT, else `git rev-parse --short
+HEAD`: the device machine's copy of the tree is not a checkout of it).
 The bench's own lines go through to stdout as they come.
 """
 
@@ -46,6 +46,8 @@ def machine():
 
 
 def commit():
+    if os.environ.get("FERRY_COMMIT"):
+        return os.environ["FERRY_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=20)
@@ -77,7 +79,8 @@ def main():
         "label": a.label,
         "machine": a.machine or machine(),
         "commit": a.commit or commit(),
-        "command": a.command_as or shlex.join(cmd),
+        # The program by its name, not where this machine keeps it.
+        "command": a.command_as or shlex.join([os.path.basename(cmd[0])] + cmd[1:]),
         "date": datetime.date.today().isoformat(),
     }
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
