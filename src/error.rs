@@ -58,6 +58,31 @@ impl fmt::Display for Status {
 /// The library's `Result`: its error is [`enum@Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Why an optional path is off on this machine (RDMA verbs, the same-host
+/// path, io_uring): not a failure of any call — the endpoint uses the
+/// other paths — but what the log, `ferry info` and the `*_status` calls
+/// say.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("{why}")]
+pub struct PathOff {
+    /// What is missing or refused, in words.
+    pub why: String,
+}
+
+impl From<String> for PathOff {
+    fn from(why: String) -> Self {
+        PathOff { why }
+    }
+}
+
+impl From<&str> for PathOff {
+    fn from(why: &str) -> Self {
+        PathOff {
+            why: why.to_owned(),
+        }
+    }
+}
+
 /// Why a connection failed: a cause a caller can match, carried unchanged
 /// from where the failure is found to every face (Rust `Error::ConnFailed`,
 /// the Python exception class, the C status, the NIXL status).

@@ -104,7 +104,7 @@ pub use endpoint::{
     Batch, Compress, Config, Endpoint, EndpointBuilder, Integrity, MemoryRegion, MessageOp, Mode,
     Peer, RegCacheStats, Secret, SharedRegion, Transport, Window,
 };
-pub use error::{ConnFault, ConnId, Error, FailureKind, OpKind, Result};
+pub use error::{ConnFault, ConnId, Error, FailureKind, OpKind, PathOff, Result};
 pub use gpu::{IpcStats, MemKind};
 pub use reactor::{CompressStats, Shard, SpinStats, Transfer};
 pub use region::Access;

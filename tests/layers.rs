@@ -456,3 +456,49 @@ fn errno_is_read_in_one_place() {
         .collect();
     assert!(reading.is_empty(), "errno read outside sys.rs: {reading:?}");
 }
+
+/// Failures are typed where the engine finds them: no function of the
+/// transports, the shard or the endpoint fails with a bare string (the
+/// faces map a cause to a code; a string cannot be matched).
+#[test]
+fn no_failure_is_a_string() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    for dir in ["tcp", "shm", "reactor", "verbs", "endpoint"] {
+        rust_files(&src.join(dir), &mut files);
+    }
+    assert!(files.len() > 40, "found only {} files", files.len());
+    let mut found = Vec::new();
+    for f in files.iter().filter(|f| !f.ends_with("tests.rs")) {
+        let code = code_of(&std::fs::read_to_string(f).unwrap());
+        for line in code.lines() {
+            let l = line.replace(' ', "");
+            if let Some(at) = l.find("Result<") {
+                let rest = &l[at..];
+                // The error type: what follows the first top-level comma.
+                let mut depth = 0;
+                for (i, c) in rest.char_indices() {
+                    match c {
+                        '<' => depth += 1,
+                        '>' => depth -= 1,
+                        ',' if depth == 1 => {
+                            if rest[i + 1..].starts_with("String>") {
+                                found.push(format!("{}: {}", f.display(), line.trim()));
+                            }
+                            break;
+                        }
+                        _ => {}
+                    }
+                    if depth == 0 && c == '>' {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "failures as strings:\n{}",
+        found.join("\n")
+    );
+}

@@ -35,10 +35,10 @@ fn without_a_nic_verbs_says_why_and_tcp_carries_the_bytes() {
             "an rdma build names what is missing: {why}"
         );
         // The same reason, computed directly.
-        assert_eq!(ferry::verbs::status(None, None).unwrap_err(), why);
+        assert_eq!(ferry::verbs::status(None, None).unwrap_err().why, why);
     } else {
         assert!(why.contains("`rdma` feature"), "{why}");
-        assert_eq!(ferry::verbs::status(None, None).unwrap_err(), why);
+        assert_eq!(ferry::verbs::status(None, None).unwrap_err().why, why);
     }
 
     let target = Target::start_on(Path::TcpEpoll, 8 << 20, &[("FERRY_TRANSPORT", "tcp")]);

@@ -11,7 +11,7 @@ use tracing::{info, warn};
 use super::lanes::LANES_SHIFT;
 use super::table::{ConnInfo, Origin};
 use super::{Inner, Integrity, Peer, Transport};
-use crate::error::{ConnId, Error, Result};
+use crate::error::{ConnId, Error, PathOff, Result};
 use crate::oob::{handshake, Ctl};
 use crate::reactor::Command;
 use crate::sys::random_u64;
@@ -21,7 +21,7 @@ use crate::wire::{Hello, CAP_AUTH, CAP_INTEGRITY_FULL, CAP_SHM};
 /// The NIC side: the NICs verbs would use, or why verbs is off
 /// (connections then use tcp), and the opened NIC when it is on.
 pub(crate) struct NicSide {
-    pub(super) status: std::result::Result<Vec<String>, String>,
+    pub(super) status: std::result::Result<Vec<String>, PathOff>,
     pub(crate) handle: Option<crate::verbs::NicHandle>,
 }
 

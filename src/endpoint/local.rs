@@ -12,7 +12,7 @@ use tracing::{info, warn};
 
 use super::table::{ConnInfo, Origin};
 use super::{Inner, Peer};
-use crate::error::{ConnFault, ConnId, Error, Result};
+use crate::error::{ConnFault, ConnId, Error, PathOff, Result};
 use crate::reactor::Command;
 use crate::region::{Backing, Region};
 use crate::shm::bell::RemoteBell;
@@ -43,7 +43,7 @@ fn reason(f: &ConnFault) -> String {
 /// memory shared with them, and the doorbells.
 pub(super) struct LocalSide {
     /// Why the same-host path is off, if it is.
-    pub(super) note: Option<String>,
+    pub(super) note: Option<PathOff>,
     pub(super) connects: Mutex<Receiver<(Msg, Vec<u8>)>>,
     /// `alloc_host` regions (memfd-backed) by key, shared with local peers.
     pub(super) memfd_regions: Mutex<HashMap<u32, Weak<Region>>>,
@@ -180,7 +180,7 @@ impl Inner {
     /// handshake named it (what a vouch answer says we dialed).
     pub(crate) fn connect_local(&self, peer_id: u64, via: Option<SocketAddr>) -> Result<ConnId> {
         if let Some(why) = &self.local.note {
-            return Err(refuse("a same-host connection", why.clone()));
+            return Err(refuse("a same-host connection", why.to_string()));
         }
         let deadline = Instant::now() + self.cfg.connect_timeout();
         let conn = self.local_conn_id();

@@ -35,7 +35,7 @@ pub use memory::{MemoryRegion, MAX_WINDOWS};
 pub use ops::Window;
 pub use reg_cache::{RegCacheStats, SharedRegion};
 
-use crate::error::{ConnId, Error, Result};
+use crate::error::{ConnId, Error, PathOff, Result};
 use crate::oob::IoBackend;
 use crate::reactor::{RegionCmd, Shard};
 use crate::region::{Access, Backing, Region};
@@ -152,7 +152,7 @@ struct Me {
     host_token: u64,
     /// The control path's I/O backend, and why it is not the preferred one.
     backend: IoBackend,
-    backend_note: Option<String>,
+    backend_note: Option<PathOff>,
 }
 /// A transfer engine endpoint: one control listener, N shards, and the
 /// connections and registrations they serve.
@@ -205,7 +205,8 @@ impl Endpoint {
 
     /// The control-path backend in use, and why io_uring was not, if not.
     pub fn io_backend(&self) -> (IoBackend, Option<&str>) {
-        (self.inner.me.backend, self.inner.me.backend_note.as_deref())
+        let note = self.inner.me.backend_note.as_ref();
+        (self.inner.me.backend, note.map(|o| o.why.as_str()))
     }
 
     /// Embedded mode: hands the shards to the caller, once. The caller must
@@ -320,14 +321,17 @@ impl Endpoint {
     /// The RDMA NICs verbs would use here (best first), or why verbs is off.
     /// Without verbs, connections use tcp.
     pub fn verbs_status(&self) -> std::result::Result<&[String], &str> {
-        self.inner.nics.status.as_deref().map_err(String::as_str)
+        match &self.inner.nics.status {
+            Ok(nics) => Ok(nics),
+            Err(off) => Err(&off.why),
+        }
     }
 
     /// Whether same-host connections are possible, and if not, why.
     pub fn shm_status(&self) -> std::result::Result<(), &str> {
         match &self.inner.local.note {
             None => Ok(()),
-            Some(why) => Err(why),
+            Some(off) => Err(&off.why),
         }
     }
 

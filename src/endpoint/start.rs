@@ -16,7 +16,7 @@ use super::{
     Config, Endpoint, Inner, Mode, PeerSlot, Transport, ACCEPT_BATCH, FIRST_BYTES_TIMEOUT,
     MAX_HANDSHAKES_PER_ADDR, MAX_PENDING_HANDSHAKES,
 };
-use crate::error::{Error, Result};
+use crate::error::{Error, PathOff, Result};
 use crate::oob;
 use crate::oob::gate::{Gate, GateLimits};
 use crate::reactor::completion::CompletionTable;
@@ -101,7 +101,7 @@ pub(super) fn codec_pool(cfg: &Config) -> Option<Arc<crate::reactor::codec_pool:
 struct HostSide {
     setup: Option<LocalSetup>,
     bells: Vec<Option<Bell>>,
-    off: Option<String>,
+    off: Option<PathOff>,
 }
 
 fn host_side(
@@ -113,7 +113,7 @@ fn host_side(
     let off = |why: String| HostSide {
         setup: None,
         bells: Vec::new(),
-        off: Some(why),
+        off: Some(why.into()),
     };
     if cfg.transport == Transport::Tcp {
         return off("FERRY_TRANSPORT=tcp".to_owned());
@@ -168,7 +168,7 @@ fn nic_side(
     cfg: &Config,
     metadata: &EndpointMetadata,
 ) -> (
-    std::result::Result<Vec<String>, String>,
+    std::result::Result<Vec<String>, PathOff>,
     Option<crate::verbs::NicHandle>,
 ) {
     match crate::verbs::open_nic(
@@ -309,7 +309,7 @@ impl Endpoint {
                 metadata,
                 host_token: crate::shm::object::host_token(),
                 backend,
-                backend_note: note,
+                backend_note: note.map(PathOff::from),
             },
             shards: super::lanes::ShardSet {
                 shards: handles,

@@ -21,6 +21,7 @@ use sideway::ibverbs::AccessFlags;
 
 use super::plan::{self, WcOutcome};
 use super::VerbsConfig;
+use crate::error::PathOff;
 use crate::error::{Error, Result};
 use crate::wire::{NicAddr, LINK_ETHERNET, LINK_INFINIBAND};
 
@@ -298,7 +299,7 @@ pub(super) fn verbs_err(what: &'static str, e: impl std::fmt::Display) -> Error 
 /// Names of the RDMA devices libibverbs sees. `Err` says why there are
 /// none: libibverbs could not be loaded (rdma-mummy-sys answers every call
 /// with EOPNOTSUPP then), or it lists no device.
-pub fn device_names() -> std::result::Result<Vec<String>, String> {
+pub fn device_names() -> std::result::Result<Vec<String>, crate::error::PathOff> {
     match DeviceList::new() {
         Ok(list) => {
             let v: Vec<String> = list.iter().map(|d| d.name()).collect();
@@ -310,7 +311,7 @@ pub fn device_names() -> std::result::Result<Vec<String>, String> {
         }
         Err(e) => {
             let sideway::ibverbs::device::GetDeviceListErrorKind::Ibverbs(io) = &e.0 else {
-                return Err(format!("ibv_get_device_list failed: {e}"));
+                return Err(PathOff::from(format!("ibv_get_device_list failed: {e}")));
             };
             // rdma-mummy-sys answers EOPNOTSUPP when its dlopen failed.
             if io.raw_os_error() == Some(libc::EOPNOTSUPP) {
@@ -318,7 +319,7 @@ pub fn device_names() -> std::result::Result<Vec<String>, String> {
             } else if io.raw_os_error() == Some(libc::ENOSYS) {
                 Err("libibverbs is installed but the kernel has no RDMA support (ENOSYS)".into())
             } else {
-                Err(format!("ibv_get_device_list failed: {io}"))
+                Err(PathOff::from(format!("ibv_get_device_list failed: {io}")))
             }
         }
     }

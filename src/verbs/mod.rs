@@ -12,6 +12,8 @@
 //! endpoint logs it and `ferry info` prints it. Connections use tcp
 //! whenever verbs is off.
 
+use crate::error::PathOff;
+
 pub mod nic;
 #[doc(hidden)]
 pub mod plan;
@@ -151,7 +153,7 @@ pub(crate) fn open_nic(
     gpu_bdf: Option<&str>,
     wanted: Option<&str>,
     cfg: &VerbsConfig,
-) -> Result<(Vec<String>, Option<NicHandle>), String> {
+) -> Result<(Vec<String>, Option<NicHandle>), PathOff> {
     let nics = status(gpu_bdf, wanted)?;
     #[cfg(feature = "rdma")]
     {
@@ -172,10 +174,10 @@ pub(crate) fn open_nic(
             }
         }
         if opened.is_empty() {
-            return Err(format!(
+            return Err(PathOff::from(format!(
                 "no RDMA device could be opened: {}",
                 why.join("; ")
-            ));
+            )));
         }
         if !why.is_empty() {
             tracing::warn!("RDMA: skipped {}", why.join("; "));
@@ -375,7 +377,7 @@ impl Default for VerbsConfig {
 }
 
 /// The NICs verbs would use here, best first, or why verbs is off.
-pub fn status(gpu_bdf: Option<&str>, wanted: Option<&str>) -> Result<Vec<String>, String> {
+pub fn status(gpu_bdf: Option<&str>, wanted: Option<&str>) -> Result<Vec<String>, PathOff> {
     #[cfg(not(feature = "rdma"))]
     {
         let _ = (gpu_bdf, wanted);
@@ -391,10 +393,10 @@ pub fn status(gpu_bdf: Option<&str>, wanted: Option<&str>) -> Result<Vec<String>
             .filter(|n| names.contains(n))
             .collect();
         if usable.is_empty() {
-            return Err(format!(
+            return Err(PathOff::from(format!(
                 "sysfs and libibverbs disagree: libibverbs lists {}",
                 names.join(", ")
-            ));
+            )));
         }
         Ok(usable)
     }

@@ -5,6 +5,8 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::error::PathOff;
+
 /// An RDMA device and where it sits on the PCIe tree.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Nic {
@@ -62,14 +64,14 @@ pub fn choose(
     sysfs: &Path,
     gpu_bdf: Option<&str>,
     wanted: Option<&str>,
-) -> Result<Vec<Nic>, String> {
+) -> Result<Vec<Nic>, crate::error::PathOff> {
     let listed =
         list(sysfs).map_err(|e| format!("reading {}/class/infiniband: {e}", sysfs.display()))?;
     if listed.is_empty() {
-        return Err(format!(
+        return Err(PathOff::from(format!(
             "no RDMA device (nothing in {}/class/infiniband)",
             sysfs.display()
-        ));
+        )));
     }
     // A NIC whose port 1 sysfs says is not ACTIVE (down, initializing)
     // cannot carry a connection; one sysfs says nothing about is kept.
@@ -78,10 +80,10 @@ pub fn choose(
         .partition(|n| port_active(sysfs, &n.name, 1) != Some(false));
     if all.is_empty() {
         let names: Vec<&str> = down.iter().map(|n| n.name.as_str()).collect();
-        return Err(format!(
+        return Err(PathOff::from(format!(
             "no RDMA device has an ACTIVE port 1 ({} are down)",
             names.join(", ")
-        ));
+        )));
     }
     if let Some(w) = wanted {
         let names: Vec<&str> = w
@@ -97,10 +99,10 @@ pub fn choose(
             .map(|n| {
                 all.iter().find(|d| d.name == *n).cloned().ok_or_else(|| {
                     let have: Vec<&str> = all.iter().map(|d| d.name.as_str()).collect();
-                    format!(
+                    PathOff::from(format!(
                         "FERRY_RDMA_DEV names {n:?}, which does not exist (devices: {})",
                         have.join(", ")
-                    )
+                    ))
                 })
             })
             .collect();
@@ -341,7 +343,7 @@ mod tests {
             port(&s, n, "1: DOWN", &[]);
         }
         let e = choose(&s, None, None).unwrap_err();
-        assert!(e.contains("ACTIVE") && e.contains("mlx5_1"), "{e}");
+        assert!(e.why.contains("ACTIVE") && e.why.contains("mlx5_1"), "{e}");
         std::fs::remove_dir_all(&s).unwrap();
     }
 
@@ -436,7 +438,7 @@ mod tests {
         assert_eq!(names(&got), ["mlx5_2", "mlx5_1"]);
         let e = choose(&s, None, Some("mlx5_9")).unwrap_err();
         assert!(
-            e.contains("mlx5_9") && e.contains("mlx5_0, mlx5_1, mlx5_2"),
+            e.why.contains("mlx5_9") && e.why.contains("mlx5_0, mlx5_1, mlx5_2"),
             "{e}"
         );
         assert!(choose(&s, None, Some(" , ")).is_err());
@@ -448,7 +450,7 @@ mod tests {
         let empty = std::env::temp_dir().join(format!("ferry-sysfs-empty-{}", std::process::id()));
         std::fs::create_dir_all(&empty).unwrap();
         let e = choose(&empty, None, None).unwrap_err();
-        assert!(e.contains("no RDMA device"), "{e}");
+        assert!(e.why.contains("no RDMA device"), "{e}");
         std::fs::remove_dir_all(&empty).unwrap();
     }
 }
