@@ -485,7 +485,8 @@ fn port_down_fails_idle_connections_through_async_events() {
     // both processes of this host).
     let e = ep.write(conn, &src, 0, MIB, &t.served.rbuf).unwrap_err();
     assert!(
-        format!("{e}").contains("down") || format!("{e}").contains("peer closed"),
+        format!("{e}").contains("down")
+            || matches!(e.as_fault(), ferry::ConnFault::PeerGone { .. }),
         "the connection's error: {e}"
     );
     // The port comes back: new connections get queue pairs again.
