@@ -775,7 +775,7 @@ def _vtable(so, cls):
         p = line.split(None, 3)
         if len(p) == 4 and p[3] == "vtable for " + cls:
             vt = (int(p[0], 16), int(p[1], 16))
-    assert vt is not None, f"no vtable for {cls} in {so}"
+    assert vt is not None, f"no vtable for {cls} in {so} (a build stripped of its symbol table has none: strip --strip-debug keeps it)"
     relocs = {}
     for line in run("readelf", "-rW", so).splitlines():
         f = line.split()
