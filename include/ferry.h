@@ -207,8 +207,9 @@ int32_t ferry_remove_remote(const struct ferry_endpoint *ep, uint64_t conn);
 // bytes, metadata the caller trusts, e.g. loaded for a peer it knows by
 // name) describes: `*vouched` = 1 or 0. For a connection a peer dialed,
 // that endpoint is asked whether it dialed it to us (one round trip,
-// within the connect timeout); an error means it could not be asked, and
-// nothing is proven either way.
+// within the connect timeout; it answers from its accept loop, so it must
+// accept: `ferry_start_passive_accept`); an error means it could not be
+// asked, and nothing is proven either way.
 //
 // # Safety
 // `ep` live; `meta` valid for `len` bytes; `vouched` valid.

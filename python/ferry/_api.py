@@ -229,6 +229,16 @@ class Connection:
         fails (later calls raise ``ferry.ConnectionFailed``)."""
         self._c.notify(bytes(message))
 
+    def vouch(self, metadata: bytes) -> bool:
+        """Whether the far end is the endpoint whose metadata this is (bytes
+        you trust: loaded for a peer you know by name). For a connection the
+        peer dialed, that endpoint is asked whether it dialed it to us: a
+        claimant that copied another's endpoint id is not vouched for. That
+        endpoint answers from its accept loop: it must ``listen()``.
+        Raises ``ferry.FerryError`` when it cannot be asked (``WaitTimeout``
+        when it does not answer within the connect timeout)."""
+        return self._ep._n.vouch(self.id, bytes(metadata))
+
     def close(self) -> None:
         self._c.close()
 

@@ -350,6 +350,20 @@ impl Endpoint {
     fn peer(&self, conn_id: u64) -> PyResult<Option<(&'static str, String)>> {
         Ok(self.get()?.peer(ConnId(conn_id)).map(peer_of))
     }
+
+    /// Whether the far end of `conn_id` is the endpoint whose metadata
+    /// (bytes you trust, e.g. loaded for a peer you know by name) this is:
+    /// for a connection a peer dialed, that endpoint is asked whether it
+    /// dialed it to us (one round trip; `Endpoint::vouch`). Raises when it
+    /// cannot be asked: nothing is proven either way then.
+    fn vouch(&self, py: Python<'_>, conn_id: u64, metadata: &[u8]) -> PyResult<bool> {
+        let ep = self.get()?;
+        let at = ferry::EndpointMetadata::decode(metadata)
+            .map_err(|e| fe(ferry::Error::from(e)))?
+            .socket_addr();
+        py.allow_threads(|| ep.vouch(ConnId(conn_id), at))
+            .map_err(fe)
+    }
 }
 
 /// What a native `Region` holds: its own registration (engine memory), or

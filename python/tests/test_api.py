@@ -245,3 +245,18 @@ def test_three_causes_are_three_exception_classes(monkeypatch):
     with pytest.raises(ferry.InvalidArgument):
         ferry._native._rogue_peer("polite")
     assert issubclass(ferry.PeerTimeout, ferry.FerryError)
+
+
+def test_vouch_tells_the_dialer_from_another(transport):
+    """The endpoint whose metadata we trust vouches for the connection it
+    dialed, not for one another endpoint dialed."""
+    target, dialer, _ = connected(transport)
+    dialer.listen()  # its accept loop answers the question
+    from_dialer = target.accept(5)
+    other = ferry.Endpoint()
+    other.connect(target.metadata)
+    from_other = target.accept(5)
+    assert from_dialer.vouch(dialer.metadata)
+    assert not from_other.vouch(dialer.metadata)
+    with pytest.raises(ferry.FerryError):
+        from_dialer.vouch(b"not metadata")

@@ -29,8 +29,9 @@ impl Endpoint {
     /// trip on a fresh socket, within the connect timeout) whether it
     /// dialed this connection to us. `Ok(false)` means someone else
     /// dialed it; an error, that `at` could not be asked (unreachable,
-    /// refused, an answer without the secret's MAC) — nothing proven
-    /// either way.
+    /// refused, an answer without the secret's MAC, no answer: the endpoint
+    /// at `at` answers from its accept loop, so it must accept — passive
+    /// accept, or a thread in `accept`) — nothing proven either way.
     ///
     /// ```no_run
     /// # fn f(ep: &ferry::Endpoint, conn: ferry::ConnId, trusted: &[u8]) -> ferry::Result<()> {
