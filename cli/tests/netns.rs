@@ -143,3 +143,66 @@ fn endpoints_on_separate_hosts() {
         std::panic::resume_unwind(p);
     }
 }
+
+/// A peer that vanishes without a FIN while nothing is in flight (the link
+/// cut under an idle connection) is noticed by keepalive: the connection
+/// is failed within `FERRY_LIVENESS_MS` + 1 s, cause PeerGone, and an op
+/// posted after fails at once. An idle connection whose peer is there
+/// stays up past the bound.
+#[test]
+#[ignore = "needs root to make network namespaces (cargo test --test netns -- --ignored)"]
+fn an_idle_connection_to_a_vanished_peer_fails_within_the_liveness_bound() {
+    const LIVENESS_MS: u64 = 2000;
+    let hosts = Hosts::make_as_root();
+    let (mut srv, served) = serve_in(&hosts.a, "198.18.0.1", 8 * MIB);
+    let b = hosts.b.clone();
+    let hosts = std::sync::Arc::new(hosts);
+    let h2 = hosts.clone();
+    let client = std::thread::spawn(move || {
+        enter(&b);
+        let mut cfg = client_config();
+        cfg.liveness_ms = LIVENESS_MS;
+        let ep = Endpoint::builder().config(cfg).build().unwrap();
+        let conn = ep.add_remote(&served.meta).unwrap();
+        assert!(matches!(ep.peer(conn), Some(Peer::Net(_))));
+        let local = ep.alloc(MIB).unwrap();
+        ep.write(conn, &local, 0, 4096, &served.rbuf).unwrap();
+        // Idle, peer there: still up after twice the bound.
+        std::thread::sleep(Duration::from_millis(2 * LIVENESS_MS));
+        assert!(ep.conn_status(conn).is_ok(), "a live idle peer was failed");
+        let cut = Instant::now();
+        h2.link_a(false);
+        let failed = loop {
+            if let Err(e) = ep.conn_status(conn) {
+                break e;
+            }
+            assert!(
+                cut.elapsed() < Duration::from_millis(LIVENESS_MS + 1000),
+                "the link went down {:?} ago and the idle connection is still up",
+                cut.elapsed()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let took = cut.elapsed();
+        h2.link_a(true);
+        assert!(
+            matches!(failed.as_fault(), ferry::ConnFault::PeerGone { .. }),
+            "{failed}"
+        );
+        let at_once = Instant::now();
+        let e = ep.write(conn, &local, 0, 4096, &served.rbuf).unwrap_err();
+        assert!(
+            matches!(e.as_fault(), ferry::ConnFault::PeerGone { .. }),
+            "{e}"
+        );
+        assert!(at_once.elapsed() < Duration::from_millis(100));
+        println!("idle connection to a vanished peer failed after {took:?}: {failed}");
+    });
+    let r = client.join();
+    let _ = srv.kill();
+    let _ = srv.wait();
+    drop(hosts);
+    if let Err(p) = r {
+        std::panic::resume_unwind(p);
+    }
+}

@@ -135,6 +135,12 @@ macro_rules! settings {
             /// A request with no response for this long fails its connection
             /// (`FERRY_OP_TIMEOUT_MS`, default 10000).
             op_timeout_ms: u64 = 10_000, "FERRY_OP_TIMEOUT_MS", range(1, 3_600_000);
+            /// A tcp connection whose peer answers nothing for this long —
+            /// idle or not — is failed (PeerGone): keepalive probes find a
+            /// peer that vanished without a FIN (power cut, pulled link)
+            /// while nothing is in flight (`FERRY_LIVENESS_MS`, default 5000,
+            /// at least 1000).
+            liveness_ms: u64 = 5_000, "FERRY_LIVENESS_MS", range(1_000, 3_600_000);
             /// How long an idle shard spins before it parks (`FERRY_SPIN_US`, default 50).
             spin_us: u64 = 50, "FERRY_SPIN_US", range(0, 10_000_000);
             /// How much of that spin polls without giving up the core; the rest

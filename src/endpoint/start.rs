@@ -70,6 +70,7 @@ fn shard_config(
         spin_yield: Duration::from_micros(cfg.spin_yield_us),
         spin_eager_passes: cfg.spin_eager_passes,
         op_timeout: cfg.op_timeout(),
+        liveness: Duration::from_millis(cfg.liveness_ms),
         idle_timeout: (cfg.idle_timeout_ms > 0).then(|| Duration::from_millis(cfg.idle_timeout_ms)),
         chunk_bytes: cfg.chunk_bytes,
         sq_depth: cfg.sq_depth,

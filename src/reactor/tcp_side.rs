@@ -35,9 +35,40 @@ const HOT_CONNS: usize = 4;
 /// such, epoll is asked only every `EPOLL_EVERY_HOT` passes.
 const HOT_PASSES: u64 = 4096;
 const EPOLL_EVERY_HOT: u64 = 4;
-const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
-const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
+/// Keepalive probes a silent peer gets before its connection is failed.
 const KEEPALIVE_PROBES: u32 = 3;
+
+/// How a tcp data socket notices a peer that stopped answering: keepalive
+/// probes after `idle` of silence, `interval` apart, and the kernel's
+/// abort once `user_timeout` passed without an acknowledgement (with
+/// keepalive on, Linux aborts on the user timeout, not on the probe
+/// count). Within `FERRY_LIVENESS_MS` for an idle connection; a busy one
+/// whose data goes unacknowledged, within the smaller of it and the op
+/// timeout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Liveness {
+    pub idle: Duration,
+    pub interval: Duration,
+    pub user_timeout: Duration,
+}
+
+impl Liveness {
+    /// For a liveness bound `within` (at least 1 s: keepalive counts whole
+    /// seconds) and the op timeout.
+    pub fn new(within: Duration, op_timeout: Duration) -> Self {
+        let within = within.max(Duration::from_secs(1));
+        // Probes in the last half: the first after half the bound.
+        let interval = (within / (2 * KEEPALIVE_PROBES)).max(Duration::from_secs(1));
+        let idle = within
+            .saturating_sub(interval * KEEPALIVE_PROBES)
+            .max(Duration::from_secs(1));
+        Liveness {
+            idle,
+            interval,
+            user_timeout: within.min(op_timeout),
+        }
+    }
+}
 /// Streams a connection may have (the handshake caps it too).
 const MAX_STREAMS: usize = 64;
 
@@ -91,9 +122,9 @@ pub(crate) struct TcpSide {
     hot: Vec<(usize, u64)>,
     passes: u64,
     shard: usize,
-    /// Sent data unacknowledged this long kills a socket (TCP_USER_TIMEOUT):
-    /// the op timeout, so a half-open peer is not kept for minutes.
-    user_timeout: Duration,
+    /// Keepalive and the user timeout of every data socket: a half-open
+    /// peer is not kept for minutes.
+    liveness: Liveness,
     /// The endpoint's codec threads and this shard's channel from them.
     codec: Option<super::codec_side::CodecSide>,
 }
@@ -169,7 +200,7 @@ impl TcpSide {
     }
 
     /// The source and the waker submitters ring to end the shard's sleep.
-    pub fn new(shard: usize, user_timeout: Duration) -> Result<(TcpSide, Waker)> {
+    pub fn new(shard: usize, liveness: Liveness) -> Result<(TcpSide, Waker)> {
         let epoll = Poll::new().map_err(|e| Error::io("epoll_create", e))?;
         let waker = Waker::new(epoll.registry(), WAKER).map_err(|e| Error::io("eventfd", e))?;
         let side = TcpSide {
@@ -186,7 +217,7 @@ impl TcpSide {
             hot: Vec::with_capacity(HOT_CONNS),
             passes: 0,
             shard,
-            user_timeout,
+            liveness,
             codec: None,
         };
         Ok((side, waker))
@@ -295,15 +326,15 @@ impl TcpSide {
             s.set_nonblocking(true)
                 .map_err(|e| Error::io("fcntl(O_NONBLOCK)", e))?;
             // An idle connection whose peer vanished (half-open TCP) is found
-            // by keepalive within ~16 s; busy ones by the op timeout first.
+            // by keepalive within FERRY_LIVENESS_MS (`Liveness`).
             let ka = socket2::TcpKeepalive::new()
-                .with_time(KEEPALIVE_IDLE)
-                .with_interval(KEEPALIVE_INTERVAL)
+                .with_time(self.liveness.idle)
+                .with_interval(self.liveness.interval)
                 .with_retries(KEEPALIVE_PROBES);
             let sock = socket2::SockRef::from(&s);
             sock.set_tcp_keepalive(&ka)
                 .map_err(|e| Error::io("setsockopt(SO_KEEPALIVE)", e))?;
-            sock.set_tcp_user_timeout(Some(self.user_timeout))
+            sock.set_tcp_user_timeout(Some(self.liveness.user_timeout))
                 .map_err(|e| Error::io("setsockopt(TCP_USER_TIMEOUT)", e))?;
             let mut m = mio::net::TcpStream::from_std(s);
             self.epoll

@@ -25,6 +25,8 @@ pub fn ip(args: &[&str]) -> Result<(), String> {
 pub struct Hosts {
     pub a: String,
     pub b: String,
+    /// Host a's end of the veth pair.
+    dev_a: String,
 }
 
 impl Hosts {
@@ -37,12 +39,17 @@ impl Hosts {
     }
 
     pub fn make() -> Result<Hosts, String> {
+        // Tests of one process run at once: each pair of its own.
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let id = std::process::id();
+        // Interface names: at most 15 bytes.
+        let (va, vb) = (format!("fa{id}x{n}"), format!("fb{id}x{n}"));
         let h = Hosts {
-            a: format!("ferry-a-{id}"),
-            b: format!("ferry-b-{id}"),
+            a: format!("ferry-a-{id}-{n}"),
+            b: format!("ferry-b-{id}-{n}"),
+            dev_a: va.clone(),
         };
-        let (va, vb) = (format!("fa{id}"), format!("fb{id}"));
         ip(&["netns", "add", &h.a])?;
         ip(&["netns", "add", &h.b])?;
         ip(&["link", "add", &va, "type", "veth", "peer", "name", &vb])?;
@@ -61,13 +68,12 @@ impl Hosts {
     }
 
     pub fn link_a(&self, up: bool) {
-        let dev = format!("fa{}", std::process::id());
         ip(&[
             "-n",
             &self.a,
             "link",
             "set",
-            &dev,
+            &self.dev_a,
             if up { "up" } else { "down" },
         ])
         .unwrap();

@@ -34,7 +34,7 @@ use super::routes::ConnRoutes;
 use super::source::{apply_region_updates, Carrier, ConnRef, Park, Source};
 pub use super::spin::SpinStats;
 use super::spin::{Next, LOADED_STALL_SHARE};
-use super::tcp_side::TcpSide;
+use super::tcp_side::{Liveness, TcpSide};
 use crate::error::{ConnFault, ConnId, Error, Result};
 use crate::region::RegionTable;
 use crate::wire::Status;
@@ -75,6 +75,8 @@ pub(crate) struct ShardConfig {
     /// Spinning idle passes after work without the pause hint.
     pub spin_eager_passes: u32,
     pub op_timeout: Duration,
+    /// A tcp peer silent this long fails its connection (keepalive).
+    pub liveness: Duration,
     /// Connections idle this long are closed (None: never).
     pub idle_timeout: Option<Duration>,
     pub chunk_bytes: usize,
@@ -175,7 +177,7 @@ impl Shard {
         closed: mpsc::Sender<(ConnId, ConnFault)>,
         ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
     ) -> Result<(Shard, ShardHandle)> {
-        let (mut tcp, waker) = TcpSide::new(id, cfg.op_timeout)?;
+        let (mut tcp, waker) = TcpSide::new(id, Liveness::new(cfg.liveness, cfg.op_timeout))?;
         let local = LocalSide::new(id, local_init);
         for fd in local.wake_fds().into_iter().flatten() {
             tcp.watch_wake_fd(fd)?;

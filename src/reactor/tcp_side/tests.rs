@@ -14,15 +14,26 @@ fn add_plain(side: &mut TcpSide, id: u64, s: std::net::TcpStream, limits: Stream
     .unwrap()
 }
 
-/// Data sockets carry keepalive and a user timeout equal to the op
-/// timeout (a peer that stops acknowledging is dropped in seconds, not
-/// after the kernel's ~15 minutes of retransmissions).
+/// Data sockets carry keepalive and a user timeout of the liveness bound
+/// or the op timeout, the smaller (a peer that stops acknowledging is
+/// dropped in seconds, not after the kernel's ~15 minutes of
+/// retransmissions); the probes fit in the bound.
 #[test]
 fn data_sockets_get_keepalive_and_a_user_timeout() {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let a = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
     let (_b, _) = l.accept().unwrap();
-    let (mut side, _waker) = TcpSide::new(0, Duration::from_millis(7_000)).unwrap();
+    let live = Liveness::new(Duration::from_millis(5_000), Duration::from_millis(7_000));
+    assert_eq!(live.user_timeout, Duration::from_secs(5));
+    assert!(live.idle + live.interval * KEEPALIVE_PROBES <= Duration::from_secs(5));
+    assert!(live.idle >= Duration::from_secs(1) && live.interval >= Duration::from_secs(1));
+    let short = Liveness::new(Duration::from_secs(30), Duration::from_secs(2));
+    assert_eq!(
+        short.user_timeout,
+        Duration::from_secs(2),
+        "the op timeout, when shorter"
+    );
+    let (mut side, _waker) = TcpSide::new(0, live).unwrap();
     let limits = StreamLimits {
         own_max: 4,
         peer_max: 4,
@@ -32,9 +43,12 @@ fn data_sockets_get_keepalive_and_a_user_timeout() {
     let sock = socket2::SockRef::from(&side.conns[idx].streams[0].sock);
     assert_eq!(
         sock.tcp_user_timeout().unwrap(),
-        Some(Duration::from_millis(7_000))
+        Some(Duration::from_millis(5_000))
     );
     assert!(sock.keepalive().unwrap());
+    assert_eq!(sock.keepalive_time().unwrap(), live.idle);
+    assert_eq!(sock.keepalive_interval().unwrap(), live.interval);
+    assert_eq!(sock.keepalive_retries().unwrap(), KEEPALIVE_PROBES);
     let conn = side.take(idx);
     assert_eq!(conn.id, ConnId(1));
     assert_eq!(side.stream_count, 0);
@@ -49,7 +63,8 @@ fn a_pass_visits_only_ready_connections() {
     use crate::wire::{DataHeader, DataKind};
     use std::io::Write;
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let (mut side, _waker) = TcpSide::new(0, Duration::from_secs(7)).unwrap();
+    let live = Liveness::new(Duration::from_secs(5), Duration::from_secs(7));
+    let (mut side, _waker) = TcpSide::new(0, live).unwrap();
     let limits = StreamLimits {
         own_max: 4,
         peer_max: 4,
