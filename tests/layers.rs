@@ -502,3 +502,18 @@ fn no_failure_is_a_string() {
         found.join("\n")
     );
 }
+
+/// A file a newcomer reads whole: none in src/ is over 700 lines (tests
+/// live in files of their own).
+#[test]
+fn no_file_is_over_700_lines() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let long: Vec<_> = files
+        .iter()
+        .map(|f| (f, std::fs::read_to_string(f).unwrap().lines().count()))
+        .filter(|&(_, n)| n > 700)
+        .collect();
+    assert!(long.is_empty(), "files over 700 lines: {long:?}");
+}

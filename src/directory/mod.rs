@@ -14,8 +14,11 @@
 //! fails directory calls (with the address and the reason) and leaves
 //! existing connections working.
 
+mod error;
 pub mod etcd;
 mod http;
+
+pub use error::{DirError, Result};
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -24,61 +27,10 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use etcd::{Change, Etcd, EtcdError};
+use etcd::{Change, Etcd};
 
 use crate::endpoint::Endpoint;
 use crate::error::ConnId;
-
-/// Why a directory call failed.
-#[derive(Debug, thiserror::Error)]
-pub enum DirError {
-    /// etcd could not be reached, or refused or garbled the call.
-    #[error("directory: {0}")]
-    Etcd(#[from] EtcdError),
-    /// A name, cluster or record that is not one we accept.
-    #[error("directory: {what} {value:?}: {why}")]
-    Bad {
-        /// What it is ("name", "cluster", "record", …).
-        what: &'static str,
-        /// The value given (or found).
-        value: String,
-        /// What is wrong with it.
-        why: String,
-    },
-    /// Nothing is published under the name.
-    #[error("directory: no endpoint named {name:?} in cluster {cluster:?}")]
-    NotFound {
-        /// The cluster looked in.
-        cluster: String,
-        /// The name looked for.
-        name: String,
-    },
-    /// The endpoint has no window of that name.
-    #[error("directory: {name:?} has no window {window:?}")]
-    NoWindow {
-        /// The endpoint's name.
-        name: String,
-        /// The window asked for.
-        window: String,
-    },
-    /// A live endpoint holds the name.
-    #[error(
-        "directory: {name:?} is held by a live endpoint (incarnation {incarnation:016x}); \
-         publish_replacing (ferry serve --replace) takes it over"
-    )]
-    Taken {
-        /// The name.
-        name: String,
-        /// The holder's incarnation.
-        incarnation: u64,
-    },
-    /// The endpoint failed (connecting to a name found).
-    #[error("directory: {0}")]
-    Endpoint(#[from] crate::error::Error),
-}
-
-/// A directory call's result.
-pub type Result<T> = std::result::Result<T, DirError>;
 
 /// The longest `publish` waits for a holder of the name that has stopped
 /// renewing (a crashed process) to run out (else its lease's granted TTL
@@ -727,20 +679,4 @@ impl Watcher {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn names_and_urls_are_checked() {
-        assert!(check_name("name", "gpu-node_7.a").is_ok());
-        for bad in ["", "a/b", "a b", &"x".repeat(129)] {
-            assert!(check_name("name", bad).is_err(), "{bad:?}");
-        }
-        assert_eq!(parse_url("http://127.0.0.1:2379").unwrap().port(), 2379);
-        assert_eq!(parse_url("127.0.0.1:2379/").unwrap().port(), 2379);
-        assert!(parse_url("https://127.0.0.1:2379").is_err());
-        assert!(parse_url("http://127.0.0.1").is_err());
-        assert_eq!(unhex(&hex(&[0, 1, 0xab])).unwrap(), vec![0, 1, 0xab]);
-        assert_eq!(unhex("abc"), None);
-    }
-}
+mod tests;
