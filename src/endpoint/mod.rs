@@ -448,16 +448,7 @@ impl Endpoint {
         len: usize,
     ) -> Result<RemoteBuf> {
         let mut rb = mr.window(offset, len)?;
-        if !self
-            .inner
-            .conns
-            .live
-            .lock()
-            .expect("lock")
-            .contains_key(&conn)
-        {
-            return Err(self.inner.gone(conn));
-        }
+        self.inner.live(conn)?;
         let (rkey, tag) = self
             .inner
             .grant_window(&mr.inner, rb.addr, len as u64, Some(conn))?;
@@ -619,10 +610,7 @@ impl Drop for Endpoint {
         }
         // Embedded shards send what they accepted too (`Shard::linger`).
         for s in self.embedded.get_mut().expect("lock").iter_mut() {
-            s.linger(CLOSE_LINGER);
+            s.linger();
         }
     }
 }
-
-/// How long a closing embedded shard keeps sending what it accepted.
-const CLOSE_LINGER: Duration = Duration::from_secs(2);

@@ -118,6 +118,15 @@ impl Inner {
             .retain(|_, c| !dead.contains(c));
     }
 
+    /// `Ok` while `conn` is live; else what every call on it gets (`gone`).
+    pub(super) fn live(&self, conn: ConnId) -> Result<()> {
+        if self.conns.live.lock().expect("lock").contains_key(&conn) {
+            Ok(())
+        } else {
+            Err(self.gone(conn))
+        }
+    }
+
     /// The error for a call on `conn`, which is not live: the cause it
     /// died of, or that it is unknown.
     pub(super) fn gone(&self, conn: ConnId) -> Error {

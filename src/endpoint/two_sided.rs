@@ -152,16 +152,7 @@ impl Endpoint {
         len: usize,
     ) -> Result<MessageOp> {
         let msg = mr.slice(offset, len)?;
-        if !self
-            .inner
-            .conns
-            .live
-            .lock()
-            .expect("lock")
-            .contains_key(&conn)
-        {
-            return Err(self.inner.gone(conn));
-        }
+        self.inner.live(conn)?;
         let mut st = self.inner.mail.messages.state.lock().expect("lock");
         let id = st.new_id();
         let c = st.conns.entry(conn).or_default();
@@ -205,16 +196,7 @@ impl Endpoint {
         }
         let window = if max == 0 {
             mr.slice(offset, 0)?;
-            if !self
-                .inner
-                .conns
-                .live
-                .lock()
-                .expect("lock")
-                .contains_key(&conn)
-            {
-                return Err(self.inner.gone(conn));
-            }
+            self.inner.live(conn)?;
             RemoteBuf::default()
         } else {
             self.advertise(conn, mr, offset, max)?

@@ -42,7 +42,7 @@ impl Endpoint {
     /// # Ok(()) }
     /// ```
     pub fn vouch(&self, conn: ConnId, at: SocketAddr) -> Result<bool> {
-        self.conn_status(conn)?;
+        self.inner.reap_closed();
         let origin = self
             .inner
             .conns

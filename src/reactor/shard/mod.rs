@@ -431,18 +431,18 @@ impl Shard {
         while !self.wake.shutdown.load(Ordering::Relaxed) {
             self.poll_or_park(Duration::from_millis(100));
         }
-        self.linger(CLOSE_LINGER);
+        self.linger();
     }
 
     /// Before the shard closes its connections: applies the commands still
     /// queued and sends what its streams and rings hold — a notification
     /// `send_notification` accepted, the `Fin` of a two-sided send that
     /// reported done — until `LINGER_IDLE_PASSES` passes in a row find
-    /// nothing to do, or `max` has passed (a peer that stops reading holds
-    /// a close that long at most). Without it, a process that exits right
+    /// nothing to do, or `CLOSE_LINGER` has passed (a peer that stops
+    /// reading holds a close that long at most). Without it, a process that exits right
     /// after its last send loses what that send's receiver waits for.
-    pub(crate) fn linger(&mut self, max: Duration) {
-        let end = Instant::now() + max;
+    pub(crate) fn linger(&mut self) {
+        let end = Instant::now() + CLOSE_LINGER;
         let mut idle = 0;
         while idle < LINGER_IDLE_PASSES && Instant::now() < end {
             if self.poll() == 0 && !self.wake.cmds.pending(&self.cmds) {
