@@ -324,3 +324,42 @@ fn a_sender_that_closes_at_once_loses_nothing_over_tcp() {
 fn a_sender_that_closes_at_once_loses_nothing_on_one_host() {
     close_after_send(Path::Shm);
 }
+
+/// A sender that closes while its peer is not reading yet: every
+/// notification it accepted still arrives once the peer reads (a closing
+/// shard waits for room while bytes are unsent, up to its linger bound).
+fn close_while_peer_is_slow(path: Path) {
+    let (a, b, ca, _cb) = pair(path);
+    let mut accepted = 0u32;
+    for i in 0..1024u32 {
+        let mut msg = i.to_le_bytes().to_vec();
+        msg.resize(4000, 0x5a);
+        match a.send_notification(ca, &msg) {
+            Ok(()) => accepted += 1,
+            Err(Error::NotifyOutboxFull { .. }) => break,
+            Err(e) => panic!("{path:?}: {e}"),
+        }
+    }
+    let reader = std::thread::spawn(move || {
+        // Not reading while the sender closes.
+        std::thread::sleep(Duration::from_millis(300));
+        let mut got = 0u32;
+        while let Ok((_, m)) = b.recv_notification(Duration::from_secs(3)) {
+            assert_eq!(u32::from_le_bytes(m[..4].try_into().unwrap()), got);
+            got += 1;
+        }
+        got
+    });
+    drop(a);
+    assert_eq!(reader.join().unwrap(), accepted, "{path:?}");
+}
+
+#[test]
+fn a_sender_that_closes_while_its_peer_is_slow_loses_nothing_over_tcp() {
+    close_while_peer_is_slow(Path::TcpEpoll);
+}
+
+#[test]
+fn a_sender_that_closes_while_its_peer_is_slow_loses_nothing_on_one_host() {
+    close_while_peer_is_slow(Path::Shm);
+}

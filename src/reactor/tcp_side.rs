@@ -130,6 +130,14 @@ pub(crate) struct TcpSide {
 }
 
 impl TcpSide {
+    /// Whether any stream holds frames not yet written to its socket (a
+    /// closing shard's `linger`; not on the hot path: it visits them all).
+    pub fn has_unsent(&self) -> bool {
+        self.conns
+            .iter()
+            .any(|(_, c)| c.streams.iter().any(|s| s.has_tx()))
+    }
+
     /// Whether a request on a connection this side polls directly (the
     /// hot ones, or all of a few) waits for its reply. Bounded: at most
     /// `HOT_CONNS` or `DIRECT_POLL_MAX_STREAMS` connections are looked at.

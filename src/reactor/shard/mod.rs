@@ -437,19 +437,28 @@ impl Shard {
     /// Before the shard closes its connections: applies the commands still
     /// queued and sends what its streams and rings hold — a notification
     /// `send_notification` accepted, the `Fin` of a two-sided send that
-    /// reported done — until `LINGER_IDLE_PASSES` passes in a row find
-    /// nothing to do, or `CLOSE_LINGER` has passed (a peer that stops
-    /// reading holds a close that long at most). Without it, a process that exits right
+    /// reported done — until nothing is left unsent and `LINGER_IDLE_PASSES`
+    /// passes in a row find nothing to do, or `CLOSE_LINGER` has passed (a
+    /// peer that stops reading holds a close that long at most; one that
+    /// reads slowly is waited for). Without it, a process that exits right
     /// after its last send loses what that send's receiver waits for.
     pub(crate) fn linger(&mut self) {
         let end = Instant::now() + CLOSE_LINGER;
         let mut idle = 0;
         while idle < LINGER_IDLE_PASSES && Instant::now() < end {
-            if self.poll() == 0 && !self.wake.cmds.pending(&self.cmds) {
+            let work = self.poll();
+            let unsent = self.wake.cmds.pending(&self.cmds)
+                || !self.parked.is_empty()
+                || self.tcp.has_unsent();
+            if work > 0 {
+                idle = 0;
+            } else if unsent {
+                // A peer not reading now: wait for room, not a spin.
+                idle = 0;
+                std::thread::sleep(Duration::from_micros(200));
+            } else {
                 idle += 1;
                 std::thread::yield_now();
-            } else {
-                idle = 0;
             }
         }
     }
