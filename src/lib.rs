@@ -105,7 +105,7 @@ pub use endpoint::{
     Peer, RegCacheStats, Secret, SharedRegion, Transport, Window,
 };
 pub use error::{ConnFault, ConnId, Error, FailureKind, OpKind, PathOff, Result};
-pub use gpu::{IpcStats, MemKind};
+pub use gpu::{GpuCopy, IpcStats, MemKind};
 pub use reactor::{CompressStats, Shard, SpinStats, Transfer};
 pub use region::Access;
 pub use wire::{AnyWindow, EndpointMetadata, IpcBuf, RemoteBuf};

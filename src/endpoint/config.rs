@@ -5,6 +5,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
+use crate::gpu::GpuCopy;
 use crate::oob::IoPreference;
 
 /// How shards are driven.
@@ -192,6 +193,10 @@ macro_rules! settings {
             /// CUDA streams per device that split large IPC copies
             /// (`FERRY_GPU_STREAMS`, default 4, at most 8).
             gpu_streams: usize = 4, "FERRY_GPU_STREAMS", range(1, 8);
+            /// How a batch of small GPU copies runs (`FERRY_GPU_COPY=auto|kernel|engine`,
+            /// default auto: each copier times the gather kernel against the copy
+            /// engine and takes the faster).
+            gpu_copy: GpuCopy = GpuCopy::Auto, "FERRY_GPU_COPY", with(gpu_copy);
             /// Pinned bounce memory per shard for GPU memory on tcp
             /// (`FERRY_GPU_BOUNCE_BYTES`, default 256 MiB), in buffers of
             /// `chunk_bytes` (at least 2).
@@ -329,6 +334,15 @@ fn addr(name: &'static str, v: String) -> Result<IpAddr> {
 
 fn some_addr(name: &'static str, v: String) -> Result<Option<IpAddr>> {
     addr(name, v).map(Some)
+}
+
+fn gpu_copy(name: &'static str, v: String) -> Result<GpuCopy> {
+    Ok(match v.trim().to_ascii_lowercase().as_str() {
+        "auto" => GpuCopy::Auto,
+        "kernel" => GpuCopy::Kernel,
+        "engine" => GpuCopy::Engine,
+        _ => return Err(bad(name, &v, "expected auto, kernel or engine")),
+    })
 }
 
 fn io_preference(name: &'static str, v: String) -> Result<IoPreference> {
@@ -493,12 +507,14 @@ mod tests {
         let c = Config::from_lookup(env(&[
             ("FERRY_SHARDS", "3"),
             ("FERRY_IO", "epoll"),
+            ("FERRY_GPU_COPY", "Kernel"),
             ("FERRY_MAX_INFLIGHT_OPS", "77"),
             ("FERRY_LISTEN_ADDR", "::1"),
         ]))
         .unwrap();
         assert_eq!(c.shards, 3);
         assert_eq!(c.io, IoPreference::Epoll);
+        assert_eq!(c.gpu_copy, GpuCopy::Kernel);
         assert_eq!(c.max_inflight_ops, 77);
         assert!(c.listen_addr.is_ipv6());
         let e = Config::from_lookup(env(&[("FERRY_SHARDS", "0")])).unwrap_err();
@@ -509,6 +525,8 @@ mod tests {
         let e = Config::from_lookup(env(&[("FERRY_TRANSPORT", "carrier-pigeon")])).unwrap_err();
         assert!(e.to_string().contains("carrier-pigeon"), "{e}");
         assert!(Config::from_lookup(env(&[("FERRY_OP_TIMEOUT_MS", "x")])).is_err());
+        let e = Config::from_lookup(env(&[("FERRY_GPU_COPY", "dma")])).unwrap_err();
+        assert!(e.to_string().contains("expected auto, kernel or engine"), "{e}");
     }
 
     /// The table names each variable once, and the README documents each.

@@ -76,6 +76,7 @@ fn shard_config(
         sq_depth: cfg.sq_depth,
         max_conn_inflight_ops: cfg.max_conn_inflight_ops,
         gpu_streams: cfg.gpu_streams,
+        gpu_copy: cfg.gpu_copy,
         gpu_bounce_bytes: cfg.gpu_bounce_bytes,
         codec,
     }

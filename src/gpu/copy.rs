@@ -26,12 +26,25 @@ use super::driver::{check, cuda};
 use super::gather::{Gather, KERNEL_MAX_BYTES};
 use crate::error::{Error, Result};
 
+/// Which way batches of small copies go (`FERRY_GPU_COPY`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GpuCopy {
+    /// Each copier measures both ways and takes the faster (see `Choice`).
+    #[default]
+    Auto,
+    /// The gather kernel whenever the memory allows it.
+    Kernel,
+    /// The copy engine (`cuMemcpyBatchAsync`, or a call per copy).
+    Engine,
+}
+
 /// Pieces one copy is split into at most (one per stream).
 pub(crate) const MAX_SPLIT: usize = 8;
 /// Copies below this size go on one stream: splitting only adds latency.
 pub(crate) const SPLIT_MIN_BYTES: usize = 8 << 20;
-/// Staged copies issued in one batch at most.
-pub(crate) const MAX_BATCH: usize = 256;
+/// Staged copies issued in one batch at most: a KV-cache hand-off of a
+/// thousand blocks goes in one launch.
+pub(crate) const MAX_BATCH: usize = 1024;
 /// Batches of small copies in flight at once (see the module doc).
 pub(crate) const BATCHES_IN_FLIGHT: usize = 2;
 
@@ -85,7 +98,7 @@ pub(crate) struct Copier<E> {
 unsafe impl<E: Send> Send for Copier<E> {}
 
 impl<E> Copier<E> {
-    pub fn new(ordinal: i32, streams: usize) -> Result<Self> {
+    pub fn new(ordinal: i32, streams: usize, way: GpuCopy) -> Result<Self> {
         let c = cuda()?;
         c.make_current(ordinal)?;
         c.enable_peer_access();
@@ -116,7 +129,7 @@ impl<E> Copier<E> {
             inflight: VecDeque::with_capacity(64),
             batches: 0,
             spare: Vec::new(),
-            choice: Choice::default(),
+            choice: Choice::forced(way),
         })
     }
 
@@ -178,11 +191,27 @@ impl<E> Copier<E> {
             // SAFETY: the caller's promise, passed on.
             return unsafe { self.start_split(entry, dst, src, len, pieces) };
         }
-        self.all_kernel_ok &= kernel_ok && len <= KERNEL_MAX_BYTES;
         self.staged.push(entry);
+        // A piece that continues the last one on both sides (a KV block
+        // next to the previous one) joins its copy: one copy, two entries.
+        if let (Some(&d), Some(&s), Some(last)) =
+            (self.dsts.last(), self.srcs.last(), self.sizes.last_mut())
+        {
+            let joined = *last + len;
+            if d + *last as u64 == dst && s + *last as u64 == src && joined < SPLIT_MIN_BYTES {
+                *last = joined;
+                self.all_kernel_ok &= kernel_ok && joined <= KERNEL_MAX_BYTES;
+                return self.flush_if_full();
+            }
+        }
+        self.all_kernel_ok &= kernel_ok && len <= KERNEL_MAX_BYTES;
         self.dsts.push(dst);
         self.srcs.push(src);
         self.sizes.push(len);
+        self.flush_if_full()
+    }
+
+    fn flush_if_full(&mut self) -> Staged<E> {
         if self.staged.len() >= MAX_BATCH {
             return self.flush();
         }
@@ -462,6 +491,8 @@ struct Choice {
     ns_per_copy: [Option<f64>; 2],
     batches: u64,
     kernel_off: bool,
+    /// Set by `FERRY_GPU_COPY`: this way, never measured against the other.
+    forced: Option<Way>,
 }
 
 /// One batch in this many goes the way that is not the faster one.
@@ -470,10 +501,25 @@ const EXPLORE_EVERY: u64 = 32;
 const SAMPLE_WEIGHT: f64 = 0.25;
 
 impl Choice {
+    fn forced(way: GpuCopy) -> Self {
+        let forced = match way {
+            GpuCopy::Auto => None,
+            GpuCopy::Kernel => Some(Way::Kernel),
+            GpuCopy::Engine => Some(Way::Engine),
+        };
+        Self {
+            forced,
+            ..Self::default()
+        }
+    }
+
     fn pick(&mut self) -> Way {
         self.batches += 1;
         if self.kernel_off {
             return Way::Engine;
+        }
+        if let Some(way) = self.forced {
+            return way;
         }
         let [engine, kernel] = self.ns_per_copy;
         let (Some(e), Some(k)) = (engine, kernel) else {
@@ -543,5 +589,22 @@ mod tests {
         // Without a kernel, always the engine.
         c.no_kernel();
         assert!((0..100).all(|_| c.pick() == Way::Engine));
+    }
+
+    #[test]
+    fn a_forced_way_is_kept_whatever_it_measures() {
+        let mut k = Choice::forced(GpuCopy::Kernel);
+        let mut e = Choice::forced(GpuCopy::Engine);
+        for _ in 0..4 {
+            k.took(Way::Kernel, Duration::from_micros(640), 32);
+            k.took(Way::Engine, Duration::from_micros(1), 32);
+            e.took(Way::Engine, Duration::from_micros(640), 32);
+            e.took(Way::Kernel, Duration::from_micros(1), 32);
+        }
+        assert!((0..100).all(|_| k.pick() == Way::Kernel));
+        assert!((0..100).all(|_| e.pick() == Way::Engine));
+        // A kernel that cannot load still gives way to the engine.
+        k.no_kernel();
+        assert_eq!(k.pick(), Way::Engine);
     }
 }

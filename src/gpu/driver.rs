@@ -216,8 +216,8 @@ impl Cuda {
     /// where the hardware allows. Failures only cost speed (copies then
     /// stage through the host), so they are logged, not returned.
     pub(crate) fn enable_peer_access(&self) {
-        static DONE: OnceLock<()> = OnceLock::new();
-        DONE.get_or_init(|| {
+        PEERS.get_or_init(|| {
+            let mut on = Vec::new();
             for a in &self.devices {
                 for b in &self.devices {
                     if a.ordinal == b.ordinal {
@@ -243,12 +243,24 @@ impl Cuda {
                             b.ordinal,
                             error_name(r)
                         );
+                    } else {
+                        on.push((a.ordinal, b.ordinal));
                     }
                 }
             }
+            on
         });
     }
+
+    /// Whether kernels of device `from` may touch memory of device `to`:
+    /// the same device, or peer access that `enable_peer_access` turned on.
+    pub(crate) fn reaches(&self, from: i32, to: i32) -> bool {
+        from == to || PEERS.get().is_some_and(|p| p.contains(&(from, to)))
+    }
 }
+
+/// Pairs (from, to) with peer access on, once `enable_peer_access` ran.
+static PEERS: OnceLock<Vec<(i32, i32)>> = OnceLock::new();
 
 #[cfg(test)]
 mod tests {

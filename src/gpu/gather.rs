@@ -28,9 +28,13 @@ use super::driver::{check, cuda};
 use super::memory::PinnedBuf;
 use crate::error::Result;
 
-/// Copies longer than this go to the copy engine: one block of
-/// `THREADS` threads moves 4 KiB a step, so long copies run faster there.
-pub(crate) const KERNEL_MAX_BYTES: usize = 64 << 10;
+/// Copies longer than this go to the copy engine. Each copy gets one
+/// block per `CHUNK_BYTES` (the grid's y), so a 256 KiB KV block is 64
+/// blocks in parallel, not one block looping 64 times.
+pub(crate) const KERNEL_MAX_BYTES: usize = 256 << 10;
+/// Bytes of a copy one block moves: a 16-byte word per thread.
+const CHUNK_BYTES: usize = 4096;
+const _: () = assert!(THREADS as usize * 16 == CHUNK_BYTES, "one word per thread per chunk");
 /// Threads per block (one block per copy).
 const THREADS: u32 = 256;
 /// Bytes of one descriptor.
@@ -65,6 +69,13 @@ const PTX: &str = concat!(
     ld.global.u64 %rd5, [%rd4];
     ld.global.u64 %rd6, [%rd4+8];
     ld.global.u64 %rd7, [%rd4+16];
+    // This block's chunk of the copy: [start, end), CHUNK bytes at y.
+    mov.u32 %r9, %ctaid.y;
+    mul.wide.u32 %rd15, %r9, 4096;
+    setp.ge.u64 %p5, %rd15, %rd7;
+    @%p5 bra DONE;
+    add.s64 %rd16, %rd15, 4096;
+    min.u64 %rd16, %rd16, %rd7;
     cvta.to.global.u64 %rd5, %rd5;
     cvta.to.global.u64 %rd6, %rd6;
     mov.u32 %r3, %tid.x;
@@ -76,7 +87,10 @@ const PTX: &str = concat!(
     and.b64 %rd10, %rd10, 15;
     setp.ne.u64 %p2, %rd10, 0;
     @%p2 bra BYTES;
-    shr.u64 %rd11, %rd7, 4;
+    // 16-byte words: indices [start/16 + tid, end/16) by ntid.
+    shr.u64 %rd11, %rd16, 4;
+    shr.u64 %rd17, %rd15, 4;
+    add.s64 %rd8, %rd8, %rd17;
 WORDS:
     setp.ge.u64 %p3, %rd8, %rd11;
     @%p3 bra DONE;
@@ -88,14 +102,17 @@ WORDS:
     add.s64 %rd8, %rd8, %rd9;
     bra WORDS;
 BYTES:
-    setp.ge.u64 %p4, %rd8, %rd7;
+    // Bytes: [start + tid, end) by ntid.
+    add.s64 %rd8, %rd8, %rd15;
+BYTELOOP:
+    setp.ge.u64 %p4, %rd8, %rd16;
     @%p4 bra DONE;
     add.s64 %rd13, %rd6, %rd8;
     add.s64 %rd14, %rd5, %rd8;
     ld.global.u8 %rs1, [%rd13];
     st.global.u8 [%rd14], %rs1;
     add.s64 %rd8, %rd8, %rd9;
-    bra BYTES;
+    bra BYTELOOP;
 DONE:
     ret;
 }
@@ -205,6 +222,8 @@ impl Gather {
         }
         let mut descs = self.descs.ptr() as u64 + base;
         let mut count = n as u32;
+        let longest = sizes[..n].iter().copied().max().unwrap_or(0);
+        let chunks = longest.div_ceil(CHUNK_BYTES).max(1) as u32;
         let mut params = [
             (&mut descs as *mut u64).cast::<std::ffi::c_void>(),
             (&mut count as *mut u32).cast::<std::ffi::c_void>(),
@@ -215,7 +234,7 @@ impl Gather {
             cu::cuLaunchKernel(
                 self.func,
                 count,
-                1,
+                chunks,
                 1,
                 THREADS,
                 1,

@@ -36,6 +36,8 @@ pub(crate) fn export(ordinal: i32, alloc_base: u64) -> Result<[u8; 64]> {
 struct Mapping {
     /// The allocation's base in this process.
     base: u64,
+    /// The device whose memory it is, by our ordinals (-1: not known).
+    ordinal: i32,
     /// Copies using it now.
     users: u32,
     /// The handle it was opened from. An owner may free an allocation and
@@ -123,21 +125,22 @@ impl<H: Handles> IpcCache<H> {
         }
     }
 
-    /// The address in this process of `b`'s first byte, and the mapping to
+    /// The address in this process of `b`'s first byte, the mapping to
     /// release after the copy (`None` for memory of this same process,
-    /// which needs no handle: CUDA refuses to open a process's own handles).
+    /// which needs no handle: CUDA refuses to open a process's own handles)
+    /// and the device the memory is on by our ordinals (-1: not known).
     /// `ordinal`'s context must be current.
-    pub fn acquire(&mut self, b: &IpcBuf) -> Result<(u64, Option<MapTicket>)> {
+    pub fn acquire(&mut self, b: &IpcBuf) -> Result<(u64, Option<MapTicket>, i32)> {
         if b.owner_pid == self.my_pid {
             self.counters.same_process.fetch_add(1, Ordering::Relaxed);
-            return Ok((b.alloc_base + b.offset, None));
+            return Ok((b.alloc_base + b.offset, None, i32::from(b.device)));
         }
         let key = (b.owner_id, b.alloc_base);
         if let Some(m) = self.maps.get_mut(&key) {
             if m.handle == b.handle {
                 m.users += 1;
                 self.counters.hits.fetch_add(1, Ordering::Relaxed);
-                return Ok((m.base + b.offset, Some(MapTicket { key, id: m.id })));
+                return Ok((m.base + b.offset, Some(MapTicket { key, id: m.id }), m.ordinal));
             }
             // Revoked, or a new allocation at the same base: retire the old
             // mapping before opening the new one.
@@ -148,16 +151,22 @@ impl<H: Handles> IpcCache<H> {
         self.counters.opens.fetch_add(1, Ordering::Relaxed);
         let id = self.next_id;
         self.next_id += 1;
+        // Asked once per mapping: whether kernels of our GPU may touch it.
+        let ordinal = match super::memory::classify(base) {
+            Ok(super::MemKind::Device { ordinal, .. }) => ordinal,
+            _ => -1,
+        };
         self.maps.insert(
             key,
             Mapping {
                 base,
+                ordinal,
                 users: 1,
                 handle: b.handle,
                 id,
             },
         );
-        Ok((base + b.offset, Some(MapTicket { key, id })))
+        Ok((base + b.offset, Some(MapTicket { key, id }), ordinal))
     }
 
     /// A copy that used `t` ended.
@@ -272,8 +281,8 @@ mod tests {
     fn a_mapping_is_reused_until_revoked_and_closed_once_idle() {
         let mut rec = Record::default();
         let mut c = IpcCache::with_handles(&mut rec, Default::default());
-        let (a, ta) = c.acquire(&buf(1, 0x7000, 16, 1)).unwrap();
-        let (b, tb) = c.acquire(&buf(1, 0x7000, 32, 1)).unwrap();
+        let (a, ta, _) = c.acquire(&buf(1, 0x7000, 16, 1)).unwrap();
+        let (b, tb, _) = c.acquire(&buf(1, 0x7000, 32, 1)).unwrap();
         assert_eq!(b - a, 16, "one mapping serves both offsets");
         c.release(ta.unwrap());
         c.revoke(1, 0x7000);
@@ -281,7 +290,7 @@ mod tests {
         c.release(tb.unwrap());
         assert_eq!(c.open_count(), 0);
         // A revoked key opens afresh.
-        let (_, t) = c.acquire(&buf(1, 0x7000, 0, 1)).unwrap();
+        let (_, t, _) = c.acquire(&buf(1, 0x7000, 0, 1)).unwrap();
         c.release(t.unwrap());
         drop(c);
         assert_eq!(rec.open.len(), 2);
@@ -294,14 +303,14 @@ mod tests {
         // base, and its revocation was lost: the handle tells them apart.
         let mut rec = Record::default();
         let mut c = IpcCache::with_handles(&mut rec, Default::default());
-        let (old, t_old) = c.acquire(&buf(1, 0x7000, 0, 1)).unwrap();
-        let (new, t_new) = c.acquire(&buf(1, 0x7000, 0, 2)).unwrap();
+        let (old, t_old, _) = c.acquire(&buf(1, 0x7000, 0, 1)).unwrap();
+        let (new, t_new, _) = c.acquire(&buf(1, 0x7000, 0, 2)).unwrap();
         assert_ne!(old, new, "the new handle got its own mapping");
         assert_eq!(c.open_count(), 2, "the old one waits for its copy");
         // Releasing the old copy closes the old mapping, not the new one.
         c.release(t_old.unwrap());
         assert_eq!(c.open_count(), 1);
-        let (again, t) = c.acquire(&buf(1, 0x7000, 0, 2)).unwrap();
+        let (again, t, _) = c.acquire(&buf(1, 0x7000, 0, 2)).unwrap();
         assert_eq!(again, new);
         c.release(t.unwrap());
         c.release(t_new.unwrap());
@@ -313,9 +322,9 @@ mod tests {
     fn a_revoked_busy_mapping_replaced_by_a_new_one_keeps_both_counts_apart() {
         let mut rec = Record::default();
         let mut c = IpcCache::with_handles(&mut rec, Default::default());
-        let (old, t_old) = c.acquire(&buf(1, 0x7000, 0, 1)).unwrap();
+        let (old, t_old, _) = c.acquire(&buf(1, 0x7000, 0, 1)).unwrap();
         c.revoke(1, 0x7000);
-        let (new, t_new) = c.acquire(&buf(1, 0x7000, 0, 1)).unwrap();
+        let (new, t_new, _) = c.acquire(&buf(1, 0x7000, 0, 1)).unwrap();
         assert_ne!(old, new);
         // The new mapping stays open after the old copy's release, and the
         // old one closes then.
@@ -335,7 +344,9 @@ mod tests {
         let mut c = IpcCache::with_handles(&mut rec, Default::default());
         let mut b = buf(1, 0x7000, 8, 1);
         b.owner_pid = std::process::id();
-        assert_eq!(c.acquire(&b).unwrap(), (0x7008, None));
+        b.device = 3;
+        // Its device is the one its window names (our own ordinals).
+        assert_eq!(c.acquire(&b).unwrap(), (0x7008, None, 3));
         drop(c);
         assert!(rec.open.is_empty());
     }

@@ -14,6 +14,7 @@ pub(crate) mod ipc;
 mod kinds;
 pub mod memory;
 
+pub use copy::GpuCopy;
 pub use driver::{cuda, normalize_bus_id, Cuda, DeviceInfo};
 pub use ipc::IpcStats;
 pub use memory::MemKind;

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::queue::{IpcCmd, IpcDesc, IpcParts};
 use crate::error::{ConnId, Error, OpKind, Result};
-use crate::gpu::copy::Copier;
+use crate::gpu::copy::{Copier, GpuCopy};
 use crate::gpu::ipc::{IpcCache, IpcCounters, MapTicket};
 use crate::gpu::MemKind;
 use crate::region::{KeyRef, Region, RegionSlice};
@@ -107,6 +107,8 @@ pub(crate) struct GpuWork {
     copiers: Vec<Copier<Entry>>,
     cache: IpcCache,
     streams: usize,
+    /// Which way batches of small copies go (`FERRY_GPU_COPY`).
+    way: GpuCopy,
     done: Done,
     replies: Replies,
     pool: BouncePool,
@@ -122,6 +124,7 @@ impl GpuWork {
     pub fn new(
         counters: Arc<IpcCounters>,
         streams: usize,
+        way: GpuCopy,
         bounce_len: usize,
         bounce_bytes: usize,
     ) -> Self {
@@ -129,6 +132,7 @@ impl GpuWork {
             copiers: Vec::new(),
             cache: IpcCache::new(counters),
             streams,
+            way,
             done: Vec::with_capacity(256),
             replies: Vec::with_capacity(256),
             pool: BouncePool {
@@ -211,7 +215,7 @@ impl GpuWork {
         if let Some(i) = self.copiers.iter().position(|c| c.ordinal() == ordinal) {
             return Ok(i);
         }
-        self.copiers.push(Copier::new(ordinal, self.streams)?);
+        self.copiers.push(Copier::new(ordinal, self.streams, self.way)?);
         Ok(self.copiers.len() - 1)
     }
 
@@ -298,16 +302,27 @@ impl GpuWork {
         }
     }
 
-    fn acquire(&mut self, ordinal: i32, b: &IpcBuf) -> Result<(u64, Option<MapTicket>)> {
+    fn acquire(&mut self, ordinal: i32, b: &IpcBuf) -> Result<(u64, Option<MapTicket>, i32)> {
         crate::gpu::cuda()?.make_current(ordinal)?;
         self.cache.acquire(b)
     }
 
+    /// Whether the gather kernel of copier `ci` may copy between our
+    /// `local` region and peer memory on device `theirs` (IPC memory is
+    /// always device memory): ours on the copier's GPU, theirs on a GPU
+    /// its kernels reach. Host memory may be pageable: the engine's.
+    fn kernel_reaches(&self, ci: usize, local: &Region, theirs: i32) -> bool {
+        let me = self.copiers[ci].ordinal();
+        matches!(local.mem, MemKind::Device { ordinal, .. } if ordinal == me)
+            && crate::gpu::cuda().is_ok_and(|c| c.reaches(me, theirs))
+    }
+
     fn start_one(&mut self, ci: usize, kind: OpKind, slot: u32, d: IpcDesc) {
-        let (remote, key) = match self.acquire(self.copiers[ci].ordinal(), &d.remote) {
+        let (remote, key, theirs) = match self.acquire(self.copiers[ci].ordinal(), &d.remote) {
             Ok(x) => x,
             Err(e) => return self.done.push((slot, Err(e))),
         };
+        let kernel_ok = self.kernel_reaches(ci, d.local.region(), theirs);
         let local = d.local.addr();
         let len = d.local.len();
         let (dst, src) = match kind {
@@ -321,9 +336,7 @@ impl GpuWork {
             keep2: None,
             keep_map: None,
         };
-        // IPC mappings of another GPU, and host memory that may be
-        // pageable: the copy engine's.
-        self.stage(ci, entry, dst, src, len, false);
+        self.stage(ci, entry, dst, src, len, kernel_ok);
     }
 
     /// Stages the copy a same-host peer's request needs: its GPU memory
@@ -336,7 +349,8 @@ impl GpuWork {
             _ => 0,
         };
         let (theirs, keep_map) = match r.theirs {
-            Theirs::Host(p, m) => (Ok((p as u64, None)), Some(m)),
+            // Their memfd memory mapped here: pageable to a kernel.
+            Theirs::Host(p, m) => (Ok((p as u64, None, -1)), Some(m)),
             Theirs::Ipc(x) => {
                 let b = IpcBuf {
                     device: 0,
@@ -354,7 +368,7 @@ impl GpuWork {
             }
         };
         let started = theirs.and_then(|t| Ok((t, self.copier(ordinal)?)));
-        let ((theirs, key), ci) = match started {
+        let ((theirs, key, their_gpu), ci) = match started {
             Ok(x) => x,
             Err(e) => {
                 tracing::warn!(conn = %r.conn, "same-host GPU copy for op {} failed: {e}", r.op_id);
@@ -369,6 +383,7 @@ impl GpuWork {
         } else {
             (theirs, ours)
         };
+        let kernel_ok = their_gpu >= 0 && self.kernel_reaches(ci, r.ours.region(), their_gpu);
         let entry = Entry {
             then: Then::Reply(r.conn, r.op_id, r.write),
             mapping: key,
@@ -376,7 +391,7 @@ impl GpuWork {
             keep2: None,
             keep_map,
         };
-        self.stage(ci, entry, dst, src, len, false);
+        self.stage(ci, entry, dst, src, len, kernel_ok);
     }
 
     /// Issues the copies staged since the last flush (once per drain).

@@ -99,10 +99,11 @@ impl Shard {
 
     pub(super) fn gpu_work(&mut self) -> &mut GpuWork {
         let counters = &self.ipc_counters;
-        let streams = self.cfg.gpu_streams;
+        let (streams, way) = (self.cfg.gpu_streams, self.cfg.gpu_copy);
         let (bounce, bounce_bytes) = (self.cfg.chunk_bytes, self.cfg.gpu_bounce_bytes);
-        self.gpu
-            .get_or_insert_with(|| GpuWork::new(counters.clone(), streams, bounce, bounce_bytes))
+        self.gpu.get_or_insert_with(|| {
+            GpuWork::new(counters.clone(), streams, way, bounce, bounce_bytes)
+        })
     }
 
     /// Starts the CUDA copies same-host peers asked of our memory.

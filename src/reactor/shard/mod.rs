@@ -67,6 +67,8 @@ const HOT_LOCAL_CHECK: Duration = Duration::from_millis(10);
 pub(crate) struct ShardConfig {
     /// CUDA streams per device for IPC copies.
     pub gpu_streams: usize,
+    /// Which way batches of small GPU copies go.
+    pub gpu_copy: crate::gpu::GpuCopy,
     /// Pinned bounce memory for GPU memory on tcp.
     pub gpu_bounce_bytes: usize,
     pub spin: Duration,
@@ -204,6 +206,7 @@ impl Shard {
             GpuWork::new(
                 ipc_counters.clone(),
                 cfg.gpu_streams,
+                cfg.gpu_copy,
                 cfg.chunk_bytes,
                 cfg.gpu_bounce_bytes,
             )

@@ -1,0 +1,212 @@
+//! Requests of many small GPU pieces — a KV-cache hand-off's shape — byte
+//! exact on every way they can run: CUDA IPC ops of this endpoint and a
+//! same-host peer's requests on its GPU memory, WRITE and READ, through the
+//! gather kernel (`FERRY_GPU_COPY=kernel`) and the copy engine (`engine`):
+//! 1 piece, 32 at odd offsets, 1024 of 16 KiB, 100 000 of odd sizes, runs
+//! of adjacent pieces (joined into one copy) and pieces too long for the
+//! kernel beside short ones; a piece that cannot be copied fails its whole
+//! request.
+//!
+//! `#[ignore]`d: run with `cargo test --test gpu_pieces -- --ignored`
+//! where there is a GPU (they fail, not pass, where there is none).
+
+mod common;
+
+use common::{ask, Path, Target};
+use ferry::{Config, ConnId, Endpoint, GpuCopy, IpcBuf, MemoryRegion, RemoteBuf};
+use ferry_cli::testkit::{check_pattern, fill_pattern, fnv64};
+
+const SPAN: usize = 48 << 20;
+
+fn cfg(way: GpuCopy) -> Config {
+    let mut c = Config::default();
+    c.listen_addr = "127.0.0.1".parse().unwrap();
+    c.gpu = Some(0);
+    c.gpu_copy = way;
+    c
+}
+
+fn way_name(way: GpuCopy) -> &'static str {
+    match way {
+        GpuCopy::Kernel => "kernel",
+        GpuCopy::Engine => "engine",
+        GpuCopy::Auto => "auto",
+    }
+}
+
+/// `[base, base + total)` cut into pieces of the sizes `sizes` cycles
+/// through, listed in a scattered order when `shuffle` (no two neighbours
+/// adjacent in the list, mostly), else in order (every piece continues the
+/// last: they join).
+fn layout(base: usize, total: usize, sizes: &[usize], shuffle: bool) -> Vec<(usize, usize)> {
+    let mut v = Vec::new();
+    let (mut at, mut i) = (base, 0);
+    while at < base + total {
+        let len = sizes[i % sizes.len()].min(base + total - at);
+        v.push((at, len));
+        at += len;
+        i += 1;
+    }
+    if shuffle {
+        // A fixed LCG: the same order every run.
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for k in (1..v.len()).rev() {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            v.swap(k, (x >> 33) as usize % (k + 1));
+        }
+    }
+    v
+}
+
+/// The cases: (name, base, total, sizes, shuffled).
+fn cases() -> Vec<(&'static str, usize, usize, Vec<usize>, bool)> {
+    vec![
+        ("1 piece at an odd offset", 4099, 777, vec![777], false),
+        ("32 x 4 KiB at odd offsets", 13, 32 * 4096, vec![4096], true),
+        ("odd sizes", 1, 300_001, vec![1, 4095, 17, 65_537, 3], true),
+        ("1024 x 16 KiB", 0, 1024 * 16384, vec![16384], true),
+        ("adjacent pieces join", 64, 256 * 4096, vec![4096], false),
+        ("long and short", 5, 8 << 20, vec![300 << 10, 4096, 2 << 20, 100], true),
+        ("100 000 pieces", 3, 100_000 * 400 + 57, vec![400, 399, 401], true),
+    ]
+}
+
+fn pattern_hash(off: usize, len: usize, seed: u8) -> u64 {
+    let mut b = vec![0u8; len];
+    fill_pattern(&mut b, off as u64, seed);
+    fnv64(&b)
+}
+
+fn ghash(ep: &Endpoint, conn: ConnId, off: usize, len: usize) -> u64 {
+    let a = ask(ep, conn, &format!("ghash {off} {len}"));
+    u64::from_str_radix(a.strip_prefix("hash ").expect(&a), 16).unwrap()
+}
+
+fn gpu_fill(mr: &MemoryRegion, off: usize, len: usize, seed: u8) {
+    let mut b = vec![0u8; len];
+    fill_pattern(&mut b, off as u64, seed);
+    mr.write_at(off, &b).unwrap();
+}
+
+fn gpu_bytes(mr: &MemoryRegion, off: usize, len: usize) -> Vec<u8> {
+    let mut b = vec![0u8; len];
+    mr.read_at(off, &mut b).unwrap();
+    b
+}
+
+/// Runs every case as one WRITE and one READ request; `windows` makes
+/// the pieces' windows (an IPC window or a key window of the peer).
+fn every_case<W: ferry::Window>(
+    ep: &Endpoint,
+    conn: ConnId,
+    local: &MemoryRegion,
+    what: &str,
+    window: impl Fn(usize, usize) -> W,
+) {
+    for (k, (name, base, total, sizes, shuffle)) in cases().into_iter().enumerate() {
+        let pieces = layout(base, total, &sizes, shuffle);
+        let locals: Vec<(&MemoryRegion, usize, usize)> =
+            pieces.iter().map(|&(o, l)| (local, o, l)).collect();
+        let windows: Vec<W> = pieces.iter().map(|&(o, l)| window(o, l)).collect();
+        // WRITE: the peer's span holds something else first.
+        let seed = 20 + 2 * k as u8;
+        assert_eq!(ask(ep, conn, &format!("gfill {base} {total} 7")), "ok");
+        gpu_fill(local, base, total, seed);
+        ep.writev(conn, &locals, &windows)
+            .unwrap_or_else(|e| panic!("{what}, {name}: WRITE failed: {e}"));
+        assert_eq!(
+            ghash(ep, conn, base, total),
+            pattern_hash(base, total, seed),
+            "{what}, {name}: WRITE ({} pieces)",
+            pieces.len()
+        );
+        // READ: ours holds something else first.
+        let seed = seed + 1;
+        assert_eq!(ask(ep, conn, &format!("gfill {base} {total} {seed}")), "ok");
+        gpu_fill(local, base, total, 8);
+        ep.readv(conn, &locals, &windows)
+            .unwrap_or_else(|e| panic!("{what}, {name}: READ failed: {e}"));
+        assert_eq!(
+            check_pattern(&gpu_bytes(local, base, total), base as u64, seed),
+            None,
+            "{what}, {name}: READ ({} pieces)",
+            pieces.len()
+        );
+    }
+}
+
+fn gpu_target(way: GpuCopy) -> Target {
+    let env = [("FERRY_GPU_COPY", way_name(way))];
+    Target::start_with(Path::Shm, SPAN, &env, &["--gpu", "0"])
+}
+
+fn ipc_pieces(way: GpuCopy) {
+    let target = gpu_target(way);
+    let ep = Endpoint::builder().config(cfg(way)).build().unwrap();
+    let conn = ep.add_remote(&target.served.meta).unwrap();
+    let remote: IpcBuf = target.served.ipc.expect("IPCBUF line");
+    let local = ep.alloc_gpu(SPAN).unwrap();
+    let what = format!("CUDA IPC, {}", way_name(way));
+    every_case(&ep, conn, &local, &what, |o, l| {
+        remote.slice(o as u64, l as u64).unwrap()
+    });
+
+    // A piece whose handle cannot be opened fails the whole request, and
+    // nothing is reported done that did not land; the next request runs.
+    let mut bad = remote.slice(0, 4096).unwrap();
+    bad.alloc_base ^= 1 << 40;
+    bad.handle = [0xa5; 64];
+    for kind in [ferry::OpKind::Write, ferry::OpKind::Read] {
+        let mut windows: Vec<IpcBuf> = (0..32)
+            .map(|i| remote.slice(8192 * i, 4096).unwrap())
+            .collect();
+        windows[17] = bad;
+        let locals: Vec<(&MemoryRegion, usize, usize)> =
+            (0..32).map(|i| (&local, 8192 * i, 4096)).collect();
+        let r = match kind {
+            ferry::OpKind::Write => ep.writev(conn, &locals, &windows),
+            ferry::OpKind::Read => ep.readv(conn, &locals, &windows),
+        };
+        assert!(r.is_err(), "{what}: a {kind:?} with a bad piece: {r:?}");
+    }
+    gpu_fill(&local, 0, 4096, 99);
+    let w = remote.slice(0, 4096).unwrap();
+    ep.write(conn, &local, 0, 4096, &w).unwrap();
+    assert_eq!(ghash(&ep, conn, 0, 4096), pattern_hash(0, 4096, 99));
+}
+
+fn same_host_pieces(way: GpuCopy) {
+    let target = gpu_target(way);
+    let ep = Endpoint::builder().config(cfg(way)).build().unwrap();
+    let conn = ep.add_remote(&target.served.meta).unwrap();
+    let grb: RemoteBuf = target.served.gpu_rbuf.expect("GRBUF line");
+    let local = ep.alloc_gpu(SPAN).unwrap();
+    let what = format!("same-host requests on GPU memory, {}", way_name(way));
+    every_case(&ep, conn, &local, &what, |o, l| {
+        grb.slice(o as u32, l as u32).unwrap()
+    });
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU (cargo test --test gpu_pieces -- --ignored)"]
+fn ipc_pieces_through_the_gather_kernel_are_byte_exact() {
+    ipc_pieces(GpuCopy::Kernel);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU (cargo test --test gpu_pieces -- --ignored)"]
+fn ipc_pieces_through_the_copy_engine_are_byte_exact() {
+    ipc_pieces(GpuCopy::Engine);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU (cargo test --test gpu_pieces -- --ignored)"]
+fn same_host_gpu_requests_through_the_gather_kernel_are_byte_exact() {
+    same_host_pieces(GpuCopy::Kernel);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU (cargo test --test gpu_pieces -- --ignored)"]
+fn same_host_gpu_requests_through_the_copy_engine_are_byte_exact() {
+    same_host_pieces(GpuCopy::Engine);
+}
