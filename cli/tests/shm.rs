@@ -143,25 +143,63 @@ fn memfd_host_memory_moves_byte_exact() {
     memfd_moves_byte_exact(&[]);
 }
 
-/// The target has four shards: copies of 1 MiB or more are cut into
-/// slices its sibling shards copy (`start_host_copies`).
+/// The target has four shards and no copy threads: copies of 1 MiB or
+/// more are cut into slices its sibling shards copy (`start_host_copies`).
 #[test]
 fn memfd_host_memory_moves_byte_exact_in_slices_over_shards() {
-    memfd_moves_byte_exact(&[("FERRY_SHARDS", "4")]);
+    memfd_moves_byte_exact(&[("FERRY_SHARDS", "4"), ("FERRY_COPY_THREADS", "1")]);
 }
 
 /// Memory the target cannot map (plain registered memory): its copies go
 /// through process_vm_readv/writev, sliced over the target's shards too.
 #[test]
 fn cma_memory_moves_byte_exact_in_slices_over_shards() {
-    moves_byte_exact(&[("FERRY_SHARDS", "4")], false);
+    moves_byte_exact(&[("FERRY_SHARDS", "4"), ("FERRY_COPY_THREADS", "1")], false);
+}
+
+/// One shard and four copy threads (`FERRY_COPY_THREADS`): a large copy
+/// is cut into slices the endpoint's copy threads share with the shard.
+#[test]
+fn memfd_host_memory_moves_byte_exact_in_slices_over_copy_threads() {
+    let helpers = moves_byte_exact(&[("FERRY_SHARDS", "1"), ("FERRY_COPY_THREADS", "4")], true);
+    assert_eq!(helpers, 3, "three helpers beside the shard");
+}
+
+#[test]
+fn cma_memory_moves_byte_exact_in_slices_over_copy_threads() {
+    let helpers = moves_byte_exact(&[("FERRY_SHARDS", "1"), ("FERRY_COPY_THREADS", "4")], false);
+    assert_eq!(helpers, 3, "three helpers beside the shard");
+}
+
+/// Without large copies, or with `FERRY_COPY_THREADS=1`, no copy thread
+/// is started.
+#[test]
+fn copy_threads_start_only_when_a_large_copy_needs_them() {
+    let t = Target::start_on(Path::Shm, 4 * MIB, &[("FERRY_COPY_THREADS", "4")]);
+    let ep = path_client(Path::Shm);
+    let conn = ep.add_remote(&t.served.meta).unwrap();
+    let local = ep.alloc_host(4 * MIB).unwrap();
+    ep.write(conn, &local, 0, 4096, &t.served.rbuf).unwrap();
+    assert_eq!(copy_threads_of(t.child.id()), 0, "a small copy needs none");
+    assert_eq!(moves_byte_exact(&[("FERRY_COPY_THREADS", "1")], true), 0);
+}
+
+/// Threads of process `pid` named as copy threads.
+fn copy_threads_of(pid: u32) -> usize {
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).unwrap();
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|c| c.starts_with("ferry-copy-"))
+        .count()
 }
 
 fn memfd_moves_byte_exact(env: &[(&str, &str)]) {
-    moves_byte_exact(env, true)
+    moves_byte_exact(env, true);
 }
 
-fn moves_byte_exact(env: &[(&str, &str)], memfd: bool) {
+/// Moves odd ranges both ways; returns how many copy threads the target
+/// had then.
+fn moves_byte_exact(env: &[(&str, &str)], memfd: bool) -> usize {
     let t = Target::start_on(Path::Shm, 64 * MIB, env);
     let ep = path_client(Path::Shm);
     let conn = ep.add_remote(&t.served.meta).unwrap();
@@ -200,6 +238,7 @@ fn moves_byte_exact(env: &[(&str, &str)], memfd: bool) {
         );
         assert_eq!(ask(&ep, conn, &format!("fill {roff} {len} 0")), "ok");
     }
+    copy_threads_of(t.child.id())
 }
 
 #[test]

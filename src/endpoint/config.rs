@@ -234,6 +234,11 @@ macro_rules! settings {
             /// 0: half the cores, 1 to 8); they start with the first chunk
             /// packed or unpacked.
             compress_threads: usize = 0, "FERRY_COMPRESS_THREADS", range(0, 256);
+            /// Threads that share one large same-host host-memory copy, its
+            /// shard included (`FERRY_COPY_THREADS`; 0: half the cores, at most 8;
+            /// 1: the shard alone). Copies of 2 MiB or more are cut into slices
+            /// of at least 1 MiB; the threads start with the first such copy.
+            copy_threads: usize = 0, "FERRY_COPY_THREADS", range(0, 64);
         }
     };
 }
@@ -487,6 +492,18 @@ impl Config {
     /// `op_timeout_ms` as a `Duration`.
     pub fn op_timeout(&self) -> Duration {
         Duration::from_millis(self.op_timeout_ms)
+    }
+
+    /// Threads that share one large same-host copy under this config,
+    /// its shard included: `copy_threads`, or for 0 its default on this
+    /// machine (half the cores, at most 8).
+    pub fn copy_share(&self) -> usize {
+        match self.copy_threads {
+            0 => crate::reactor::copy_pool::default_share(
+                std::thread::available_parallelism().map_or(1, |n| n.get()),
+            ),
+            n => n,
+        }
     }
 }
 

@@ -23,6 +23,7 @@ mod cmd_ring;
 pub(crate) mod codec_pool;
 mod codec_side;
 pub(crate) mod completion;
+pub(crate) mod copy_pool;
 mod gpu;
 mod ledger;
 #[cfg(test)]

@@ -50,7 +50,9 @@ Flags:
                          send/recv between two processes, as many streams
                          as --streams, a thread each (and a TCP
                          ping-pong for --latency); shm: memcpy (blocks of
-                         1 MiB or more split over --shards threads; for
+                         1 MiB or more split over as many threads as share
+                         ferry's copy: --shards or FERRY_COPY_THREADS,
+                         whichever is more); for
                          --latency two threads of this process passing a
                          count through two cache lines, the floor under
                          any same-host round trip);

@@ -34,16 +34,17 @@ pub(super) fn make_reference(
         (true, false, false) => Some(Reference::Tcp(raw::RawPeer::spawn(
             ep.config().streams_per_conn.into(),
         )?)),
+        // As many threads as share one of ferry's large copies.
         (true, false, true) => Some(Reference::Memcpy(
             Vec::new(),
             Vec::new(),
-            o.shards.unwrap_or(1),
+            o.shards.unwrap_or(1).max(Config::from_env()?.copy_share()),
         )),
     })
 }
 
 /// What ferry is compared with: raw TCP between two processes, or a
-/// single-thread memcpy (for the same-host path).
+/// memcpy on as many threads as ferry's copy (for the same-host path).
 pub(super) enum Reference {
     Tcp(raw::RawPeer),
     /// Source, destination, threads sharing each copy.

@@ -15,16 +15,22 @@ use crate::region::RegionSlice;
 use crate::wire::Status;
 
 impl Shard {
-    /// Cuts each large same-host copy of this pass into a slice per shard:
-    /// the siblings' go through their queues (one that is full gets none:
-    /// its slice is copied here), ours is copied now.
+    /// Cuts each large same-host copy of this pass into slices: the
+    /// endpoint's copy threads take all but one (or, without them, the
+    /// sibling shards through their queues); a slice that finds no room is
+    /// copied here, as is the first, now.
     pub(super) fn start_host_copies(&mut self) {
         use std::sync::atomic::AtomicUsize;
+        let pool = self.cfg.copy_pool.clone();
+        let threads = pool.as_ref().and_then(|p| p.get().map(|_| p.share()));
         for req in self.host_copies.drain(..) {
             let len = req.ours.len();
-            let shards = self.siblings.len() + 1;
+            let count = match threads {
+                Some(n) => crate::reactor::copy_pool::slices(len, n),
+                None => self.siblings.len() + 1,
+            };
             // Slices of whole 64 KiB blocks.
-            let slice = len.div_ceil(shards).next_multiple_of(64 << 10);
+            let slice = len.div_ceil(count).next_multiple_of(64 << 10);
             let count = len.div_ceil(slice);
             let join = Arc::new(CopyJoin {
                 left: AtomicUsize::new(count),
@@ -35,7 +41,7 @@ impl Shard {
                 let ours = req.ours.sub(off, slice.min(len - off))?;
                 CopySlice::new(ours, req.theirs.at(off), req.write, join.clone())
             };
-            // The siblings' slices first, so they copy while we copy ours.
+            // The others' slices first, so they copy while we copy ours.
             for i in (1..count).chain(0..1) {
                 let Some(s) = piece(i) else {
                     // Unreachable: the request's ranges were checked whole.
@@ -45,6 +51,10 @@ impl Shard {
                 };
                 if i == 0 {
                     s.run();
+                } else if let Some(p) = pool.as_ref().and_then(|p| p.get()) {
+                    if let Err(back) = p.try_submit(s) {
+                        back.run();
+                    }
                 } else if let Err((_, Command::CopySlice(back))) =
                     self.siblings[i - 1].submit(Command::CopySlice(s))
                 {

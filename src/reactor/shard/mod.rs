@@ -86,6 +86,8 @@ pub(crate) struct ShardConfig {
     pub max_conn_inflight_ops: usize,
     /// The endpoint's codec threads (None: compression is off).
     pub codec: Option<Arc<super::codec_pool::LazyCodecPool>>,
+    /// The endpoint's copy threads (None: one thread per copy).
+    pub copy_pool: Option<Arc<super::copy_pool::LazyCopyPool>>,
 }
 
 /// One shard: its connections, its view of the registrations, and its loop.
@@ -148,6 +150,8 @@ pub struct Shard {
 
 /// The context sources report into, borrowed from the shard's other
 /// fields for one pass (`gpu`: the GPU work, unless it is the source).
+/// Large same-host copies are shared (`host_copies`) where there are copy
+/// threads or sibling shards.
 macro_rules! cx {
     ($s:ident, $gpu:expr) => {
         $crate::reactor::source::Cx {
@@ -158,7 +162,8 @@ macro_rules! cx {
             ipc_revoked: &mut $s.ipc_revoked,
             gpu_reqs: &mut $s.gpu_reqs,
             gpu_replies: &mut $s.gpu_replies,
-            host_copies: (!$s.siblings.is_empty()).then_some(&mut $s.host_copies),
+            host_copies: ($s.cfg.copy_pool.is_some() || !$s.siblings.is_empty())
+                .then_some(&mut $s.host_copies),
             gpu: $gpu,
             to_fail: &mut $s.to_fail,
         }
