@@ -138,14 +138,17 @@ def measure(backend, points, op, mem):
         # Warm up (connection, first touches), then a timed loop.
         for _ in range(3):
             post_wait(ag, h)
-        iters, t0 = 0, time.perf_counter()
+        iters, t0, c0 = 0, time.perf_counter(), time.process_time()
         while True:
             post_wait(ag, h)
             iters += 1
             dt = time.perf_counter() - t0
             if dt >= POINT_S and iters >= 5:
                 break
-        out[(size, batch)] = size * batch * iters / dt / 1e9
+        cpu = time.process_time() - c0
+        # GB/s of payload; wall µs per post (post to DONE); this process's
+        # CPU (every thread) per descriptor, ns.
+        out[(size, batch)] = (size * batch * iters / dt / 1e9, dt / iters * 1e6, cpu / iters / batch * 1e9)
         ag.release_xfer_handle(h)
     ag.deregister_memory(reg)
     pipe.send(True)
@@ -188,10 +191,12 @@ def main():
     backends = (a.backends or ("FERRY" if a.mem == "vram" else "FERRY,UCX")).split(",")
     points = [parse_point(p) for p in a.sizes.split(",")]
     runs = {b: {p: [] for p in points} for b in backends}
+    costs = {b: {p: [] for p in points} for b in backends}
     for rnd in range(a.rounds):
         for b in backends if rnd % 2 == 0 else reversed(backends):
-            for p, gbs in measure(b, points, a.op, a.mem).items():
+            for p, (gbs, post_us, cpu_ns) in measure(b, points, a.op, a.mem).items():
                 runs[b][p].append(gbs)
+                costs[b][p].append((post_us, cpu_ns))
     if a.mem == "vram":
         # The reference, measured in the same run: "copy" is a backend.
         runs["copy"] = {p: [copy_rate(p[0] * p[1]) for _ in range(a.rounds)] for p in points}
@@ -203,6 +208,10 @@ def main():
             print(json.dumps({"size": p[0], "batch": p[1], "op": a.op, "mem": a.mem, "transport": a.transport,
                               **{f"{b}_gbs": med[b][p] for b in backends},
                               **{f"{b}_runs": runs[b][p] for b in backends},
+                              **{f"{b}_post_us": statistics.median(c[0] for c in costs[b][p])
+                                 for b in costs},
+                              **{f"{b}_cpu_ns_per_desc": statistics.median(c[1] for c in costs[b][p])
+                                 for b in costs},
                               "ratio": med[A][p] / med[B][p]}))
     else:
         print(f"NIXL {a.op}, {a.mem}, {a.transport}, medians of {a.rounds} rounds (GB/s of payload)")
@@ -210,6 +219,11 @@ def main():
         for p in points:
             print(f"{human(p[0]) + ' x ' + str(p[1]):>16} " + " ".join(f"{med[b][p]:9.3f}" for b in backends)
                   + f" {med[A][p] / med[B][p]:10.2f}")
+        print("per post: wall µs / CPU ns per descriptor (this process, every thread)")
+        for p in points:
+            print(f"{human(p[0]) + ' x ' + str(p[1]):>16} " + " ".join(
+                f"{b} {statistics.median(c[0] for c in costs[b][p]):.1f} / "
+                f"{statistics.median(c[1] for c in costs[b][p]):.0f}" for b in costs))
     if a.plot:
         import matplotlib
 

@@ -85,8 +85,12 @@ pub unsafe extern "C" fn ferry_post(
         let descs = unsafe { std::slice::from_raw_parts(descs, n) };
         let mut locals: Vec<(&MemoryRegion, usize, usize)> = Vec::with_capacity(n);
         let mut windows: Vec<AnyWindow> = Vec::with_capacity(n);
+        // Descriptors of one remote registration share its window bytes
+        // (NIXL passes the same pointer): decoded once per run of them.
+        let mut last: Option<(*const u8, usize, AnyWindow)> = None;
         for (i, d) in descs.iter().enumerate() {
-            let (l, w) = piece(d).map_err(|Fail(c, m)| Fail(c, format!("descriptor {i}: {m}")))?;
+            let (l, w) = piece(d, &mut last)
+                .map_err(|Fail(c, m)| Fail(c, format!("descriptor {i}: {m}")))?;
             locals.push(l);
             windows.push(w);
         }
@@ -121,14 +125,26 @@ pub unsafe extern "C" fn ferry_post(
     })
 }
 
-/// One descriptor's local slice and window, checked.
-fn piece(d: &ferry_desc) -> Result<((&MemoryRegion, usize, usize), AnyWindow), Fail> {
+/// One descriptor's local slice and window, checked; `last` is the window
+/// the previous descriptor decoded, by the address and length of its bytes
+/// (they stay unchanged during the call: ferry_post's contract).
+fn piece<'a>(
+    d: &'a ferry_desc,
+    last: &mut Option<(*const u8, usize, AnyWindow)>,
+) -> Result<((&'a MemoryRegion, usize, usize), AnyWindow), Fail> {
     // SAFETY: a live region or NULL (ferry_post's contract).
     let r = unsafe { handle(d.local, "local")? };
     let (mr, at) = r.part(d.local_offset, d.len)?;
-    // SAFETY: `window_len` valid bytes (ferry_post's contract).
-    let raw = unsafe { bytes(d.window, d.window_len, "window")? };
-    let w = AnyWindow::decode(raw).map_err(|e| invalid(e.to_string()))?;
+    let w = match last {
+        Some((p, n, w)) if *p == d.window && *n == d.window_len => *w,
+        _ => {
+            // SAFETY: `window_len` valid bytes (ferry_post's contract).
+            let raw = unsafe { bytes(d.window, d.window_len, "window")? };
+            let w = AnyWindow::decode(raw).map_err(|e| invalid(e.to_string()))?;
+            *last = Some((d.window, d.window_len, w));
+            w
+        }
+    };
     let w = w.slice(d.remote_offset, d.len as u64).ok_or_else(|| {
         invalid(format!(
             "[{}, +{}) is outside the {}-byte window",

@@ -139,9 +139,22 @@ pub(super) struct GpuSide {
 }
 
 impl Inner {
+    /// The endpoint at the other end of `conn` when it is a same-host
+    /// peer (asked once per op: each piece's window must be its).
+    pub(super) fn local_peer_of(&self, conn: ConnId) -> Option<u64> {
+        let live = self.conns.live.lock().expect("lock");
+        match live.get(&conn).map(|c| c.peer) {
+            Some(Peer::Local { endpoint_id, .. }) => Some(endpoint_id),
+            _ => None,
+        }
+    }
+
+    /// One piece of an IPC op, checked: our slice, the window's length and
+    /// host, and that the window is the peer's (`peer`: `local_peer_of`).
     pub(super) fn ipc_desc(
         &self,
         conn: ConnId,
+        peer: Option<u64>,
         mr: &MemoryRegion,
         offset: usize,
         len: usize,
@@ -163,14 +176,7 @@ impl Inner {
                 ),
             });
         }
-        let peer = self
-            .conns
-            .live
-            .lock()
-            .expect("lock")
-            .get(&conn)
-            .map(|c| c.peer);
-        if let Some(Peer::Local { endpoint_id, .. }) = peer {
+        if let Some(endpoint_id) = peer {
             if endpoint_id != remote.owner_id && remote.owner_pid != std::process::id() {
                 return Err(Error::Unsupported {
                     what: "an IPC window of another endpoint",

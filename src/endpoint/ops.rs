@@ -166,14 +166,15 @@ mod sealed {
             via: &mut Via<'_>,
         ) -> Result<Transfer> {
             check_local(kind, locals)?;
+            let peer = ep.inner.local_peer_of(conn);
             let parts = match (locals, remotes) {
                 ([(mr, off, len)], [r]) => {
-                    IpcParts::One(ep.inner.ipc_desc(conn, mr, *off, *len, r)?)
+                    IpcParts::One(ep.inner.ipc_desc(conn, peer, mr, *off, *len, r)?)
                 }
                 _ => {
                     check_pairs(locals, remotes)?;
                     let v = locals.iter().zip(remotes);
-                    let d = v.map(|((m, o, l), r)| ep.inner.ipc_desc(conn, m, *o, *l, r));
+                    let d = v.map(|((m, o, l), r)| ep.inner.ipc_desc(conn, peer, m, *o, *l, r));
                     IpcParts::Many(d.collect::<Result<_>>()?)
                 }
             };
