@@ -3,22 +3,28 @@
 # machine, into target/carry (the device tool's `carry`, 64 MiB at most):
 # the CLI, the GPU suite's test binary, the NIXL plugin, the Python wheel,
 # UCCL v0.1.1's p2p/tests (from a UCCL checkout: $UCCL_REPO, a git
-# directory) with a one-line `uccl` package that is ferry.p2p.
+# directory) with a one-line `uccl` package that is ferry.p2p, and NIXL
+# for Python 3.12 slimmed from the wheels in $NIXL_WHEELS (`pip download
+# nixl-cu13 nixl --no-deps --python-version 3.12 --only-binary=:all:
+# --platform manylinux_2_28_x86_64 -d DIR`).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 c=target/carry
 mkdir -p $c/wheel $c/uccl/uccl
 cargo build -q --release -p ferry-cli -p ferry-nixl
-gpu=$(cargo test -q --release -p ferry-cli --test gpu --no-run --message-format=json 2>/dev/null \
-    | python3 -c 'import json,sys
+# The GPU suites' test binaries, as $c/gpu and $c/gpu_pieces.
+for t in gpu gpu_pieces; do
+    bin=$(cargo test -q --release -p ferry-cli --test $t --no-run --message-format=json 2>/dev/null \
+        | python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
-        print(m["executable"])')
-cp target/release/ferry "$gpu" target/release/libplugin_FERRY.so $c/
-mv $c/$(basename "$gpu") $c/gpu
-strip $c/ferry $c/gpu
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == sys.argv[1] and m.get("executable"):
+        print(m["executable"])' $t)
+    cp "$bin" $c/$t
+done
+cp target/release/ferry target/release/libplugin_FERRY.so $c/
+strip $c/ferry $c/gpu $c/gpu_pieces
 # The plugin keeps its symbol table: the NIXL suite's vtable check reads it.
 strip --strip-debug $c/libplugin_FERRY.so
 rm -f $c/wheel/*.whl
@@ -29,5 +35,22 @@ if [ -n "${UCCL_REPO:-}" ]; then
         git --git-dir="$UCCL_REPO" show v0.1.1:p2p/tests/$f > $c/uccl/$f
     done
     echo "from ferry import p2p  # noqa: F401 (UCCL's tests import uccl.p2p)" > $c/uccl/uccl/__init__.py
+fi
+# NIXL for the GPU machine, which has none and no internet: the nixl-cu13
+# wheel (and the nixl wrapper) for Python 3.12 unpacked without what the
+# benches and the suite do not load (its EP kernels, storage plugins and
+# their SDKs), as one tar.xz (~11 MB; the whole wheel is 59 MB).
+if [ -n "${NIXL_WHEELS:-}" ]; then
+    tmp=$(mktemp -d)
+    for w in "$NIXL_WHEELS"/nixl_cu13-*cp312*.whl "$NIXL_WHEELS"/nixl-*py3-none-any.whl; do
+        (cd "$tmp" && unzip -q -o "$w")
+    done
+    rm -rf "$tmp"/nixl_ep_cu13 "$tmp"/nixl_cu13.libs/libaws* "$tmp"/nixl_cu13.libs/libazure* \
+        "$tmp"/nixl_cu13.libs/libs2n* "$tmp"/nixl_cu13.libs/libxml2* "$tmp"/nixl_cu13.libs/ucx/libucx_perftest*
+    for d in "$tmp"/.nixl_cu13.mesonpy.libs/plugins "$tmp"/nixl_cu13.libs/nixl; do
+        find "$d" -name '*.so' ! -name libplugin_UCX.so ! -name libplugin_POSIX.so -delete
+    done
+    tar -C "$tmp" -cf - . | xz -T2 -6 > $c/nixl-slim.tar.xz
+    rm -rf "$tmp"
 fi
 du -sh $c

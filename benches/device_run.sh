@@ -44,10 +44,18 @@ nixl_dir() {
 
 step() { echo "== $*"; }
 
+# NIXL carried in (device_carry.sh with NIXL_WHEELS), where none is installed.
+if [ -f "$carry/nixl-slim.tar.xz" ] && ! $py -c 'import nixl' 2>/dev/null; then
+    mkdir -p /tmp/nixlsite && tar -C /tmp/nixlsite -xJf "$carry/nixl-slim.tar.xz"
+    export PYTHONPATH=/tmp/nixlsite${PYTHONPATH:+:$PYTHONPATH}
+fi
+
 if [ "$what" = tests ]; then
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     step "GPU suite"
     timeout 240 "$carry/gpu" --ignored --test-threads=1 2>&1 | tail -30
+    step "GPU pieces suite"
+    timeout 240 "$carry/gpu_pieces" --ignored --test-threads=1 2>&1 | tail -30
     step "python wheel + suite"
     $py -m pip install -q --no-deps --no-index --force-reinstall "$carry"/wheel/ferry-*.whl 2>&1 | tail -2
     (cd python/tests && timeout 200 $py -m pytest -q -p no:cacheprovider -rs 2>&1 | tail -12)
