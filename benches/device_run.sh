@@ -46,8 +46,11 @@ step() { echo "== $*"; }
 
 # NIXL carried in (device_carry.sh with NIXL_WHEELS), where none is installed.
 if [ -f "$carry/nixl-slim.tar.xz" ] && ! $py -c 'import nixl' 2>/dev/null; then
-    mkdir -p /tmp/nixlsite && tar -C /tmp/nixlsite -xJf "$carry/nixl-slim.tar.xz"
+    mkdir -p /tmp/nixlsite
+    $py -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
+        "$carry/nixl-slim.tar.xz" /tmp/nixlsite
     export PYTHONPATH=/tmp/nixlsite${PYTHONPATH:+:$PYTHONPATH}
+    $py -c 'import nixl' 2>&1 | tail -3
 fi
 
 if [ "$what" = tests ]; then
@@ -81,7 +84,9 @@ elif [ "$what" = benches ]; then
     rec gpu --label "tcp, GPU memory" -- "$FERRY_BIN" bench --transport tcp --device gpu --op write --sizes 64M --baseline --json
     if nixl_dir; then
         step "NIXL"
-        rec nixl --label "NIXL, VRAM, same host" -- $py benches/nixl_bench.py --mem vram --backends FERRY,UCX --op WRITE --sizes 4Kx32,64Kx32,16Kx1024,1M,256M --json
-        rec nixl --label "NIXL, DRAM, same host" -- $py benches/nixl_bench.py --op WRITE --sizes 4Kx32,1M,64M --json
+        for op in WRITE READ; do
+            rec nixl --label "NIXL, VRAM, same host" -- $py benches/nixl_bench.py --mem vram --backends FERRY,UCX --op $op --sizes 4Kx32,64Kx32,16Kx1024,4Kx100000,1M,256M --json
+        done
+        rec nixl --label "NIXL, DRAM, same host" -- $py benches/nixl_bench.py --op WRITE --sizes 4Kx32,64K,1M,64M,4Kx100000 --json
     fi
 fi

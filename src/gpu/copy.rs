@@ -48,6 +48,30 @@ pub(crate) const MAX_BATCH: usize = 1024;
 /// Batches of small copies in flight at once (see the module doc).
 pub(crate) const BATCHES_IN_FLIGHT: usize = 2;
 
+/// What a staged copy may do besides one plain copy-engine call.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Allow {
+    /// Both ranges are device memory of the copier's GPU (or one its
+    /// kernels reach) or `cuMemHostAlloc` memory: the gather kernel may
+    /// copy it (`gather.rs`).
+    pub kernel: bool,
+    /// A large copy may be split across the streams (false: both ends are
+    /// on the copier's GPU, where pieces only compete).
+    pub split: bool,
+    /// The pair of allocations the copy lies in (0: not known). A copy
+    /// that continues the last one staged, in the same pair, joins it;
+    /// no copy may span two allocations, so different pairs never join.
+    pub span: u64,
+}
+
+/// A span for `Allow` from the identities of the two allocations (never 0).
+pub(crate) fn span_of(a: u64, b: u64) -> u64 {
+    let mut x = a ^ b.rotate_left(29) ^ 0x9e37_79b9_7f4a_7c15;
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (x ^ (x >> 31)) | 1
+}
+
 /// A staging outcome: on failure, the error and every entry it took down.
 pub(crate) type Staged<E> = std::result::Result<(), (Error, Vec<E>)>;
 
@@ -81,6 +105,8 @@ pub(crate) struct Copier<E> {
     sizes: Vec<usize>,
     /// Whether every staged copy may run in the gather kernel.
     all_kernel_ok: bool,
+    /// The span of the last staged copy (0: none may join it).
+    last_span: u64,
     /// The gather kernel, loaded on first use (after a failed load `choice`
     /// never picks it again).
     gather: Option<Gather>,
@@ -125,6 +151,7 @@ impl<E> Copier<E> {
             srcs: Vec::with_capacity(MAX_BATCH),
             sizes: Vec::with_capacity(MAX_BATCH),
             all_kernel_ok: true,
+            last_span: 0,
             gather: None,
             inflight: VecDeque::with_capacity(64),
             batches: 0,
@@ -166,11 +193,8 @@ impl<E> Copier<E> {
 
     /// Queues a copy of `len` bytes from `src` to `dst` (any addresses the
     /// driver can reach: device, mapped IPC, pinned or pageable host).
-    /// Large copies start now; small ones wait for `flush`. `kernel_ok`:
-    /// both ranges are device memory of this copier's GPU or
-    /// `cuMemHostAlloc` memory, so a batch of them may run in the gather
-    /// kernel (`gather.rs`). `split_ok`: a large copy may be split across
-    /// the streams (false: both ends are on this copier's GPU).
+    /// Large copies start now; small ones wait for `flush`; `allow` says
+    /// what else the copy may do.
     ///
     /// # Safety
     /// `[dst, dst + len)` and `[src, src + len)` must stay valid (mapped,
@@ -183,20 +207,25 @@ impl<E> Copier<E> {
         dst: u64,
         src: u64,
         len: usize,
-        kernel_ok: bool,
-        split_ok: bool,
+        allow: Allow,
     ) -> Staged<E> {
+        let kernel_ok = allow.kernel;
+        let span = std::mem::replace(&mut self.last_span, allow.span);
         if len >= SPLIT_MIN_BYTES {
-            let pieces = if split_ok { self.streams.len() } else { 1 };
+            self.last_span = 0;
+            let pieces = if allow.split { self.streams.len() } else { 1 };
             // SAFETY: the caller's promise, passed on.
             return unsafe { self.start_split(entry, dst, src, len, pieces) };
         }
         self.staged.push(entry);
         // A piece that continues the last one on both sides (a KV block
         // next to the previous one) joins its copy: one copy, two entries.
-        if let (Some(&d), Some(&s), Some(last)) =
-            (self.dsts.last(), self.srcs.last(), self.sizes.last_mut())
-        {
+        if let (Some(&d), Some(&s), Some(last), true) = (
+            self.dsts.last(),
+            self.srcs.last(),
+            self.sizes.last_mut(),
+            span != 0 && span == allow.span,
+        ) {
             let joined = *last + len;
             if d + *last as u64 == dst && s + *last as u64 == src && joined < SPLIT_MIN_BYTES {
                 *last = joined;
@@ -352,6 +381,7 @@ impl<E> Copier<E> {
         self.srcs.clear();
         self.sizes.clear();
         self.all_kernel_ok = true;
+        self.last_span = 0;
         self.launched(f, r)
     }
 

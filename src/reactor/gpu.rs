@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::queue::{IpcCmd, IpcDesc, IpcParts};
 use crate::error::{ConnId, Error, OpKind, Result};
-use crate::gpu::copy::{Copier, GpuCopy};
+use crate::gpu::copy::{span_of, Allow, Copier, GpuCopy};
 use crate::gpu::ipc::{IpcCache, IpcCounters, MapTicket};
 use crate::gpu::MemKind;
 use crate::region::{KeyRef, Region, RegionSlice};
@@ -72,6 +72,17 @@ struct BouncePool {
     bufs: Vec<Arc<Region>>,
     buf_len: usize,
     max: usize,
+}
+
+/// A tcp staging copy: between a pinned bounce buffer and a region of this
+/// GPU, so the kernel may copy it; bounce buffers are separate
+/// allocations, so it never joins another.
+fn kernel_only() -> Allow {
+    Allow {
+        kernel: true,
+        split: false,
+        span: 0,
+    }
 }
 
 impl BouncePool {
@@ -186,7 +197,7 @@ impl GpuWork {
         };
         match self.copier(ordinal) {
             // A pinned bounce buffer and a region of this GPU.
-            Ok(ci) => self.stage(ci, entry, dst, src, len, true),
+            Ok(ci) => self.stage(ci, entry, dst, src, len, kernel_only()),
             Err(e) => self.fail_all(e, vec![entry]),
         }
     }
@@ -206,7 +217,7 @@ impl GpuWork {
         };
         match self.copier(ordinal) {
             // A pinned bounce buffer and a region of this GPU.
-            Ok(ci) => self.stage(ci, entry, dst, src, len, true),
+            Ok(ci) => self.stage(ci, entry, dst, src, len, kernel_only()),
             Err(e) => self.fail_all(e, vec![entry]),
         }
     }
@@ -254,10 +265,10 @@ impl GpuWork {
 
     /// Stages one copy on copier `ci`. Every caller puts in `entry` the
     /// regions, the IPC mapping (counted in the cache until released) or
-    /// the peer's memfd mapping that hold `dst` and `src`.
-    /// `kernel_ok`: both sides are device memory or our pinned bounce
-    /// buffers (see `Copier::stage`).
-    fn stage(&mut self, ci: usize, entry: Entry, dst: u64, src: u64, len: usize, kernel_ok: bool) {
+    /// the peer's memfd mapping that hold `dst` and `src`. `allow`: whether
+    /// the kernel may copy it and its span (see `Allow`); whether it may be
+    /// split is decided here.
+    fn stage(&mut self, ci: usize, entry: Entry, dst: u64, src: u64, len: usize, allow: Allow) {
         // A large copy between two buffers of the copier's own GPU (CUDA
         // IPC on one device) runs whole: pieces on parallel streams only
         // compete there (`Copier::stage`). Asked of the driver only for
@@ -273,7 +284,11 @@ impl GpuWork {
         let copier = &mut self.copiers[ci];
         // SAFETY: both ranges stay valid until the entry returns (see above);
         // the copier returns it only once the copy has ended or failed.
-        let staged = unsafe { copier.stage(entry, dst, src, len, kernel_ok, split_ok) };
+        let allow = Allow {
+            split: split_ok,
+            ..allow
+        };
+        let staged = unsafe { copier.stage(entry, dst, src, len, allow) };
         if let Err((e, failed)) = staged {
             self.fail_all(e, failed);
         }
@@ -322,7 +337,15 @@ impl GpuWork {
             Ok(x) => x,
             Err(e) => return self.done.push((slot, Err(e))),
         };
-        let kernel_ok = self.kernel_reaches(ci, d.local.region(), theirs);
+        let allow = Allow {
+            kernel: self.kernel_reaches(ci, d.local.region(), theirs),
+            split: false,
+            // Pieces of one registration and one peer allocation may join.
+            span: span_of(
+                Arc::as_ptr(d.local.region()) as u64,
+                d.remote.alloc_base ^ d.remote.owner_id,
+            ),
+        };
         let local = d.local.addr();
         let len = d.local.len();
         let (dst, src) = match kind {
@@ -336,7 +359,7 @@ impl GpuWork {
             keep2: None,
             keep_map: None,
         };
-        self.stage(ci, entry, dst, src, len, kernel_ok);
+        self.stage(ci, entry, dst, src, len, allow);
     }
 
     /// Stages the copy a same-host peer's request needs: its GPU memory
@@ -348,9 +371,12 @@ impl GpuWork {
             crate::gpu::MemKind::Device { ordinal, .. } => ordinal,
             _ => 0,
         };
-        let (theirs, keep_map) = match r.theirs {
+        let (theirs, keep_map, theirs_alloc) = match r.theirs {
             // Their memfd memory mapped here: pageable to a kernel.
-            Theirs::Host(p, m) => (Ok((p as u64, None, -1)), Some(m)),
+            Theirs::Host(p, m) => {
+                let id = Arc::as_ptr(&m) as u64;
+                (Ok((p as u64, None, -1)), Some(m), id)
+            }
             Theirs::Ipc(x) => {
                 let b = IpcBuf {
                     device: 0,
@@ -364,7 +390,7 @@ impl GpuWork {
                     len: len as u64,
                     handle: x.handle,
                 };
-                (self.acquire(ordinal, &b), None)
+                (self.acquire(ordinal, &b), None, x.alloc_base ^ r.peer_id)
             }
         };
         let started = theirs.and_then(|t| Ok((t, self.copier(ordinal)?)));
@@ -383,7 +409,13 @@ impl GpuWork {
         } else {
             (theirs, ours)
         };
-        let kernel_ok = their_gpu >= 0 && self.kernel_reaches(ci, r.ours.region(), their_gpu);
+        let allow = Allow {
+            kernel: their_gpu >= 0 && self.kernel_reaches(ci, r.ours.region(), their_gpu),
+            split: false,
+            // Requests in one registration of ours and one allocation of
+            // theirs (an IPC allocation, or their memfd mapping) may join.
+            span: span_of(Arc::as_ptr(r.ours.region()) as u64, theirs_alloc),
+        };
         let entry = Entry {
             then: Then::Reply(r.conn, r.op_id, r.write),
             mapping: key,
@@ -391,7 +423,7 @@ impl GpuWork {
             keep2: None,
             keep_map,
         };
-        self.stage(ci, entry, dst, src, len, kernel_ok);
+        self.stage(ci, entry, dst, src, len, allow);
     }
 
     /// Issues the copies staged since the last flush (once per drain).
