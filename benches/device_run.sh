@@ -24,7 +24,7 @@ py=python3
 # NIXL's plugins beside ours (the installed wheel's, found by its module).
 nixl_dir() {
     local base plugdir libs
-    base=$($py -c 'import nixl, os; print(os.path.dirname(os.path.dirname(os.path.realpath(nixl.__file__))))' 2>/dev/null) || {
+    base=$(cd / && $py -c 'import nixl, os; print(os.path.dirname(os.path.dirname(os.path.realpath(nixl.__file__))))' 2>/dev/null) || {
         echo "NIXL: no nixl module"; return 1; }
     plugdir=$(find "$base" -maxdepth 4 -type f -name 'libplugin_UCX*.so' 2>/dev/null | head -1)
     [ -n "$plugdir" ] || { echo "NIXL: no plugin folder under $base"; return 1; }
@@ -45,12 +45,12 @@ nixl_dir() {
 step() { echo "== $*"; }
 
 # NIXL carried in (device_carry.sh with NIXL_WHEELS), where none is installed.
-if [ -f "$carry/nixl-slim.tar.xz" ] && ! $py -c 'import nixl' 2>/dev/null; then
+if [ -f "$carry/nixl-slim.tar.xz" ] && ! (cd / && $py -c 'import nixl._api') 2>/dev/null; then
     mkdir -p /tmp/nixlsite
     $py -c 'import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])' \
         "$carry/nixl-slim.tar.xz" /tmp/nixlsite
     export PYTHONPATH=/tmp/nixlsite${PYTHONPATH:+:$PYTHONPATH}
-    $py -c 'import nixl' 2>&1 | tail -3
+    (cd / && $py -c 'import nixl._api') 2>&1 | tail -3
 fi
 
 if [ "$what" = tests ]; then
