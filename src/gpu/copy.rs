@@ -42,9 +42,13 @@ pub enum GpuCopy {
 pub(crate) const MAX_SPLIT: usize = 8;
 /// Copies below this size go on one stream: splitting only adds latency.
 pub(crate) const SPLIT_MIN_BYTES: usize = 8 << 20;
-/// Staged copies issued in one batch at most: a KV-cache hand-off of a
-/// thousand blocks goes in one launch.
-pub(crate) const MAX_BATCH: usize = 1024;
+/// Staged copies issued in one batch at most: a KV-cache hand-off of
+/// 100 000 blocks goes in one launch (the kernel's descriptors grow to
+/// fit), not as a hundred batches, most of which would find no kernel
+/// slot and go to the copy engine one copy after another.
+pub(crate) const MAX_BATCH: usize = 1 << 17;
+/// Room kept for staged copies from the start.
+const STAGED_CAPACITY: usize = 1024;
 /// Batches of small copies in flight at once (see the module doc).
 pub(crate) const BATCHES_IN_FLIGHT: usize = 2;
 
@@ -146,10 +150,10 @@ impl<E> Copier<E> {
             free_events: Vec::new(),
             next_stream: 0,
             has_batch: c.has_batch_copy,
-            staged: Vec::with_capacity(MAX_BATCH),
-            dsts: Vec::with_capacity(MAX_BATCH),
-            srcs: Vec::with_capacity(MAX_BATCH),
-            sizes: Vec::with_capacity(MAX_BATCH),
+            staged: Vec::with_capacity(STAGED_CAPACITY),
+            dsts: Vec::with_capacity(STAGED_CAPACITY),
+            srcs: Vec::with_capacity(STAGED_CAPACITY),
+            sizes: Vec::with_capacity(STAGED_CAPACITY),
             all_kernel_ok: true,
             last_span: 0,
             gather: None,
@@ -390,7 +394,7 @@ impl<E> Copier<E> {
     /// `choice` never asks again) or every slot is in use.
     fn gather_slot(&mut self) -> Option<usize> {
         if self.gather.is_none() {
-            match Gather::load(self.ordinal, BATCHES_IN_FLIGHT + 2, MAX_BATCH) {
+            match Gather::load(self.ordinal, BATCHES_IN_FLIGHT + 2) {
                 Ok(g) => self.gather = Some(g),
                 Err(e) => {
                     self.choice.no_kernel();
@@ -401,11 +405,7 @@ impl<E> Copier<E> {
                 }
             }
         }
-        let g = self.gather.as_mut()?;
-        if self.sizes.len() > g.per_slot() {
-            return None;
-        }
-        g.take_slot()
+        self.gather.as_mut()?.take_slot()
     }
 
     fn launched(&mut self, mut f: InFlight<E>, r: Result<()>) -> Staged<E> {

@@ -121,13 +121,16 @@ DONE:
 );
 
 /// The loaded kernel of one device and its descriptor slots: `slots`
-/// batches of up to `per_slot` copies can be in flight at once, each
-/// holding its slot until its event has fired.
+/// batches can be in flight at once, each holding its slot (and the
+/// pinned descriptors in it) until its event has fired. A slot's buffer
+/// grows to the largest batch it carried (a request of 100 000 pieces is
+/// one launch), and is kept for the next.
 pub(crate) struct Gather {
+    ordinal: i32,
     module: cu::CUmodule,
     func: cu::CUfunction,
-    descs: PinnedBuf,
-    per_slot: usize,
+    /// Each slot's descriptors (None: not allocated yet) and their count.
+    descs: Vec<Option<(PinnedBuf, usize)>>,
     /// Bit i set: slot i is free.
     free: u32,
 }
@@ -136,13 +139,14 @@ pub(crate) struct Gather {
 // a Gather is used by the one shard that owns its copier.
 unsafe impl Send for Gather {}
 
+/// Descriptors a slot's first buffer holds.
+const FIRST_SLOT_DESCS: usize = 1024;
+
 impl Gather {
     /// Loads the kernel into device `ordinal`'s context (left current)
-    /// with `slots` (≤ 32) slots of `per_slot` descriptors.
-    pub fn load(ordinal: i32, slots: usize, per_slot: usize) -> Result<Self> {
+    /// with `slots` (≤ 32) slots.
+    pub fn load(ordinal: i32, slots: usize) -> Result<Self> {
         let slots = slots.clamp(1, 32);
-        // Allocated first: PinnedBuf::new makes device 0's context current.
-        let descs = PinnedBuf::new(slots * per_slot * DESC_BYTES)?;
         cuda()?.make_current(ordinal)?;
         let mut module: cu::CUmodule = std::ptr::null_mut();
         // SAFETY: a NUL-terminated PTX image, read during the call.
@@ -158,21 +162,16 @@ impl Gather {
             return Err(e);
         }
         Ok(Self {
+            ordinal,
             module,
             func,
-            descs,
-            per_slot,
+            descs: (0..slots).map(|_| None).collect(),
             free: if slots == 32 {
                 u32::MAX
             } else {
                 (1u32 << slots) - 1
             },
         })
-    }
-
-    /// Copies that fit one launch.
-    pub fn per_slot(&self) -> usize {
-        self.per_slot
     }
 
     /// A free slot, if any.
@@ -188,6 +187,22 @@ impl Gather {
     /// Gives `slot` back once the launch that used it has ended.
     pub fn free_slot(&mut self, slot: usize) {
         self.free |= 1 << slot;
+    }
+
+    /// The pinned descriptors of taken `slot`, room for `n` at least; the
+    /// module's context is current after.
+    fn room(&mut self, slot: usize, n: usize) -> Result<*mut u64> {
+        let fits = matches!(&self.descs[slot], Some((_, cap)) if *cap >= n);
+        if !fits {
+            let cap = n.next_power_of_two().max(FIRST_SLOT_DESCS);
+            // PinnedBuf::new makes device 0's context current.
+            let buf = PinnedBuf::new(cap * DESC_BYTES)?;
+            cuda()?.make_current(self.ordinal)?;
+            // The old buffer (if any) is free: the slot's launch ended.
+            self.descs[slot] = Some((buf, cap));
+        }
+        let (buf, _) = self.descs[slot].as_ref().expect("allocated above");
+        Ok(buf.ptr().cast::<u64>())
     }
 
     /// Writes the descriptors of `dsts[i] <- srcs[i]` (`sizes[i]` bytes)
@@ -206,21 +221,19 @@ impl Gather {
         sizes: &[usize],
         stream: cu::CUstream,
     ) -> Result<()> {
-        debug_assert!(sizes.len() <= self.per_slot, "the caller checks the count");
-        let n = sizes.len().min(self.per_slot);
-        let base = (slot * self.per_slot * DESC_BYTES) as u64;
-        // SAFETY: the slot's part of our pinned buffer; no launch reads it
-        // now (the slot was free: its last launch ended).
-        let d = unsafe { self.descs.ptr().add(base as usize).cast::<u64>() };
+        let n = sizes.len().min(dsts.len()).min(srcs.len());
+        let d = self.room(slot, n)?;
         for i in 0..n {
-            // SAFETY: inside the slot: i < per_slot descriptors of 3 words.
+            // SAFETY: the slot's buffer holds at least n descriptors of 3
+            // words; no launch reads it now (the slot was free: its last
+            // launch ended).
             unsafe {
                 d.add(3 * i).write(dsts[i]);
                 d.add(3 * i + 1).write(srcs[i]);
                 d.add(3 * i + 2).write(sizes[i] as u64);
             }
         }
-        let mut descs = self.descs.ptr() as u64 + base;
+        let mut descs = d as u64;
         let mut count = n as u32;
         let longest = sizes[..n].iter().copied().max().unwrap_or(0);
         let chunks = longest.div_ceil(CHUNK_BYTES).max(1) as u32;

@@ -129,8 +129,8 @@ impl<H: Handles> IpcCache<H> {
     /// release after the copy (`None` for memory of this same process,
     /// which needs no handle: CUDA refuses to open a process's own handles)
     /// and the device the memory is on by our ordinals (-1: not known).
-    /// `ordinal`'s context must be current.
-    pub fn acquire(&mut self, b: &IpcBuf) -> Result<(u64, Option<MapTicket>, i32)> {
+    /// Device `current`'s context must be current, and is after.
+    pub fn acquire(&mut self, b: &IpcBuf, current: i32) -> Result<(u64, Option<MapTicket>, i32)> {
         if b.owner_pid == self.my_pid {
             self.counters.same_process.fetch_add(1, Ordering::Relaxed);
             return Ok((b.alloc_base + b.offset, None, i32::from(b.device)));
@@ -151,11 +151,15 @@ impl<H: Handles> IpcCache<H> {
         self.counters.opens.fetch_add(1, Ordering::Relaxed);
         let id = self.next_id;
         self.next_id += 1;
-        // Asked once per mapping: whether kernels of our GPU may touch it.
+        // Asked once per mapping: whether kernels of our GPU may touch it
+        // (classify makes another context current: ours again after).
         let ordinal = match super::memory::classify(base) {
             Ok(super::MemKind::Device { ordinal, .. }) => ordinal,
             _ => -1,
         };
+        if let Ok(c) = super::cuda() {
+            c.make_current(current)?;
+        }
         self.maps.insert(
             key,
             Mapping {
@@ -281,8 +285,8 @@ mod tests {
     fn a_mapping_is_reused_until_revoked_and_closed_once_idle() {
         let mut rec = Record::default();
         let mut c = IpcCache::with_handles(&mut rec, Default::default());
-        let (a, ta, _) = c.acquire(&buf(1, 0x7000, 16, 1)).unwrap();
-        let (b, tb, _) = c.acquire(&buf(1, 0x7000, 32, 1)).unwrap();
+        let (a, ta, _) = c.acquire(&buf(1, 0x7000, 16, 1), 0).unwrap();
+        let (b, tb, _) = c.acquire(&buf(1, 0x7000, 32, 1), 0).unwrap();
         assert_eq!(b - a, 16, "one mapping serves both offsets");
         c.release(ta.unwrap());
         c.revoke(1, 0x7000);
@@ -290,7 +294,7 @@ mod tests {
         c.release(tb.unwrap());
         assert_eq!(c.open_count(), 0);
         // A revoked key opens afresh.
-        let (_, t, _) = c.acquire(&buf(1, 0x7000, 0, 1)).unwrap();
+        let (_, t, _) = c.acquire(&buf(1, 0x7000, 0, 1), 0).unwrap();
         c.release(t.unwrap());
         drop(c);
         assert_eq!(rec.open.len(), 2);
@@ -303,14 +307,14 @@ mod tests {
         // base, and its revocation was lost: the handle tells them apart.
         let mut rec = Record::default();
         let mut c = IpcCache::with_handles(&mut rec, Default::default());
-        let (old, t_old, _) = c.acquire(&buf(1, 0x7000, 0, 1)).unwrap();
-        let (new, t_new, _) = c.acquire(&buf(1, 0x7000, 0, 2)).unwrap();
+        let (old, t_old, _) = c.acquire(&buf(1, 0x7000, 0, 1), 0).unwrap();
+        let (new, t_new, _) = c.acquire(&buf(1, 0x7000, 0, 2), 0).unwrap();
         assert_ne!(old, new, "the new handle got its own mapping");
         assert_eq!(c.open_count(), 2, "the old one waits for its copy");
         // Releasing the old copy closes the old mapping, not the new one.
         c.release(t_old.unwrap());
         assert_eq!(c.open_count(), 1);
-        let (again, t, _) = c.acquire(&buf(1, 0x7000, 0, 2)).unwrap();
+        let (again, t, _) = c.acquire(&buf(1, 0x7000, 0, 2), 0).unwrap();
         assert_eq!(again, new);
         c.release(t.unwrap());
         c.release(t_new.unwrap());
@@ -322,9 +326,9 @@ mod tests {
     fn a_revoked_busy_mapping_replaced_by_a_new_one_keeps_both_counts_apart() {
         let mut rec = Record::default();
         let mut c = IpcCache::with_handles(&mut rec, Default::default());
-        let (old, t_old, _) = c.acquire(&buf(1, 0x7000, 0, 1)).unwrap();
+        let (old, t_old, _) = c.acquire(&buf(1, 0x7000, 0, 1), 0).unwrap();
         c.revoke(1, 0x7000);
-        let (new, t_new, _) = c.acquire(&buf(1, 0x7000, 0, 1)).unwrap();
+        let (new, t_new, _) = c.acquire(&buf(1, 0x7000, 0, 1), 0).unwrap();
         assert_ne!(old, new);
         // The new mapping stays open after the old copy's release, and the
         // old one closes then.
@@ -346,7 +350,7 @@ mod tests {
         b.owner_pid = std::process::id();
         b.device = 3;
         // Its device is the one its window names (our own ordinals).
-        assert_eq!(c.acquire(&b).unwrap(), (0x7008, None, 3));
+        assert_eq!(c.acquire(&b, 0).unwrap(), (0x7008, None, 3));
         drop(c);
         assert!(rec.open.is_empty());
     }

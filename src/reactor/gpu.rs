@@ -297,7 +297,10 @@ impl GpuWork {
     /// Stages every piece of an IPC op; each piece reports once.
     pub fn start(&mut self, cmd: IpcCmd) {
         let slot = cmd.slot;
-        let ci = match self.copier(cmd.ordinal) {
+        // The copier's context is made current once for all the pieces
+        // (opening an IPC handle needs it).
+        let current = crate::gpu::cuda().and_then(|c| c.make_current(cmd.ordinal));
+        let ci = match current.and_then(|()| self.copier(cmd.ordinal)) {
             Ok(i) => i,
             Err(e) => {
                 for _ in 0..cmd.parts.len() {
@@ -319,7 +322,7 @@ impl GpuWork {
 
     fn acquire(&mut self, ordinal: i32, b: &IpcBuf) -> Result<(u64, Option<MapTicket>, i32)> {
         crate::gpu::cuda()?.make_current(ordinal)?;
-        self.cache.acquire(b)
+        self.cache.acquire(b, ordinal)
     }
 
     /// Whether the gather kernel of copier `ci` may copy between our
@@ -332,8 +335,10 @@ impl GpuWork {
             && crate::gpu::cuda().is_ok_and(|c| c.reaches(me, theirs))
     }
 
+    /// One piece of an IPC op (the copier's context is current).
     fn start_one(&mut self, ci: usize, kind: OpKind, slot: u32, d: IpcDesc) {
-        let (remote, key, theirs) = match self.acquire(self.copiers[ci].ordinal(), &d.remote) {
+        let ordinal = self.copiers[ci].ordinal();
+        let (remote, key, theirs) = match self.cache.acquire(&d.remote, ordinal) {
             Ok(x) => x,
             Err(e) => return self.done.push((slot, Err(e))),
         };
