@@ -99,6 +99,13 @@ typedef struct ferry_endpoint ferry_endpoint;
 // A send or receive in flight (`ferry_send` / `ferry_recv`).
 typedef struct ferry_message ferry_message;
 
+// A transfer checked by `ferry_prepare`: its descriptors' regions are
+// held (a `ferry_deregister` of one waits for `ferry_prepared_free`, 10 s
+// at most), its windows decoded, and for CUDA IPC windows the copies
+// planned, so that each `ferry_post_prepared` checks nothing per
+// descriptor.
+typedef struct ferry_prepared ferry_prepared;
+
 // A registration of `[ptr, ptr + len)` (host or GPU memory).
 typedef struct ferry_region ferry_region;
 
@@ -350,6 +357,40 @@ int32_t ferry_message_wait(const struct ferry_message *m, uint32_t timeout_ms, s
 // # Safety
 // `m` from `ferry_send`/`ferry_recv`, not used again.
 void ferry_message_release(struct ferry_message *m);
+
+// Checks the transfer of every descriptor in `descs` (`n` of them) on
+// `conn` once, for posting with `ferry_post_prepared` as often as
+// wanted; fails as `ferry_post` would for the same descriptors.
+//
+// # Safety
+// `ep` live; `descs` valid for `n` descriptors, each naming a live region
+// and `window_len` valid bytes; `out` valid.
+int32_t ferry_prepare(const struct ferry_endpoint *ep,
+                      uint64_t conn,
+                      uint32_t op,
+                      const struct ferry_desc *descs,
+                      size_t n,
+                      struct ferry_prepared **out);
+
+// Starts a prepared transfer, with a notification as `ferry_post`'s
+// (`notif`, `notif_len`; NULL: none). The transfer is its own handle
+// (poll, wait, release as any); the prepared one may be posted again at
+// once.
+//
+// # Safety
+// `p` from `ferry_prepare`, not freed; `notif` valid for `notif_len`
+// bytes; `out` valid.
+int32_t ferry_post_prepared(const struct ferry_prepared *p,
+                            const uint8_t *notif,
+                            size_t notif_len,
+                            struct ferry_transfer **out);
+
+// Frees a prepared transfer (transfers posted from it run on). NULL:
+// nothing.
+//
+// # Safety
+// `p` from `ferry_prepare`, not used again.
+void ferry_prepared_free(struct ferry_prepared *p);
 
 // The reason of the last failure of a ferry call on this thread ("" if
 // none): valid until the next ferry call on this thread.

@@ -102,7 +102,7 @@ pub(crate) mod xfer;
 
 pub use endpoint::{
     Batch, Compress, Config, Endpoint, EndpointBuilder, Integrity, MemoryRegion, MessageOp, Mode,
-    Peer, RegCacheStats, Secret, SharedRegion, Transport, Window,
+    Peer, Prepared, RegCacheStats, Secret, SharedRegion, Transport, Window,
 };
 pub use error::{ConnFault, ConnId, Error, FailureKind, OpKind, PathOff, Result};
 pub use gpu::{GpuCopy, IpcStats, MemKind};

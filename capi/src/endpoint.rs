@@ -480,6 +480,12 @@ pub unsafe extern "C" fn ferry_deregister(r: *mut ferry_region) -> i32 {
 }
 
 impl ferry_region {
+    /// The whole registration this handle's range is in (None once
+    /// released).
+    pub(crate) fn registration(&self) -> Option<&Arc<engine::MemoryRegion>> {
+        self.sh.as_ref().map(SharedRegion::region)
+    }
+
     /// Bytes this handle's range holds (0 once released).
     pub(crate) fn len(&self) -> usize {
         self.sh.as_ref().map_or(0, SharedRegion::len)

@@ -206,6 +206,7 @@ handled!(
     crate::endpoint::ferry_endpoint => ENDPOINTS,
     crate::endpoint::ferry_region => REGIONS,
     crate::msg::ferry_message => MESSAGES,
+    crate::prepared::ferry_prepared => PREPARED,
     crate::xfer::ferry_transfer => TRANSFERS,
 );
 

@@ -20,10 +20,12 @@ mod drive;
 mod endpoint;
 mod handles;
 mod msg;
+mod prepared;
 mod status;
 mod xfer;
 
 pub use endpoint::*;
 pub use msg::*;
+pub use prepared::*;
 pub use status::*;
 pub use xfer::*;

@@ -83,25 +83,11 @@ pub unsafe extern "C" fn ferry_post(
         let note = unsafe { bytes(notif, notif_len, "notif")? };
         // SAFETY: non-null, `n` descriptors (the caller's promise).
         let descs = unsafe { std::slice::from_raw_parts(descs, n) };
-        let mut locals: Vec<(&MemoryRegion, usize, usize)> = Vec::with_capacity(n);
-        let mut windows: Vec<AnyWindow> = Vec::with_capacity(n);
-        // Descriptors of one remote registration share its window bytes
-        // (NIXL passes the same pointer): decoded once per run of them.
-        let mut last: Option<(*const u8, usize, AnyWindow)> = None;
-        for (i, d) in descs.iter().enumerate() {
-            let (l, w) = piece(d, &mut last)
-                .map_err(|Fail(c, m)| Fail(c, format!("descriptor {i}: {m}")))?;
-            locals.push(l);
-            windows.push(w);
-        }
+        let (locals, windows) = pieces(descs)?;
         let c = ConnId(conn);
         // As the seed: an unknown connection fails the post, not later.
         ep.ep.conn_status(c)?;
-        let kind = match op {
-            FERRY_WRITE => engine::OpKind::Write,
-            FERRY_READ => engine::OpKind::Read,
-            other => return Err(invalid(format!("unknown op {other}"))),
-        };
+        let kind = op_kind(op)?;
         let t = if notif.is_null() {
             match kind {
                 engine::OpKind::Write => ep.ep.writev_async(c, &locals, &windows)?,
@@ -111,18 +97,59 @@ pub unsafe extern "C" fn ferry_post(
             ep.ep
                 .transfer_notify_async(c, kind, &locals, &windows, note)?
         };
-        ep.ep.assist();
-        let h = give_out(ferry_transfer {
-            state: Mutex::new(State {
-                t: Some(t),
-                outcome: None,
-            }),
-            eng: ep.ep.clone(),
-        })?;
         // SAFETY: `out` non-null and valid (the caller's promise).
-        unsafe { *out = h };
-        Ok(FERRY_OK)
+        unsafe { hand_out(&ep.ep, t, out) }
     })
+}
+
+/// Gives a started transfer out as a handle in `*out` (after a turn of
+/// the shards for a polling caller).
+///
+/// # Safety
+/// `out` non-null and valid.
+pub(crate) unsafe fn hand_out(
+    eng: &Arc<Engine>,
+    t: engine::Transfer,
+    out: *mut *mut ferry_transfer,
+) -> Result<i32, Fail> {
+    eng.assist();
+    let h = give_out(ferry_transfer {
+        state: Mutex::new(State {
+            t: Some(t),
+            outcome: None,
+        }),
+        eng: eng.clone(),
+    })?;
+    // SAFETY: the caller's promise.
+    unsafe { *out = h };
+    Ok(FERRY_OK)
+}
+
+/// Every descriptor's local slice and window, checked.
+pub(crate) type Pieces<'a> = (Vec<(&'a MemoryRegion, usize, usize)>, Vec<AnyWindow>);
+
+pub(crate) fn pieces(descs: &[ferry_desc]) -> Result<Pieces<'_>, Fail> {
+    let mut locals: Vec<(&MemoryRegion, usize, usize)> = Vec::with_capacity(descs.len());
+    let mut windows: Vec<AnyWindow> = Vec::with_capacity(descs.len());
+    // Descriptors of one remote registration share its window bytes
+    // (NIXL passes the same pointer): decoded once per run of them.
+    let mut last: Option<(*const u8, usize, AnyWindow)> = None;
+    for (i, d) in descs.iter().enumerate() {
+        let (l, w) =
+            piece(d, &mut last).map_err(|Fail(c, m)| Fail(c, format!("descriptor {i}: {m}")))?;
+        locals.push(l);
+        windows.push(w);
+    }
+    Ok((locals, windows))
+}
+
+/// `FERRY_WRITE` or `FERRY_READ`.
+pub(crate) fn op_kind(op: u32) -> Result<engine::OpKind, Fail> {
+    match op {
+        FERRY_WRITE => Ok(engine::OpKind::Write),
+        FERRY_READ => Ok(engine::OpKind::Read),
+        other => Err(invalid(format!("unknown op {other}"))),
+    }
 }
 
 /// One descriptor's local slice and window, checked; `last` is the window

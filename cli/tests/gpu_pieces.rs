@@ -13,7 +13,9 @@
 mod common;
 
 use common::{ask, Path, Target};
-use ferry::{Config, ConnId, Endpoint, GpuCopy, IpcBuf, MemoryRegion, RemoteBuf};
+use ferry::{
+    AnyWindow, Config, ConnId, Endpoint, GpuCopy, IpcBuf, MemoryRegion, OpKind, RemoteBuf,
+};
 use ferry_cli::testkit::{check_pattern, fill_pattern, fnv64};
 
 const SPAN: usize = 48 << 20;
@@ -51,7 +53,9 @@ fn layout(base: usize, total: usize, sizes: &[usize], shuffle: bool) -> Vec<(usi
         // A fixed LCG: the same order every run.
         let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
         for k in (1..v.len()).rev() {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             v.swap(k, (x >> 33) as usize % (k + 1));
         }
     }
@@ -66,8 +70,20 @@ fn cases() -> Vec<(&'static str, usize, usize, Vec<usize>, bool)> {
         ("odd sizes", 1, 300_001, vec![1, 4095, 17, 65_537, 3], true),
         ("1024 x 16 KiB", 0, 1024 * 16384, vec![16384], true),
         ("adjacent pieces join", 64, 256 * 4096, vec![4096], false),
-        ("long and short", 5, 8 << 20, vec![300 << 10, 4096, 2 << 20, 100], true),
-        ("100 000 pieces", 3, 100_000 * 400 + 57, vec![400, 399, 401], true),
+        (
+            "long and short",
+            5,
+            8 << 20,
+            vec![300 << 10, 4096, 2 << 20, 100],
+            true,
+        ),
+        (
+            "100 000 pieces",
+            3,
+            100_000 * 400 + 57,
+            vec![400, 399, 401],
+            true,
+        ),
     ]
 }
 
@@ -94,26 +110,74 @@ fn gpu_bytes(mr: &MemoryRegion, off: usize, len: usize) -> Vec<u8> {
     b
 }
 
+/// How a case's request is made.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Post {
+    /// `writev` / `readv`.
+    Vectored,
+    /// `prepare` once, `post` twice (the second post is the one checked).
+    Prepared,
+}
+
 /// Runs every case as one WRITE and one READ request; `windows` makes
 /// the pieces' windows (an IPC window or a key window of the peer).
-fn every_case<W: ferry::Window>(
+fn every_case(
     ep: &Endpoint,
     conn: ConnId,
     local: &MemoryRegion,
     what: &str,
-    window: impl Fn(usize, usize) -> W,
+    window: impl Fn(usize, usize) -> AnyWindow,
 ) {
-    for (k, (name, base, total, sizes, shuffle)) in cases().into_iter().enumerate() {
+    for post in [Post::Vectored, Post::Prepared] {
+        for (k, case) in cases().into_iter().enumerate() {
+            one_case(
+                ep,
+                conn,
+                local,
+                &format!("{what}, {post:?}"),
+                &window,
+                post,
+                k,
+                case,
+            );
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn one_case(
+    ep: &Endpoint,
+    conn: ConnId,
+    local: &MemoryRegion,
+    what: &str,
+    window: &impl Fn(usize, usize) -> AnyWindow,
+    post: Post,
+    k: usize,
+    (name, base, total, sizes, shuffle): (&str, usize, usize, Vec<usize>, bool),
+) {
+    {
         let pieces = layout(base, total, &sizes, shuffle);
         let locals: Vec<(&MemoryRegion, usize, usize)> =
             pieces.iter().map(|&(o, l)| (local, o, l)).collect();
-        let windows: Vec<W> = pieces.iter().map(|&(o, l)| window(o, l)).collect();
+        let windows: Vec<AnyWindow> = pieces.iter().map(|&(o, l)| window(o, l)).collect();
+        let run = |kind: OpKind| -> ferry::Result<()> {
+            match (post, kind) {
+                (Post::Vectored, OpKind::Write) => ep.writev(conn, &locals, &windows),
+                (Post::Vectored, OpKind::Read) => ep.readv(conn, &locals, &windows),
+                (Post::Prepared, kind) => {
+                    let p = ep.prepare(conn, kind, &locals, &windows)?;
+                    // CUDA IPC pieces (all below 8 MiB) are planned.
+                    assert_eq!(p.is_planned(), windows.iter().all(|w| w.ipc().is_some()));
+                    ep.post(&p, None)?.wait()?;
+                    ep.post(&p, None)?.wait()
+                }
+            }
+        };
         // WRITE: the peer's span holds something else first.
         let seed = 20 + 2 * k as u8;
         assert_eq!(ask(ep, conn, &format!("gfill {base} {total} 7")), "ok");
         gpu_fill(local, base, total, seed);
-        ep.writev(conn, &locals, &windows)
-            .unwrap_or_else(|e| panic!("{what}, {name}: WRITE failed: {e}"));
+        run(OpKind::Write).unwrap_or_else(|e| panic!("{what}, {name}: WRITE failed: {e}"));
         assert_eq!(
             ghash(ep, conn, base, total),
             pattern_hash(base, total, seed),
@@ -124,8 +188,7 @@ fn every_case<W: ferry::Window>(
         let seed = seed + 1;
         assert_eq!(ask(ep, conn, &format!("gfill {base} {total} {seed}")), "ok");
         gpu_fill(local, base, total, 8);
-        ep.readv(conn, &locals, &windows)
-            .unwrap_or_else(|e| panic!("{what}, {name}: READ failed: {e}"));
+        run(OpKind::Read).unwrap_or_else(|e| panic!("{what}, {name}: READ failed: {e}"));
         assert_eq!(
             check_pattern(&gpu_bytes(local, base, total), base as u64, seed),
             None,
@@ -148,7 +211,7 @@ fn ipc_pieces(way: GpuCopy) {
     let local = ep.alloc_gpu(SPAN).unwrap();
     let what = format!("CUDA IPC, {}", way_name(way));
     every_case(&ep, conn, &local, &what, |o, l| {
-        remote.slice(o as u64, l as u64).unwrap()
+        AnyWindow::Ipc(remote.slice(o as u64, l as u64).unwrap())
     });
 
     // A piece whose handle cannot be opened fails the whole request, and
@@ -168,6 +231,14 @@ fn ipc_pieces(way: GpuCopy) {
             ferry::OpKind::Read => ep.readv(conn, &locals, &windows),
         };
         assert!(r.is_err(), "{what}: a {kind:?} with a bad piece: {r:?}");
+        let any: Vec<AnyWindow> = windows.iter().map(|w| AnyWindow::Ipc(*w)).collect();
+        let p = ep.prepare(conn, kind, &locals, &any).unwrap();
+        assert!(p.is_planned());
+        let r = ep.post(&p, None).and_then(|t| t.wait());
+        assert!(
+            r.is_err(),
+            "{what}: a prepared {kind:?} with a bad piece: {r:?}"
+        );
     }
     gpu_fill(&local, 0, 4096, 99);
     let w = remote.slice(0, 4096).unwrap();
@@ -183,7 +254,7 @@ fn same_host_pieces(way: GpuCopy) {
     let local = ep.alloc_gpu(SPAN).unwrap();
     let what = format!("same-host requests on GPU memory, {}", way_name(way));
     every_case(&ep, conn, &local, &what, |o, l| {
-        grb.slice(o as u32, l as u32).unwrap()
+        AnyWindow::Key(grb.slice(o as u32, l as u32).unwrap())
     });
 }
 

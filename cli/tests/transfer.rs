@@ -49,6 +49,7 @@ on_verbs!(
     byte_exact_sizes_and_unaligned_offsets,
     large_transfer_256_mib,
     vectored_ops,
+    prepared_ops,
     async_ops_complete_out_of_order,
     thousand_ops_in_flight,
     local_argument_errors,
@@ -63,6 +64,7 @@ on_every_path!(
     byte_exact_sizes_and_unaligned_offsets,
     large_transfer_256_mib,
     vectored_ops,
+    prepared_ops,
     async_ops_complete_out_of_order,
     thousand_ops_in_flight,
     bad_key_bounds_and_access_keep_connection_usable,
@@ -216,6 +218,93 @@ fn vectored_ops(io: Path) {
     assert!(matches!(
         ep.readv(conn, &[], &none),
         Err(Error::EmptyVector)
+    ));
+}
+
+/// An op prepared once and posted again and again moves the bytes the
+/// memory holds at each post; a prepare refuses what a post would.
+fn prepared_ops(io: Path) {
+    let (t, ep, conn) = setup(io, 8 * MIB);
+    let rb = t.served.rbuf;
+    let local = ep.alloc(8 * MIB).unwrap();
+    let lens = [1usize, 100, 4096, 5000, 65_536, 1000, MIB - 1, 3];
+    let at = |i: usize| i * MIB + i;
+    let windows: Vec<ferry::AnyWindow> = (0..8)
+        .map(|i| ferry::AnyWindow::Key(rb.slice(at(i) as u32, lens[i] as u32).unwrap()))
+        .collect();
+    let pieces: Vec<(&ferry::MemoryRegion, usize, usize)> =
+        (0..8).map(|i| (&local, at(i), lens[i])).collect();
+    let write = ep
+        .prepare(conn, ferry::OpKind::Write, &pieces, &windows)
+        .unwrap();
+    let read = ep
+        .prepare(conn, ferry::OpKind::Read, &pieces, &windows)
+        .unwrap();
+    assert_eq!((write.pieces(), write.is_planned()), (8, false));
+    for round in 0..3u8 {
+        for (i, &len) in lens.iter().enumerate() {
+            let mut src = vec![0u8; len];
+            fill_pattern(&mut src, 0, 60 + round + i as u8);
+            local.write_at(at(i), &src).unwrap();
+        }
+        let note = format!("round {round}");
+        let note = (round == 2).then_some(note.as_bytes());
+        ep.post(&write, note).unwrap().wait().unwrap();
+        if note.is_some() {
+            // The target reads notifications as requests: it says it does
+            // not know this one, so it came (after the data).
+            let (_, said) = ep.recv_notification(Duration::from_secs(10)).unwrap();
+            let said = String::from_utf8_lossy(&said).into_owned();
+            assert!(said.contains("round 2"), "{said}");
+        }
+        for (i, &len) in lens.iter().enumerate() {
+            let mut src = vec![0u8; len];
+            fill_pattern(&mut src, 0, 60 + round + i as u8);
+            assert_eq!(
+                remote_hash(&ep, conn, at(i), len),
+                fnv64(&src),
+                "round {round} piece {i}"
+            );
+        }
+        // Back into zeroed memory.
+        local.write_at(0, &vec![0u8; 8 * MIB]).unwrap();
+        ep.post(&read, None).unwrap().wait().unwrap();
+        for (i, &len) in lens.iter().enumerate() {
+            let mut got = vec![0u8; len];
+            local.read_at(at(i), &mut got).unwrap();
+            assert_eq!(
+                check_pattern(&got, 0, 60 + round + i as u8),
+                None,
+                "read back {i}"
+            );
+        }
+    }
+    // Refused at prepare as a post refuses.
+    let kind = ferry::OpKind::Write;
+    assert!(matches!(
+        ep.prepare(conn, kind, &pieces[..2], &windows[..3]),
+        Err(Error::VectorMismatch {
+            locals: 2,
+            remotes: 3
+        })
+    ));
+    assert!(matches!(
+        ep.prepare(conn, kind, &[], &[]),
+        Err(Error::EmptyVector)
+    ));
+    let outside = [(&local, 8 * MIB - 2, 3)];
+    assert!(ep.prepare(conn, kind, &outside, &windows[..1]).is_err());
+    let too_long = [(&local, 0, 5)];
+    assert!(matches!(
+        ep.prepare(conn, kind, &too_long, &windows[..1]),
+        Err(Error::RemoteTooSmall { len: 5, .. })
+    ));
+    let frozen = ep
+        .register_with(vec![0u8; 4096], ferry::Access::REMOTE_READ)
+        .unwrap();
+    assert!(matches!(
+        ep.prepare(conn, ferry::OpKind::Read, &[(&frozen, 0, 1)], &windows[..1]),
+        Err(Error::ReadOnlyDestination { .. })
     ));
 }
 

@@ -126,6 +126,11 @@ struct ReqH : nixlBackendReqH {
     std::string agent;
     std::vector<ferry_desc> descs;
     ferry_transfer *t = nullptr;
+    // The descriptors checked once (ferry_prepare) for the connection
+    // they were checked on; made by the first post, again after a
+    // reconnect, so a repost checks nothing per descriptor.
+    ferry_prepared *prep = nullptr;
+    uint64_t prep_conn = 0;
 };
 
 const LocalMD *as_local(const nixlBackendMD *md) {
@@ -327,9 +332,21 @@ public:
             st = send_leading_pieces(conn, opt->notifMsg, note);
             if (st != NIXL_SUCCESS) return st;
         }
-        int32_t rc = ferry_post(ep_, conn, h->op, h->descs.data(), h->descs.size(),
-                                note.empty() ? nullptr : reinterpret_cast<const uint8_t *>(note.data()),
-                                note.size(), &h->t);
+        if (h->prep != nullptr && h->prep_conn != conn) {
+            ferry_prepared_free(h->prep);
+            h->prep = nullptr;
+        }
+        int32_t rc = FERRY_OK;
+        if (h->prep == nullptr) {
+            rc = ferry_prepare(ep_, conn, h->op, h->descs.data(), h->descs.size(), &h->prep);
+            h->prep_conn = conn;
+        }
+        if (rc == FERRY_OK)
+            rc = ferry_post_prepared(h->prep,
+                                     note.empty() ? nullptr : reinterpret_cast<const uint8_t *>(note.data()),
+                                     note.size(), &h->t);
+        else
+            h->prep = nullptr;
         if (rc != FERRY_OK) {
             h->t = nullptr;
             log_failure("post", rc);
@@ -357,6 +374,7 @@ public:
             if (ferry_transfer_poll(h->t) == FERRY_PENDING) ferry_transfer_cancel(h->t);
             ferry_transfer_release(h->t);
         }
+        ferry_prepared_free(h->prep);
         h->magic = 0;
         delete h;
         return NIXL_SUCCESS;

@@ -543,7 +543,10 @@ mod tests {
         assert!(e.to_string().contains("carrier-pigeon"), "{e}");
         assert!(Config::from_lookup(env(&[("FERRY_OP_TIMEOUT_MS", "x")])).is_err());
         let e = Config::from_lookup(env(&[("FERRY_GPU_COPY", "dma")])).unwrap_err();
-        assert!(e.to_string().contains("expected auto, kernel or engine"), "{e}");
+        assert!(
+            e.to_string().contains("expected auto, kernel or engine"),
+            "{e}"
+        );
     }
 
     /// The table names each variable once, and the README documents each.

@@ -207,6 +207,7 @@ impl Inner {
         let ordinal = match &parts {
             IpcParts::One(d) => d.local.region().mem,
             IpcParts::Many(v) => v[0].local.region().mem,
+            IpcParts::Planned { keep, .. } => keep[0].region().mem,
         };
         let ordinal = match ordinal {
             MemKind::Device { ordinal, .. } => ordinal,

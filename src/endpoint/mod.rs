@@ -14,6 +14,7 @@ mod local;
 mod memory;
 mod notes;
 mod ops;
+mod prepared;
 mod reg_cache;
 mod start;
 mod table;
@@ -33,6 +34,7 @@ use std::time::Duration;
 pub use config::{Compress, Config, Integrity, Mode, Secret, Transport};
 pub use memory::{MemoryRegion, MAX_WINDOWS};
 pub use ops::Window;
+pub use prepared::Prepared;
 pub use reg_cache::{RegCacheStats, SharedRegion};
 
 use crate::error::{ConnId, Error, PathOff, Result};

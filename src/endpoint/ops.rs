@@ -23,7 +23,10 @@ impl Window for IpcBuf {}
 impl Window for AnyWindow {}
 
 /// A vectored op pairs each local slice with one window, and has some.
-fn check_pairs<W>(locals: &[(&MemoryRegion, usize, usize)], remotes: &[W]) -> Result<()> {
+pub(super) fn check_pairs<W>(
+    locals: &[(&MemoryRegion, usize, usize)],
+    remotes: &[W],
+) -> Result<()> {
     if locals.len() != remotes.len() {
         return Err(Error::VectorMismatch {
             locals: locals.len(),
@@ -39,7 +42,7 @@ fn check_pairs<W>(locals: &[(&MemoryRegion, usize, usize)], remotes: &[W]) -> Re
 /// A READ writes into our memory: a registration its owner holds
 /// read-only (registered without `Access::LOCAL_WRITE`) is refused as its
 /// destination, in every form of READ.
-fn check_local(kind: OpKind, locals: &[(&MemoryRegion, usize, usize)]) -> Result<()> {
+pub(super) fn check_local(kind: OpKind, locals: &[(&MemoryRegion, usize, usize)]) -> Result<()> {
     if kind != OpKind::Read {
         return Ok(());
     }

@@ -222,30 +222,63 @@ impl<E> Copier<E> {
             return unsafe { self.start_split(entry, dst, src, len, pieces) };
         }
         self.staged.push(entry);
-        // A piece that continues the last one on both sides (a KV block
-        // next to the previous one) joins its copy: one copy, two entries.
+        self.push_copy(dst, src, len, kernel_ok, span != 0 && span == allow.span);
+        self.flush_if_full()
+    }
+
+    /// Queues the copies of one request for `flush`, all in one batch with
+    /// the one `entry` that ends them: `copy(i)` is the i-th of `n`, as
+    /// (dst, src, len, allow); none may be `SPLIT_MIN_BYTES` or longer.
+    ///
+    /// # Safety
+    /// As `stage`, for every copy.
+    pub unsafe fn stage_many(
+        &mut self,
+        entry: E,
+        n: usize,
+        mut copy: impl FnMut(usize) -> (u64, u64, usize, Allow),
+    ) -> Staged<E> {
+        if !self.sizes.is_empty() && self.sizes.len() + n > MAX_BATCH {
+            if let Err((e, mut failed)) = self.flush() {
+                failed.push(entry);
+                return Err((e, failed));
+            }
+        }
+        self.staged.push(entry);
+        for i in 0..n {
+            let (dst, src, len, allow) = copy(i);
+            debug_assert!(len < SPLIT_MIN_BYTES, "the caller plans small copies");
+            let span = std::mem::replace(&mut self.last_span, allow.span);
+            self.push_copy(dst, src, len, allow.kernel, span != 0 && span == allow.span);
+        }
+        self.flush_if_full()
+    }
+
+    /// Adds one copy to the staged batch. A copy that continues the last
+    /// one on both sides in the same span (a KV block next to the previous
+    /// one) joins it: one copy for both.
+    fn push_copy(&mut self, dst: u64, src: u64, len: usize, kernel_ok: bool, same_span: bool) {
         if let (Some(&d), Some(&s), Some(last), true) = (
             self.dsts.last(),
             self.srcs.last(),
             self.sizes.last_mut(),
-            span != 0 && span == allow.span,
+            same_span,
         ) {
             let joined = *last + len;
             if d + *last as u64 == dst && s + *last as u64 == src && joined < SPLIT_MIN_BYTES {
                 *last = joined;
                 self.all_kernel_ok &= kernel_ok && joined <= KERNEL_MAX_BYTES;
-                return self.flush_if_full();
+                return;
             }
         }
         self.all_kernel_ok &= kernel_ok && len <= KERNEL_MAX_BYTES;
         self.dsts.push(dst);
         self.srcs.push(src);
         self.sizes.push(len);
-        self.flush_if_full()
     }
 
     fn flush_if_full(&mut self) -> Staged<E> {
-        if self.staged.len() >= MAX_BATCH {
+        if self.sizes.len() >= MAX_BATCH {
             return self.flush();
         }
         Ok(())
@@ -306,7 +339,7 @@ impl<E> Copier<E> {
     /// stays `busy` until they do, so its owner keeps polling).
     pub fn flush(&mut self) -> Staged<E> {
         if self.staged.is_empty()
-            || (self.batches >= BATCHES_IN_FLIGHT && self.staged.len() < MAX_BATCH)
+            || (self.batches >= BATCHES_IN_FLIGHT && self.sizes.len() < MAX_BATCH)
         {
             return Ok(());
         }

@@ -34,7 +34,10 @@ use crate::error::Result;
 pub(crate) const KERNEL_MAX_BYTES: usize = 256 << 10;
 /// Bytes of a copy one block moves: a 16-byte word per thread.
 const CHUNK_BYTES: usize = 4096;
-const _: () = assert!(THREADS as usize * 16 == CHUNK_BYTES, "one word per thread per chunk");
+const _: () = assert!(
+    THREADS as usize * 16 == CHUNK_BYTES,
+    "one word per thread per chunk"
+);
 /// Threads per block (one block per copy).
 const THREADS: u32 = 256;
 /// Bytes of one descriptor.

@@ -140,7 +140,11 @@ impl<H: Handles> IpcCache<H> {
             if m.handle == b.handle {
                 m.users += 1;
                 self.counters.hits.fetch_add(1, Ordering::Relaxed);
-                return Ok((m.base + b.offset, Some(MapTicket { key, id: m.id }), m.ordinal));
+                return Ok((
+                    m.base + b.offset,
+                    Some(MapTicket { key, id: m.id }),
+                    m.ordinal,
+                ));
             }
             // Revoked, or a new allocation at the same base: retire the old
             // mapping before opening the new one.

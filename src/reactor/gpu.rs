@@ -10,7 +10,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::queue::{IpcCmd, IpcDesc, IpcParts};
+use super::queue::{IpcCmd, IpcDesc, IpcParts, IpcPlan};
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::gpu::copy::{span_of, Allow, Copier, GpuCopy};
 use crate::gpu::ipc::{IpcCache, IpcCounters, MapTicket};
@@ -38,6 +38,16 @@ pub(crate) struct Entry {
     /// never read.
     #[allow(dead_code)]
     pub keep_map: Option<Arc<crate::sys::Mapping>>,
+    /// A prepared op's mappings (released when it ends) and local regions.
+    pub planned: Option<Box<PlannedHold>>,
+}
+
+/// What a prepared op's copies hold until they end.
+pub(crate) struct PlannedHold {
+    tickets: Vec<MapTicket>,
+    /// Held, never read.
+    #[allow(dead_code)]
+    keep: Vec<RegionSlice>,
 }
 
 /// What a finished copy leads to.
@@ -194,6 +204,7 @@ impl GpuWork {
             keep: Some(st.dst.region().clone()),
             keep2: Some(st.src.region().clone()),
             keep_map: None,
+            planned: None,
         };
         match self.copier(ordinal) {
             // A pinned bounce buffer and a region of this GPU.
@@ -214,6 +225,7 @@ impl GpuWork {
             keep: Some(bounce),
             keep2: Some(gpu.region().clone()),
             keep_map: None,
+            planned: None,
         };
         match self.copier(ordinal) {
             // A pinned bounce buffer and a region of this GPU.
@@ -226,7 +238,8 @@ impl GpuWork {
         if let Some(i) = self.copiers.iter().position(|c| c.ordinal() == ordinal) {
             return Ok(i);
         }
-        self.copiers.push(Copier::new(ordinal, self.streams, self.way)?);
+        self.copiers
+            .push(Copier::new(ordinal, self.streams, self.way)?);
         Ok(self.copiers.len() - 1)
     }
 
@@ -234,6 +247,11 @@ impl GpuWork {
     fn report(&mut self, en: Entry, r: Result<()>) {
         if let Some(k) = en.mapping {
             self.cache.release(k);
+        }
+        if let Some(h) = en.planned {
+            for k in h.tickets {
+                self.cache.release(k);
+            }
         }
         match en.then {
             Then::Reply(conn, op, write) => {
@@ -317,6 +335,71 @@ impl GpuWork {
                     self.start_one(ci, kind, slot, d);
                 }
             }
+            IpcParts::Planned { plan, keep } => self.start_planned(ci, kind, slot, &plan, keep),
+        }
+    }
+
+    /// Stages a prepared op: each peer allocation opened once, then every
+    /// piece's copy into one batch with one entry (the copier's context is
+    /// current).
+    fn start_planned(
+        &mut self,
+        ci: usize,
+        kind: OpKind,
+        slot: u32,
+        plan: &IpcPlan,
+        keep: Vec<RegionSlice>,
+    ) {
+        let me = self.copiers[ci].ordinal();
+        let mut tickets = Vec::with_capacity(plan.remotes.len());
+        // Per peer allocation: its base here and whether our kernels reach it.
+        let mut bases = Vec::with_capacity(plan.remotes.len());
+        for r in &plan.remotes {
+            match self.cache.acquire(r, me) {
+                Ok((base, ticket, theirs)) => {
+                    tickets.extend(ticket);
+                    let reach = crate::gpu::cuda().is_ok_and(|c| c.reaches(me, theirs));
+                    bases.push((base, reach));
+                }
+                Err(e) => {
+                    for k in tickets {
+                        self.cache.release(k);
+                    }
+                    return self.done.push((slot, Err(e)));
+                }
+            }
+        }
+        let entry = Entry {
+            then: Then::Op(slot),
+            mapping: None,
+            keep: None,
+            keep2: None,
+            keep_map: None,
+            planned: Some(Box::new(PlannedHold { tickets, keep })),
+        };
+        let copy = |i: usize| {
+            let p = plan.pieces[i];
+            let (base, reach) = bases[p.remote as usize];
+            let remote = base + p.remote_off;
+            let (dst, src) = match kind {
+                OpKind::Write => (remote, p.local),
+                OpKind::Read => (p.local, remote),
+            };
+            let allow = Allow {
+                kernel: reach && plan.region_gpu[p.region as usize] == me,
+                split: false,
+                span: span_of(u64::from(p.region) + 1, u64::from(p.remote) + 1),
+            };
+            (dst, src, p.len as usize, allow)
+        };
+        let copier = &mut self.copiers[ci];
+        // SAFETY: every range was checked at prepare time against its local
+        // region (held in the entry's `keep`) and its peer allocation
+        // (mapped while the entry's tickets are held); the copier returns
+        // the entry only once the copies ended or failed.
+        let staged = unsafe { copier.stage_many(entry, plan.pieces.len(), copy) };
+        if let Err((e, failed)) = staged {
+            self.fail_all(e, failed);
         }
     }
 
@@ -363,6 +446,7 @@ impl GpuWork {
             keep: Some(d.local.region().clone()),
             keep2: None,
             keep_map: None,
+            planned: None,
         };
         self.stage(ci, entry, dst, src, len, allow);
     }
@@ -427,6 +511,7 @@ impl GpuWork {
             keep: Some(r.ours.region().clone()),
             keep2: None,
             keep_map,
+            planned: None,
         };
         self.stage(ci, entry, dst, src, len, allow);
     }

@@ -41,8 +41,8 @@ mod timers;
 pub use codec_pool::CompressStats;
 pub use completion::Transfer;
 pub(crate) use queue::{
-    Command, IpcCmd, IpcDesc, IpcParts, NoteTicket, OpCmd, OpDesc, OpParts, RegionCmd, ShardHandle,
-    MAX_BATCH,
+    Command, IpcCmd, IpcDesc, IpcParts, IpcPlan, NoteTicket, OpCmd, OpDesc, OpParts, PlannedPiece,
+    RegionCmd, ShardHandle, MAX_BATCH,
 };
 pub(crate) use shard::{LocalInit, LocalSetup, ShardConfig};
 pub use shard::{Shard, SpinStats};

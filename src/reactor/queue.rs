@@ -112,6 +112,13 @@ pub(crate) struct IpcDesc {
 pub(crate) enum IpcParts {
     One(IpcDesc),
     Many(Vec<IpcDesc>),
+    /// A prepared op: its plan, and a slice over each of its local regions
+    /// (held until the copies end). One piece for the ledger: its copies
+    /// go in one batch and end together.
+    Planned {
+        plan: std::sync::Arc<IpcPlan>,
+        keep: Vec<RegionSlice>,
+    },
 }
 
 impl IpcParts {
@@ -119,8 +126,34 @@ impl IpcParts {
         match self {
             IpcParts::One(_) => 1,
             IpcParts::Many(v) => v.len(),
+            IpcParts::Planned { .. } => 1,
         }
     }
+}
+
+/// A CUDA IPC op checked once (`Endpoint::prepare`) and posted any number
+/// of times: its pieces by index into its distinct local regions and peer
+/// allocations, so a post copies and checks nothing per piece.
+#[derive(Debug)]
+pub(crate) struct IpcPlan {
+    /// The peer's allocations, each a window from its start (offset 0).
+    pub remotes: Vec<crate::wire::IpcBuf>,
+    /// Per local region (in the order of `IpcParts::Planned::keep`): its
+    /// GPU, or -1 for host memory.
+    pub region_gpu: Vec<i32>,
+    pub pieces: Vec<PlannedPiece>,
+}
+
+/// One piece of an `IpcPlan`, each below `gpu::copy::SPLIT_MIN_BYTES`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PlannedPiece {
+    /// Our bytes' address (inside region `region`, checked).
+    pub local: u64,
+    pub region: u32,
+    /// The peer's allocation (index into `remotes`) and the offset in it.
+    pub remote: u32,
+    pub remote_off: u64,
+    pub len: u64,
 }
 
 /// A write_ipc/read_ipc: the initiator copies itself, on device `ordinal`'s

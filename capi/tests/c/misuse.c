@@ -72,6 +72,24 @@ int main(void) {
     DEAD(ferry_transfer_wait(t, 10));
     DEAD(ferry_transfer_cancel(t));
 
+    /* Prepared transfer: posted three times (each moves what the memory
+     * holds then), freed twice, then posted. */
+    ferry_prepared *p = NULL;
+    CHECK(ferry_prepare(ep, conn, FERRY_WRITE, &bad, 1, &p) == FERRY_ERR_INVALID);
+    CHECK(ferry_prepare(ep, conn, 7, &d, 1, &p) == FERRY_ERR_INVALID);
+    CHECK(ferry_prepare(ep, conn, FERRY_WRITE, &d, 1, &p) == FERRY_OK);
+    for (int round = 0; round < 3; round++) {
+        memset(buf, 'a' + round, 64);
+        CHECK(ferry_post_prepared(p, NULL, 0, &t) == FERRY_OK);
+        CHECK(ferry_transfer_wait(t, 5000) == FERRY_OK);
+        ferry_transfer_release(t);
+        CHECK(far[0] == 'a' + round && far[63] == 'a' + round);
+    }
+    ferry_prepared_free(p);
+    ferry_prepared_free(p);
+    CHECK(strstr(ferry_last_error(), "not a live handle") != NULL);
+    DEAD(ferry_post_prepared(p, NULL, 0, &t));
+
     /* Message: released twice, then polled and waited on. */
     ferry_message *rm = NULL;
     CHECK(ferry_recv(peer, pconn, fr, 0, 64, &rm) == FERRY_OK);
