@@ -300,12 +300,12 @@ impl GpuWork {
             !(on_ours(dst) && on_ours(src))
         };
         let copier = &mut self.copiers[ci];
-        // SAFETY: both ranges stay valid until the entry returns (see above);
-        // the copier returns it only once the copy has ended or failed.
         let allow = Allow {
             split: split_ok,
             ..allow
         };
+        // SAFETY: both ranges stay valid until the entry returns (see above);
+        // the copier returns it only once the copy has ended or failed.
         let staged = unsafe { copier.stage(entry, dst, src, len, allow) };
         if let Err((e, failed)) = staged {
             self.fail_all(e, failed);
