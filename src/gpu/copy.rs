@@ -594,7 +594,11 @@ impl Choice {
             };
         };
         let best = if k <= e { Way::Kernel } else { Way::Engine };
-        if self.batches % EXPLORE_EVERY == 0 {
+        // The other way is tried so that its cost to the batches stays
+        // near 1/EXPLORE_EVERY of theirs: the slower it is, the rarer (the
+        // engine ran 4 KiB x 32 at ten times the kernel's time per copy).
+        let slower = (k.max(e) / k.min(e).max(1.0)).clamp(1.0, 64.0) as u64;
+        if self.batches % (EXPLORE_EVERY * slower) == 0 {
             match best {
                 Way::Kernel => Way::Engine,
                 Way::Engine => Way::Kernel,

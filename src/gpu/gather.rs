@@ -11,10 +11,11 @@
 //!
 //! The kernel is PTX, loaded by the driver's JIT (no toolkit at build time,
 //! no fat binary): `ferry_gather(descs, count)` where `descs` points to
-//! `count` descriptors `{dst: u64, src: u64, len: u64}` in pinned host
-//! memory, which under unified addressing kernels read at the host
-//! pointer's own address. A block copies 16-byte words when all three are
-//! 16-byte aligned, else bytes.
+//! `count` descriptors `{dst: u64, src: u64, len: u64}`, written in
+//! pinned memory and read there (kernels reach it at its host address), or
+//! for a large batch copied to device memory ahead of the launch on its
+//! stream. Block (x, y) copies the y-th 4 KiB of copy x: 16-byte words
+//! when all three are 16-byte aligned, else bytes.
 //!
 //! Only memory that kernels may touch goes through it: device memory and
 //! pinned buffers made by `cuMemHostAlloc` (every such allocation is
@@ -25,7 +26,7 @@
 use cudarc::driver::sys as cu;
 
 use super::driver::{check, cuda};
-use super::memory::PinnedBuf;
+use super::memory::{DeviceBuf, PinnedBuf};
 use crate::error::Result;
 
 /// Copies longer than this go to the copy engine. Each copy gets one
@@ -132,16 +133,30 @@ pub(crate) struct Gather {
     ordinal: i32,
     module: cu::CUmodule,
     func: cu::CUfunction,
-    /// Each slot's descriptors (None: not allocated yet) and their count.
-    descs: Vec<Option<(PinnedBuf, usize)>>,
+    /// Each slot's descriptors (None: not allocated yet).
+    descs: Vec<Option<SlotBufs>>,
     /// Bit i set: slot i is free.
     free: u32,
+}
+
+/// A slot's descriptors: written in pinned host memory, copied to the
+/// device ahead of the launch on the same stream, read there by the blocks
+/// (every warp of every block reads its copy's descriptor: from host
+/// memory that was a PCIe round trip each, ~200 ns a piece at 100 000).
+struct SlotBufs {
+    host: PinnedBuf,
+    dev: DeviceBuf,
+    /// Descriptors each holds.
+    cap: usize,
 }
 
 // SAFETY: module and function are driver handles usable from any thread;
 // a Gather is used by the one shard that owns its copier.
 unsafe impl Send for Gather {}
 
+/// Batches of at least this many copies read their descriptors from
+/// device memory (copied there first), smaller ones from pinned memory.
+const DEVICE_DESCS_MIN: usize = 256;
 /// Descriptors a slot's first buffer holds.
 const FIRST_SLOT_DESCS: usize = 1024;
 
@@ -192,20 +207,21 @@ impl Gather {
         self.free |= 1 << slot;
     }
 
-    /// The pinned descriptors of taken `slot`, room for `n` at least; the
+    /// The descriptor buffers of taken `slot`, room for `n` at least; the
     /// module's context is current after.
-    fn room(&mut self, slot: usize, n: usize) -> Result<*mut u64> {
-        let fits = matches!(&self.descs[slot], Some((_, cap)) if *cap >= n);
+    fn room(&mut self, slot: usize, n: usize) -> Result<&SlotBufs> {
+        let fits = matches!(&self.descs[slot], Some(b) if b.cap >= n);
         if !fits {
+            // The old buffers (if any) are free: the slot's launch ended.
+            self.descs[slot] = None;
             let cap = n.next_power_of_two().max(FIRST_SLOT_DESCS);
-            // PinnedBuf::new makes device 0's context current.
-            let buf = PinnedBuf::new(cap * DESC_BYTES)?;
+            // Both make other contexts current.
+            let host = PinnedBuf::new(cap * DESC_BYTES)?;
+            let dev = DeviceBuf::new(self.ordinal, cap * DESC_BYTES)?;
             cuda()?.make_current(self.ordinal)?;
-            // The old buffer (if any) is free: the slot's launch ended.
-            self.descs[slot] = Some((buf, cap));
+            self.descs[slot] = Some(SlotBufs { host, dev, cap });
         }
-        let (buf, _) = self.descs[slot].as_ref().expect("allocated above");
-        Ok(buf.ptr().cast::<u64>())
+        Ok(self.descs[slot].as_ref().expect("allocated above"))
     }
 
     /// Writes the descriptors of `dsts[i] <- srcs[i]` (`sizes[i]` bytes)
@@ -225,7 +241,8 @@ impl Gather {
         stream: cu::CUstream,
     ) -> Result<()> {
         let n = sizes.len().min(dsts.len()).min(srcs.len());
-        let d = self.room(slot, n)?;
+        let bufs = self.room(slot, n)?;
+        let (d, dev) = (bufs.host.ptr().cast::<u64>(), bufs.dev.ptr());
         for i in 0..n {
             // SAFETY: the slot's buffer holds at least n descriptors of 3
             // words; no launch reads it now (the slot was free: its last
@@ -236,7 +253,21 @@ impl Gather {
                 d.add(3 * i + 2).write(sizes[i] as u64);
             }
         }
-        let mut descs = d as u64;
+        // A few descriptors are read where they are written (pinned memory
+        // that kernels reach at its host address): one more call would
+        // cost more than their reads over PCIe.
+        let mut descs = if n < DEVICE_DESCS_MIN {
+            d as u64
+        } else {
+            // SAFETY: n descriptors from our pinned buffer to our device
+            // buffer (both hold cap >= n), ordered before the launch on
+            // `stream`; the slot (so both buffers) stays taken until the
+            // launch ended.
+            check("cuMemcpyHtoDAsync", unsafe {
+                cu::cuMemcpyHtoDAsync_v2(dev, d.cast(), n * DESC_BYTES, stream)
+            })?;
+            dev
+        };
         let mut count = n as u32;
         let longest = sizes[..n].iter().copied().max().unwrap_or(0);
         let chunks = longest.div_ceil(CHUNK_BYTES).max(1) as u32;
