@@ -85,8 +85,10 @@ elif [ "$what" = benches ]; then
     if nixl_dir; then
         step "NIXL"
         for op in WRITE READ; do
-            rec nixl --label "NIXL, VRAM, same host" -- $py benches/nixl_bench.py --mem vram --backends FERRY,UCX --op $op --sizes 4Kx32,64Kx32,16Kx1024,4Kx100000,1M,256M --json
+            rec nixl --label "NIXL, VRAM, same host" -- $py benches/nixl_bench.py --mem vram --backends FERRY,UCX --op $op --sizes 4Kx32,64Kx32,16Kx1024,1M,256M --json
         done
+        # 100 000 descriptors in one request (made once, posted again).
+        rec nixl --label "NIXL, VRAM, same host" -- $py benches/nixl_bench.py --mem vram --backends FERRY,UCX --op WRITE --sizes 4Kx100000 --json
         rec nixl --label "NIXL, DRAM, same host" -- $py benches/nixl_bench.py --op WRITE --sizes 4Kx32,64K,1M,64M,4Kx100000 --json
     fi
 fi
