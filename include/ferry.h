@@ -157,6 +157,26 @@ int32_t ferry_endpoint_create(const struct ferry_config *cfg, struct ferry_endpo
 // `ep` from `ferry_endpoint_create`, not used again.
 void ferry_endpoint_destroy(struct ferry_endpoint *ep);
 
+// The endpoint's completion fd into `*fd`: an eventfd that becomes
+// readable when one of its transfers ends or a notification (or a step
+// of a two-sided message) arrives — wait on it with poll/epoll instead of
+// polling transfers. Once it is readable, call `ferry_endpoint_ack`, then
+// poll what you wait for: what ends after the ack makes it readable
+// again. One waiter per endpoint (the one that acks). The same fd every
+// call; closed by `ferry_endpoint_destroy`. With `FERRY_DRIVE=caller`
+// ferry's helpers run the shards while the caller sleeps.
+//
+// # Safety
+// `ep` live; `fd` valid.
+int32_t ferry_endpoint_fd(const struct ferry_endpoint *ep, int32_t *fd);
+
+// Drains the completion fd (`ferry_endpoint_fd`): call it after the fd
+// polled readable and before polling transfers.
+//
+// # Safety
+// `ep` live.
+int32_t ferry_endpoint_ack(const struct ferry_endpoint *ep);
+
 // The endpoint's metadata (the seed's format; what peers pass to
 // `ferry_add_remote`) into `buf` (`cap` bytes); its length in `*len`.
 //

@@ -190,6 +190,49 @@ pub unsafe extern "C" fn ferry_endpoint_destroy(ep: *mut ferry_endpoint) {
     }
 }
 
+/// The endpoint's completion fd into `*fd`: an eventfd that becomes
+/// readable when one of its transfers ends or a notification (or a step
+/// of a two-sided message) arrives — wait on it with poll/epoll instead of
+/// polling transfers. Once it is readable, call `ferry_endpoint_ack`, then
+/// poll what you wait for: what ends after the ack makes it readable
+/// again. One waiter per endpoint (the one that acks). The same fd every
+/// call; closed by `ferry_endpoint_destroy`. With `FERRY_DRIVE=caller`
+/// ferry's helpers run the shards while the caller sleeps.
+///
+/// # Safety
+/// `ep` live; `fd` valid.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_endpoint_fd(ep: *const ferry_endpoint, fd: *mut i32) -> i32 {
+    guard("ferry_endpoint_fd", || {
+        // SAFETY: the caller's promises, as documented.
+        let ep = unsafe { handle(ep, "ep")? };
+        if fd.is_null() {
+            return Err(invalid("fd is NULL"));
+        }
+        let got = ep.ep.completion_fd()?;
+        // A caller about to sleep on the fd: the helpers run the shards.
+        ep.ep.hand_over();
+        // SAFETY: non-null and valid (the caller's promise).
+        unsafe { *fd = got };
+        Ok(FERRY_OK)
+    })
+}
+
+/// Drains the completion fd (`ferry_endpoint_fd`): call it after the fd
+/// polled readable and before polling transfers.
+///
+/// # Safety
+/// `ep` live.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_endpoint_ack(ep: *const ferry_endpoint) -> i32 {
+    guard("ferry_endpoint_ack", || {
+        // SAFETY: the caller's promise.
+        let ep = unsafe { handle(ep, "ep")? };
+        ep.ep.ack_completions();
+        Ok(FERRY_OK)
+    })
+}
+
 /// The endpoint's metadata (the seed's format; what peers pass to
 /// `ferry_add_remote`) into `buf` (`cap` bytes); its length in `*len`.
 ///

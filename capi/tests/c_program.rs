@@ -81,6 +81,8 @@ fn run_bin(bin: PathBuf, says: &str, env: &[(&str, &str)]) {
     let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{}: {text}", out.status);
     assert!(text.contains(says), "{text}");
+    // What it measured, in the test's report (`--nocapture`).
+    println!("{}: {}", bin.display(), text.trim_end());
 }
 
 #[test]
@@ -103,6 +105,21 @@ fn two_processes_drive_the_c_face_with_caller_driven_shards() {
         "all checks held",
         &[("FERRY_DRIVE", "caller")],
     );
+}
+
+/// A thread waits for 1 000 transfers over 4 connections in poll(2) on
+/// the completion fd (`tests/c/completion_fd.c`), with ferry's shard
+/// threads and with caller-driven shards.
+#[test]
+fn a_c_host_waits_on_the_completion_fd() {
+    for drive in ["threads", "caller"] {
+        run_c(
+            "capi/tests/c/completion_fd.c",
+            &format!("ferry-c-completion-fd-{drive}"),
+            "every completion seen once through the fd",
+            &[("FERRY_DRIVE", drive)],
+        );
+    }
 }
 
 #[test]

@@ -17,7 +17,7 @@ operation itself runs on to its end.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _native
 from ._buffers import Buffer, locate
@@ -125,12 +125,13 @@ class Region:
 class Transfer:
     """An operation in flight: ``done()``, ``wait(timeout)`` or ``await``."""
 
-    __slots__ = ("_t", "_done", "_keep")
+    __slots__ = ("_t", "_done", "_keep", "_ep")
 
-    def __init__(self, native: "_native.Transfer", keep: Any) -> None:
+    def __init__(self, native: "_native.Transfer", keep: Any, ep: Optional["Endpoint"] = None) -> None:
         self._t = native
         self._done = False
         self._keep = keep  # the buffers, alive while the transfer runs
+        self._ep = ep
 
     def done(self) -> bool:
         """Whether it has ended; raises ``FerryError`` if it failed."""
@@ -150,10 +151,14 @@ class Transfer:
         self._keep = None
 
     async def _wait_async(self) -> None:
-        delay = 0.0
-        while not self.done():
-            await asyncio.sleep(delay)
-            delay = min(delay * 2 or 20e-6, 1e-3)
+        if self.done():
+            return
+        # The endpoint's completion fd wakes the event loop when something
+        # ends: no thread spins, no sleep loop polls.
+        assert self._ep is not None
+        fut = asyncio.get_running_loop().create_future()
+        self._ep._wake_when_done(self, fut)
+        await fut
 
     def __await__(self):
         return self._wait_async().__await__()
@@ -192,7 +197,7 @@ class Connection:
         pieces = [_piece(p) for p in locals_]
         spans = [(r._r,) + r._span(o, s) for r, o, s in pieces]
         t = self._c.submit(write, spans, [bytes(w) for w in windows])
-        return Transfer(t, pieces)
+        return Transfer(t, pieces, self._ep)
 
     def write_async(self, src: _Local, window: Window) -> Transfer:
         """Starts a WRITE of ``src`` (a region, or ``(region, offset, size)``)
@@ -259,6 +264,66 @@ class Endpoint:
 
     def __init__(self, gpu: Optional[int] = None) -> None:
         self._n = _native.Endpoint(gpu)
+        # Awaited transfers and their futures, and the event loop watching
+        # the completion fd for them (None: none is).
+        self._waiting: List[Tuple["Transfer", "asyncio.Future[None]"]] = []
+        self._watching: Optional[asyncio.AbstractEventLoop] = None
+
+    def completion_fd(self) -> int:
+        """A file descriptor that becomes readable when a transfer of this
+        endpoint ends or a notification arrives; call
+        ``ack_completions()`` once it is, then look at what ended. ``await
+        transfer`` uses it (``loop.add_reader``): an awaiting program
+        spends no CPU while nothing ends."""
+        return self._n.completion_fd()
+
+    def ack_completions(self) -> None:
+        """Drains the completion fd (before looking at what ended)."""
+        self._n.ack_completions()
+
+    def _wake_when_done(self, t: "Transfer", fut: "asyncio.Future[None]") -> None:
+        loop = fut.get_loop()
+        self._waiting.append((t, fut))
+        if self._watching is not loop:
+            if self._watching is not None:
+                self._watching.remove_reader(self.completion_fd())
+            loop.add_reader(self.completion_fd(), self._on_completions)
+            self._watching = loop
+        # It may have ended before it was listed: look at it once now. No
+        # ack here (that would swallow others' wakes): an end after this
+        # look raises the fd, or finds it raised and not yet acknowledged.
+        try:
+            ended = t.done()
+        except BaseException as e:  # noqa: BLE001 - the transfer's error, to its awaiter
+            fut.set_exception(e)
+            ended = True
+        else:
+            if ended:
+                fut.set_result(None)
+        if ended:
+            self._waiting.pop()
+            if not self._waiting:
+                loop.remove_reader(self.completion_fd())
+                self._watching = None
+
+    def _on_completions(self) -> None:
+        self.ack_completions()
+        still = []
+        for t, fut in self._waiting:
+            if fut.done():  # cancelled
+                continue
+            try:
+                if not t.done():
+                    still.append((t, fut))
+                    continue
+            except BaseException as e:  # noqa: BLE001 - the transfer's error, to its awaiter
+                fut.set_exception(e)
+                continue
+            fut.set_result(None)
+        self._waiting = still
+        if not still and self._watching is not None:
+            self._watching.remove_reader(self.completion_fd())
+            self._watching = None
 
     @property
     def metadata(self) -> bytes:

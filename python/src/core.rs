@@ -339,6 +339,18 @@ impl Endpoint {
         Ok((c.0, PyBytes::new(py, &m)))
     }
 
+    /// The endpoint's completion fd: readable when a transfer ends or a
+    /// notification arrives (see `Endpoint::completion_fd`).
+    fn completion_fd(&self) -> PyResult<i32> {
+        self.get()?.completion_fd().map_err(fe)
+    }
+
+    /// Drains the completion fd; call before looking at what ended.
+    fn ack_completions(&self) -> PyResult<()> {
+        self.get()?.ack_completions();
+        Ok(())
+    }
+
     /// The registration cache's `(hits, misses)` so far.
     fn reg_cache_stats(&self) -> PyResult<(u64, u64)> {
         let s = self.get()?.reg_cache_stats();

@@ -119,6 +119,69 @@ def test_typed_arrays_carry_their_dtype_and_move_exactly(monkeypatch):
         assert bytes(a.register(np.zeros(16, np.uint8), dtype="bf16").advertise())[42] == 1 + 1
 
 
+def test_awaiting_a_thousand_transfers_spins_no_thread(transport):
+    """1 000 transfers over 4 connections, awaited: the event loop sleeps
+    on the endpoint's completion fd between completions."""
+    import threading
+    import time
+
+    targets = [ferry.Endpoint() for _ in range(4)]
+    for t in targets:
+        t.listen()
+    b = ferry.Endpoint()
+    conns = [b.connect(t.metadata) for t in targets]
+    dsts = [t.alloc(250 * 4096) for t in targets]
+    src = b.register(bytearray(bytes(range(256)) * 16 * 250))
+
+    async def go():
+        # Another thread posts a wave of 40 every 10 ms, as a service's
+        # requests come, and hands each wave over; this loop only awaits.
+        loop = asyncio.get_running_loop()
+        waves: "asyncio.Queue[list]" = asyncio.Queue()
+
+        def post():
+            for wave in range(25):
+                ts = []
+                for k in range(40):
+                    i = wave * 40 + k
+                    c, slot = i % 4, i // 4
+                    ts.append(conns[c].write_async((src, slot * 4096, 4096), dsts[c].advertise(slot * 4096, 4096)))
+                loop.call_soon_threadsafe(waves.put_nowait, ts)
+                time.sleep(0.01)
+
+        poster = threading.Thread(target=post)
+        cpu0, t0 = time.thread_time(), time.perf_counter()
+        poster.start()
+        done = []
+        for _ in range(25):
+            wave = await waves.get()
+            await asyncio.gather(*wave)
+            done += wave
+        cpu, wall = time.thread_time() - cpu0, time.perf_counter() - t0
+        poster.join()
+        return done, cpu, wall
+
+    ts, cpu, wall = asyncio.run(go())
+    assert all(t.done() for t in ts)
+    for d in dsts:
+        assert bytes(d.view()) == bytes(range(256)) * 16 * 250
+    print(f"{transport}: 1000 transfers awaited over 4 connections; the event loop's thread used "
+          f"{cpu * 1e3:.1f} ms of CPU in {wall * 1e3:.0f} ms ({100 * cpu / wall:.1f} % of a core)")
+    # A transfer that fails raises through await.
+    gone = targets[0].alloc(4096)
+    w = gone.advertise()
+    gone.close()
+
+    async def fails():
+        await conns[0].write_async((src, 0, 4096), w)
+
+    with pytest.raises(ferry.FerryError):
+        asyncio.run(fails())
+    b.close()
+    for t in targets:
+        t.close()
+
+
 def test_await_and_wait(transport):
     a, b, conn = connected(transport)
     dst = a.alloc(1 << 16)

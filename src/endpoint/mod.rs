@@ -15,6 +15,7 @@ mod memory;
 mod notes;
 mod ops;
 mod prepared;
+mod ready;
 mod reg_cache;
 mod start;
 mod table;

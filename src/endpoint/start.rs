@@ -295,10 +295,12 @@ impl Endpoint {
         let (verbs, nic) = nic_side(&cfg, &metadata);
         // Empty without same-host support: no shard has a doorbell.
         let local_bell: Vec<bool> = host.bells.iter().map(Option::is_some).collect();
-        let (inboxes, inbox_rx, ctl_rx) = crate::reactor::Inboxes::new(cfg.inbox_depth);
+        let table = CompletionTable::new(cfg.max_inflight_ops);
+        let (inboxes, inbox_rx, ctl_rx) =
+            crate::reactor::Inboxes::new(cfg.inbox_depth, table.signal().clone());
         let (closed_tx, closed_rx) = mpsc::channel();
         let shared = ShardShared {
-            table: CompletionTable::new(cfg.max_inflight_ops),
+            table,
             inbox: inboxes,
             closed: closed_tx,
             ipc_counters: Arc::new(crate::gpu::ipc::IpcCounters::default()),

@@ -76,6 +76,8 @@ pub(crate) struct CompletionTable {
     /// from `slots` (read by every completing shard) and from the `Arc`'s
     /// counts (changed by every `Transfer`).
     hint: Padded<AtomicUsize>,
+    /// The endpoint's completion fd (raised after each op is published).
+    signal: Arc<super::signal::Signal>,
 }
 
 // SAFETY: `result` is accessed under the state protocol above, which hands
@@ -99,7 +101,14 @@ impl CompletionTable {
         Arc::new(Self {
             slots,
             hint: Padded(AtomicUsize::new(0)),
+            signal: Arc::default(),
         })
+    }
+
+    /// The completion fd the endpoint's ends raise (shared with its
+    /// notification inboxes).
+    pub fn signal(&self) -> &Arc<super::signal::Signal> {
+        &self.signal
     }
 
     pub fn capacity(&self) -> usize {
@@ -287,6 +296,8 @@ impl CompletionTable {
                 Err(cur) => s = cur,
             }
         }
+        #[cfg(not(loom))]
+        self.signal.raise();
         if s & WAITER != 0 {
             futex_wake(&slot.state);
         }

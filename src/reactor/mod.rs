@@ -33,6 +33,7 @@ mod plan;
 mod queue;
 mod routes;
 mod shard;
+pub(crate) mod signal;
 mod source;
 mod spin;
 mod tcp_side;

@@ -205,14 +205,19 @@ pub(crate) type NoteRx = Receiver<(ConnId, Vec<u8>)>;
 pub(crate) struct Inboxes {
     pub app: SyncSender<(ConnId, Vec<u8>)>,
     pub ctl: SyncSender<(ConnId, Vec<u8>)>,
+    /// The endpoint's completion fd, raised by each delivery.
+    pub signal: std::sync::Arc<super::signal::Signal>,
 }
 
 impl Inboxes {
     /// Two inboxes of `depth` each, and their receiving ends (app, ctl).
-    pub fn new(depth: usize) -> (Inboxes, NoteRx, NoteRx) {
+    pub fn new(
+        depth: usize,
+        signal: std::sync::Arc<super::signal::Signal>,
+    ) -> (Inboxes, NoteRx, NoteRx) {
         let (app, app_rx) = std::sync::mpsc::sync_channel(depth);
         let (ctl, ctl_rx) = std::sync::mpsc::sync_channel(depth);
-        (Inboxes { app, ctl }, app_rx, ctl_rx)
+        (Inboxes { app, ctl, signal }, app_rx, ctl_rx)
     }
 
     pub fn deliver(&self, conn: ConnId, payload: Vec<u8>) -> std::result::Result<(), Vec<u8>> {
@@ -228,7 +233,10 @@ impl Inboxes {
         let mut msg = payload;
         msg.remove(0);
         match to.try_send((conn, msg)) {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                self.signal.raise();
+                Ok(())
+            }
             Err(mpsc::TrySendError::Full((_, mut p))) => {
                 let kind = if std::ptr::eq(to, &self.app) {
                     crate::wire::NOTE_APP
@@ -383,7 +391,7 @@ impl CxParts {
     /// notifications.
     pub fn new(inbox_cap: usize) -> (CxParts, Receiver<(ConnId, Vec<u8>)>) {
         let (tx, updates) = std::sync::mpsc::channel();
-        let (inbox, notes, _ctl) = Inboxes::new(inbox_cap);
+        let (inbox, notes, _ctl) = Inboxes::new(inbox_cap, Default::default());
         let parts = CxParts {
             regions: RegionTable::default(),
             updates,
@@ -437,7 +445,7 @@ mod inbox_tests {
     /// payload back as it came; an unknown kind reaches nobody.
     #[test]
     fn notifications_are_routed_by_their_kind_byte() {
-        let (boxes, app, ctl) = Inboxes::new(1);
+        let (boxes, app, ctl) = Inboxes::new(1, Default::default());
         let c = ConnId(3);
         assert_eq!(boxes.deliver(c, vec![crate::wire::NOTE_APP, 1, 2]), Ok(()));
         assert_eq!(boxes.deliver(c, vec![crate::wire::NOTE_CTL, 9]), Ok(()));
