@@ -45,8 +45,7 @@ pub(crate) struct Entry {
 /// What a prepared op's copies hold until they end.
 pub(crate) struct PlannedHold {
     tickets: Vec<MapTicket>,
-    /// Held, never read.
-    #[allow(dead_code)]
+    /// The local regions, in plan order (held until the copies end).
     keep: Vec<RegionSlice>,
 }
 
@@ -82,6 +81,34 @@ struct BouncePool {
     bufs: Vec<Arc<Region>>,
     buf_len: usize,
     max: usize,
+}
+
+/// The device allocation `(base, len)` of a region of GPU memory.
+fn device_alloc(r: &Region) -> Option<(u64, u64)> {
+    match r.mem {
+        MemKind::Device {
+            alloc_base,
+            alloc_len,
+            ..
+        } => Some((alloc_base, alloc_len as u64)),
+        _ => None,
+    }
+}
+
+/// The device allocation a slice of ours lies in, whole: copies join only
+/// inside one (a copy must not cross allocations; a registration of host
+/// memory, or one over several allocations, never joins).
+fn local_span(s: &RegionSlice) -> Option<u64> {
+    let (base, len) = device_alloc(s.region())?;
+    let (at, n) = (s.addr(), s.len() as u64);
+    (at >= base && at + n <= base + len).then_some(base)
+}
+
+/// The regions a prepared op's entry holds, in plan order.
+fn entry_regions(e: &Entry) -> impl Iterator<Item = &Region> {
+    e.planned
+        .iter()
+        .flat_map(|h| h.keep.iter().map(|s| s.region().as_ref()))
 }
 
 /// A tcp staging copy: between a pinned bounce buffer and a region of this
@@ -377,6 +404,8 @@ impl GpuWork {
             keep_map: None,
             planned: Some(Box::new(PlannedHold { tickets, keep })),
         };
+        // Each local region's device allocation: pieces join only inside one.
+        let allocs: Vec<Option<(u64, u64)>> = entry_regions(&entry).map(device_alloc).collect();
         let copy = |i: usize| {
             let p = plan.pieces[i];
             let (base, reach) = bases[p.remote as usize];
@@ -388,7 +417,9 @@ impl GpuWork {
             let allow = Allow {
                 kernel: reach && plan.region_gpu[p.region as usize] == me,
                 split: false,
-                span: span_of(u64::from(p.region) + 1, u64::from(p.remote) + 1),
+                span: allocs[p.region as usize]
+                    .filter(|&(base, len)| p.local >= base && p.local + p.len <= base + len)
+                    .map_or(0, |(base, _)| span_of(base, u64::from(p.remote) + 1)),
             };
             (dst, src, p.len as usize, allow)
         };
@@ -428,11 +459,9 @@ impl GpuWork {
         let allow = Allow {
             kernel: self.kernel_reaches(ci, d.local.region(), theirs),
             split: false,
-            // Pieces of one registration and one peer allocation may join.
-            span: span_of(
-                Arc::as_ptr(d.local.region()) as u64,
-                d.remote.alloc_base ^ d.remote.owner_id,
-            ),
+            // Pieces in one allocation of ours and one of the peer's may join.
+            span: local_span(&d.local)
+                .map_or(0, |a| span_of(a, d.remote.alloc_base ^ d.remote.owner_id)),
         };
         let local = d.local.addr();
         let len = d.local.len();
@@ -501,9 +530,9 @@ impl GpuWork {
         let allow = Allow {
             kernel: their_gpu >= 0 && self.kernel_reaches(ci, r.ours.region(), their_gpu),
             split: false,
-            // Requests in one registration of ours and one allocation of
-            // theirs (an IPC allocation, or their memfd mapping) may join.
-            span: span_of(Arc::as_ptr(r.ours.region()) as u64, theirs_alloc),
+            // Requests in one allocation of ours and one of theirs (an IPC
+            // allocation, or their memfd mapping) may join.
+            span: local_span(&r.ours).map_or(0, |a| span_of(a, theirs_alloc)),
         };
         let entry = Entry {
             then: Then::Reply(r.conn, r.op_id, r.write),
