@@ -35,6 +35,9 @@ and accepts connections in the background. Notifications it answers:
                        driver often hands back the same base; its bytes
                        are not set), \"ipcbuf <hex IpcBuf>\"
   echo TEXT         -> \"echo TEXT\"
+  msg-echo COUNT LEN -> \"ok\", then receives up to COUNT two-sided
+                       messages of at most LEN bytes and sends each back
+                       (until an empty one, or a second without one)
 
 Flags:
   --bytes SIZE     memory to register (default 64M; K/M/G suffixes)
@@ -245,12 +248,63 @@ fn answer_until_stdin_closes(
             let _ = ep.send_notification(conn, reply.as_bytes());
             continue;
         }
+        if let Some(args) = msg.strip_prefix(b"msg-echo ") {
+            // Answered first; then the echo runs here (no other request is
+            // answered meanwhile) until its count or a quiet second.
+            match parse_echo(args) {
+                Ok((count, len)) => {
+                    let _ = ep.send_notification(conn, b"ok");
+                    if let Err(e) = echo_messages(ep, conn, count, len) {
+                        eprintln!("ferry serve: msg-echo on {conn}: {e}");
+                    }
+                }
+                Err(e) => {
+                    let _ = ep.send_notification(conn, format!("error {e}").as_bytes());
+                }
+            }
+            continue;
+        }
         let reply = match answer(main, gmr.as_ref(), &msg) {
             Ok(r) => r,
             Err(e) => format!("error {e}"),
         };
         if let Err(e) = ep.send_notification(conn, reply.as_bytes()) {
             eprintln!("ferry serve: reply to {conn}: {e}");
+        }
+    }
+    Ok(())
+}
+
+/// `COUNT LEN` of a `msg-echo` request (LEN at most 64 MiB).
+fn parse_echo(args: &[u8]) -> Result<(usize, usize)> {
+    let text = std::str::from_utf8(args)?;
+    let w: Vec<&str> = text.split_whitespace().collect();
+    let [count, len] = w[..] else {
+        bail!("msg-echo COUNT LEN");
+    };
+    let (count, len): (usize, usize) = (count.parse()?, len.parse()?);
+    if len == 0 || len > 64 << 20 {
+        bail!("msg-echo: LEN {len} must be 1..=67108864");
+    }
+    Ok((count, len))
+}
+
+/// Receives up to `count` two-sided messages of at most `len` bytes on
+/// `conn` and sends each back, until an empty one (echoed too: the end)
+/// or a second without one.
+fn echo_messages(ep: &Endpoint, conn: ferry::ConnId, count: usize, len: usize) -> Result<()> {
+    let buf = ep.alloc(len)?;
+    for _ in 0..count {
+        let r = ep.recv_async(conn, &buf, 0, len)?;
+        let n = match ep.wait_message(r, Duration::from_secs(1)) {
+            Ok(n) => n,
+            Err(ferry::Error::Timeout { .. }) => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        let s = ep.send_async(conn, &buf, 0, n)?;
+        ep.wait_message(s, Duration::from_secs(10))?;
+        if n == 0 {
+            return Ok(());
         }
     }
     Ok(())

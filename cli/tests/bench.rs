@@ -263,3 +263,35 @@ fn stage_trace_prints_each_stage_of_a_same_host_round_trip_both_processes_includ
     }
     assert!(!err.contains("CmdTaken"), "{err}");
 }
+
+/// `--op send`: two-sided round trips of each size, the target echoing
+/// them, with the one-sided WRITE round trip of the same block as the
+/// row's reference; every size in turn (the echo of one ends before the
+/// next begins), over tcp and on one host.
+#[test]
+fn two_sided_round_trips_have_the_one_sided_write_beside_them() {
+    for transport in ["tcp", "shm"] {
+        let out = bench(&[
+            "--transport",
+            transport,
+            "--op",
+            "send",
+            "--sizes",
+            "8,4K",
+            "--seconds",
+            "0.3",
+            "--json",
+        ]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{transport}: {err}");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let rows: Vec<&str> = text.lines().filter(|l| l.starts_with('{')).collect();
+        assert_eq!(rows.len(), 2, "{transport}: one row a size: {text}");
+        for (row, size) in rows.iter().zip(["8", "4096"]) {
+            assert!(row.contains("\"op\":\"send_latency\""), "{row}");
+            assert!(row.contains(&format!("\"block_bytes\":{size},")), "{row}");
+            assert!(row.contains("\"reference\":\"one-sided write\""), "{row}");
+            assert!(row.contains("\"baseline_p50_us\":"), "{row}");
+        }
+    }
+}

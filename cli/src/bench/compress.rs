@@ -73,7 +73,10 @@ fn parse(mode: &str, mut a: Args) -> Result<Opts> {
     if link_gbit.is_some_and(|g| !(0.001..=400.0).contains(&g)) {
         bail!("--link-gbit: must be in 0.001..=400");
     }
-    let ops = super::opts::parse_ops(&mut a)?;
+    let (ops, messages) = super::opts::parse_ops(&mut a)?;
+    if messages {
+        anyhow::bail!("--op send: not a compression benchmark (use ferry bench)");
+    }
     let sizes = super::opts::parse_sizes(&mut a, "64M", (1 << 30, "1 GiB"))?;
     let o = Opts {
         mode,

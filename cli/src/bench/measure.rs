@@ -508,6 +508,67 @@ impl Bench<'_> {
         Ok((pct(here0, here1), pct(there0, there1), rtt_us))
     }
 
+    /// Two-sided round trips of `len`-byte messages for `secs`: a send to
+    /// the target, which echoes it (`msg-echo`), and its receive here;
+    /// returns latencies in us.
+    pub(super) fn message_latency(&mut self, len: usize, secs: f64) -> Result<Vec<f64>> {
+        let conn = self.conns[0];
+        let (out, back) = (self.ep.alloc(len)?, self.ep.alloc(len)?);
+        self.ep
+            .send_notification(conn, format!("msg-echo 100000000 {len}").as_bytes())?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            self.turn_shard();
+            match self.ep.try_recv_notification() {
+                Some((_, m)) if m == b"ok" => break,
+                Some((_, m)) => bail!("msg-echo: {}", String::from_utf8_lossy(&m)),
+                None if Instant::now() > deadline => bail!("msg-echo: no answer in 10 s"),
+                None => {}
+            }
+        }
+        let end = Instant::now() + Duration::from_secs_f64(secs);
+        let mut lat = Vec::with_capacity(1 << 20);
+        let mut n = 0u64;
+        let mut last = false;
+        while !last {
+            // An empty message ends the target's echo (and this loop).
+            last = Instant::now() >= end;
+            let size = if last { 0 } else { len };
+            let start = Instant::now();
+            let r = self.ep.recv_async(conn, &back, 0, len)?;
+            let s = self.ep.send_async(conn, &out, 0, size)?;
+            let (mut sent, mut got) = (false, false);
+            while !(sent && got) {
+                self.turn_shard();
+                if !sent {
+                    sent = self.ep.poll_message(s).transpose()?.is_some();
+                }
+                if !got {
+                    got = self.ep.poll_message(r).transpose()?.is_some();
+                }
+                if Instant::now() > end + Duration::from_secs(10) {
+                    bail!("a message round trip took over 10 s");
+                }
+            }
+            n += 1;
+            if !last && n > 100 && lat.len() < lat.capacity() {
+                lat.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        if lat.is_empty() {
+            bail!("message round trips: {n} in {secs} s, all warming up; use a longer --seconds");
+        }
+        Ok(lat)
+    }
+
+    /// One pass of the embedded shard, if there is one (else the managed
+    /// shards run by themselves).
+    fn turn_shard(&self) {
+        if let Some(s) = self.shard.borrow_mut().as_mut() {
+            s.poll_or_park(Duration::from_millis(1));
+        }
+    }
+
     /// One op of `latency_bytes` at a time; returns latencies in us.
     pub(super) fn latency(&mut self, op: OpKind, secs: f64) -> Result<Vec<f64>> {
         let end = Instant::now() + Duration::from_secs_f64(secs);

@@ -21,7 +21,7 @@ use crate::args::{fmt_size, Args};
 use measure::Bench;
 use opts::parse;
 pub use opts::HELP;
-use points::{measure_latency, measure_points};
+use points::{measure_latency, measure_messages, measure_points};
 use reference::make_reference;
 use report::{print_header, report_idle, write_plot};
 use scaling::scaling;
@@ -90,6 +90,9 @@ fn run_bench(mut a: Args) -> Result<()> {
     }
     if let Some(c) = idle {
         report_idle(&mut b, &o, target_pid, &c)?;
+    }
+    if o.messages {
+        return measure_messages(&mut b, &o, transport);
     }
     let plotted = measure_points(&mut b, &o, &mut reference, transport, shm)?;
     if let Some(path) = &o.plot {

@@ -37,7 +37,13 @@ Flags:
                          through pinned bounce buffers; shm copies with
                          CUDA); --baseline then measures the same path with
                          host buffers in the same run
-  --op write|read|both   operations to measure (default both)
+  --op write|read|both|send
+                         operations to measure (default both). send:
+                         two-sided messages (send/recv) of each --sizes
+                         block to the target and back (it echoes them),
+                         p50/p99/p999 of the round trip, with a one-sided
+                         WRITE round trip of the same block beside it (the
+                         row's reference); no throughput points
   --sizes LIST           block sizes (default 4K,64K,1M,16M,64M)
   --batch N              operations in flight (default 32; capped so that
                          batch x block <= 1 GiB)
@@ -146,6 +152,8 @@ pub(super) struct Opts {
     pub(super) peer_gpu: Option<usize>,
     pub(super) pinned: bool,
     pub(super) ops: Vec<OpKind>,
+    /// `--op send`: two-sided message round trips, not throughput points.
+    pub(super) messages: bool,
     pub(super) sizes: Vec<usize>,
     pub(super) batch: usize,
     pub(super) seconds: f64,
@@ -183,7 +191,7 @@ pub(super) fn parse(mut a: Args) -> Result<Opts> {
         peer_gpu,
         pinned,
     } = parse_path(&mut a)?;
-    let ops = parse_ops(&mut a)?;
+    let (ops, messages) = parse_ops(&mut a)?;
     let sizes = parse_sizes(
         &mut a,
         "4K,64K,1M,16M,64M",
@@ -241,6 +249,7 @@ pub(super) fn parse(mut a: Args) -> Result<Opts> {
         peer_gpu,
         pinned,
         ops,
+        messages,
         sizes,
         batch,
         seconds,
@@ -253,13 +262,15 @@ pub(super) fn parse(mut a: Args) -> Result<Opts> {
     Ok(o)
 }
 
-/// `--op write|read|both` (default both).
-pub(super) fn parse_ops(a: &mut Args) -> Result<Vec<OpKind>> {
+/// `--op write|read|both|send` (default both); `send`: two-sided
+/// messages (the flag that says so), with one-sided WRITEs beside them.
+pub(super) fn parse_ops(a: &mut Args) -> Result<(Vec<OpKind>, bool)> {
     Ok(match a.value("op").as_deref().unwrap_or("both") {
-        "write" => vec![OpKind::Write],
-        "read" => vec![OpKind::Read],
-        "both" => vec![OpKind::Write, OpKind::Read],
-        o => bail!("--op {o}: expected write, read or both"),
+        "write" => (vec![OpKind::Write], false),
+        "read" => (vec![OpKind::Read], false),
+        "both" => (vec![OpKind::Write, OpKind::Read], false),
+        "send" => (vec![OpKind::Write], true),
+        o => bail!("--op {o}: expected write, read, both or send"),
     })
 }
 

@@ -117,6 +117,54 @@ pub(super) fn measure_points(
     Ok(plotted)
 }
 
+/// Two-sided message round trips of each size (`--op send`), with the
+/// one-sided WRITE round trip of the same block as the row's reference.
+pub(super) fn measure_messages(b: &mut Bench<'_>, o: &Opts, transport: &'static str) -> Result<()> {
+    for &size in &o.sizes {
+        let (mut p50, mut p99, mut p999, mut w50, mut w99) =
+            (vec![], vec![], vec![], vec![], vec![]);
+        for r in 0..o.rounds {
+            eprintln!(
+                "messages: {} send/recv round trips, round {}/{} ...",
+                fmt_size(size),
+                r + 1,
+                o.rounds
+            );
+            let keep = std::mem::replace(&mut b.latency_bytes, size);
+            let write = b.latency(OpKind::Write, o.seconds);
+            b.latency_bytes = keep;
+            let write = sorted(write?);
+            w50.push(percentile(&write, 0.5));
+            w99.push(percentile(&write, 0.99));
+            let lat = sorted(b.message_latency(size, o.seconds)?);
+            p50.push(percentile(&lat, 0.5));
+            p99.push(percentile(&lat, 0.99));
+            p999.push(percentile(&lat, 0.999));
+        }
+        print_row(
+            &Row {
+                transport,
+                op: "send_latency",
+                block: size,
+                batch: 1,
+                gbps: 0.0,
+                ops_per_s: 0.0,
+                p50_us: median(&p50),
+                p99_us: median(&p99),
+                p999_us: median(&p999),
+                baseline_gbps: None,
+                ratio: None,
+                baseline_p50_us: Some(median(&w50)),
+                reference: "one-sided write",
+                baseline_p99_us: Some(median(&w99)),
+                submit_ns: None,
+            },
+            o.json,
+        );
+    }
+    Ok(())
+}
+
 /// The one-op round trips (--latency), with the raw TCP ping-pong, the
 /// cache-line ping-pong (shm) or the quiet figures beside them.
 pub(super) fn measure_latency(
