@@ -127,10 +127,15 @@ struct ReqH : nixlBackendReqH {
     std::vector<ferry_desc> descs;
     ferry_transfer *t = nullptr;
     // The descriptors checked once (ferry_prepare) for the connection
-    // they were checked on; made by the first post, again after a
-    // reconnect, so a repost checks nothing per descriptor.
+    // they were checked on, so a repost checks nothing per descriptor:
+    // made by the first post of a CUDA IPC handle (planned: one kernel
+    // launch, cheaper than a plain post even once), by the second of any
+    // other (a handle posted once, as vLLM's, is not checked twice), and
+    // again after a reconnect.
     ferry_prepared *prep = nullptr;
     uint64_t prep_conn = 0;
+    bool ipc = false;
+    uint64_t posts = 0;
 };
 
 const LocalMD *as_local(const nixlBackendMD *md) {
@@ -287,6 +292,7 @@ public:
         }
         auto h = std::make_unique<ReqH>();
         h->op = op == NIXL_READ ? FERRY_READ : FERRY_WRITE;
+        h->ipc = ipc;
         h->agent = agent;
         h->descs.reserve(local.descCount());
         for (size_t i = 0; i < local.descCount(); i++) {
@@ -336,17 +342,18 @@ public:
             ferry_prepared_free(h->prep);
             h->prep = nullptr;
         }
+        const uint8_t *nb = note.empty() ? nullptr : reinterpret_cast<const uint8_t *>(note.data());
         int32_t rc = FERRY_OK;
-        if (h->prep == nullptr) {
+        if (h->prep == nullptr && (h->ipc || h->posts > 0)) {
             rc = ferry_prepare(ep_, conn, h->op, h->descs.data(), h->descs.size(), &h->prep);
-            h->prep_conn = conn;
+            if (rc == FERRY_OK) h->prep_conn = conn;
+            else h->prep = nullptr;
         }
         if (rc == FERRY_OK)
-            rc = ferry_post_prepared(h->prep,
-                                     note.empty() ? nullptr : reinterpret_cast<const uint8_t *>(note.data()),
-                                     note.size(), &h->t);
-        else
-            h->prep = nullptr;
+            rc = h->prep != nullptr
+                     ? ferry_post_prepared(h->prep, nb, note.size(), &h->t)
+                     : ferry_post(ep_, conn, h->op, h->descs.data(), h->descs.size(), nb, note.size(), &h->t);
+        h->posts++;
         if (rc != FERRY_OK) {
             h->t = nullptr;
             log_failure("post", rc);
