@@ -38,6 +38,8 @@ struct Mapping {
     base: u64,
     /// The device whose memory it is, by our ordinals (-1: not known).
     ordinal: i32,
+    /// Bytes mapped, as the driver says (None: not known).
+    len: Option<u64>,
     /// Copies using it now.
     users: u32,
     /// The handle it was opened from. An owner may free an allocation and
@@ -62,6 +64,24 @@ pub(crate) trait Handles {
     /// Maps the allocation behind `handle`; its base in this process.
     fn open(&mut self, handle: &[u8; 64]) -> Result<u64>;
     fn close(&mut self, base: u64);
+    /// The device (by our ordinals) and the length of what is mapped at
+    /// `base`, as the driver says (`None`: not known); device `current`'s
+    /// context is current after.
+    fn placed(&mut self, base: u64, current: i32) -> Result<(i32, Option<u64>)>;
+    /// A window that names this very process: the device of the memory it
+    /// names if that is the start of a live allocation here whose IPC
+    /// handle is the window's and which holds the window's range, else why
+    /// not (the window's claims are the peer's until the driver confirms
+    /// them); device `current`'s context is current after.
+    fn own(&mut self, b: &IpcBuf, current: i32) -> Result<i32>;
+}
+
+/// The refusal of a window whose claims the driver does not confirm.
+fn unproven(reason: String) -> crate::error::Error {
+    crate::error::Error::Unsupported {
+        what: "a CUDA IPC window",
+        reason,
+    }
 }
 
 /// The CUDA driver's IPC calls (the current context's device).
@@ -85,12 +105,64 @@ impl Handles for Driver {
         Ok(base)
     }
 
+    fn placed(&mut self, base: u64, current: i32) -> Result<(i32, Option<u64>)> {
+        let got = match super::memory::classify(base) {
+            Ok(super::MemKind::Device {
+                ordinal, alloc_len, ..
+            }) => (ordinal, Some(alloc_len as u64)),
+            _ => (-1, None),
+        };
+        cuda()?.make_current(current)?;
+        Ok(got)
+    }
+
+    fn own(&mut self, b: &IpcBuf, current: i32) -> Result<i32> {
+        let found = super::memory::classify(b.alloc_base);
+        let r = match found {
+            Ok(super::MemKind::Device {
+                ordinal,
+                alloc_base,
+                alloc_len,
+            }) if alloc_base == b.alloc_base
+                && b.offset.checked_add(b.len).is_some_and(|end| end <= alloc_len as u64) =>
+            {
+                match export(ordinal, alloc_base) {
+                    Ok(h) if h == b.handle => Ok(ordinal),
+                    _ => Err(unproven(format!(
+                        "it names allocation {:#x} of this process with another handle",
+                        b.alloc_base
+                    ))),
+                }
+            }
+            _ => Err(unproven(format!(
+                "it names [{:#x} + {}, +{}) of this process, which is no range of one of its allocations",
+                b.alloc_base, b.offset, b.len
+            ))),
+        };
+        cuda()?.make_current(current)?;
+        r
+    }
+
     fn close(&mut self, base: u64) {
         // SAFETY: `base` came from cuIpcOpenMemHandle and no copy uses it.
         let r = unsafe { cu::cuIpcCloseMemHandle(base) };
         if let Err(e) = check("cuIpcCloseMemHandle", r) {
             tracing::warn!("closing IPC mapping {base:#x}: {e}");
         }
+    }
+}
+
+/// Whether `b`'s range lies in what `m` really maps: a window's offset and
+/// length are its sender's claims, checked on decode only against the
+/// allocation length it claims too.
+fn fits(m: &Mapping, b: &IpcBuf) -> Result<()> {
+    match (m.len, b.offset.checked_add(b.len)) {
+        (None, Some(_)) => Ok(()),
+        (Some(len), Some(end)) if end <= len => Ok(()),
+        _ => Err(unproven(format!(
+            "[{} , +{}) of allocation {:#x} is past the {:?} bytes its handle maps",
+            b.offset, b.len, b.alloc_base, m.len
+        ))),
     }
 }
 
@@ -132,12 +204,17 @@ impl<H: Handles> IpcCache<H> {
     /// Device `current`'s context must be current, and is after.
     pub fn acquire(&mut self, b: &IpcBuf, current: i32) -> Result<(u64, Option<MapTicket>, i32)> {
         if b.owner_pid == self.my_pid {
+            // Memory of this process, copied at its own address: only
+            // once the driver confirms the window (a peer could otherwise
+            // name any address of ours by claiming our pid).
+            let ordinal = self.handles.own(b, current)?;
             self.counters.same_process.fetch_add(1, Ordering::Relaxed);
-            return Ok((b.alloc_base + b.offset, None, i32::from(b.device)));
+            return Ok((b.alloc_base + b.offset, None, ordinal));
         }
         let key = (b.owner_id, b.alloc_base);
         if let Some(m) = self.maps.get_mut(&key) {
             if m.handle == b.handle {
+                fits(m, b)?;
                 m.users += 1;
                 self.counters.hits.fetch_add(1, Ordering::Relaxed);
                 return Ok((
@@ -155,25 +232,28 @@ impl<H: Handles> IpcCache<H> {
         self.counters.opens.fetch_add(1, Ordering::Relaxed);
         let id = self.next_id;
         self.next_id += 1;
-        // Asked once per mapping: whether kernels of our GPU may touch it
-        // (classify makes another context current: ours again after).
-        let ordinal = match super::memory::classify(base) {
-            Ok(super::MemKind::Device { ordinal, .. }) => ordinal,
-            _ => -1,
+        // Asked once per mapping: whether kernels of our GPU may touch it,
+        // and how much is really mapped (the window's length is a claim).
+        let (ordinal, len) = match self.handles.placed(base, current) {
+            Ok(p) => p,
+            Err(e) => {
+                self.handles.close(base);
+                return Err(e);
+            }
         };
-        if let Ok(c) = super::cuda() {
-            c.make_current(current)?;
+        let m = Mapping {
+            base,
+            ordinal,
+            len,
+            users: 1,
+            handle: b.handle,
+            id,
+        };
+        if let Err(e) = fits(&m, b) {
+            self.handles.close(base);
+            return Err(e);
         }
-        self.maps.insert(
-            key,
-            Mapping {
-                base,
-                ordinal,
-                users: 1,
-                handle: b.handle,
-                id,
-            },
-        );
+        self.maps.insert(key, m);
         Ok((base + b.offset, Some(MapTicket { key, id }), ordinal))
     }
 
@@ -252,9 +332,23 @@ mod tests {
         open: Vec<(u64, [u8; 64])>,
         closed: Vec<u64>,
         next: u64,
+        /// What the driver would say is mapped (None: not known).
+        mapped_len: Option<u64>,
+        /// The device of a same-process window the driver confirms (None:
+        /// it does not).
+        own: Option<i32>,
     }
 
     impl Handles for &mut Record {
+        fn placed(&mut self, _base: u64, _current: i32) -> Result<(i32, Option<u64>)> {
+            Ok((-1, self.mapped_len))
+        }
+        fn own(&mut self, b: &IpcBuf, _current: i32) -> Result<i32> {
+            match self.own {
+                Some(d) => Ok(d),
+                None => Err(unproven(format!("no allocation at {:#x}", b.alloc_base))),
+            }
+        }
         fn open(&mut self, handle: &[u8; 64]) -> Result<u64> {
             self.next += 0x1_0000;
             self.open.push((self.next, *handle));
@@ -353,9 +447,38 @@ mod tests {
         let mut b = buf(1, 0x7000, 8, 1);
         b.owner_pid = std::process::id();
         b.device = 3;
-        // Its device is the one its window names (our own ordinals).
-        assert_eq!(c.acquire(&b, 0).unwrap(), (0x7008, None, 3));
+        // Not confirmed by the driver (no allocation of ours there, or
+        // another handle): refused, whatever the window says.
+        assert!(c.acquire(&b, 0).is_err());
+        drop(c);
+        rec.own = Some(2);
+        let mut c = IpcCache::with_handles(&mut rec, Default::default());
+        // Confirmed: its device is the driver's, not the window's.
+        assert_eq!(c.acquire(&b, 0).unwrap(), (0x7008, None, 2));
         drop(c);
         assert!(rec.open.is_empty());
+    }
+
+    #[test]
+    fn a_window_past_what_its_handle_maps_is_refused_and_not_kept() {
+        let mut rec = Record {
+            mapped_len: Some(4096),
+            ..Record::default()
+        };
+        let mut c = IpcCache::with_handles(&mut rec, Default::default());
+        let mut b = buf(1, 0x7000, 4000, 1);
+        b.len = 96;
+        let (_, t, _) = c.acquire(&b, 0).unwrap();
+        c.release(t.unwrap());
+        // The same mapping, a window that claims more than it maps.
+        b.len = 97;
+        assert!(c.acquire(&b, 0).is_err());
+        // A first window that does: the mapping is closed at once.
+        let mut other = buf(2, 0x9000, 0, 2);
+        other.len = 5000;
+        assert!(c.acquire(&other, 0).is_err());
+        assert_eq!(c.open_count(), 1);
+        drop(c);
+        assert_eq!(rec.closed.len(), 2, "{:?}", rec.closed);
     }
 }
