@@ -177,6 +177,17 @@ int32_t ferry_endpoint_fd(const struct ferry_endpoint *ep, int32_t *fd);
 // `ep` live.
 int32_t ferry_endpoint_ack(const struct ferry_endpoint *ep);
 
+// The endpoint's metrics in the Prometheus text format (what a
+// service serves as `GET /metrics`; see the README's "Watching it run")
+// into `buf` (`cap` bytes), its length in `*len`. A short or NULL `buf`
+// is `FERRY_ERR_INVALID` with the length needed still in `*len` (the
+// text grows a little as counters grow: ask with room to spare). Not
+// NUL-terminated.
+//
+// # Safety
+// `ep` live; `buf` valid for `cap` bytes (or NULL); `len` valid or NULL.
+int32_t ferry_metrics(const struct ferry_endpoint *ep, char *buf, size_t cap, size_t *len);
+
 // The endpoint's metadata (the seed's format; what peers pass to
 // `ferry_add_remote`) into `buf` (`cap` bytes); its length in `*len`.
 //

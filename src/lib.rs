@@ -82,6 +82,7 @@ pub mod directory;
 pub mod endpoint;
 pub mod error;
 pub mod gpu;
+pub mod metrics;
 pub mod oob;
 pub mod reactor;
 pub(crate) mod region;
@@ -106,6 +107,7 @@ pub use endpoint::{
 };
 pub use error::{ConnFault, ConnId, Error, FailureKind, OpKind, PathOff, Result};
 pub use gpu::{GpuCopy, IpcStats, MemKind};
+pub use metrics::Metrics;
 pub use reactor::{CompressStats, Shard, SpinStats, Transfer};
 pub use region::Access;
 pub use wire::{AnyWindow, EndpointMetadata, IpcBuf, RemoteBuf};

@@ -233,6 +233,37 @@ pub unsafe extern "C" fn ferry_endpoint_ack(ep: *const ferry_endpoint) -> i32 {
     })
 }
 
+/// The endpoint's metrics in the Prometheus text format (what a
+/// service serves as `GET /metrics`; see the README's "Watching it run")
+/// into `buf` (`cap` bytes), its length in `*len`. A short or NULL `buf`
+/// is `FERRY_ERR_INVALID` with the length needed still in `*len` (the
+/// text grows a little as counters grow: ask with room to spare). Not
+/// NUL-terminated.
+///
+/// # Safety
+/// `ep` live; `buf` valid for `cap` bytes (or NULL); `len` valid or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn ferry_metrics(
+    ep: *const ferry_endpoint,
+    buf: *mut std::ffi::c_char,
+    cap: usize,
+    len: *mut usize,
+) -> i32 {
+    guard("ferry_metrics", || {
+        // SAFETY: the caller's promises, as documented.
+        unsafe {
+            let ep = handle(ep, "ep")?;
+            give(
+                ep.ep.metrics_text().as_bytes(),
+                buf.cast(),
+                cap,
+                len,
+                "the metrics",
+            )
+        }
+    })
+}
+
 /// The endpoint's metadata (the seed's format; what peers pass to
 /// `ferry_add_remote`) into `buf` (`cap` bytes); its length in `*len`.
 ///

@@ -95,6 +95,7 @@ pub fn served_by_name(url: &str, cluster: &str, peer: &str) -> Result<Served> {
         gpu_rbuf: win("gpu")
             .map(|b| ferry::RemoteBuf::decode(&b))
             .transpose()?,
+        metrics: None,
     })
 }
 

@@ -3,4 +3,5 @@
 //! a process's resident memory.
 //! Not part of the `ferry` library's API.
 
+pub mod scrape;
 pub mod testkit;

@@ -8,6 +8,7 @@ mod info;
 mod plot;
 mod raw;
 mod serve;
+mod stat;
 
 use anyhow::Result;
 
@@ -24,6 +25,7 @@ Commands:
   info       which transports and control-path backends work here, and why
              the others do not
   serve      run a target endpoint until stdin closes (used by bench and tests)
+  stat       what a running `ferry serve --metrics ADDR` is doing
   ls         the endpoints published in an etcd directory (`--directory URL`)
   help       this text; `ferry <command> --help` for a command's flags
 
@@ -79,6 +81,8 @@ fn main() -> Result<()> {
         "info" => info::run(Args::parse(rest, &[])?)?,
         "serve" if wants_help => println!("{}", serve::HELP),
         "serve" => serve::run(Args::parse(rest, &["replace"])?)?,
+        "stat" if wants_help => println!("{}", stat::HELP),
+        "stat" => stat::run(rest)?,
         "ls" if wants_help => println!("{}", dir::LS_HELP),
         "ls" => dir::ls(Args::parse(rest, &["json"])?)?,
         "raw-peer" => raw::serve()?,

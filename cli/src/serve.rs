@@ -24,6 +24,7 @@ plus a 4 KiB read-only and a 4 KiB write-only region, prints
   RBUF_RO <hex RemoteBuf>   RBUF_WO <hex RemoteBuf>
   IPCBUF <hex IpcBuf of the whole GPU region>   (with --gpu)
   GRBUF <hex RemoteBuf of the whole GPU region> (with --gpu)
+  METRICS <address of the metrics listener>     (with --metrics)
   READY
 
 and accepts connections in the background. Notifications it answers:
@@ -61,6 +62,11 @@ Flags:
                    a NAME a live endpoint holds is refused unless
                    --replace (that endpoint then stops renewing it);
                    needs a build with the `directory` feature
+  --metrics HOST:PORT
+                   serve the endpoint's metrics there (GET /metrics,
+                   the Prometheus text format; port 0 picks one, see
+                   the METRICS line); `ferry stat HOST:PORT` reads them
+SIGUSR1 prints a summary of the metrics (as `ferry stat`) to stderr.
 Environment: every FERRY_* variable (see the README).";
 
 /// The most `--bytes` may ask: what this machine has available now
@@ -132,6 +138,10 @@ pub fn run(mut a: Args) -> Result<()> {
         None => None,
     };
     let data = a.value("data");
+    let metrics = a
+        .value("metrics")
+        .map(|m| crate::stat::bind(&m))
+        .transpose()?;
     let gpu: Option<usize> = a
         .value("gpu")
         .map(|v| v.parse())
@@ -179,26 +189,73 @@ pub fn run(mut a: Args) -> Result<()> {
         )?;
         writeln!(out, "GRBUF {}", rb(g)?)?;
     }
-    let mut windows = vec![
-        ("main", main.advertise(0, main.len())?.encode().to_vec()),
-        ("ro", ro.advertise(0, ro.len())?.encode().to_vec()),
-        ("wo", wo.advertise(0, wo.len())?.encode().to_vec()),
-    ];
-    if let Some(g) = &gmr {
-        windows.push(("ipc", g.advertise_ipc(0, g.len())?.encode().to_vec()));
-        windows.push(("gpu", g.advertise(0, g.len())?.encode().to_vec()));
-    }
+    let windows = named_windows(&main, &ro, &wo, gmr.as_ref())?;
     let _published = match &directory {
         Some((url, cluster, name)) => Some(crate::dir::publish(
             &ep, url, cluster, name, ttl, replace, &windows,
         )?),
         None => None,
     };
+    if let Some(l) = &metrics {
+        writeln!(out, "METRICS {}", l.local_addr()?)?;
+    }
     writeln!(out, "READY")?;
     out.flush()?;
     drop(out);
+    answer_and_scrape(&ep, metrics.as_ref(), &main, gmr, gpu, bytes)
+}
 
-    answer_until_stdin_closes(&ep, &main, gmr, gpu, bytes)
+/// The windows `--directory` publishes, by name.
+fn named_windows(
+    main: &ferry::MemoryRegion,
+    ro: &ferry::MemoryRegion,
+    wo: &ferry::MemoryRegion,
+    gmr: Option<&ferry::MemoryRegion>,
+) -> Result<Vec<(&'static str, Vec<u8>)>> {
+    let mut windows = vec![
+        ("main", main.advertise(0, main.len())?.encode().to_vec()),
+        ("ro", ro.advertise(0, ro.len())?.encode().to_vec()),
+        ("wo", wo.advertise(0, wo.len())?.encode().to_vec()),
+    ];
+    if let Some(g) = gmr {
+        windows.push(("ipc", g.advertise_ipc(0, g.len())?.encode().to_vec()));
+        windows.push(("gpu", g.advertise(0, g.len())?.encode().to_vec()));
+    }
+    Ok(windows)
+}
+
+/// Answers requests until stdin closes, and scrapes on the metrics
+/// listener meanwhile (SIGUSR1: a summary on stderr).
+fn answer_and_scrape(
+    ep: &Endpoint,
+    metrics: Option<&std::net::TcpListener>,
+    main: &ferry::MemoryRegion,
+    gmr: Option<ferry::MemoryRegion>,
+    gpu: Option<usize>,
+    bytes: usize,
+) -> Result<()> {
+    on_usr1_print_summary();
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        if let Some(l) = metrics {
+            s.spawn(|| crate::stat::serve(l, ep, &stop));
+        }
+        let r = answer_until_stdin_closes(ep, main, gmr, gpu, bytes);
+        stop.store(true, Ordering::Relaxed);
+        r
+    })
+}
+
+/// Set by SIGUSR1, taken by the answering loop.
+static USR1: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_usr1(_: libc::c_int) {
+    USR1.store(true, Ordering::Relaxed);
+}
+
+fn on_usr1_print_summary() {
+    // SAFETY: the handler only stores to an atomic (async-signal-safe).
+    unsafe { libc::signal(libc::SIGUSR1, on_usr1 as *const () as libc::sighandler_t) };
 }
 
 /// Answers requests on notifications (`answer`, and the GPU region's
@@ -218,6 +275,9 @@ fn answer_until_stdin_closes(
         c2.store(true, Ordering::SeqCst);
     });
     while !closed.load(Ordering::SeqCst) {
+        if USR1.swap(false, Ordering::Relaxed) {
+            eprint!("{}", crate::stat::summary(&ep.metrics_text()));
+        }
         let Ok((conn, msg)) = ep.recv_notification(Duration::from_millis(50)) else {
             continue;
         };

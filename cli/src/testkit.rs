@@ -42,6 +42,8 @@ pub struct Served {
     pub ipc: Option<ferry::IpcBuf>,
     /// The GPU region's key window (`serve --gpu`).
     pub gpu_rbuf: Option<ferry::RemoteBuf>,
+    /// Where its metrics are served (`serve --metrics`).
+    pub metrics: Option<String>,
 }
 
 pub fn hex(b: &[u8]) -> String {
@@ -62,7 +64,7 @@ pub fn unhex(s: &str) -> Result<Vec<u8>, String> {
 /// Reads the lines `ferry serve` prints, up to READY.
 pub fn read_served(out: &mut impl std::io::BufRead) -> Result<Served, String> {
     let (mut meta, mut rbuf, mut ro, mut wo) = (None, None, None, None);
-    let (mut ipc, mut gpu_rbuf) = (None, None);
+    let (mut ipc, mut gpu_rbuf, mut metrics) = (None, None, None);
     let mut line = String::new();
     let rb = |v: &str| -> Result<ferry::RemoteBuf, String> {
         ferry::RemoteBuf::decode(&unhex(v)?).map_err(|e| e.to_string())
@@ -81,6 +83,7 @@ pub fn read_served(out: &mut impl std::io::BufRead) -> Result<Served, String> {
             "RBUF_WO" => wo = Some(rb(v)?),
             "GRBUF" => gpu_rbuf = Some(rb(v)?),
             "IPCBUF" => ipc = Some(ferry::IpcBuf::decode(&unhex(v)?).map_err(|e| e.to_string())?),
+            "METRICS" => metrics = Some(v.to_string()),
             "READY" => break,
             _ => {}
         }
@@ -92,6 +95,7 @@ pub fn read_served(out: &mut impl std::io::BufRead) -> Result<Served, String> {
         rbuf_wo: wo.ok_or("no RBUF_WO line")?,
         ipc,
         gpu_rbuf,
+        metrics,
     })
 }
 

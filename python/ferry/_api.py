@@ -17,7 +17,7 @@ operation itself runs on to its end.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _native
 from ._buffers import Buffer, locate
@@ -280,6 +280,22 @@ class Endpoint:
     def ack_completions(self) -> None:
         """Drains the completion fd (before looking at what ended)."""
         self._n.ack_completions()
+
+    def metrics_text(self) -> str:
+        """The endpoint's counters in the Prometheus text format (what a
+        service serves as ``GET /metrics``)."""
+        return self._n.metrics_text()
+
+    def metrics(self) -> Dict[str, float]:
+        """The endpoint's counters, keyed by sample as scraped: e.g.
+        ``'ferry_ops_total{op="write",transport="tcp",result="ok"}'``
+        (the README's "Watching it run" lists them)."""
+        out: Dict[str, float] = {}
+        for line in self._n.metrics_text().splitlines():
+            if line and not line.startswith("#"):
+                key, value = line.rsplit(" ", 1)
+                out[key] = float(value)
+        return out
 
     def _wake_when_done(self, t: "Transfer", fut: "asyncio.Future[None]") -> None:
         loop = fut.get_loop()

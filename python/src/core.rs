@@ -351,6 +351,11 @@ impl Endpoint {
         Ok(())
     }
 
+    /// The endpoint's metrics in the Prometheus text format.
+    fn metrics_text(&self) -> PyResult<String> {
+        Ok(self.get()?.metrics_text())
+    }
+
     /// The registration cache's `(hits, misses)` so far.
     fn reg_cache_stats(&self) -> PyResult<(u64, u64)> {
         let s = self.get()?.reg_cache_stats();

@@ -93,6 +93,30 @@ def test_write_read_and_windows(transport):
                 ferry.Window(b"123")
 
 
+def test_metrics_count_the_ops_and_their_bytes(transport):
+    with ferry.Endpoint() as a, ferry.Endpoint() as b:
+        a.listen()
+        conn = b.connect(a.metadata)
+        dst = np.zeros(1 << 16, np.uint8)
+        with a.register(dst) as region:
+            window = region.advertise()
+            src = b.register(np.ones(1 << 16, np.uint8))
+            for _ in range(5):
+                conn.write(src, window)
+            conn.read(src, window)
+        m = b.metrics()
+        ok = 'ferry_ops_total{op="%s",transport="%s",result="ok"}'
+        assert m[ok % ("write", transport)] == 5
+        assert m[ok % ("read", transport)] == 1
+        out = 'ferry_bytes_total{op="write",transport="%s",direction="out",role="initiator"}'
+        assert m[out % transport] == 5 << 16
+        assert m['ferry_op_duration_seconds_count{op="write"}'] == 5
+        served = a.metrics()
+        into = 'ferry_bytes_total{op="write",transport="%s",direction="in",role="target"}'
+        assert served[into % transport] == 5 << 16
+        assert "# TYPE ferry_ops_total counter" in b.metrics_text()
+
+
 def test_typed_arrays_carry_their_dtype_and_move_exactly(monkeypatch):
     """A float array's dtype rides in its windows (byte 42: the codec's
     type + 1); over tcp with FERRY_COMPRESS=on its chunks go packed and

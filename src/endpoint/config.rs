@@ -142,6 +142,11 @@ macro_rules! settings {
             /// while nothing is in flight (`FERRY_LIVENESS_MS`, default 5000,
             /// at least 1000).
             liveness_ms: u64 = 5_000, "FERRY_LIVENESS_MS", range(1_000, 3_600_000);
+            /// An op in flight this long is reported stalled, once: a warning
+            /// naming its connection, peer, size and age, and
+            /// `ferry_stalled_ops_total` (`FERRY_STALL_MS`; default 0: half
+            /// the op timeout).
+            stall_ms: u64 = 0, "FERRY_STALL_MS", range(0, 3_600_000);
             /// How long an idle shard spins before it parks (`FERRY_SPIN_US`, default 50).
             spin_us: u64 = 50, "FERRY_SPIN_US", range(0, 10_000_000);
             /// How much of that spin polls without giving up the core; the rest
@@ -487,6 +492,15 @@ impl Config {
     /// `connect_timeout_ms` as a `Duration`.
     pub fn connect_timeout(&self) -> Duration {
         Duration::from_millis(self.connect_timeout_ms)
+    }
+
+    /// When an op in flight is reported stalled (`stall_ms`, or half the
+    /// op timeout).
+    pub fn stall(&self) -> Duration {
+        match self.stall_ms {
+            0 => self.op_timeout() / 2,
+            ms => Duration::from_millis(ms),
+        }
     }
 
     /// `op_timeout_ms` as a `Duration`.

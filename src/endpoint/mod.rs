@@ -13,6 +13,7 @@ mod lanes;
 mod local;
 mod memory;
 mod notes;
+mod observe;
 mod ops;
 mod prepared;
 mod ready;

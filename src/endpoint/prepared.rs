@@ -177,6 +177,7 @@ impl Endpoint {
             plan: Arc::new(IpcPlan {
                 remotes,
                 region_gpu,
+                bytes: pieces.iter().map(|p| p.len).sum(),
                 pieces,
             }),
             regions,

@@ -71,6 +71,7 @@ fn shard_config(
         spin_eager_passes: cfg.spin_eager_passes,
         op_timeout: cfg.op_timeout(),
         liveness: Duration::from_millis(cfg.liveness_ms),
+        stall: cfg.stall(),
         idle_timeout: (cfg.idle_timeout_ms > 0).then(|| Duration::from_millis(cfg.idle_timeout_ms)),
         chunk_bytes: cfg.chunk_bytes,
         sq_depth: cfg.sq_depth,

@@ -66,6 +66,15 @@ pub(crate) struct Note {
     pub payload: Vec<u8>,
 }
 
+/// What one completion call did: whether it ended its op (`Some`, with
+/// the kind of the op's failure if it failed), and the op's notification
+/// to send when it ended well.
+#[derive(Default)]
+pub(crate) struct Ending {
+    pub ended: Option<Option<crate::error::FailureKind>>,
+    pub note: Option<Box<Note>>,
+}
+
 // One slot, one cache line (the error is boxed, the note too).
 #[cfg(not(loom))]
 const _: () = assert!(std::mem::size_of::<Slot>() == 64);
@@ -200,11 +209,13 @@ impl CompletionTable {
     }
 
     /// As `complete`; also hands back the op's note when this call ended it
-    /// well (the caller sends it).
-    pub fn complete_noting(&self, idx: u32, outcome: Result<()>) -> (bool, Option<Box<Note>>) {
-        let mut note = None;
-        let counted = self.complete_into(idx, outcome, &mut note);
-        (counted, note)
+    /// well (the caller sends it), and whether this call ended the op
+    /// (`Some`: the last part of a split op, or a whole one) with the kind
+    /// of its failure, if it failed.
+    pub fn complete_noting(&self, idx: u32, outcome: Result<()>) -> Ending {
+        let mut ending = Ending::default();
+        self.complete_into(idx, outcome, &mut ending);
+        ending
     }
 
     /// Records the outcome of the operation in `idx` (of one part of a
@@ -213,11 +224,10 @@ impl CompletionTable {
     /// completion got there first: only the first completion of a claim
     /// counts, so no caller can race the owner's read of the result.
     pub fn complete(&self, idx: u32, outcome: Result<()>) -> bool {
-        let mut note = None;
-        self.complete_into(idx, outcome, &mut note)
+        self.complete_into(idx, outcome, &mut Ending::default())
     }
 
-    fn complete_into(&self, idx: u32, outcome: Result<()>, note: &mut Option<Box<Note>>) -> bool {
+    fn complete_into(&self, idx: u32, outcome: Result<()>, ending: &mut Ending) -> bool {
         let slot = &self.slots[idx as usize];
         if slot.parts.load(Ordering::Acquire) != 0 {
             if slot.state.load(Ordering::Relaxed) & (DONE | COMPLETING) != 0 {
@@ -235,19 +245,14 @@ impl CompletionTable {
                 return true;
             }
             // The last part: publish with the error kept (if any).
-            return self.finish(slot, None, note);
+            return self.finish(slot, None, ending);
         }
-        self.finish(slot, Some(outcome.err()), note)
+        self.finish(slot, Some(outcome.err()), ending)
     }
 
     /// Ends the op in `slot`, storing `result` unless it is `None` (a split
     /// op's parts stored theirs).
-    fn finish(
-        &self,
-        slot: &Slot,
-        result: Option<Option<Error>>,
-        note: &mut Option<Box<Note>>,
-    ) -> bool {
+    fn finish(&self, slot: &Slot, result: Option<Option<Error>>, ending: &mut Ending) -> bool {
         let mut s = slot.state.load(Ordering::Relaxed);
         loop {
             if s & PENDING == 0 || s & (DONE | COMPLETING) != 0 {
@@ -272,11 +277,14 @@ impl CompletionTable {
             // the owner does not touch `result` until it sees DONE below.
             unsafe { slot.result.with_mut(|p| *p = r.map(Box::new)) };
         }
+        // SAFETY: as above: the one completer, before DONE.
+        let failed = unsafe { slot.result.with(|p| (*p).as_ref().map(|e| e.kind())) };
+        ending.ended = Some(failed);
         // SAFETY: as for `result`: the one completer; the owner wrote the
         // note before submitting and never touches it again.
         let n = unsafe { slot.note.with_mut(|p| (*p).take()) };
         if ok && !slot.note_cancelled.load(Ordering::Acquire) {
-            *note = n;
+            ending.note = n;
         }
         s |= COMPLETING;
         loop {

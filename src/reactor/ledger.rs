@@ -10,10 +10,22 @@
 //! with one error, instead of one error per piece.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::completion::CompletionTable;
 use crate::error::{ConnId, Error, Result};
+use crate::metrics::{ShardMetrics, Via};
 use crate::sys::IntMap;
+
+/// What the metrics count of an op: its kind (`metrics::op_idx`), path,
+/// bytes and when its shard took it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Counted {
+    pub op: usize,
+    pub via: Via,
+    pub bytes: u64,
+    pub start: Instant,
+}
 
 #[derive(Default)]
 struct LedgerOp {
@@ -27,6 +39,10 @@ struct LedgerOp {
     /// the outcome is published, so a deregistration that follows it
     /// finds them free.
     hold: Option<super::queue::OpCmd>,
+    /// For the metrics (None: failed before it reached a connection).
+    counted: Option<Counted>,
+    /// Reported stalled already.
+    stalled: bool,
 }
 
 pub(crate) struct OpLedger {
@@ -39,11 +55,20 @@ pub(crate) struct OpLedger {
     table: Arc<CompletionTable>,
     /// Notifications of ops that ended well, for the shard to send.
     pub notes: Vec<super::completion::Note>,
+    pub metrics: Arc<ShardMetrics>,
+    /// Ops opened (with a count) and not yet ended.
+    in_flight: usize,
 }
 
 impl OpLedger {
-    pub fn new(table: Arc<CompletionTable>, max_conn_ops: usize) -> Self {
+    pub fn new(
+        table: Arc<CompletionTable>,
+        max_conn_ops: usize,
+        metrics: Arc<ShardMetrics>,
+    ) -> Self {
         Self {
+            metrics,
+            in_flight: 0,
             ops: (0..table.capacity()).map(|_| LedgerOp::default()).collect(),
             done: Vec::with_capacity(table.capacity()),
             conn_ops: Default::default(),
@@ -55,7 +80,13 @@ impl OpLedger {
 
     /// Opens op `slot` with `pieces` pieces, counted against `conn` when
     /// given. Fails (opening nothing) when `conn` is at its in-flight limit.
-    pub fn open(&mut self, slot: u32, pieces: u32, conn: Option<ConnId>) -> Result<()> {
+    pub fn open(
+        &mut self,
+        slot: u32,
+        pieces: u32,
+        conn: Option<ConnId>,
+        counted: Counted,
+    ) -> Result<()> {
         if let Some(c) = conn {
             let n = self.conn_ops.entry(c).or_insert(0);
             if *n >= self.max_conn_ops {
@@ -66,11 +97,15 @@ impl OpLedger {
             }
             *n += 1;
         }
+        self.metrics.bytes[counted.op][counted.via as usize].add(counted.bytes);
+        self.in_flight += 1;
         self.ops[slot as usize] = LedgerOp {
             remaining: pieces,
             error: None,
             conn,
             hold: None,
+            counted: Some(counted),
+            stalled: false,
         };
         Ok(())
     }
@@ -86,9 +121,7 @@ impl OpLedger {
     pub fn fail(&mut self, slot: u32, err: Error) {
         self.ops[slot as usize] = LedgerOp {
             remaining: 1,
-            error: None,
-            conn: None,
-            hold: None,
+            ..LedgerOp::default()
         };
         self.done.push((slot, Err(err)));
     }
@@ -120,6 +153,8 @@ impl OpLedger {
     /// completions it applied.
     pub fn publish(&mut self, live: impl Fn(ConnId) -> bool) -> usize {
         let n = self.done.len();
+        // One clock read per publish that ends a counted op.
+        let mut now = None;
         for (slot, result) in self.done.drain(..) {
             let op = &mut self.ops[slot as usize];
             if let Err(e) = result {
@@ -137,12 +172,62 @@ impl OpLedger {
                     }
                 }
                 let result = op.error.take().map_or(Ok(()), Err);
-                if let (_, Some(note)) = self.table.complete_noting(slot, result) {
+                let unlabelled = result.as_ref().err().map(|e| e.kind());
+                let counted = op.counted.take();
+                self.in_flight -= counted.is_some() as usize;
+                let ending = self.table.complete_noting(slot, result);
+                if let Some(failed) = ending.ended {
+                    match counted {
+                        Some(c) => {
+                            let now = *now.get_or_insert_with(Instant::now);
+                            let took = now.saturating_duration_since(c.start);
+                            self.metrics.op_ended(c.op, c.via, failed, took);
+                        }
+                        None => {
+                            if let Some(k) = failed.or(unlabelled) {
+                                self.metrics.failures[crate::metrics::failure_idx(k)].add(1);
+                            }
+                        }
+                    }
+                }
+                if let Some(note) = ending.note {
                     self.notes.push(*note);
                 }
             }
         }
         n
+    }
+
+    /// Looks at the ops in flight at `now`: sets the shard's in-flight
+    /// and oldest-age gauges, and reports (`report`: connection, op, age)
+    /// and counts each op past `stall` once. Walks the slots only while
+    /// some op is in flight, and stops at the last.
+    pub fn scan(
+        &mut self,
+        now: Instant,
+        stall: std::time::Duration,
+        mut report: impl FnMut(Option<ConnId>, &Counted, std::time::Duration),
+    ) {
+        let mut left = self.in_flight;
+        let mut oldest = std::time::Duration::ZERO;
+        for op in self.ops.iter_mut() {
+            if left == 0 {
+                break;
+            }
+            let Some(c) = op.counted.as_ref().filter(|_| op.remaining > 0) else {
+                continue;
+            };
+            left -= 1;
+            let age = now.saturating_duration_since(c.start);
+            oldest = oldest.max(age);
+            if age >= stall && !op.stalled {
+                op.stalled = true;
+                self.metrics.stalls.add(1);
+                report(op.conn, c, age);
+            }
+        }
+        self.metrics.in_flight.set(self.in_flight as u64);
+        self.metrics.oldest_us.set(oldest.as_micros() as u64);
     }
 
     #[cfg(test)]
@@ -162,7 +247,7 @@ mod tests {
         let region = crate::region::test_region(&mut buf);
         let t = table.claim().expect("a slot");
         let slot = t.slot();
-        l.open(slot, 2, None).expect("open");
+        l.open(slot, 2, None, counted()).expect("open");
         let local = crate::region::RegionSlice::new(&region, 0, 64).expect("slice");
         l.hold(OpCmd {
             conn: ConnId(1),
@@ -196,9 +281,18 @@ mod tests {
 
     use super::*;
 
+    fn counted() -> Counted {
+        Counted {
+            op: 0,
+            via: Via::Tcp,
+            bytes: 100,
+            start: Instant::now(),
+        }
+    }
+
     fn ledger(slots: usize, per_conn: usize) -> (Arc<CompletionTable>, OpLedger) {
         let t = CompletionTable::new(slots);
-        let l = OpLedger::new(t.clone(), per_conn);
+        let l = OpLedger::new(t.clone(), per_conn, Default::default());
         (t, l)
     }
 
@@ -207,7 +301,7 @@ mod tests {
         let (t, mut l) = ledger(4, 8);
         let mut tr = t.claim().unwrap();
         let c = ConnId(3);
-        l.open(tr.slot(), 3, Some(c)).unwrap();
+        l.open(tr.slot(), 3, Some(c), counted()).unwrap();
         l.done.push((tr.slot(), Ok(())));
         l.done.push((tr.slot(), Err(Error::Shutdown)));
         assert_eq!(l.publish(|_| true), 2);
@@ -222,7 +316,7 @@ mod tests {
     fn unsent_pieces_are_written_off_with_one_error() {
         let (t, mut l) = ledger(4, 8);
         let mut tr = t.claim().unwrap();
-        l.open(tr.slot(), 10, None).unwrap();
+        l.open(tr.slot(), 10, None, counted()).unwrap();
         // 4 pieces went out and will complete; 6 never will.
         l.fail_rest(tr.slot(), 6, Error::Shutdown);
         assert_eq!(l.done.len(), 1, "one error, not six");
@@ -239,9 +333,9 @@ mod tests {
         let c = ConnId(9);
         let mut a = t.claim().unwrap();
         let b = t.claim().unwrap();
-        l.open(a.slot(), 1, Some(c)).unwrap();
+        l.open(a.slot(), 1, Some(c), counted()).unwrap();
         assert!(matches!(
-            l.open(b.slot(), 1, Some(c)),
+            l.open(b.slot(), 1, Some(c), counted()),
             Err(Error::LimitReached { max: 1, .. })
         ));
         l.fail(b.slot(), Error::Shutdown);
@@ -250,5 +344,63 @@ mod tests {
         assert!(matches!(a.poll(), Some(Ok(()))));
         assert_eq!(l.conn_count(c), None, "a dead connection's count goes");
         drop(b);
+    }
+
+    #[test]
+    fn an_op_counts_once_when_it_ends_and_a_stall_is_reported_once() {
+        let (t, mut l) = ledger(4, 8);
+        let mut tr = t.claim().unwrap();
+        let mut c = counted();
+        c.start -= std::time::Duration::from_secs(3);
+        l.open(tr.slot(), 2, Some(ConnId(5)), c).unwrap();
+        let mut seen = Vec::new();
+        let stall = std::time::Duration::from_secs(2);
+        l.scan(Instant::now(), stall, |conn, c, _| {
+            seen.push((conn, c.bytes))
+        });
+        l.scan(Instant::now(), stall, |conn, c, _| {
+            seen.push((conn, c.bytes))
+        });
+        assert_eq!(seen, vec![(Some(ConnId(5)), 100)], "reported once");
+        assert_eq!(l.metrics.stalls.get(), 1);
+        assert_eq!(l.metrics.in_flight.get(), 1);
+        assert!(l.metrics.oldest_us.get() >= 3_000_000);
+        l.done.push((tr.slot(), Ok(())));
+        l.publish(|_| true);
+        assert_eq!(l.metrics.ops[0][0][0].get(), 0, "one piece still out");
+        l.done.push((tr.slot(), Err(Error::Shutdown)));
+        l.publish(|_| true);
+        assert!(matches!(tr.poll(), Some(Err(Error::Shutdown))));
+        let m = l.metrics.clone();
+        assert_eq!((m.ops[0][0][0].get(), m.ops[0][0][1].get()), (0, 1));
+        assert_eq!(m.bytes[0][0].get(), 100);
+        assert_eq!(
+            m.failures[crate::metrics::failure_idx(Error::Shutdown.kind())].get(),
+            1
+        );
+        let observed: u64 = m.duration[0].buckets.iter().map(|b| b.get()).sum();
+        assert_eq!(observed, 1);
+        l.scan(Instant::now(), stall, |_, _, _| panic!("nothing in flight"));
+        assert_eq!((m.in_flight.get(), m.oldest_us.get()), (0, 0));
+    }
+
+    #[test]
+    fn an_op_split_over_two_ledgers_counts_once_with_all_its_bytes() {
+        let t = CompletionTable::new(4);
+        let mut a = OpLedger::new(t.clone(), 8, Default::default());
+        let mut b = OpLedger::new(t.clone(), 8, Default::default());
+        let mut tr = t.claim().unwrap();
+        t.set_parts(tr.slot(), 2);
+        a.open(tr.slot(), 1, None, counted()).unwrap();
+        b.open(tr.slot(), 1, None, counted()).unwrap();
+        a.done.push((tr.slot(), Ok(())));
+        a.publish(|_| true);
+        b.done.push((tr.slot(), Ok(())));
+        b.publish(|_| true);
+        assert!(matches!(tr.poll(), Some(Ok(()))));
+        let ops = |l: &OpLedger| l.metrics.ops[0][0][0].get();
+        assert_eq!(ops(&a) + ops(&b), 1, "one op");
+        let bytes = |l: &OpLedger| l.metrics.bytes[0][0].get();
+        assert_eq!(bytes(&a) + bytes(&b), 200, "each part's bytes");
     }
 }

@@ -105,7 +105,7 @@ impl End {
             conn: id,
             parts,
             notes,
-            ledger: OpLedger::new(table.clone(), 64),
+            ledger: OpLedger::new(table.clone(), 64, Default::default()),
             table,
             mem,
             waiting: VecDeque::new(),
@@ -135,7 +135,13 @@ impl End {
         };
         if op.total.is_none() {
             let total = self.side.pieces(idx, &op, CHUNK);
-            if let Err(e) = self.ledger.open(op.slot, total, Some(op.conn)) {
+            let counted = crate::reactor::ledger::Counted {
+                op: crate::metrics::op_idx(op.kind),
+                via: crate::metrics::Via::Shm,
+                bytes: op.parts.as_slice().iter().map(|d| d.len()).sum(),
+                start: now,
+            };
+            if let Err(e) = self.ledger.open(op.slot, total, Some(op.conn), counted) {
                 self.ledger.fail(op.slot, e);
                 return None;
             }

@@ -478,6 +478,16 @@ impl Source for LocalSide {
     }
 }
 
+impl LocalSide {
+    /// Who same-host connection `idx` is with, for a report.
+    pub fn peer_name(&self, idx: usize) -> String {
+        match self.conns.get(idx) {
+            Some(lc) => format!("local endpoint {:016x} (pid {})", lc.peer_id, lc.peer_pid),
+            None => "gone".to_string(),
+        }
+    }
+}
+
 /// Polls one connection's ring; returns the work it found (a failure goes
 /// to `cx.to_fail`).
 fn poll_one(idx: usize, lc: &mut LocalConn, peer_maps: &PeerMaps, cx: &mut Cx<'_>) -> usize {
@@ -494,6 +504,8 @@ fn poll_one(idx: usize, lc: &mut LocalConn, peer_maps: &PeerMaps, cx: &mut Cx<'_
         gpu_reqs: Some(cx.gpu_reqs),
         host_copies: cx.host_copies.as_deref_mut(),
         gpu: None,
+        metrics: cx.metrics,
+        shm: true,
     };
     match lc.poll(&mut regions, peer_maps, &mut Cma, &mut sink) {
         Ok(w) => {
@@ -557,6 +569,10 @@ impl Carrier for LocalSide {
 
     fn conn_id(&self, idx: usize) -> ConnId {
         self.conns[idx].id
+    }
+
+    fn via(&self, _idx: usize, _op: &OpCmd) -> crate::metrics::Via {
+        crate::metrics::Via::Shm
     }
 
     fn has_pending(&self, idx: usize) -> bool {

@@ -129,6 +129,15 @@ impl IpcParts {
             IpcParts::Planned { .. } => 1,
         }
     }
+
+    /// The bytes the op moves.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            IpcParts::One(d) => d.local.len() as u64,
+            IpcParts::Many(v) => v.iter().map(|d| d.local.len() as u64).sum(),
+            IpcParts::Planned { plan, .. } => plan.bytes,
+        }
+    }
 }
 
 /// A CUDA IPC op checked once (`Endpoint::prepare`) and posted any number
@@ -142,6 +151,8 @@ pub(crate) struct IpcPlan {
     /// GPU, or -1 for host memory.
     pub region_gpu: Vec<i32>,
     pub pieces: Vec<PlannedPiece>,
+    /// Their lengths summed.
+    pub bytes: u64,
 }
 
 /// One piece of an `IpcPlan`, each below `gpu::copy::SPLIT_MIN_BYTES`.
@@ -500,6 +511,8 @@ pub(crate) struct ShardHandle {
     pub id: usize,
     pub regions: Sender<RegionCmd>,
     pub wake: Arc<WakeState>,
+    /// The shard's counters (read by `Endpoint::metrics`).
+    pub metrics: Arc<crate::metrics::ShardMetrics>,
 }
 
 impl ShardHandle {

@@ -73,6 +73,8 @@ pub(crate) struct Cx<'a> {
     pub gpu: Option<&'a mut GpuWork>,
     /// Connections found broken in this pass, dropped after it.
     pub to_fail: &'a mut Vec<(ConnRef, ConnFault)>,
+    /// The shard's counters (peers' requests served).
+    pub metrics: &'a crate::metrics::ShardMetrics,
 }
 
 pub(crate) trait Source {
@@ -125,6 +127,8 @@ pub(crate) trait Carrier: Source {
     fn notify(&mut self, idx: usize, payload: Vec<u8>) -> std::result::Result<(), Vec<u8>>;
     /// The id of connection `idx`.
     fn conn_id(&self, idx: usize) -> ConnId;
+    /// The path `op` takes on connection `idx` (for the metrics).
+    fn via(&self, idx: usize, op: &OpCmd) -> crate::metrics::Via;
     /// Whether requests of ours wait for replies on connection `idx`.
     fn has_pending(&self, idx: usize) -> bool;
     /// Looks at connection `idx` for the timeout checks (`limit`: the op
@@ -265,6 +269,9 @@ pub(crate) struct ShardSink<'a> {
     pub host_copies: Option<&'a mut Vec<crate::xfer::HostCopy>>,
     /// GPU staging for tcp frames (None without a GPU path).
     pub gpu: Option<&'a mut GpuWork>,
+    /// Where served requests are counted, and under which path.
+    pub metrics: &'a crate::metrics::ShardMetrics,
+    pub shm: bool,
 }
 
 impl<'a> ShardSink<'a> {
@@ -272,7 +279,7 @@ impl<'a> ShardSink<'a> {
     pub fn tcp(cx: &'a mut Cx<'_>, conn: ConnId) -> ShardSink<'a> {
         ShardSink {
             gpu: cx.gpu.as_deref_mut(),
-            ..ShardSink::plain_parts(cx.done, cx.inbox, cx.ipc_revoked, conn)
+            ..ShardSink::plain_parts(cx.done, cx.inbox, cx.ipc_revoked, cx.metrics, conn)
         }
     }
 
@@ -280,13 +287,14 @@ impl<'a> ShardSink<'a> {
     /// notifications and revocations only (no CUDA copies, no spread host
     /// copies, no GPU staging: what failing a connection's requests needs).
     pub fn plain(cx: &'a mut Cx<'_>, conn: ConnId) -> ShardSink<'a> {
-        ShardSink::plain_parts(cx.done, cx.inbox, cx.ipc_revoked, conn)
+        ShardSink::plain_parts(cx.done, cx.inbox, cx.ipc_revoked, cx.metrics, conn)
     }
 
     fn plain_parts(
         done: &'a mut Vec<(u32, Result<()>)>,
         inbox: &'a Inboxes,
         ipc_revoked: &'a mut Vec<(ConnId, u64)>,
+        metrics: &'a crate::metrics::ShardMetrics,
         conn: ConnId,
     ) -> ShardSink<'a> {
         ShardSink {
@@ -297,6 +305,8 @@ impl<'a> ShardSink<'a> {
             gpu_reqs: None,
             host_copies: None,
             gpu: None,
+            metrics,
+            shm: false,
         }
     }
 }
@@ -304,6 +314,10 @@ impl<'a> ShardSink<'a> {
 impl Sink for ShardSink<'_> {
     fn done(&mut self, slot: u32, result: Result<()>) {
         self.done.push((slot, result));
+    }
+
+    fn served(&mut self, write: bool, len: Option<u64>) {
+        self.metrics.served(write, self.shm, len);
     }
 
     fn notify(&mut self, payload: Vec<u8>) -> std::result::Result<(), Vec<u8>> {
@@ -383,6 +397,7 @@ pub(crate) struct CxParts {
     reqs: Vec<GpuReq>,
     replies: Vec<(ConnId, u64, bool, Status)>,
     to_fail: Vec<(ConnRef, ConnFault)>,
+    metrics: crate::metrics::ShardMetrics,
 }
 
 #[cfg(test)]
@@ -402,6 +417,7 @@ impl CxParts {
             reqs: Vec::new(),
             replies: Vec::new(),
             to_fail: Vec::new(),
+            metrics: Default::default(),
         };
         (parts, notes)
     }
@@ -433,6 +449,7 @@ impl CxParts {
             gpu_replies: &mut self.replies,
             gpu: None,
             to_fail: &mut self.to_fail,
+            metrics: &self.metrics,
         }
     }
 }

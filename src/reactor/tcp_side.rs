@@ -92,6 +92,19 @@ pub(crate) struct Conn {
     queued: bool,
 }
 
+impl TcpSide {
+    /// Who connection `idx` is with, for a report (a syscall: not for the
+    /// hot path).
+    pub fn peer_name(&self, idx: usize) -> String {
+        let addr = self.conns.get(idx).and_then(|c| c.streams.first());
+        match addr.map(|s| s.sock.peer_addr()) {
+            Some(Ok(a)) => a.to_string(),
+            Some(Err(e)) => format!("unknown ({e})"),
+            None => "gone".to_string(),
+        }
+    }
+}
+
 impl Conn {
     /// Whether the next pass must visit it even if epoll says nothing.
     fn wants_turn(&self) -> bool {
@@ -479,6 +492,8 @@ impl TcpSide {
             gpu_reqs: None,
             host_copies: None,
             gpu: cx.gpu.as_deref_mut(),
+            metrics: cx.metrics,
+            shm: false,
         };
         for s in conn.streams.iter_mut() {
             if try_all {

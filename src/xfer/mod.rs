@@ -24,6 +24,9 @@ use crate::wire::{IpcRef, Status};
 pub(crate) trait Sink {
     /// One request frame of operation `slot` ended.
     fn done(&mut self, slot: u32, result: Result<()>);
+    /// A peer's request was checked: `len` its bytes when it passed (it is
+    /// served), `None` when refused (for the metrics).
+    fn served(&mut self, _write: bool, _len: Option<u64>) {}
     /// A notification arrived; hand it back if the inbox is full.
     fn notify(&mut self, payload: Vec<u8>) -> Result<(), Vec<u8>>;
     /// The peer deregistered IPC-exported GPU memory at `alloc_base`.

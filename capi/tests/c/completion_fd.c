@@ -118,6 +118,21 @@ int main(void) {
     printf("%d transfers over %d connections, %d wakes; the waiting thread used %.2f ms of CPU in "
            "%.0f ms (%.2f %% of a core)\n",
            TRANSFERS, CONNS, wakes, cpu, wall, 100.0 * cpu / wall);
+    /* The metrics count every transfer, once. */
+    size_t need = 0;
+    CHECK(ferry_metrics(ep, NULL, 0, &need) == FERRY_ERR_INVALID && need > 0);
+    static char text[1 << 16];
+    size_t text_len = 0;
+    CHECK(ferry_metrics(ep, text, sizeof text - 1, &text_len) == FERRY_OK && text_len < sizeof text);
+    text[text_len] = 0;
+    char want[128], or[128]; /* same host: shm, unless it is off here */
+    snprintf(want, sizeof want, "ferry_ops_total{op=\"write\",transport=\"shm\",result=\"ok\"} %d\n",
+             TRANSFERS);
+    snprintf(or, sizeof or, "ferry_ops_total{op=\"write\",transport=\"tcp\",result=\"ok\"} %d\n",
+             TRANSFERS);
+    CHECK(strstr(text, want) != NULL || strstr(text, or) != NULL);
+    snprintf(want, sizeof want, "ferry_op_duration_seconds_count{op=\"write\"} %d\n", TRANSFERS);
+    CHECK(strstr(text, want) != NULL);
     CHECK(ferry_deregister(r) == FERRY_OK);
     CHECK(ferry_deregister(fr) == FERRY_OK);
     ferry_endpoint_destroy(ep);

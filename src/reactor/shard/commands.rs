@@ -11,6 +11,7 @@ use tracing::{debug, warn};
 use super::{route, Shard, COMMANDS_PER_POLL};
 use crate::error::{ConnFault, ConnId, Error};
 use crate::reactor::backlog::Backlog;
+use crate::reactor::ledger::Counted;
 use crate::reactor::queue::{Command, OpCmd, ShardHandle};
 use crate::reactor::source::{ConnRef, SubmitCx};
 
@@ -83,10 +84,14 @@ impl Shard {
     pub(super) fn take(&mut self, cmd: Command) {
         match (cmd.waits_on(), cmd) {
             (Some(c), Command::Op(op)) if self.parked.at_share(c) => self.refuse_backlogged(c, op),
-            (Some(c), cmd) if self.parked.has(c) => self.parked.push(c, cmd),
+            (Some(c), cmd) if self.parked.has(c) => {
+                self.ledger.metrics.parked.add(1);
+                self.parked.push(c, cmd)
+            }
             (_, cmd) => {
                 if let Some(back) = self.apply(cmd) {
                     let c = back.waits_on().expect("only waiting commands come back");
+                    self.ledger.metrics.parked.add(1);
                     self.parked.push(c, back);
                 }
             }
@@ -208,9 +213,16 @@ impl Shard {
             return None;
         };
         let (t, idx) = route(&mut self.tcp, &mut self.local, at);
+        let now = *self.pass_now.get_or_insert_with(Instant::now);
         if op.total.is_none() {
             let total = t.pieces(idx, &op, self.cfg.chunk_bytes);
-            if let Err(e) = self.ledger.open(op.slot, total, Some(op.conn)) {
+            let counted = Counted {
+                op: crate::metrics::op_idx(op.kind),
+                via: t.via(idx, &op),
+                bytes: op.parts.as_slice().iter().map(|d| d.len()).sum(),
+                start: now,
+            };
+            if let Err(e) = self.ledger.open(op.slot, total, Some(op.conn), counted) {
                 self.ledger.fail(op.slot, e);
                 return None;
             }
@@ -220,7 +232,7 @@ impl Shard {
             ledger: &mut self.ledger,
             gpu: self.gpu.as_mut(),
             chunk: self.cfg.chunk_bytes,
-            now: *self.pass_now.get_or_insert_with(Instant::now),
+            now,
         };
         t.submit(idx, op, &mut cx)
     }

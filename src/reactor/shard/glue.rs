@@ -101,7 +101,13 @@ impl Shard {
             let e = self.dir.error_of(cmd.conn);
             return self.ledger.fail(cmd.slot, e);
         }
-        if let Err(e) = self.ledger.open(cmd.slot, total, Some(cmd.conn)) {
+        let counted = crate::reactor::ledger::Counted {
+            op: crate::metrics::op_idx(cmd.kind),
+            via: crate::metrics::Via::Ipc,
+            bytes: cmd.parts.bytes(),
+            start: *self.pass_now.get_or_insert_with(Instant::now),
+        };
+        if let Err(e) = self.ledger.open(cmd.slot, total, Some(cmd.conn), counted) {
             return self.ledger.fail(cmd.slot, e);
         }
         self.gpu_work().start(cmd);

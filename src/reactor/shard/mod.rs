@@ -79,6 +79,8 @@ pub(crate) struct ShardConfig {
     pub op_timeout: Duration,
     /// A tcp peer silent this long fails its connection (keepalive).
     pub liveness: Duration,
+    /// An op in flight this long is reported stalled (once).
+    pub stall: Duration,
     /// Connections idle this long are closed (None: never).
     pub idle_timeout: Option<Duration>,
     pub chunk_bytes: usize,
@@ -130,6 +132,8 @@ pub struct Shard {
     due: Vec<(ConnRef, ConnId)>,
     /// When the hot same-host connections were last looked at.
     hot_checked: Instant,
+    /// When the ops in flight were last looked at for stalls.
+    scanned: Instant,
     ipc_counters: Arc<crate::gpu::ipc::IpcCounters>,
     /// Connections found broken during a pass, dropped after it.
     to_fail: Vec<(ConnRef, ConnFault)>,
@@ -166,6 +170,7 @@ macro_rules! cx {
                 .then_some(&mut $s.host_copies),
             gpu: $gpu,
             to_fail: &mut $s.to_fail,
+            metrics: &$s.ledger.metrics,
         }
     };
 }
@@ -201,10 +206,12 @@ impl Shard {
             tcp.set_codec(pool.clone(), wake.clone());
         }
         let (rtx, region_rx) = mpsc::channel();
+        let metrics = Arc::<crate::metrics::ShardMetrics>::default();
         let handle = ShardHandle {
             id,
             regions: rtx,
             wake: wake.clone(),
+            metrics: metrics.clone(),
         };
         // With a driver, ready for GPU memory on tcp (no CUDA call yet).
         let gpu = crate::gpu::cuda().is_ok().then(|| {
@@ -220,7 +227,7 @@ impl Shard {
         let parked = super::backlog::Backlog::new(cfg.sq_depth, PARKED_PER_DEPTH * cfg.sq_depth);
         let shard = Shard {
             id,
-            ledger: OpLedger::new(table, cfg.max_conn_inflight_ops),
+            ledger: OpLedger::new(table, cfg.max_conn_inflight_ops, metrics),
             cfg,
             cmds,
             parked,
@@ -240,6 +247,7 @@ impl Shard {
             timers: Default::default(),
             due: Vec::new(),
             hot_checked: Instant::now(),
+            scanned: Instant::now(),
             ipc_counters,
             to_fail: Vec::new(),
             ipc_revoked: Vec::new(),
@@ -423,6 +431,9 @@ impl Shard {
                     .parking(crate::sys::involuntary_switches(), now, loaded);
                 self.park(max);
                 self.spin.woke();
+                let m = &self.ledger.metrics;
+                m.parks.set(self.spin.stats.parks);
+                m.yields.set(self.spin.stats.yields);
             }
         }
         work
@@ -511,6 +522,7 @@ impl Shard {
             match h.submit(cmd) {
                 Ok(()) => {}
                 Err((Error::QueueFull { .. }, Command::Notify { conn, payload, .. })) => {
+                    self.ledger.metrics.notes_held.add(1);
                     self.notes_out.push(super::completion::Note {
                         conn,
                         shard,

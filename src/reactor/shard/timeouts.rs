@@ -24,6 +24,8 @@ impl Shard {
             let (t, idx) = route(&mut self.tcp, &mut self.local, at);
             t.remove(idx, &cause, &mut cx)
         };
+        let kind = crate::metrics::failure_idx(cause.kind());
+        self.ledger.metrics.conn_failures[kind].add(1);
         self.regions.revoke_conn(gone.group);
         self.dir.remove(gone.id);
         // Same-host peers with no connection left here: their IPC mappings
@@ -87,6 +89,11 @@ impl Shard {
             }
             self.due = due;
         }
+        let scan_every = (self.cfg.stall / 4).min(self.check_interval());
+        if now.saturating_duration_since(self.scanned) >= scan_every {
+            self.scanned = now;
+            self.report_stalls(now);
+        }
         if self.timers.next().is_some_and(|t| t <= now) {
             let mut due = std::mem::take(&mut self.due);
             self.timers.due(now, MAX_DUE_PER_CHECK, &mut due);
@@ -103,6 +110,33 @@ impl Shard {
             self.due = due;
         }
         self.fail_marked();
+    }
+
+    /// Reports each op in flight past the stall threshold, once: a
+    /// warning with its connection, peer, size and age (the op timeout
+    /// fails it later if it is still there), and the metrics' count.
+    fn report_stalls(&mut self, now: Instant) {
+        let (dir, tcp, local, shard) = (&self.dir, &self.tcp, &self.local, self.id);
+        self.ledger.scan(now, self.cfg.stall, |conn, op, age| {
+            let peer = conn
+                .and_then(|c| dir.get(c))
+                .map(|at| match at {
+                    ConnRef::Tcp(i) => tcp.peer_name(i),
+                    ConnRef::Local(i) => local.peer_name(i),
+                })
+                .unwrap_or_else(|| "gone".to_string());
+            let op_name = if op.op == 0 { "WRITE" } else { "READ" };
+            warn!(
+                shard,
+                conn = %conn.map_or_else(|| "none".to_string(), |c| c.to_string()),
+                peer = %peer,
+                op = op_name,
+                transport = op.via.name(),
+                bytes = op.bytes,
+                age_ms = age.as_millis() as u64,
+                "op stalled: in flight past FERRY_STALL_MS"
+            );
+        });
     }
 
     /// Checks one connection: requests past the op timeout, a half-arrived

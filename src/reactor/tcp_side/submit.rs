@@ -224,6 +224,14 @@ impl Carrier for TcpSide {
         self.conns[idx].id
     }
 
+    fn via(&self, idx: usize, op: &OpCmd) -> crate::metrics::Via {
+        if self.via_verbs(idx, op) {
+            crate::metrics::Via::Rdma
+        } else {
+            crate::metrics::Via::Tcp
+        }
+    }
+
     fn has_pending(&self, idx: usize) -> bool {
         self.conns[idx].streams.iter().any(|s| s.has_pending())
     }

@@ -122,10 +122,12 @@ impl LocalConn {
         let mut w = match regions.check_as(key, m.addr, m.len, need, true) {
             Ok(w) => w,
             Err(status) => {
+                sink.served(write, None);
                 self.reply_status(write, m.op_id, status);
                 return Ok(());
             }
         };
+        sink.served(write, Some(m.len));
         let path = copy_path::choose(&copy_path::Request {
             write,
             gpu: m.status != 0 || w.is_device(),

@@ -36,6 +36,8 @@ impl StreamProto {
         let len = h.len as usize;
         let wire = h.payload_len() as usize;
         let checked = regions.check(key, h.addr, h.len, Access::REMOTE_WRITE);
+        // Counted once the request is taken (not when it is put back).
+        let verdict = checked.as_ref().ok().map(|_| h.len);
         if h.packed_len != 0 {
             // Decoded into host memory, or into a bounce buffer and copied
             // on into GPU memory (the ack waits for both).
@@ -57,7 +59,10 @@ impl StreamProto {
             };
             return match into {
                 Ok((dst, then)) => match self.take_packed(h, dst, then)? {
-                    true => Ok(true),
+                    true => {
+                        sink.served(true, verdict);
+                        Ok(true)
+                    }
                     false => Ok(self.unread_request()),
                 },
                 Err(status) => {
@@ -66,6 +71,7 @@ impl StreamProto {
                         then: then_ok(status),
                         run: self.payload_run(wire),
                     };
+                    sink.served(true, None);
                     Ok(true)
                 }
             };
@@ -102,7 +108,8 @@ impl StreamProto {
                 run: self.payload_run(len),
             },
         };
-
+        let refused = matches!(self.rx, Rx::Discard { .. });
+        sink.served(true, verdict.filter(|_| !refused));
         Ok(true)
     }
 
@@ -119,6 +126,8 @@ impl StreamProto {
         self.take_request()?;
         let len = h.len as usize;
         let refuse = |status| DataHeader::response(DataKind::ReadResp, status, h.op_id, 0);
+        // Counted once the request is taken (not when it is put back).
+        let mut verdict = Some(h.len);
         match regions.check(key, h.addr, h.len, Access::REMOTE_READ) {
             Ok(w) if w.is_device() => match sink.bounce(len) {
                 Bounce::Ready(b) => {
@@ -141,6 +150,7 @@ impl StreamProto {
                 }
                 Bounce::Busy => return Ok(self.unread_request()),
                 Bounce::Never => {
+                    verdict = None;
                     self.push_response(refuse(Status::DeviceMemory), TxPayload::None, 0)
                 }
             },
@@ -152,9 +162,12 @@ impl StreamProto {
                 }
                 None => return Ok(self.unread_request()),
             },
-            Err(status) => self.push_response(refuse(status), TxPayload::None, 0),
+            Err(status) => {
+                verdict = None;
+                self.push_response(refuse(status), TxPayload::None, 0)
+            }
         }
-
+        sink.served(false, verdict);
         Ok(true)
     }
 }

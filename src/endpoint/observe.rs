@@ -1,0 +1,43 @@
+//! What an operator sees of an endpoint: its metrics, summed over the
+//! shards' counters and the control side's tables.
+
+use super::{Endpoint, Peer};
+use crate::metrics::{Metrics, Via};
+
+/// # Metrics
+///
+/// Counts an operator scrapes (see [`crate::metrics`]).
+impl Endpoint {
+    /// A snapshot of the endpoint's counters: ops, bytes, durations and
+    /// failures, peers' requests served, connections, registrations, the
+    /// caches, back-pressure and the shards' idle loops. Sums each shard's
+    /// counters (no lock on their side); takes the connection table's lock
+    /// once.
+    pub fn metrics(&self) -> Metrics {
+        let inner = &self.inner;
+        let shards = inner.shards.shards.iter().map(|h| &*h.metrics);
+        let mut m = Metrics::from_shards(shards);
+        inner.reap_closed();
+        {
+            let live = inner.conns.live.lock().expect("lock");
+            m.count_connections(live.values().map(|c| match (c.peer, c.verbs) {
+                (Peer::Local { .. }, _) => Via::Shm,
+                (Peer::Net(_), true) => Via::Rdma,
+                (Peer::Net(_), false) => Via::Tcp,
+            }));
+        }
+        m.ops_in_flight = inner.shards.table.in_use() as u64;
+        m.registrations = self.registration_count() as u64;
+        m.reg_cache = self.reg_cache_stats();
+        m.compress = self.compress_stats().unwrap_or_default();
+        m.ipc = self.ipc_stats();
+        m
+    }
+
+    /// [`Endpoint::metrics`] in the Prometheus text format, for a
+    /// service's own `GET /metrics` (content type
+    /// [`crate::metrics::CONTENT_TYPE`]).
+    pub fn metrics_text(&self) -> String {
+        crate::metrics::render(&self.metrics())
+    }
+}
