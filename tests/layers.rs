@@ -18,7 +18,9 @@ const LAYERS: &[&[&str]] = &[
     // Pure formats: the wire's, and the compressed frames' codec.
     &["wire", "codec"],
     &["error"],
-    &["sync"],
+    // The shards' counters and their snapshot (metrics), beside the model
+    // checker's atomics.
+    &["sync", "metrics"],
     &["sys", "auth"],
     // Diagnostics the transports and the shard stamp (feature `stage-trace`).
     &["stage_trace"],

@@ -14,9 +14,53 @@ ferry ls: the endpoints published in an etcd directory
 
 Flags:
   --directory URL   etcd (v3 JSON gateway), e.g. http://127.0.0.1:2379
+                    or https://etcd.example:2379
   --cluster C       cluster (default ferry)
   --json            one JSON object per endpoint
 Prints each name with its address, incarnation and windows.";
+
+/// The etcd TLS flags every directory command takes.
+pub const ETCD_FLAGS: &str = "\
+etcd over TLS and with authentication (serve, bench and ls):
+  --etcd-ca FILE    the CA (PEM) that signed etcd's certificate: needed for
+                    https://, and plain http:// is then refused
+  --etcd-cert FILE --etcd-key FILE
+                    our client certificate and key (PEM), for an etcd run
+                    with --client-cert-auth
+  The same as FERRY_ETCD_CA, FERRY_ETCD_CERT, FERRY_ETCD_KEY; an etcd user
+  comes from FERRY_ETCD_USER and FERRY_ETCD_PASSWORD (not flags: a
+  command line is visible to every user of the host).";
+
+/// Takes `--etcd-ca/--etcd-cert/--etcd-key FILE` out of `argv` into the
+/// `FERRY_ETCD_*` variables the directory reads (before any thread
+/// starts).
+pub fn take_etcd_flags(argv: &mut Vec<String>) -> Result<()> {
+    for (flag, var) in [
+        ("--etcd-ca", "FERRY_ETCD_CA"),
+        ("--etcd-cert", "FERRY_ETCD_CERT"),
+        ("--etcd-key", "FERRY_ETCD_KEY"),
+    ] {
+        while let Some(i) = argv
+            .iter()
+            .position(|a| a == flag || a.starts_with(&format!("{flag}=")))
+        {
+            let value = match argv[i].split_once('=') {
+                Some((_, v)) => {
+                    let v = v.to_owned();
+                    argv.remove(i);
+                    v
+                }
+                None => {
+                    anyhow::ensure!(i + 1 < argv.len(), "{flag} needs a value");
+                    argv.remove(i);
+                    argv.remove(i)
+                }
+            };
+            std::env::set_var(var, value);
+        }
+    }
+    Ok(())
+}
 
 #[cfg(not(feature = "directory"))]
 fn missing() -> anyhow::Error {

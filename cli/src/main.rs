@@ -66,7 +66,8 @@ fn main() -> Result<()> {
     // before any thread exists.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     init_logs();
-    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let mut argv: Vec<String> = std::env::args().skip(1).collect();
+    dir::take_etcd_flags(&mut argv)?;
     let Some(cmd) = argv.first() else {
         println!("{HELP}");
         return Ok(());
@@ -75,15 +76,20 @@ fn main() -> Result<()> {
     let wants_help = rest.iter().any(|a| a == "--help" || a == "-h");
     match cmd.as_str() {
         "help" | "--help" | "-h" => println!("{HELP}"),
-        "bench" if wants_help => println!("{}\n\n{}", bench::HELP, bench::compress::HELP),
+        "bench" if wants_help => println!(
+            "{}\n\n{}\n\n{}",
+            bench::HELP,
+            bench::compress::HELP,
+            dir::ETCD_FLAGS
+        ),
         "bench" => bench::run(Args::parse(rest, &["latency", "baseline", "json"])?)?,
         "info" if wants_help => println!("{}", info::HELP),
         "info" => info::run(Args::parse(rest, &[])?)?,
-        "serve" if wants_help => println!("{}", serve::HELP),
+        "serve" if wants_help => println!("{}\n\n{}", serve::HELP, dir::ETCD_FLAGS),
         "serve" => serve::run(Args::parse(rest, &["replace"])?)?,
         "stat" if wants_help => println!("{}", stat::HELP),
         "stat" => stat::run(rest)?,
-        "ls" if wants_help => println!("{}", dir::LS_HELP),
+        "ls" if wants_help => println!("{}\n\n{}", dir::LS_HELP, dir::ETCD_FLAGS),
         "ls" => dir::ls(Args::parse(rest, &["json"])?)?,
         "raw-peer" => raw::serve()?,
         "busy" => child::busy(),

@@ -206,3 +206,52 @@ fn an_idle_connection_to_a_vanished_peer_fails_within_the_liveness_bound() {
         std::panic::resume_unwind(p);
     }
 }
+
+/// A peer that is merely slow is not a vanished one: over a link shaped
+/// to 2 Mbit/s, a 1 MiB READ takes about twice `FERRY_LIVENESS_MS` and
+/// completes, byte-exact, and the connection stays up (its data keeps
+/// being acknowledged, so neither keepalive nor the user timeout fires).
+#[test]
+#[ignore = "needs root to make network namespaces (cargo test --test netns -- --ignored)"]
+fn a_slow_peer_is_not_failed_by_the_liveness_bound() {
+    const LIVENESS_MS: u64 = 2000;
+    let hosts = Hosts::make_as_root();
+    let (mut srv, served) = serve_in(&hosts.a, "198.18.0.1", 2 * MIB);
+    hosts.shape_a("2mbit");
+    let b = hosts.b.clone();
+    let client = std::thread::spawn(move || {
+        enter(&b);
+        let mut cfg = client_config();
+        cfg.liveness_ms = LIVENESS_MS;
+        cfg.op_timeout_ms = 30_000;
+        let ep = Endpoint::builder().config(cfg).build().unwrap();
+        let conn = ep.add_remote(&served.meta).unwrap();
+        let local = ep.alloc(MIB).unwrap();
+        let start = Instant::now();
+        ep.read(
+            conn,
+            &local,
+            0,
+            MIB,
+            &served.rbuf.slice(0, MIB as u32).unwrap(),
+        )
+        .unwrap();
+        let took = start.elapsed();
+        let mut got = vec![0u8; MIB];
+        local.read_at(0, &mut got).unwrap();
+        assert_eq!(check_pattern(&got, 0, 0), None);
+        assert!(
+            took > Duration::from_millis(LIVENESS_MS),
+            "the shaped READ took {took:?}: not slow enough to test the bound"
+        );
+        assert!(ep.conn_status(conn).is_ok(), "a slow peer was failed");
+        println!("a 1 MiB READ over a 2 Mbit/s link took {took:?}; the connection is up");
+    });
+    let r = client.join();
+    let _ = srv.kill();
+    let _ = srv.wait();
+    drop(hosts);
+    if let Err(p) = r {
+        std::panic::resume_unwind(p);
+    }
+}

@@ -18,6 +18,15 @@ pub enum DirError {
         /// What is wrong with it.
         why: String,
     },
+    /// A TLS setting could not be used (a file unreadable, no certificate
+    /// in it, a key that does not fit its certificate).
+    #[error("directory: {what}: {why}")]
+    Tls {
+        /// Which setting ("etcd CA", "etcd client key", …).
+        what: &'static str,
+        /// What is wrong with it.
+        why: String,
+    },
     /// Nothing is published under the name.
     #[error("directory: no endpoint named {name:?} in cluster {cluster:?}")]
     NotFound {

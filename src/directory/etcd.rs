@@ -3,12 +3,12 @@
 //! encoded; int64 fields come as strings. Everything the server sends is
 //! checked: a reply that does not parse is an error naming the call.
 
-use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::http::{self, HttpError, Messages, Response};
+use super::http::{self, HttpError, Messages, Response, Target};
 
 /// Why an etcd call failed.
 #[derive(Debug, thiserror::Error)]
@@ -124,20 +124,137 @@ fn kv(v: &Value) -> Option<Kv> {
 /// A client of one etcd member's gateway.
 #[derive(Debug, Clone)]
 pub struct Etcd {
-    /// The member's client address.
-    pub addr: SocketAddr,
+    /// The member's client address, and TLS to it.
+    pub(crate) to: Target,
     /// Each call's deadline.
     pub timeout: Duration,
+    /// etcd's user authentication, when it has it on.
+    pub(crate) auth: Option<Arc<Auth>>,
+}
+
+/// A user's credentials and the token they got (shared by the clones of
+/// one client: the lease keeper's and the caller's).
+pub(crate) struct Auth {
+    pub user: String,
+    pub password: String,
+    pub token: Mutex<Option<String>>,
+}
+
+impl std::fmt::Debug for Auth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Auth")
+            .field("user", &self.user)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Whether etcd refused a call for its token (expired, or revoked by a
+/// restart): fetched again once, then the call is retried.
+fn token_refused(e: &EtcdError) -> bool {
+    let text = e.to_string();
+    text.contains("invalid auth token") || text.contains("token is expired")
+}
+
+/// Whether a TLS alert says the server refused our client certificate.
+fn refused_cert(e: &std::io::Error) -> bool {
+    let text = e.to_string();
+    text.contains("BadCertificate") || text.contains("CertificateRequired")
 }
 
 impl Etcd {
+    /// A client of the member at `to`, authenticating as `auth` when given.
+    pub(crate) fn new(to: Target, timeout: Duration, auth: Option<(String, String)>) -> Etcd {
+        Etcd {
+            to,
+            timeout,
+            auth: auth.map(|(user, password)| {
+                Arc::new(Auth {
+                    user,
+                    password,
+                    token: Mutex::new(None),
+                })
+            }),
+        }
+    }
+
+    /// The token to send: none without authentication, else the one we
+    /// hold, fetched first if we hold none.
+    fn token(&self) -> R<Option<String>> {
+        let Some(a) = &self.auth else { return Ok(None) };
+        if let Some(t) = a.token.lock().expect("lock").clone() {
+            return Ok(Some(t));
+        }
+        let body = json!({ "name": a.user, "password": a.password });
+        let v = self.call_with(
+            "authenticate",
+            "/v3/auth/authenticate",
+            &body,
+            None,
+            64 << 10,
+        )?;
+        let t = v
+            .get("token")
+            .and_then(Value::as_str)
+            .ok_or_else(|| EtcdError::Reply {
+                call: "authenticate",
+                why: "no token in the answer".into(),
+            })?
+            .to_owned();
+        *a.token.lock().expect("lock") = Some(t.clone());
+        Ok(Some(t))
+    }
+
+    /// Forgets a token etcd refused.
+    fn drop_token(&self) {
+        if let Some(a) = &self.auth {
+            *a.token.lock().expect("lock") = None;
+        }
+    }
+
     fn call(&self, call: &'static str, path: &str, body: Value) -> R<Value> {
         self.call_capped(call, path, body, http::MAX_BODY)
     }
 
-    /// `call`, refusing an answer over `cap` bytes.
+    /// `call`, refusing an answer over `cap` bytes; with authentication,
+    /// a refused token is fetched again once.
     fn call_capped(&self, call: &'static str, path: &str, body: Value, cap: usize) -> R<Value> {
-        let mut resp = http::post(self.addr, path, body.to_string().as_bytes(), self.timeout)?;
+        let token = self.token()?;
+        match self.call_with(call, path, &body, token.as_deref(), cap) {
+            Err(e) if self.auth.is_some() && token_refused(&e) => {
+                self.drop_token();
+                let token = self.token()?;
+                self.call_with(call, path, &body, token.as_deref(), cap)
+            }
+            other => other,
+        }
+    }
+
+    fn call_with(
+        &self,
+        call: &'static str,
+        path: &str,
+        body: &Value,
+        token: Option<&str>,
+        cap: usize,
+    ) -> R<Value> {
+        let bytes = body.to_string();
+        let mut resp = http::post(&self.to, path, bytes.as_bytes(), self.timeout, token).map_err(
+            |e| match e {
+                // etcd's gateway answers a refused call with a status and
+                // a JSON body that says why: the call's error, not HTTP's.
+                HttpError::Status { body, .. } if body.starts_with('{') => {
+                    EtcdError::Reply { call, why: body }
+                }
+                HttpError::Io { ref source, .. } if refused_cert(source) => EtcdError::Reply {
+                    call,
+                    why: format!(
+                        "{e} (etcd refused our client certificate: none was sent, or its \
+                         CA is not one etcd trusts; FERRY_ETCD_CERT/KEY, --etcd-cert/--etcd-key)"
+                    ),
+                },
+                e => EtcdError::Http(e),
+            },
+        )?;
         resp.limit(cap);
         let bytes = resp.read_all()?;
         let v: Value = serde_json::from_slice(&bytes).map_err(|e| EtcdError::Reply {
@@ -306,11 +423,13 @@ impl Etcd {
     pub fn watch(&self, prefix: &[u8]) -> R<Watch> {
         let body = json!({ "create_request": {
             "key": b64(prefix), "range_end": b64(&prefix_end(prefix)) } });
+        let token = self.token()?;
         let resp = http::post(
-            self.addr,
+            &self.to,
             "/v3/watch",
             body.to_string().as_bytes(),
             self.timeout,
+            token.as_deref(),
         )?;
         Ok(Watch {
             resp,

@@ -1,7 +1,8 @@
 //! A small blocking HTTP/1.1 client for etcd's JSON gateway: one POST per
-//! connection (`Connection: close`), a deadline on every step, bodies of
-//! `Content-Length` or chunked encoding, and a bound on what a response
-//! may make us hold. Responses are read incrementally for streams (watch).
+//! connection (`Connection: close`), over TCP or TLS, a deadline on every
+//! step, bodies of `Content-Length` or chunked encoding, and a bound on
+//! what a response may make us hold. Responses are read incrementally for
+//! streams (watch).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -29,10 +30,65 @@ pub enum HttpError {
     },
 }
 
+/// Where requests go: an address, and TLS to it when set.
+#[derive(Debug, Clone)]
+pub(crate) struct Target {
+    pub addr: SocketAddr,
+    pub tls: Option<Tls>,
+}
+
+/// A TLS client setup for one etcd member: the configuration and the name
+/// its certificate must carry (made by `tls.rs` from the settings).
+#[derive(Debug, Clone)]
+pub(crate) struct Tls {
+    pub config: std::sync::Arc<rustls::ClientConfig>,
+    pub name: rustls::pki_types::ServerName<'static>,
+}
+
+/// A connection: plain, or TLS over it (boxed: rustls's state is large).
+enum Stream {
+    Plain(TcpStream),
+    Tls(Box<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>),
+}
+
+impl Stream {
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            Stream::Plain(s) => s,
+            Stream::Tls(t) => t.get_ref(),
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Plain(s) => s.read(buf),
+            Stream::Tls(t) => t.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Plain(s) => s.write(buf),
+            Stream::Tls(t) => t.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Stream::Plain(s) => s.flush(),
+            Stream::Tls(t) => t.flush(),
+        }
+    }
+}
+
 /// An open response: status checked, headers read, body still coming.
 pub struct Response {
     addr: SocketAddr,
-    r: BufReader<TcpStream>,
+    r: BufReader<Stream>,
     chunked: bool,
     /// Content-Length bytes left, or of the current chunk.
     left: usize,
@@ -46,28 +102,48 @@ fn io(addr: SocketAddr, what: &'static str) -> impl FnOnce(std::io::Error) -> Ht
 }
 
 /// POSTs `body` to `path` and returns the response once its headers are
-/// in; `timeout` bounds connecting and each read (a stream's reads wait
-/// at most that long for the next bytes).
-pub fn post(
-    addr: SocketAddr,
+/// in; `timeout` bounds connecting, the TLS handshake and each read (a
+/// stream's reads wait at most that long for the next bytes). `token`:
+/// etcd's auth token, sent as `Authorization`.
+pub(crate) fn post(
+    to: &Target,
     path: &str,
     body: &[u8],
     timeout: Duration,
+    token: Option<&str>,
 ) -> Result<Response, HttpError> {
+    let addr = to.addr;
     let s = TcpStream::connect_timeout(&addr, timeout).map_err(io(addr, "connect"))?;
     s.set_read_timeout(Some(timeout))
         .map_err(io(addr, "set timeout"))?;
     s.set_write_timeout(Some(timeout))
         .map_err(io(addr, "set timeout"))?;
     s.set_nodelay(true).map_err(io(addr, "nodelay"))?;
-    let mut w = &s;
+    let mut s = match &to.tls {
+        None => Stream::Plain(s),
+        Some(tls) => {
+            let conn = rustls::ClientConnection::new(tls.config.clone(), tls.name.clone())
+                .map_err(|e| HttpError::Protocol(format!("TLS: {e}"), addr))?;
+            let mut t = rustls::StreamOwned::new(conn, s);
+            // The handshake now, so a refused certificate says so (not a
+            // failed first write).
+            while t.conn.is_handshaking() {
+                t.conn
+                    .complete_io(&mut t.sock)
+                    .map_err(io(addr, "TLS handshake"))?;
+            }
+            Stream::Tls(Box::new(t))
+        }
+    };
+    let auth = token.map_or(String::new(), |t| format!("Authorization: {t}\r\n"));
     let head = format!(
         "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n",
+         {auth}Content-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
-    w.write_all(head.as_bytes()).map_err(io(addr, "send"))?;
-    w.write_all(body).map_err(io(addr, "send"))?;
+    s.write_all(head.as_bytes()).map_err(io(addr, "send"))?;
+    s.write_all(body).map_err(io(addr, "send"))?;
+    s.flush().map_err(io(addr, "send"))?;
     let mut r = BufReader::new(s);
     let line = read_line(&mut r, addr)?;
     let status: u16 = line
@@ -119,7 +195,7 @@ pub fn post(
     ))
 }
 
-fn read_line(r: &mut BufReader<TcpStream>, addr: SocketAddr) -> Result<String, HttpError> {
+fn read_line(r: &mut BufReader<Stream>, addr: SocketAddr) -> Result<String, HttpError> {
     let mut buf = Vec::new();
     r.by_ref()
         .take(8192)
@@ -203,6 +279,7 @@ impl Response {
         let _ = self
             .r
             .get_ref()
+            .tcp()
             .set_read_timeout(Some(t.max(Duration::from_millis(1))));
     }
 }

@@ -17,11 +17,16 @@
 mod error;
 pub mod etcd;
 mod http;
+mod tls;
+mod url;
 
 pub use error::{DirError, Result};
+pub use tls::EtcdSecurity;
+pub use url::parse_url;
+use url::target;
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -130,37 +135,25 @@ pub struct Directory {
     memo: Mutex<HashMap<String, (u64, ConnId)>>,
 }
 
-/// Parses `http://host:port` (or `host:port`).
-pub fn parse_url(url: &str) -> Result<SocketAddr> {
-    let bad = |why: &str| DirError::Bad {
-        what: "etcd URL",
-        value: url.to_owned(),
-        why: why.to_owned(),
-    };
-    let rest = url.strip_prefix("http://").unwrap_or(url);
-    if url.starts_with("https://") {
-        return Err(bad(
-            "https is not supported (use a local etcd member or a tunnel)",
-        ));
-    }
-    let hostport = rest.trim_end_matches('/');
-    hostport
-        .to_socket_addrs()
-        .map_err(|e| bad(&e.to_string()))?
-        .next()
-        .ok_or_else(|| bad("no address"))
-}
-
 impl Directory {
-    /// A directory in etcd at `url` (`http://127.0.0.1:2379`) for
-    /// `cluster`. Nothing is contacted yet. Each call waits at most 2 s.
+    /// A directory in etcd at `url` (`http://127.0.0.1:2379`, or
+    /// `https://…` with a CA) for `cluster`, with the TLS and
+    /// authentication settings of the environment
+    /// ([`EtcdSecurity::from_env`]). Nothing is contacted yet. Each call
+    /// waits at most 2 s.
     pub fn new(url: &str, cluster: &str) -> Result<Directory> {
+        Self::with_security(url, cluster, &EtcdSecurity::from_env())
+    }
+
+    /// As [`Directory::new`], with these TLS and authentication settings.
+    pub fn with_security(url: &str, cluster: &str, sec: &EtcdSecurity) -> Result<Directory> {
         check_name("cluster", cluster)?;
         Ok(Directory {
-            etcd: Etcd {
-                addr: parse_url(url)?,
-                timeout: Duration::from_secs(2),
-            },
+            etcd: Etcd::new(
+                target(url, sec)?,
+                Duration::from_secs(2),
+                sec.credentials()?,
+            ),
             cluster: cluster.to_owned(),
             memo: Mutex::new(HashMap::new()),
         })

@@ -28,9 +28,13 @@ impl Endpoint {
         }
         m.ops_in_flight = inner.shards.table.in_use() as u64;
         m.registrations = self.registration_count() as u64;
-        m.reg_cache = self.reg_cache_stats();
-        m.compress = self.compress_stats().unwrap_or_default();
-        m.ipc = self.ipc_stats();
+        let cache = self.reg_cache_stats();
+        (m.reg_cache_hits, m.reg_cache_misses) = (cache.hits, cache.misses);
+        let c = self.compress_stats().unwrap_or_default();
+        (m.packed_raw_bytes, m.packed_wire_bytes) = (c.raw_bytes, c.wire_bytes);
+        (m.unpacked_raw_bytes, m.unpacked_wire_bytes) = (c.unpacked_bytes, c.unpacked_wire_bytes);
+        let ipc = self.ipc_stats();
+        (m.ipc_opens, m.ipc_hits) = (ipc.opens, ipc.hits);
         m
     }
 

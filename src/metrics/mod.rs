@@ -30,9 +30,6 @@ pub(crate) use cells::{op_idx, ShardMetrics};
 pub use text::{render, CONTENT_TYPE};
 
 use crate::error::{FailureKind, OpKind};
-use crate::gpu::IpcStats;
-use crate::reactor::CompressStats;
-use crate::RegCacheStats;
 
 /// The path an op or request went by (the `transport` label).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -191,12 +188,23 @@ pub struct Metrics {
     pub stalled_ops: u64,
     /// Live registrations.
     pub registrations: u64,
-    /// The registration cache's hits and misses.
-    pub reg_cache: RegCacheStats,
-    /// The float codec's work; zeros while compression is off.
-    pub compress: CompressStats,
-    /// CUDA IPC handles opened, reused and closed.
-    pub ipc: IpcStats,
+    /// Registrations the registration cache served from a live one ...
+    pub reg_cache_hits: u64,
+    /// ... and those it made anew.
+    pub reg_cache_misses: u64,
+    /// The float codec: bytes of the chunks it packed here and of their
+    /// frames (zeros while compression is off) ...
+    pub packed_raw_bytes: u64,
+    /// ... (their frames' bytes) ...
+    pub packed_wire_bytes: u64,
+    /// ... and of the peers' packed frames it unpacked here ...
+    pub unpacked_raw_bytes: u64,
+    /// ... (those frames' bytes).
+    pub unpacked_wire_bytes: u64,
+    /// CUDA IPC handles opened (cache misses) ...
+    pub ipc_opens: u64,
+    /// ... and ops that found their mapping open.
+    pub ipc_hits: u64,
     /// Commands that found their connection's stream or ring full and
     /// waited (back-pressure from a peer that reads slowly).
     pub parked_commands: u64,

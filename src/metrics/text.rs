@@ -194,7 +194,7 @@ fn gauges(o: &mut Out, m: &Metrics) {
         "Live memory registrations.",
         m.registrations,
     );
-    let cache = [("hit", m.reg_cache.hits), ("miss", m.reg_cache.misses)];
+    let cache = [("hit", m.reg_cache_hits), ("miss", m.reg_cache_misses)];
     o.family(
         "ferry_reg_cache_lookups_total",
         "counter",
@@ -203,17 +203,16 @@ fn gauges(o: &mut Out, m: &Metrics) {
     for (result, n) in cache {
         o.sample("ferry_reg_cache_lookups_total", &[("result", result)], n);
     }
-    let c = &m.compress;
     o.family(
         "ferry_compress_bytes_total",
         "counter",
         "Bytes through the float codec: raw and on the wire, packed here (out) or unpacked here (in).",
     );
     for (dir, form, n) in [
-        ("out", "raw", c.raw_bytes),
-        ("out", "wire", c.wire_bytes),
-        ("in", "raw", c.unpacked_bytes),
-        ("in", "wire", c.unpacked_wire_bytes),
+        ("out", "raw", m.packed_raw_bytes),
+        ("out", "wire", m.packed_wire_bytes),
+        ("in", "raw", m.unpacked_raw_bytes),
+        ("in", "wire", m.unpacked_wire_bytes),
     ] {
         let labels = [("direction", dir), ("form", form)];
         o.sample("ferry_compress_bytes_total", &labels, n);
@@ -221,12 +220,12 @@ fn gauges(o: &mut Out, m: &Metrics) {
     o.counter(
         "ferry_ipc_handle_opens_total",
         "CUDA IPC handles opened (cache misses).",
-        m.ipc.opens,
+        m.ipc_opens,
     );
     o.counter(
         "ferry_ipc_handle_hits_total",
         "CUDA IPC ops that found their mapping open.",
-        m.ipc.hits,
+        m.ipc_hits,
     );
     o.family(
         "ferry_backpressure_total",

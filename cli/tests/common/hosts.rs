@@ -67,6 +67,23 @@ impl Hosts {
         Ok(h)
     }
 
+    /// Shapes what host a sends to `rate` (tc's token bucket: a slow
+    /// link, not a dead one). `netem` delays would be closer to a long
+    /// path, but kernels without `sch_netem` (this CI's) refuse it.
+    pub fn shape_a(&self, rate: &str) {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.a, "tc", "qdisc", "add", "dev"])
+            .args([&self.dev_a, "root", "tbf", "rate", rate])
+            .args(["burst", "16kbit", "latency", "1s"])
+            .output()
+            .expect("tc");
+        assert!(
+            out.status.success(),
+            "tc: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     pub fn link_a(&self, up: bool) {
         ip(&[
             "-n",
