@@ -182,6 +182,9 @@ fn etcd() -> Etcd {
         .arg("--trusted-ca-file")
         .arg(pki.path("ca.pem"))
         .arg("--client-cert-auth")
+        // Tokens that expire after a second unused: a client must fetch
+        // a new one (tested at the end).
+        .arg("--auth-token-ttl=1")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
@@ -335,6 +338,11 @@ fn tls_and_auth_publish_list_and_look_up_and_refuse_the_wrong_ones() {
     // with the flags and the user from the environment.
     cli_round(&e);
     pubn.close();
+
+    // A token unused past its TTL is refused ("invalid auth token"): the
+    // client authenticates again and the call goes through.
+    std::thread::sleep(Duration::from_millis(2500));
+    assert!(dir.list().unwrap().iter().all(|x| x.name != "a"), "closed");
 }
 
 fn ferry_cmd(e: &Etcd, args: &[&str]) -> Command {
