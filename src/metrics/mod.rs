@@ -22,11 +22,13 @@
 //!   CUDA IPC ops never reach the target's CPU and are not seen there.
 
 mod cells;
+mod clock;
 mod text;
 
 use std::time::Duration;
 
 pub(crate) use cells::{op_idx, ShardMetrics};
+pub(crate) use clock::OpClock;
 pub use text::{render, CONTENT_TYPE};
 
 use crate::error::{FailureKind, OpKind};

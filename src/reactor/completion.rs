@@ -277,9 +277,11 @@ impl CompletionTable {
             // the owner does not touch `result` until it sees DONE below.
             unsafe { slot.result.with_mut(|p| *p = r.map(Box::new)) };
         }
-        // SAFETY: as above: the one completer, before DONE.
-        let failed = unsafe { slot.result.with(|p| (*p).as_ref().map(|e| e.kind())) };
-        ending.ended = Some(failed);
+        ending.ended = Some(match ok {
+            true => None,
+            // SAFETY: as above: the one completer, before DONE.
+            false => unsafe { slot.result.with(|p| (*p).as_ref().map(|e| e.kind())) },
+        });
         // SAFETY: as for `result`: the one completer; the owner wrote the
         // note before submitting and never touches it again.
         let n = unsafe { slot.note.with_mut(|p| (*p).take()) };

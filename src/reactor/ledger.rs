@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use super::completion::CompletionTable;
 use crate::error::{ConnId, Error, Result};
-use crate::metrics::{ShardMetrics, Via};
+use crate::metrics::{OpClock, ShardMetrics, Via};
 use crate::sys::IntMap;
 
 /// What the metrics count of an op: its kind (`metrics::op_idx`), path,
@@ -58,6 +58,8 @@ pub(crate) struct OpLedger {
     pub metrics: Arc<ShardMetrics>,
     /// Ops opened (with a count) and not yet ended.
     in_flight: usize,
+    /// Reads the time an op ended (cheaply: see `metrics/clock.rs`).
+    pub clock: OpClock,
 }
 
 impl OpLedger {
@@ -69,6 +71,7 @@ impl OpLedger {
         Self {
             metrics,
             in_flight: 0,
+            clock: OpClock::default(),
             ops: (0..table.capacity()).map(|_| LedgerOp::default()).collect(),
             done: Vec::with_capacity(table.capacity()),
             conn_ops: Default::default(),
@@ -172,14 +175,18 @@ impl OpLedger {
                     }
                 }
                 let result = op.error.take().map_or(Ok(()), Err);
-                let unlabelled = result.as_ref().err().map(|e| e.kind());
                 let counted = op.counted.take();
+                let unlabelled = match counted {
+                    None => result.as_ref().err().map(|e| e.kind()),
+                    Some(_) => None,
+                };
                 self.in_flight -= counted.is_some() as usize;
                 let ending = self.table.complete_noting(slot, result);
                 if let Some(failed) = ending.ended {
                     match counted {
                         Some(c) => {
-                            let now = *now.get_or_insert_with(Instant::now);
+                            let clock = &self.clock;
+                            let now = *now.get_or_insert_with(|| clock.now());
                             let took = now.saturating_duration_since(c.start);
                             self.metrics.op_ended(c.op, c.via, failed, took);
                         }

@@ -54,6 +54,7 @@ impl Shard {
     /// timer came due, re-armed at its next deadline. No connection is
     /// looked at before its time.
     pub(super) fn check_timeouts(&mut self, now: Instant) {
+        self.ledger.clock.calibrate(now);
         self.local.settle_activity(now);
         self.tcp.broken_links(&mut self.to_fail);
         let limit = self.cfg.op_timeout;
