@@ -257,3 +257,39 @@ fn a_stalled_op_is_reported_once_then_times_out() {
     assert_eq!((w.ok, w.failed), (0, OPS as u64));
     println!("{}", reports[0]);
 }
+
+/// `kill -USR1` of a `ferry serve` prints the summary `ferry stat` prints,
+/// on its stderr, and it goes on serving.
+#[test]
+fn sigusr1_prints_the_summary_to_stderr() {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(ferry_bin())
+        .args(["serve", "--bytes", "65536", "--listen", "127.0.0.1"])
+        .env("FERRY_LOG", "error")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let served = ferry_cli::testkit::read_served(&mut out).unwrap();
+    let ep = client(ferry::oob::IoPreference::Epoll);
+    let conn = ep.add_remote(&served.meta).unwrap();
+    let local = ep.alloc(4096).unwrap();
+    ep.write(conn, &local, 0, 4096, &served.rbuf).unwrap();
+    // SAFETY: signalling our own child.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGUSR1) }, 0);
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut lines = Vec::new();
+    for _ in 0..5 {
+        let mut l = String::new();
+        err.read_line(&mut l).unwrap();
+        lines.push(l);
+    }
+    let text = lines.concat();
+    assert!(text.starts_with("connections   1 tcp"), "{text}");
+    assert!(text.contains("bytes target    out 0 in 4096"), "{text}");
+    ep.write(conn, &local, 0, 4096, &served.rbuf).unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+}

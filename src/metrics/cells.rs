@@ -58,7 +58,7 @@ impl Histo {
 }
 
 /// The index of an op kind in the counters.
-pub(crate) fn op_idx(kind: OpKind) -> usize {
+pub(crate) fn op_idx(kind: OpKind) -> u8 {
     match kind {
         OpKind::Write => 0,
         OpKind::Read => 1,

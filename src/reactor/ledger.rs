@@ -21,10 +21,10 @@ use crate::sys::IntMap;
 /// bytes and when its shard took it.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Counted {
-    pub op: usize,
-    pub via: Via,
     pub bytes: u64,
     pub start: Instant,
+    pub op: u8,
+    pub via: Via,
 }
 
 #[derive(Default)]
@@ -100,7 +100,7 @@ impl OpLedger {
             }
             *n += 1;
         }
-        self.metrics.bytes[counted.op][counted.via as usize].add(counted.bytes);
+        self.metrics.bytes[counted.op as usize][counted.via as usize].add(counted.bytes);
         self.in_flight += 1;
         self.ops[slot as usize] = LedgerOp {
             remaining: pieces,
@@ -188,7 +188,7 @@ impl OpLedger {
                             let clock = &self.clock;
                             let now = *now.get_or_insert_with(|| clock.now());
                             let took = now.saturating_duration_since(c.start);
-                            self.metrics.op_ended(c.op, c.via, failed, took);
+                            self.metrics.op_ended(c.op as usize, c.via, failed, took);
                         }
                         None => {
                             if let Some(k) = failed.or(unlabelled) {

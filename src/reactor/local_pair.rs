@@ -134,11 +134,11 @@ impl End {
             return None;
         };
         if op.total.is_none() {
-            let total = self.side.pieces(idx, &op, CHUNK);
+            let (total, _) = self.side.pieces(idx, &op, CHUNK);
             let counted = crate::reactor::ledger::Counted {
                 op: crate::metrics::op_idx(op.kind),
                 via: crate::metrics::Via::Shm,
-                bytes: op.parts.as_slice().iter().map(|d| d.len()).sum(),
+                bytes: op.parts.bytes(),
                 start: now,
             };
             if let Err(e) = self.ledger.open(op.slot, total, Some(op.conn), counted) {

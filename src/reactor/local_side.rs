@@ -522,12 +522,13 @@ fn poll_one(idx: usize, lc: &mut LocalConn, peer_maps: &PeerMaps, cx: &mut Cx<'_
 }
 
 impl Carrier for LocalSide {
-    fn pieces(&self, _idx: usize, op: &OpCmd, chunk: usize) -> u32 {
-        plan::pieces(
+    fn pieces(&self, _idx: usize, op: &OpCmd, chunk: usize) -> (u32, crate::metrics::Via) {
+        let n = plan::pieces(
             Route::Local,
             op.parts.as_slice().iter().map(|d| d.local.len()),
             chunk,
-        )
+        );
+        (n, crate::metrics::Via::Shm)
     }
 
     fn submit(&mut self, idx: usize, mut op: OpCmd, cx: &mut SubmitCx<'_>) -> Option<OpCmd> {
@@ -569,10 +570,6 @@ impl Carrier for LocalSide {
 
     fn conn_id(&self, idx: usize) -> ConnId {
         self.conns[idx].id
-    }
-
-    fn via(&self, _idx: usize, _op: &OpCmd) -> crate::metrics::Via {
-        crate::metrics::Via::Shm
     }
 
     fn has_pending(&self, idx: usize) -> bool {

@@ -81,6 +81,15 @@ pub(crate) enum OpParts {
 }
 
 impl OpParts {
+    /// The bytes the op moves.
+    #[inline]
+    pub fn bytes(&self) -> u64 {
+        match self {
+            OpParts::One(d) => d.len(),
+            OpParts::Many(v) => v.iter().map(|d| d.len()).sum(),
+        }
+    }
+
     pub fn as_slice(&self) -> &[OpDesc] {
         match self {
             OpParts::One(d) => std::slice::from_ref(d),

@@ -118,8 +118,9 @@ pub(crate) struct Removed {
 /// teardown. The shard routes to it by `ConnRef` and keeps the ledger,
 /// the parked commands and the timers.
 pub(crate) trait Carrier: Source {
-    /// The pieces `op` becomes on connection `idx`: its ledger count.
-    fn pieces(&self, idx: usize, op: &OpCmd, chunk: usize) -> u32;
+    /// The pieces `op` becomes on connection `idx` (its ledger count), and
+    /// the path it takes there (for the metrics).
+    fn pieces(&self, idx: usize, op: &OpCmd, chunk: usize) -> (u32, crate::metrics::Via);
     /// Queues what fits of `op` on connection `idx` (its progress kept in
     /// `op.at`) and hands back the rest when a stream or ring is full.
     fn submit(&mut self, idx: usize, op: OpCmd, cx: &mut SubmitCx<'_>) -> Option<OpCmd>;
@@ -127,8 +128,6 @@ pub(crate) trait Carrier: Source {
     fn notify(&mut self, idx: usize, payload: Vec<u8>) -> std::result::Result<(), Vec<u8>>;
     /// The id of connection `idx`.
     fn conn_id(&self, idx: usize) -> ConnId;
-    /// The path `op` takes on connection `idx` (for the metrics).
-    fn via(&self, idx: usize, op: &OpCmd) -> crate::metrics::Via;
     /// Whether requests of ours wait for replies on connection `idx`.
     fn has_pending(&self, idx: usize) -> bool;
     /// Looks at connection `idx` for the timeout checks (`limit`: the op

@@ -215,11 +215,11 @@ impl Shard {
         let (t, idx) = route(&mut self.tcp, &mut self.local, at);
         let now = *self.pass_now.get_or_insert_with(Instant::now);
         if op.total.is_none() {
-            let total = t.pieces(idx, &op, self.cfg.chunk_bytes);
+            let (total, via) = t.pieces(idx, &op, self.cfg.chunk_bytes);
             let counted = Counted {
                 op: crate::metrics::op_idx(op.kind),
-                via: t.via(idx, &op),
-                bytes: op.parts.as_slice().iter().map(|d| d.len()).sum(),
+                via,
+                bytes: op.parts.bytes(),
                 start: now,
             };
             if let Err(e) = self.ledger.open(op.slot, total, Some(op.conn), counted) {

@@ -189,17 +189,14 @@ impl TcpSide {
 }
 
 impl Carrier for TcpSide {
-    fn pieces(&self, idx: usize, op: &OpCmd, chunk: usize) -> u32 {
-        let route = if self.via_verbs(idx, op) {
-            Route::Verbs
+    fn pieces(&self, idx: usize, op: &OpCmd, chunk: usize) -> (u32, crate::metrics::Via) {
+        let (route, via) = if self.via_verbs(idx, op) {
+            (Route::Verbs, crate::metrics::Via::Rdma)
         } else {
-            Route::Tcp
+            (Route::Tcp, crate::metrics::Via::Tcp)
         };
-        plan::pieces(
-            route,
-            op.parts.as_slice().iter().map(|d| d.local.len()),
-            chunk,
-        )
+        let lens = op.parts.as_slice().iter().map(|d| d.local.len());
+        (plan::pieces(route, lens, chunk), via)
     }
 
     fn submit(&mut self, idx: usize, op: OpCmd, cx: &mut SubmitCx<'_>) -> Option<OpCmd> {
@@ -222,14 +219,6 @@ impl Carrier for TcpSide {
 
     fn conn_id(&self, idx: usize) -> ConnId {
         self.conns[idx].id
-    }
-
-    fn via(&self, idx: usize, op: &OpCmd) -> crate::metrics::Via {
-        if self.via_verbs(idx, op) {
-            crate::metrics::Via::Rdma
-        } else {
-            crate::metrics::Via::Tcp
-        }
     }
 
     fn has_pending(&self, idx: usize) -> bool {
