@@ -5,12 +5,12 @@
 //!
 //! The HTTP side is the least a scraper needs: one request per connection,
 //! GET only, a request of at most `MAX_REQUEST_BYTES` read within
-//! `IO_TIMEOUT`, one client at a time (a slow one holds the next for that
-//! long at most).
+//! `IO_TIMEOUT`, up to `MAX_CLIENTS` clients at once (more are answered
+//! 503 at once).
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -32,6 +32,11 @@ same to its stderr.";
 const MAX_REQUEST_BYTES: usize = 8192;
 /// How long one client may take to send its request or read the answer.
 const IO_TIMEOUT: Duration = Duration::from_secs(2);
+/// Clients answered at once.
+const MAX_CLIENTS: usize = 16;
+/// The answer past them.
+const BUSY: &[u8] =
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
 /// How often the listener looks at its stop flag.
 const STOP_POLL: Duration = Duration::from_millis(50);
 
@@ -45,22 +50,41 @@ pub fn bind(addr: &str) -> Result<TcpListener> {
     Ok(l)
 }
 
-/// Answers scrapes of `ep`'s metrics on `l` until `stop` is set.
+/// Answers scrapes of `ep`'s metrics on `l` until `stop` is set: each
+/// client on a thread of its own, at most `MAX_CLIENTS` at once (one that
+/// finds them all busy is answered 503 at once), so clients that connect
+/// and send nothing hold up nobody for longer than it takes to refuse them.
 pub fn serve(l: &TcpListener, ep: &Endpoint, stop: &AtomicBool) {
-    while !stop.load(Ordering::Relaxed) {
-        match l.accept() {
-            Ok((s, _)) => {
-                if let Err(e) = answer(s, ep) {
-                    tracing::debug!("metrics client: {e:#}");
+    let busy = AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        while !stop.load(Ordering::Relaxed) {
+            match l.accept() {
+                Ok((mut c, _)) => {
+                    if busy.fetch_add(1, Ordering::AcqRel) >= MAX_CLIENTS {
+                        busy.fetch_sub(1, Ordering::AcqRel);
+                        let _ = c.set_nonblocking(false);
+                        let _ = c.set_write_timeout(Some(IO_TIMEOUT));
+                        let _ = c.write_all(BUSY);
+                        continue;
+                    }
+                    let busy = &busy;
+                    s.spawn(move || {
+                        if let Err(e) = answer(c, ep) {
+                            tracing::debug!("metrics client: {e:#}");
+                        }
+                        busy.fetch_sub(1, Ordering::AcqRel);
+                    });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(STOP_POLL)
+                }
+                Err(e) => {
+                    tracing::warn!("metrics listener: {e}");
+                    std::thread::sleep(STOP_POLL);
                 }
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(STOP_POLL),
-            Err(e) => {
-                tracing::warn!("metrics listener: {e}");
-                std::thread::sleep(STOP_POLL);
-            }
         }
-    }
+    });
 }
 
 /// What a request head asks for, or the status that refuses it.

@@ -139,12 +139,28 @@ fn the_metrics_listener_answers_only_get_and_bounds_the_request() {
     huge.resize(64 * 1024, b'a');
     let long = status_of(&addr, &huge);
     assert_eq!(long, "HTTP/1.1 431 Request Header Fields Too Large");
-    // A client that sends nothing holds the listener for its timeout at
-    // most; the next scrape is answered.
-    let silent = std::net::TcpStream::connect(&addr).unwrap();
+    // Clients that connect and send nothing hold up nobody: with 4 of
+    // them waiting, a scrape is answered at once.
+    let silent: Vec<_> = (0..4)
+        .map(|_| std::net::TcpStream::connect(&addr).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let t0 = std::time::Instant::now();
     let text = fetch(&addr).unwrap();
     assert!(text.contains("# TYPE ferry_ops_total counter"), "{text}");
-    drop(silent);
+    assert!(
+        t0.elapsed() < Duration::from_millis(1500),
+        "{:?}",
+        t0.elapsed()
+    );
+    // Past 16 at once, one is refused at once rather than queued.
+    let more: Vec<_> = (0..16)
+        .map(|_| std::net::TcpStream::connect(&addr).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let refused = status_of(&addr, b"GET /metrics HTTP/1.1\r\n\r\n");
+    assert_eq!(refused, "HTTP/1.1 503 Service Unavailable");
+    drop((silent, more));
 }
 
 #[test]
