@@ -274,8 +274,13 @@ impl Directory {
                 .etcd
                 .time_to_live(holder.lease)
                 .map_err(|e| Some(e.into()))?;
-            let outlived = start + Duration::from_secs(granted.max(0) as u64 + 1);
-            deadline = deadline.min(outlived);
+            // A lease that ran out (or that etcd no longer knows) answers
+            // a granted TTL of 0: its keys are on their way out, so it
+            // sets no deadline of its own (MAX_OUTLIVE still bounds us).
+            if left > 0 {
+                let outlived = start + Duration::from_secs(granted.max(0) as u64 + 1);
+                deadline = deadline.min(outlived);
+            }
             if left > last_left || Instant::now() >= deadline {
                 return Err(None);
             }
