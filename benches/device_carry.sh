@@ -6,7 +6,11 @@
 # directory) with a one-line `uccl` package that is ferry.p2p, and NIXL
 # for Python 3.12 slimmed from the wheels in $NIXL_WHEELS (`pip download
 # nixl-cu13 nixl --no-deps --python-version 3.12 --only-binary=:all:
-# --platform manylinux_2_28_x86_64 -d DIR`).
+# --platform manylinux_2_28_x86_64 -d DIR`). RAY_WHEELS (a folder of `pip
+# download ray --python-version 3.12 --only-binary=:all: --platform
+# manylinux2014_x86_64 --platform any`) adds Ray for `device_run.sh ray`,
+# slimmed (its Java jar and source maps: 43 of 76 MiB left); with it, set
+# NIXL_WHEELS aside (64 MiB in all) and the GPU suites are left out.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -14,7 +18,8 @@ c=target/carry
 mkdir -p $c/wheel $c/uccl/uccl
 cargo build -q --release -p ferry-cli -p ferry-nixl
 # The GPU suites' test binaries, as $c/gpu and $c/gpu_pieces.
-for t in gpu gpu_pieces; do
+rm -f $c/gpu $c/gpu_pieces
+for t in $([ -z "${RAY_WHEELS:-}" ] && echo gpu gpu_pieces); do
     bin=$(cargo test -q --release -p ferry-cli --test $t --no-run --message-format=json 2>/dev/null \
         | python3 -c 'import json,sys
 for l in sys.stdin:
@@ -24,7 +29,7 @@ for l in sys.stdin:
     cp "$bin" $c/$t
 done
 cp target/release/ferry target/release/libplugin_FERRY.so $c/
-strip $c/ferry $c/gpu $c/gpu_pieces
+strip $c/ferry $([ -z "${RAY_WHEELS:-}" ] && echo $c/gpu $c/gpu_pieces)
 # The plugin keeps its symbol table: the NIXL suite's vtable check reads it.
 strip --strip-debug $c/libplugin_FERRY.so
 rm -f $c/wheel/*.whl
@@ -52,5 +57,28 @@ if [ -n "${NIXL_WHEELS:-}" ]; then
     done
     tar -C "$tmp" -cf - . | xz -T2 -6 > $c/nixl-slim.tar.xz
     rm -rf "$tmp"
+fi
+rm -rf $c/rayslim
+if [ -n "${RAY_WHEELS:-}" ]; then
+    mkdir -p $c/rayslim
+    for w in "$RAY_WHEELS"/*.whl; do
+        case $(basename "$w") in
+        ray-*) python3 - "$w" $c/rayslim/$(basename "$w") <<'PY'
+import sys, zipfile
+drop = lambda n: n.startswith("ray/jars/") or n.endswith(".js.map")
+zi, zo = zipfile.ZipFile(sys.argv[1]), zipfile.ZipFile(sys.argv[2], "w", zipfile.ZIP_DEFLATED, compresslevel=9)
+for i in zi.infolist():
+    if drop(i.filename):
+        continue
+    data = zi.read(i.filename)
+    if i.filename.endswith(".dist-info/RECORD"):
+        data = "".join(l + "\n" for l in data.decode().splitlines() if not drop(l.split(",")[0])).encode()
+    zo.writestr(i, data)
+zo.close()
+PY
+        ;;
+        *) cp "$w" $c/rayslim/ ;;
+        esac
+    done
 fi
 du -sh $c

@@ -6,12 +6,17 @@
 #   wheel/ferry-*.whl (the Python package), uccl/ (UCCL v0.1.1's own
 #   p2p/tests, unchanged, and a one-line `uccl` package that is ferry.p2p).
 #
-#   benches/device_run.sh tests|benches     (results under $OUT)
+#   benches/device_run.sh tests|benches|ray     (results under $OUT)
 #
 # tests: the GPU suite, the Python suite, UCCL's own tests, the NIXL suite
 # on VRAM (nixl-cu13 as installed there) over shm and tcp.
 # benches: `ferry bench` and benches/nixl_bench.py points recorded into
 # $OUT/results/*.jsonl (benches/record.py) for BENCHMARKS.md's summary.
+# ray: Ray (a slimmed wheel and its dependencies in target/carry/rayslim,
+# from benches/device_carry.sh with RAY_WHEELS) and the ferry wheel
+# installed, python/tests/test_ray.py three times (torch: host and CUDA
+# tensors), benches/ray_rdt.py into $OUT/ray_rdt.txt, and the NIXL suite on
+# VRAM over shm and tcp (nixl-cu13 as installed there).
 set -uo pipefail
 what=${1:?tests or benches}
 carry=$PWD/target/carry
@@ -72,6 +77,25 @@ if [ "$what" = tests ]; then
         for t in shm tcp; do
             step "NIXL suite, VRAM, $t"
             FERRY_NIXL_MEM=VRAM FERRY_TRANSPORT=$t timeout 200 $py -m pytest -q -p no:cacheprovider nixl/tests/test_nixl.py 2>&1 | tail -6
+        done
+    fi
+elif [ "$what" = ray ]; then
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    step "install ray and ferry"
+    $py -m pip install -q --no-index --find-links "$carry/rayslim" ray 2>&1 | tail -3
+    $py -m pip install -q --no-deps --no-index --force-reinstall "$carry"/wheel/ferry-*.whl 2>&1 | tail -2
+    $py -c 'import ray, torch, ferry.ray; print("ray", ray.__version__, "torch", torch.__version__, "cuda", torch.cuda.is_available())'
+    nixl_dir || true
+    for i in 1 2 3; do
+        step "ferry.ray suite, run $i"
+        (cd python/tests && timeout 400 $py -m pytest -q -p no:cacheprovider -rs test_ray.py 2>&1 | tail -8)
+    done
+    step "benches/ray_rdt.py"
+    timeout 600 $py benches/ray_rdt.py --json 2>&1 | grep -v "WARNING\|INFO" | tee "$OUT/ray_rdt.txt"
+    if [ -n "${NIXL_PLUGIN_DIR:-}" ]; then
+        for t in shm tcp; do
+            step "NIXL suite, VRAM, $t"
+            FERRY_NIXL_MEM=VRAM FERRY_TRANSPORT=$t timeout 200 $py -m pytest -q -p no:cacheprovider -rs nixl/tests/test_nixl.py 2>&1 | tail -6
         done
     fi
 elif [ "$what" = benches ]; then

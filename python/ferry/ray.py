@@ -77,6 +77,9 @@ MAX_PEERS = 1024
 #: Object ids of aborts remembered (an abort may come before the fetch).
 _MAX_ABORTS = 4096
 
+#: Actors remembered to have ferry importable.
+_MAX_ACTORS = 4096
+
 #: How often a waiting fetch looks whether it was aborted, in seconds.
 _ABORT_POLL_S = 0.05
 
@@ -195,6 +198,35 @@ def _itemsize(dtype: Any) -> int:
     return int(dtype.itemsize)
 
 
+#: Where each tensor of a fetched object starts in its one allocation.
+_ALIGN = 256
+
+
+def _alloc_object(tensor_meta: List[Tuple[Any, Any]], device: Optional[str]) -> Tuple[Any, List[int], List[Any]]:
+    """One byte buffer for all tensors of an object (None when they hold
+    no bytes), each tensor's offset in it, and the tensors: views of it."""
+    offsets, total = [], 0
+    for shape, dtype in tensor_meta:
+        offsets.append(total)
+        total += -(-_nbytes_of(shape, dtype) // _ALIGN) * _ALIGN
+    if not tensor_meta:
+        return None, [], []
+    numpy_kind = type(tensor_meta[0][1]).__module__.startswith("numpy")
+    if numpy_kind:
+        import numpy
+
+        buf = numpy.empty(max(total, 1), dtype=numpy.uint8)
+    else:
+        import torch
+
+        buf = torch.empty(max(total, 1), dtype=torch.uint8, device=device or "cpu")
+    tensors = [
+        buf[off : off + _nbytes_of(shape, dtype)].view(dtype).reshape(tuple(shape))
+        for (shape, dtype), off in zip(tensor_meta, offsets)
+    ]
+    return (buf if total else None), offsets, tensors
+
+
 class FerryTensorTransport(TensorTransportManager):
     """The ``"FERRY"`` transport (one instance per process, made by Ray)."""
 
@@ -210,6 +242,8 @@ class FerryTensorTransport(TensorTransportManager):
         self._peers: "collections.OrderedDict[bytes, Connection]" = collections.OrderedDict()
         self._busy: Dict[bytes, int] = {}
         self._aborted: "collections.OrderedDict[str, None]" = collections.OrderedDict()
+        # Actors known to have ferry (LRU).
+        self._actors_with_ferry: "collections.OrderedDict[Any, None]" = collections.OrderedDict()
 
     # -- what Ray asks of every transport --------------------------------------
 
@@ -225,6 +259,23 @@ class FerryTensorTransport(TensorTransportManager):
         return True
 
     def actor_has_tensor_transport(self, actor: Any) -> bool:
+        # Ray asks before every transport call; the answer is a round trip
+        # to the actor (~2 ms): a yes is kept per actor.
+        key = getattr(actor, "_actor_id", None)
+        with self._lock:
+            if key is not None and key in self._actors_with_ferry:
+                self._actors_with_ferry.move_to_end(key)
+                return True
+        has = self._ask_actor(actor)
+        if has and key is not None:
+            with self._lock:
+                self._actors_with_ferry[key] = None
+                while len(self._actors_with_ferry) > _MAX_ACTORS:
+                    self._actors_with_ferry.popitem(last=False)
+        return has
+
+    @staticmethod
+    def _ask_actor(actor: Any) -> bool:
         import ray
 
         def __ray_actor_has_ferry__(self: Any) -> bool:
@@ -337,30 +388,20 @@ class FerryTensorTransport(TensorTransportManager):
                     f"ferry.ray: {len(tensors)} target buffers for an object of "
                     f"{len(meta.tensor_meta)} tensors"
                 )
+            block, offsets = None, []
         else:
-            tensors = [_alloc(shape, dtype, meta.tensor_device) for shape, dtype in meta.tensor_meta]
-        windows = meta.ferry_windows or []
-        if len(windows) != len(tensors):
-            raise ValueError(
-                f"ferry.ray: the object's metadata has {len(windows)} windows for {len(tensors)} tensors"
-            )
+            # One allocation for the whole object, the tensors views of it:
+            # one registration per fetch, whatever the tensor count.
+            buf, offsets, tensors = _alloc_object(meta.tensor_meta, meta.tensor_device)
+            block = self._endpoint().register(buf) if buf is not None else None
         req = FerryFetchRequest(obj_id=obj_id, tensors=tensors, transport=self)
-        pieces: List[Region] = []
-        wins: List[Window] = []
-        for i, (t, w) in enumerate(zip(tensors, windows)):
-            shape, dtype = meta.tensor_meta[i]
-            want = _nbytes_of(shape, dtype)
-            if _nbytes(t) != want:
-                raise ValueError(
-                    f"ferry.ray: target buffer {i} holds {_nbytes(t)} bytes, the tensor {want}"
-                )
-            if w is None or want == 0:
-                continue
-            if not _contiguous(t):
-                raise ValueError(f"ferry.ray: target buffer {i} is not contiguous")
-            req.regions.append(self._endpoint().register(_registrable(t)))
-            pieces.append(req.regions[-1])
-            wins.append(Window(w))
+        if block is not None:
+            req.regions.append(block)
+        try:
+            pieces, wins = self._pieces(meta, tensors, block, offsets, req)
+        except BaseException:
+            req._release()
+            raise
         if not pieces:
             return req
         peer = bytes(meta.ferry_endpoint or b"")
@@ -373,6 +414,37 @@ class FerryTensorTransport(TensorTransportManager):
             req._release()
             raise _transport_error(obj_id, e) from None
         return req
+
+    def _pieces(
+        self, meta: FerryTransportMetadata, tensors: List[Any], block: Optional[Region], offsets: List[int], req: FerryFetchRequest
+    ) -> Tuple[List[Any], List[Window]]:
+        """The READ's local pieces and the source's windows, checked against
+        the object's metadata (target buffers registered into ``req``)."""
+        windows = meta.ferry_windows or []
+        if len(windows) != len(tensors):
+            raise ValueError(
+                f"ferry.ray: the object's metadata has {len(windows)} windows for {len(tensors)} tensors"
+            )
+        pieces: List[Any] = []
+        wins: List[Window] = []
+        for i, (t, w) in enumerate(zip(tensors, windows)):
+            shape, dtype = meta.tensor_meta[i]
+            want = _nbytes_of(shape, dtype)
+            if _nbytes(t) != want:
+                raise ValueError(
+                    f"ferry.ray: target buffer {i} holds {_nbytes(t)} bytes, the tensor {want}"
+                )
+            if w is None or want == 0:
+                continue
+            if block is not None:
+                pieces.append((block, offsets[i], want))
+            else:
+                if not _contiguous(t):
+                    raise ValueError(f"ferry.ray: target buffer {i} is not contiguous")
+                req.regions.append(self._endpoint().register(_registrable(t)))
+                pieces.append(req.regions[-1])
+            wins.append(Window(w))
+        return pieces, wins
 
     def wait_fetch_complete(self, fetch_request: FetchRequest, timeout: float = -1) -> List[Any]:
         req = fetch_request
