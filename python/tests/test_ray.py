@@ -45,7 +45,7 @@ if torch is not None and torch.cuda.is_available():
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster():
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=8, num_gpus=1 if "cuda" in DEVICES else 0, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -145,7 +145,9 @@ class Actor:
 def actors(path, n=2):
     """``n`` actors whose ferry endpoints use ``path`` (shm or tcp)."""
     env = {"env_vars": {"FERRY_TRANSPORT": path, "FERRY_LISTEN_ADDR": "127.0.0.1"}}
-    return [Actor.options(runtime_env=env).remote() for _ in range(n)]
+    # Ray hides the GPUs from an actor that asks for none.
+    gpus = 0.05 if "cuda" in DEVICES else 0
+    return [Actor.options(runtime_env=env, num_gpus=gpus).remote() for _ in range(n)]
 
 
 def reads(actor):

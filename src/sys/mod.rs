@@ -9,6 +9,9 @@ use std::net::{IpAddr, Ipv4Addr};
 
 use tracing::warn;
 
+mod maps;
+pub(crate) use maps::range_mapped;
+
 /// A libc return value that says "failed, see errno" by being -1.
 pub(crate) trait MinusOne: Copy + PartialEq {
     /// -1 of this type.
@@ -561,103 +564,5 @@ mod tests {
         );
         assert_eq!(pin_order(&nodes, None, |_| true), [0, 1, 2, 3, 4, 5, 6, 7]);
         assert!(pin_order(&[], Some(0), |_| true).is_empty());
-    }
-}
-
-/// Whether `[ptr, ptr + len)` is mapped in this process, readable (and
-/// writable when `write`), by the lines of `/proc/self/maps` in `maps`:
-/// `Err` names the first byte that is not.
-pub(crate) fn range_mapped_in(maps: &str, ptr: u64, len: u64, write: bool) -> Result<(), String> {
-    let end = ptr
-        .checked_add(len)
-        .ok_or_else(|| format!("[{ptr:#x}, +{len}) runs past the end of the address space"))?;
-    let mut at = ptr;
-    // The maps are in address order: walk them, each covering the next
-    // byte, until the range is covered.
-    for line in maps.lines() {
-        if at >= end {
-            break;
-        }
-        let mut f = line.split_whitespace();
-        let (Some(range), Some(perms)) = (f.next(), f.next()) else {
-            continue;
-        };
-        let Some((lo, hi)) = range.split_once('-') else {
-            continue;
-        };
-        let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) else {
-            continue;
-        };
-        if hi <= at {
-            continue;
-        }
-        if lo > at {
-            break;
-        }
-        let p = perms.as_bytes();
-        let ok = p.first() == Some(&b'r') && (!write || p.get(1) == Some(&b'w'));
-        if !ok {
-            return Err(format!(
-                "{at:#x} is mapped {perms}, not {}",
-                if write {
-                    "readable and writable"
-                } else {
-                    "readable"
-                }
-            ));
-        }
-        at = hi;
-    }
-    if at < end {
-        return Err(format!("{at:#x} is not mapped in this process"));
-    }
-    Ok(())
-}
-
-/// `range_mapped_in` against this process's maps now.
-pub(crate) fn range_mapped(ptr: u64, len: u64, write: bool) -> Result<(), String> {
-    let maps = std::fs::read_to_string("/proc/self/maps")
-        .map_err(|e| format!("reading /proc/self/maps: {e}"))?;
-    range_mapped_in(&maps, ptr, len, write)
-}
-
-#[cfg(test)]
-mod mapped_tests {
-    use super::*;
-
-    const MAPS: &str = "\
-55d0a000-55d0b000 r--p 00000000 08:01 1 /bin/x
-55d0b000-55d0d000 r-xp 00001000 08:01 1 /bin/x
-7f0000000000-7f0000002000 rw-p 00000000 00:00 0
-7f0000002000-7f0000003000 rw-s 00000000 00:05 9 /dev/shm/a
-7f0000005000-7f0000006000 ---p 00000000 00:00 0
-";
-
-    #[test]
-    fn ranges_are_checked_against_the_maps() {
-        // Across two adjacent writable mappings.
-        assert!(range_mapped_in(MAPS, 0x7f0000001000, 0x1800, true).is_ok());
-        // Read-only code: readable, not writable.
-        assert!(range_mapped_in(MAPS, 0x55d0a800, 0x1000, false).is_ok());
-        let e = range_mapped_in(MAPS, 0x55d0a800, 16, true).unwrap_err();
-        assert!(e.contains("0x55d0a800") && e.contains("r--p"), "{e}");
-        // A hole, a guard page, nothing at all, the end of the space.
-        let e = range_mapped_in(MAPS, 0x7f0000002800, 0x1000, true).unwrap_err();
-        assert!(e.contains("0x7f0000003000 is not mapped"), "{e}");
-        assert!(range_mapped_in(MAPS, 0x7f0000005000, 1, false).is_err());
-        assert!(range_mapped_in(MAPS, 0x1, 1, false)
-            .unwrap_err()
-            .contains("0x1 is not mapped"));
-        assert!(range_mapped_in(MAPS, 1 << 63, 1 << 40, false).is_err());
-        assert!(range_mapped_in(MAPS, u64::MAX, 2, false)
-            .unwrap_err()
-            .contains("past the end"));
-    }
-
-    #[test]
-    fn this_process_has_its_heap_and_not_page_zero() {
-        let v = vec![0u8; 1 << 20];
-        assert!(range_mapped(v.as_ptr() as u64, v.len() as u64, true).is_ok());
-        assert!(range_mapped(0x1000, 4096, false).is_err());
     }
 }
