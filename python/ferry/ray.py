@@ -464,6 +464,9 @@ class FerryTensorTransport(TensorTransportManager):
                 self._raise_if_aborted(req.obj_id)
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"ferry.ray: object {req.obj_id} not fetched after {timeout} s")
+        except TimeoutError:
+            # Still in flight: the request stays whole for a later wait.
+            raise
         except FerryError as e:
             if req.peer is not None:
                 self._forget_peer(req.peer, e)

@@ -313,3 +313,26 @@ def test_abort_ends_a_fetch_and_releases_its_buffers():
     assert mgr._stats()["metrics"]["ferry_registrations"] == 0
     other._endpoint().close()
     mgr._endpoint().close()
+
+
+def test_a_fetch_polled_with_timeout_zero_stays_whole():
+    """Ray's ``wait_fetch_complete(req, timeout=0)`` polls: a fetch not yet
+    done raises TimeoutError and lands on a later wait, byte-exact."""
+    src, dst = ferry.ray.FerryTensorTransport(), ferry.ray.FerryTensorTransport()
+    t = arange(64 << 20, "uint8")
+    meta = src.extract_tensor_transport_metadata("big", [t])
+    comm = src.get_communicator_metadata(None, None)
+    req = dst.fetch_multiple_tensors("big", meta, comm)
+    polls = 0
+    while True:
+        try:
+            (got,) = dst.wait_fetch_complete(req, timeout=0)
+            break
+        except TimeoutError:
+            polls += 1
+    print(f"64 MiB fetch: {polls} polls before it ended")
+    assert same(got, t)
+    src.garbage_collect("big", meta, [t])
+    assert dst._stats()["metrics"].get("ferry_registrations", 0) == 0
+    dst._endpoint().close()
+    src._endpoint().close()
