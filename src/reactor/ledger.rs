@@ -102,14 +102,16 @@ impl OpLedger {
         }
         self.metrics.bytes[counted.op as usize][counted.via as usize].add(counted.bytes);
         self.in_flight += 1;
-        self.ops[slot as usize] = LedgerOp {
-            remaining: pieces,
-            error: None,
-            conn,
-            hold: None,
-            counted: Some(counted),
-            stalled: false,
-        };
+        // Field by field: the slot's last op left `hold` and `error` empty
+        // (`publish` took them), so neither is built, moved nor dropped on
+        // this path (the record is 248 bytes, half of it the held op).
+        let op = &mut self.ops[slot as usize];
+        debug_assert!(op.hold.is_none() && op.counted.is_none());
+        op.remaining = pieces;
+        op.error = None;
+        op.conn = conn;
+        op.counted = Some(counted);
+        op.stalled = false;
         Ok(())
     }
 
