@@ -143,6 +143,9 @@ class FerryFetchRequest(FetchRequest):
     transport: Optional["FerryTensorTransport"] = None
 
     def _release(self) -> None:
+        # The transfer holds its pieces' registrations until dropped: let it
+        # go first, or each close waits (sleeping) for it.
+        self.transfer = None
         regions, self.regions = self.regions, []
         for r in regions:
             try:

@@ -422,18 +422,16 @@ impl Endpoint {
     ) -> Result<()> {
         let deadline = std::time::Instant::now() + timeout;
         loop {
+            if !memory::wait_until(deadline, || std::sync::Arc::strong_count(&mr) == 1) {
+                return Err(Error::Timeout {
+                    what: "a region still held by a call",
+                    timeout_ms: timeout.as_millis() as u64,
+                });
+            }
             match std::sync::Arc::try_unwrap(mr) {
                 Ok(mr) => return self.deregister(mr),
-                Err(_) if std::time::Instant::now() >= deadline => {
-                    return Err(Error::Timeout {
-                        what: "a region still held by a call",
-                        timeout_ms: timeout.as_millis() as u64,
-                    })
-                }
-                Err(still) => {
-                    mr = still;
-                    std::thread::sleep(std::time::Duration::from_micros(200));
-                }
+                // Taken again between the look and the unwrap: wait again.
+                Err(still) => mr = still,
             }
         }
     }
