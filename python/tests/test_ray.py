@@ -10,6 +10,7 @@ Skips (with the reason) only where Ray >= 2.60 is not installed.
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -134,6 +135,9 @@ class Actor:
     def block_system_thread(self, signal):
         ray.get(signal.wait.remote())
 
+    def pid(self):
+        return os.getpid()
+
     def stats(self):
         s = ferry.ray.stats()
         m = s.pop("metrics")
@@ -142,9 +146,10 @@ class Actor:
         return s
 
 
-def actors(path, n=2):
-    """``n`` actors whose ferry endpoints use ``path`` (shm or tcp)."""
-    env = {"env_vars": {"FERRY_TRANSPORT": path, "FERRY_LISTEN_ADDR": "127.0.0.1"}}
+def actors(path, n=2, **settings):
+    """``n`` actors whose ferry endpoints use ``path`` (shm or tcp), with
+    other ``FERRY_*`` settings if given."""
+    env = {"env_vars": {"FERRY_TRANSPORT": path, "FERRY_LISTEN_ADDR": "127.0.0.1", **settings}}
     # Ray hides the GPUs from an actor that asks for none.
     gpus = 0.05 if "cuda" in DEVICES else 0
     return [Actor.options(runtime_env=env, num_gpus=gpus).remote() for _ in range(n)]
@@ -282,6 +287,30 @@ def test_the_source_killed_mid_transfer_is_an_error_not_a_hang(path):
             outcomes.append(type(e).__name__)
     print(f"source killed mid-transfer ({path}): {outcomes} in {time.monotonic() - t0:.2f} s")
     assert time.monotonic() - t0 < 60
+
+
+def test_a_frozen_source_is_an_error_within_the_op_timeout(path):
+    """A source that stops answering (SIGSTOP: no FIN, no RST) fails the
+    fetch by ferry's own deadline, not Ray's, and frees the receiver."""
+    src, dst = actors(path, FERRY_OP_TIMEOUT_MS="1500")
+    ref = src.make.remote(1 << 20, "uint8", "cpu")
+    ray.wait([ref])
+    assert same(ray.get(dst.get.remote(src.make.remote(5, "uint8", "cpu"))), arange(5, "uint8"))
+    pid = ray.get(src.pid.remote())
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ray.exceptions.RayError) as err:
+            ray.get(dst.get.remote(ref), timeout=60)
+        took = time.monotonic() - t0
+        print(f"frozen source ({path}): failed after {took:.2f} s: {str(err.value)[:200]}")
+        assert "The FERRY transfer failed" in str(err.value), err.value
+        assert took < 20
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # The receiver still works with another source.
+    (fresh,) = actors(path, 1)
+    assert same(ray.get(dst.get.remote(fresh.make.remote(100, "uint8", "cpu"))), arange(100, "uint8"))
 
 
 def test_bad_objects_are_refused_with_the_reason():
