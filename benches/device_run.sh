@@ -86,16 +86,18 @@ elif [ "$what" = ray ]; then
     $py -m pip install -q --no-deps --no-index --force-reinstall "$carry"/wheel/ferry-*.whl 2>&1 | tail -2
     $py -c 'import ray, torch, ferry.ray; print("ray", ray.__version__, "torch", torch.__version__, "cuda", torch.cuda.is_available())'
     nixl_dir || true
-    part=${2:-all}  # suite, bench or all (one device call is 10 minutes at most)
+    # suite, bench or all (one device call is 10 minutes at most); RAY_RUNS,
+    # RAY_SUITE_S, RAY_BENCH_S and RAY_SIZES trim them to fit.
+    part=${2:-all}
     if [ "$part" != bench ]; then
-        for i in 1 2 3; do
+        for i in $(seq "${RAY_RUNS:-3}"); do
             step "ferry.ray suite, run $i"
-            (cd python/tests && timeout 170 $py -m pytest -q -p no:cacheprovider -rs test_ray.py 2>&1 | tail -8)
+            (cd python/tests && timeout "${RAY_SUITE_S:-170}" $py -m pytest -q -p no:cacheprovider -rs test_ray.py 2>&1 | tail -8)
         done
     fi
     if [ "$part" != suite ]; then
         step "benches/ray_rdt.py"
-        timeout 400 $py benches/ray_rdt.py --json 2>&1 | grep -v "WARNING\|INFO" | tee "$OUT/ray_rdt.txt"
+        timeout "${RAY_BENCH_S:-400}" $py benches/ray_rdt.py --sizes "${RAY_SIZES:-4K,1M,64M,1G}" --json 2>&1 | grep -v "WARNING\|INFO" | tee "$OUT/ray_rdt.txt"
     fi
     if [ "$part" != suite ] && [ -n "${NIXL_PLUGIN_DIR:-}" ]; then
         for t in shm tcp; do
