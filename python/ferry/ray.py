@@ -187,20 +187,6 @@ def _registrable(t: Any) -> Any:
     return t.detach() if _is_torch(t) else t
 
 
-def _alloc(shape: Any, dtype: Any, device: Optional[str]) -> Any:
-    if type(dtype).__module__.startswith("numpy"):
-        import numpy
-
-        return numpy.empty(tuple(shape), dtype=dtype)
-    import torch
-
-    return torch.empty(tuple(shape), dtype=dtype, device=device or "cpu")
-
-
-def _itemsize(dtype: Any) -> int:
-    return int(dtype.itemsize)
-
-
 #: Where each tensor of a fetched object starts in its one allocation.
 _ALIGN = 256
 
@@ -572,7 +558,7 @@ class FerryTensorTransport(TensorTransportManager):
 
 
 def _nbytes_of(shape: Any, dtype: Any) -> int:
-    n = _itemsize(dtype)
+    n = int(dtype.itemsize)
     for d in shape:
         n *= int(d)
     return n

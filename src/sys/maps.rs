@@ -48,13 +48,24 @@ enum Vma {
 
 /// Runs `f` with this thread's `/proc/self/maps` opened for queries, or
 /// returns None where the kernel has no `PROCMAP_QUERY` (found once per
-/// thread). One file per thread: the kernel keeps per-file state while it
-/// answers a query.
+/// thread and process). One file per thread: the kernel keeps per-file
+/// state while it answers a query. The file answers for the process that
+/// opened it: a child made by `fork` (which copies this thread's copy)
+/// opens its own.
 fn with_query_fd<R>(f: impl FnOnce(&OwnedFd) -> R) -> Option<R> {
     thread_local! {
-        static FD: Option<OwnedFd> = open_for_queries();
+        static FD: std::cell::RefCell<Option<(u32, Option<OwnedFd>)>> =
+            const { std::cell::RefCell::new(None) };
     }
-    FD.with(|fd| fd.as_ref().map(f))
+    let pid = std::process::id();
+    FD.with(|slot| {
+        let mut slot = slot.borrow_mut();
+        if !matches!(&*slot, Some((p, _)) if *p == pid) {
+            *slot = Some((pid, open_for_queries()));
+        }
+        let (_, fd) = slot.as_ref().expect("just set");
+        fd.as_ref().map(f)
+    })
 }
 
 fn open_for_queries() -> Option<OwnedFd> {
@@ -63,6 +74,17 @@ fn open_for_queries() -> Option<OwnedFd> {
     let probe = 0u8;
     query(&fd, std::ptr::addr_of!(probe) as u64).ok()?;
     Some(fd)
+}
+
+/// The refusal of a range whose byte `at` is mapped as `perms` (the maps'
+/// notation) without the access asked for.
+fn not_accessible(at: u64, perms: &str, write: bool) -> String {
+    let want = if write {
+        "readable and writable"
+    } else {
+        "readable"
+    };
+    format!("{at:#x} is mapped {perms}, not {want}")
 }
 
 /// The mapping that holds `addr`, by the kernel; `Err` where the query
@@ -121,16 +143,12 @@ fn range_mapped_by_query(
                 let readable = flags & VMA_READABLE != 0;
                 let writable = flags & VMA_WRITABLE != 0;
                 if !readable || (write && !writable) {
-                    return Ok(Err(format!(
-                        "{at:#x} is mapped {}{}, not {}",
+                    let perms = format!(
+                        "{}{}",
                         if readable { "r" } else { "-" },
-                        if writable { "w" } else { "-" },
-                        if write {
-                            "readable and writable"
-                        } else {
-                            "readable"
-                        }
-                    )));
+                        if writable { "w" } else { "-" }
+                    );
+                    return Ok(Err(not_accessible(at, &perms, write)));
                 }
                 // The query answers for the mapping holding `at`: its end
                 // is past `at`, so the walk moves on.
@@ -174,14 +192,7 @@ pub(crate) fn range_mapped_in(maps: &str, ptr: u64, len: u64, write: bool) -> Re
         let p = perms.as_bytes();
         let ok = p.first() == Some(&b'r') && (!write || p.get(1) == Some(&b'w'));
         if !ok {
-            return Err(format!(
-                "{at:#x} is mapped {perms}, not {}",
-                if write {
-                    "readable and writable"
-                } else {
-                    "readable"
-                }
-            ));
+            return Err(not_accessible(at, perms, write));
         }
         at = hi;
     }
