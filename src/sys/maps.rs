@@ -323,4 +323,38 @@ mod tests {
             assert_eq!(r, Some(Ok(Ok(()))));
         }
     }
+
+    #[test]
+    fn a_forked_child_asks_about_its_own_mappings() {
+        // This thread's query file is open in the parent before the fork.
+        let v = [1u8; 64];
+        assert!(range_mapped(v.as_ptr() as u64, 64, true).is_ok());
+        // SAFETY: the child only makes system calls and reads (no
+        // allocation on the paths it takes: another thread of the parent
+        // may have held the allocator's lock) and ends with `_exit`.
+        unsafe {
+            let pid = libc::fork();
+            assert!(pid >= 0);
+            if pid == 0 {
+                let page = 4096;
+                let p = libc::mmap(
+                    std::ptr::null_mut(),
+                    page,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                );
+                // Mapped in the child only: the parent's file would say no.
+                let ok = p != libc::MAP_FAILED && range_mapped(p as u64, page as u64, true).is_ok();
+                libc::_exit(if ok { 0 } else { 1 });
+            }
+            let mut status = 0;
+            assert_eq!(libc::waitpid(pid, &mut status, 0), pid);
+            assert!(
+                libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+                "the child's own mapping was refused"
+            );
+        }
+    }
 }
