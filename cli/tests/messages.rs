@@ -363,3 +363,111 @@ fn a_sender_that_closes_while_its_peer_is_slow_loses_nothing_over_tcp() {
 fn a_sender_that_closes_while_its_peer_is_slow_loses_nothing_on_one_host() {
     close_while_peer_is_slow(Path::Shm);
 }
+
+/// Messages sent before their receives are posted, from `CONNS` peers:
+/// the small ones go eagerly and the receiver holds them (64 a
+/// connection, 8 MiB in all: 24 × 64 × 8 KiB is past that, so some are
+/// answered `Again` and come the usual way), the sender's window of 64
+/// sends the rest the usual way, sizes about the 8 KiB bound. Every
+/// message lands byte-exact, in order, with its length, on both sides.
+fn early_sends(path: Path) {
+    const CONNS: usize = 24;
+    const PER: usize = 70;
+    const SLOT: usize = 20_000;
+    const SIZES: [usize; 8] = [0, 1, 17, 4096, 8191, 8192, 8193, SLOT];
+    let len = |i: usize| if i < 64 { 8192 } else { SIZES[i % SIZES.len()] };
+    path.require();
+    let b = path_client(path);
+    b.start_passive_accept().unwrap();
+    let mut p = vec![0u8; CONNS * PER * SLOT];
+    fill_pattern(&mut p, 0, 23);
+    let slot = |k: usize, i: usize| (k * PER + i) * SLOT;
+    // Each peer: its endpoint, its connection, ours, its source.
+    let peers: Vec<_> = (0..CONNS)
+        .map(|k| {
+            let a = path_client(path);
+            let ca = a.add_remote(&b.metadata_bytes()).unwrap();
+            let (cb, _) = b.accept(WAIT).unwrap();
+            let src = a.alloc(PER * SLOT).unwrap();
+            src.write_at(0, &p[slot(k, 0)..slot(k + 1, 0)]).unwrap();
+            (a, ca, cb, src)
+        })
+        .collect();
+    let dst = b.alloc(CONNS * PER * SLOT).unwrap();
+    let mut sends = Vec::new();
+    for (a, ca, _, src) in &peers {
+        for i in 0..PER {
+            sends.push(a.send_async(*ca, src, i * SLOT, len(i)).unwrap());
+        }
+    }
+    let poll_sends = |sent: &mut [Option<ferry::Result<usize>>]| {
+        for (j, s) in sends.iter().enumerate() {
+            if sent[j].is_none() {
+                sent[j] = peers[j / PER].0.poll_message(*s);
+            }
+        }
+    };
+    let n = CONNS * PER;
+    let mut sent: Vec<Option<ferry::Result<usize>>> = (0..n).map(|_| None).collect();
+    // The receiver takes what came (its calls move it) before posting:
+    // a message of its own, never received, is the handle it polls.
+    let one = b.alloc(1).unwrap();
+    let handle = b.send_async(peers[0].2, &one, 0, 1).unwrap();
+    let until = std::time::Instant::now() + Duration::from_millis(500);
+    while std::time::Instant::now() < until {
+        poll_sends(&mut sent);
+        assert!(b.poll_message(handle).is_none());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let mut recvs = Vec::new();
+    for (k, (_, _, cb, _)) in peers.iter().enumerate() {
+        for i in 0..PER {
+            recvs.push(b.recv_async(*cb, &dst, slot(k, i), SLOT).unwrap());
+        }
+    }
+    let deadline = std::time::Instant::now() + 4 * WAIT;
+    let mut got: Vec<Option<ferry::Result<usize>>> = (0..n).map(|_| None).collect();
+    while sent.iter().chain(&got).any(Option::is_none) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{path:?}: {} sends and {} receives ended",
+            sent.iter().flatten().count(),
+            got.iter().flatten().count()
+        );
+        poll_sends(&mut sent);
+        for j in 0..n {
+            if got[j].is_none() {
+                got[j] = b.poll_message(recvs[j]);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut back = vec![0u8; n * SLOT];
+    dst.read_at(0, &mut back).unwrap();
+    for k in 0..CONNS {
+        for i in 0..PER {
+            let (j, at, l) = (k * PER + i, slot(k, i), len(i));
+            assert_eq!(sent[j].take().unwrap().unwrap(), l, "{path:?} send {k}/{i}");
+            assert_eq!(
+                got[j].take().unwrap().unwrap(),
+                l,
+                "{path:?} receive {k}/{i}"
+            );
+            assert_eq!(
+                &back[at..at + l],
+                &p[at..at + l],
+                "{path:?} message {k}/{i}"
+            );
+        }
+    }
+}
+
+#[test]
+fn messages_sent_before_their_receives_land_over_tcp() {
+    early_sends(Path::TcpEpoll);
+}
+
+#[test]
+fn messages_sent_before_their_receives_land_on_one_host() {
+    early_sends(Path::Shm);
+}

@@ -225,6 +225,12 @@ impl Inboxes {
 
     pub fn deliver(&self, conn: ConnId, payload: Vec<u8>) -> std::result::Result<(), Vec<u8>> {
         let to = match payload.first() {
+            // The wire allows the engine's longer messages; the
+            // application's are never longer than it may send.
+            Some(&crate::wire::NOTE_APP) if payload.len() > 1 + crate::wire::MAX_NOTIFY_BYTES => {
+                tracing::warn!(%conn, len = payload.len() - 1, "a notification longer than {} bytes: dropped", crate::wire::MAX_NOTIFY_BYTES);
+                return Ok(());
+            }
             Some(&crate::wire::NOTE_APP) => &self.app,
             Some(&crate::wire::NOTE_CTL) => &self.ctl,
             // Not ours to read: a peer speaking another protocol.
@@ -476,5 +482,19 @@ mod inbox_tests {
             Err(vec![crate::wire::NOTE_CTL, 2])
         );
         assert_eq!(ctl.try_recv().unwrap(), (c, vec![1]));
+        // The wire carries the engine's eager messages (longer than an
+        // application may send): an application's that long is dropped.
+        let max = crate::wire::MAX_NOTIFY_BYTES;
+        let mut long = vec![crate::wire::NOTE_APP];
+        long.resize(2 + max, 5);
+        assert_eq!(boxes.deliver(c, long), Ok(()));
+        assert!(
+            app.try_recv().is_err(),
+            "an application's note past the bound"
+        );
+        let mut longest = vec![crate::wire::NOTE_APP];
+        longest.resize(1 + max, 5);
+        assert_eq!(boxes.deliver(c, longest), Ok(()));
+        assert_eq!(app.try_recv().unwrap().1.len(), max);
     }
 }

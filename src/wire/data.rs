@@ -38,8 +38,13 @@ pub const MAX_PACKED_FRAME: u32 = 16 << 20;
 /// Largest notification an application may send.
 pub const MAX_NOTIFY_BYTES: usize = 4096;
 /// Largest notification payload on the wire: one kind byte
-/// ([`NOTE_APP`] or [`NOTE_CTL`]) and the message.
-pub const MAX_NOTIFY_WIRE_BYTES: usize = MAX_NOTIFY_BYTES + 1;
+/// ([`NOTE_APP`] or [`NOTE_CTL`]) and the message: the engine's eager
+/// two-sided messages (`wire::msg`) are the longest. An application's
+/// longer than [`MAX_NOTIFY_BYTES`] is dropped on arrival
+/// (`reactor::source::Inboxes`).
+pub const MAX_NOTIFY_WIRE_BYTES: usize =
+    1 + super::msg::EAGER_HEADER_LEN + super::msg::MAX_EAGER_BYTES;
+const _: () = assert!(MAX_NOTIFY_WIRE_BYTES > MAX_NOTIFY_BYTES);
 /// A notification's first byte: the application's message follows (it
 /// reaches `recv_notification`) ...
 pub const NOTE_APP: u8 = 0;

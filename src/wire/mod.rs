@@ -30,7 +30,7 @@ pub use frame::{
 };
 pub use ipc::{IpcBuf, IpcRef, IPC_BUF_LEN};
 pub use metadata::{normalize_bus_id, EndpointMetadata, MAX_BDF_LEN};
-pub use msg::{CtlMsg, FinStatus};
+pub use msg::{CtlMsg, FinStatus, MAX_EAGER_BYTES};
 pub use remote_buf::{NicKeys, RemoteBuf, REMOTE_BUF_LEN, REMOTE_FLAG_DEVICE, REMOTE_FLAG_NIC_KEY};
 pub use shm_msg::{
     Msg as ShmMsg, MsgKind as ShmMsgKind, MAX_INLINE as SHM_MAX_INLINE,

@@ -9,15 +9,29 @@
 //! `Fin` with the length. Nothing lands where no buffer was posted, and a
 //! message longer than its buffer is refused before a byte moves.
 //!
+//! A small message (at most [`MAX_EAGER_BYTES`]) may instead travel inside
+//! the notification itself (`Eager`), without waiting for the offer: the
+//! receiver copies it into the buffer posted for its number (or holds it,
+//! within bounds of its own, until that buffer is posted) and answers
+//! `Ack`; `Again` in the answer means "not taken, send it the usual way"
+//! (no room to hold it, or a buffer the CPU cannot write).
+//!
 //! ```text
-//! Cts: 1 u8 | seq u64 | window 64 bytes (RemoteBuf: the buffer)  = 73 bytes
-//! Fin: 2 u8 | seq u64 | status u8 | len u64                      = 18 bytes
+//! Cts:   1 u8 | seq u64 | window 64 bytes (RemoteBuf: the buffer) = 73 bytes
+//! Fin:   2 u8 | seq u64 | status u8 | len u64                     = 18 bytes
+//! Eager: 3 u8 | seq u64 | the message (0..=MAX_EAGER_BYTES)       = 9 + len
+//! Ack:   4 u8 | seq u64 | status u8 | len u64                     = 18 bytes
 //! ```
 
 use super::cursor::{DecodeError, Reader};
 use super::remote_buf::{RemoteBuf, REMOTE_BUF_LEN};
 
 const WHAT: &str = "two-sided message";
+
+/// The longest message sent eagerly (inside one notification).
+pub const MAX_EAGER_BYTES: usize = 8192;
+/// An `Eager` message's bytes before the payload (kind and number).
+pub const EAGER_HEADER_LEN: usize = 9;
 
 /// How a receive ended, as the receiver tells the sender.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,10 +44,14 @@ pub enum FinStatus {
     /// The buffer was not used: the sender's WRITE failed, or the offer
     /// was refused (more unmatched offers than the peer holds).
     Failed = 2,
+    /// (`Ack` only) The eager message was not taken: the receiver had no
+    /// room to hold it or its buffer is not host memory. The sender sends
+    /// it again the usual way (into the offered window).
+    Again = 3,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CtlMsg {
+pub enum CtlMsg<'a> {
     /// Receive buffer `seq` of this connection, writable at `window`.
     Cts { seq: u64, window: RemoteBuf },
     /// Buffer `seq` got its message (or never will); its window can go.
@@ -42,11 +60,39 @@ pub enum CtlMsg {
         status: FinStatus,
         len: u64,
     },
+    /// Message `seq` itself, sent without waiting for its buffer's offer.
+    Eager { seq: u64, payload: &'a [u8] },
+    /// What became of eager message `seq`: `Ok` (`len` bytes are in the
+    /// buffer), `TooLarge` (`len` is the buffer's size; the receive failed
+    /// too), `Again` (send it the usual way) or `Failed`.
+    Ack {
+        seq: u64,
+        status: FinStatus,
+        len: u64,
+    },
 }
 
-impl CtlMsg {
+impl CtlMsg<'_> {
+    /// The message as a notification payload: `prefix` (the notification's
+    /// kind byte) first.
+    pub fn encode_after(&self, prefix: u8) -> Vec<u8> {
+        let payload = match self {
+            CtlMsg::Eager { payload, .. } => payload.len(),
+            _ => 0,
+        };
+        let mut out = Vec::with_capacity(2 + 16 + REMOTE_BUF_LEN + payload);
+        out.push(prefix);
+        self.encode_into(&mut out);
+        out
+    }
+
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(1 + 16 + REMOTE_BUF_LEN);
+        self.encode_into(&mut out);
+        out
+    }
+
+    fn encode_into(&self, out: &mut Vec<u8>) {
         match self {
             CtlMsg::Cts { seq, window } => {
                 out.push(1);
@@ -59,11 +105,21 @@ impl CtlMsg {
                 out.push(*status as u8);
                 out.extend_from_slice(&len.to_le_bytes());
             }
+            CtlMsg::Eager { seq, payload } => {
+                out.push(3);
+                out.extend_from_slice(&seq.to_le_bytes());
+                out.extend_from_slice(payload);
+            }
+            CtlMsg::Ack { seq, status, len } => {
+                out.push(4);
+                out.extend_from_slice(&seq.to_le_bytes());
+                out.push(*status as u8);
+                out.extend_from_slice(&len.to_le_bytes());
+            }
         }
-        out
     }
 
-    pub fn decode(buf: &[u8]) -> Result<CtlMsg, DecodeError> {
+    pub fn decode(buf: &[u8]) -> Result<CtlMsg<'_>, DecodeError> {
         let mut r = Reader::new(buf, WHAT);
         let msg = match r.u8()? {
             1 => CtlMsg::Cts {
@@ -72,18 +128,33 @@ impl CtlMsg {
             },
             2 => {
                 let seq = r.u64_le()?;
-                let status = match r.u8()? {
-                    0 => FinStatus::Ok,
-                    1 => FinStatus::TooLarge,
-                    2 => FinStatus::Failed,
-                    got => {
-                        return Err(DecodeError::Invalid {
-                            what: WHAT,
-                            reason: format!("unknown status {got}"),
-                        })
-                    }
-                };
+                let status = status(r.u8()?, false)?;
                 CtlMsg::Fin {
+                    seq,
+                    status,
+                    len: r.u64_le()?,
+                }
+            }
+            3 => {
+                let seq = r.u64_le()?;
+                // The rest is the message (the kind and seq were read).
+                let len = buf.len() - EAGER_HEADER_LEN;
+                if len > MAX_EAGER_BYTES {
+                    return Err(DecodeError::TooLong {
+                        what: WHAT,
+                        len: len as u64,
+                        max: MAX_EAGER_BYTES as u64,
+                    });
+                }
+                CtlMsg::Eager {
+                    seq,
+                    payload: r.bytes(len)?,
+                }
+            }
+            4 => {
+                let seq = r.u64_le()?;
+                let status = status(r.u8()?, true)?;
+                CtlMsg::Ack {
                     seq,
                     status,
                     len: r.u64_le()?,
@@ -94,6 +165,22 @@ impl CtlMsg {
         r.finish()?;
         Ok(msg)
     }
+}
+
+/// A status byte; `Again` only in an `Ack`.
+fn status(got: u8, ack: bool) -> Result<FinStatus, DecodeError> {
+    Ok(match got {
+        0 => FinStatus::Ok,
+        1 => FinStatus::TooLarge,
+        2 => FinStatus::Failed,
+        3 if ack => FinStatus::Again,
+        got => {
+            return Err(DecodeError::Invalid {
+                what: WHAT,
+                reason: format!("unknown status {got}"),
+            })
+        }
+    })
 }
 
 #[cfg(test)]
@@ -115,6 +202,23 @@ mod tests {
                 status: FinStatus::TooLarge,
                 len: 64,
             },
+            CtlMsg::Eager {
+                seq: 4,
+                payload: &[1, 2, 3],
+            },
+            CtlMsg::Eager {
+                seq: 5,
+                payload: &[],
+            },
+            CtlMsg::Eager {
+                seq: 6,
+                payload: &[7; MAX_EAGER_BYTES],
+            },
+            CtlMsg::Ack {
+                seq: 2,
+                status: FinStatus::Again,
+                len: 0,
+            },
         ] {
             assert_eq!(CtlMsg::decode(&m.encode()).unwrap(), m);
         }
@@ -129,7 +233,41 @@ mod tests {
         .encode();
         fin[9] = 7;
         assert!(CtlMsg::decode(&fin).is_err(), "unknown status");
-        assert!(CtlMsg::decode(&[3]).is_err(), "unknown kind");
+        assert!(CtlMsg::decode(&[5]).is_err(), "unknown kind");
+        assert!(
+            CtlMsg::decode(&[3, 0, 0]).is_err(),
+            "an eager message cut in its number"
+        );
+        let long = CtlMsg::Eager {
+            seq: 1,
+            payload: &[0; MAX_EAGER_BYTES + 1],
+        };
+        assert!(
+            matches!(
+                CtlMsg::decode(&long.encode()),
+                Err(DecodeError::TooLong { .. })
+            ),
+            "an eager message past the bound"
+        );
+        let again_in_fin = CtlMsg::Fin {
+            seq: 1,
+            status: FinStatus::Again,
+            len: 0,
+        };
+        assert!(
+            CtlMsg::decode(&again_in_fin.encode()).is_err(),
+            "Again is an Ack's only"
+        );
+        let with_prefix = CtlMsg::Ack {
+            seq: 8,
+            status: FinStatus::Ok,
+            len: 3,
+        };
+        assert_eq!(
+            with_prefix.encode_after(9)[1..],
+            with_prefix.encode()[..],
+            "encode_after puts the prefix first"
+        );
         assert!(CtlMsg::decode(&[2, 0]).is_err(), "truncated");
         let mut extra = CtlMsg::Fin {
             seq: 1,

@@ -12,6 +12,18 @@
 //! where no buffer was posted, and unmatched offers a sender holds are
 //! bounded (`MAX_UNMATCHED` per connection; more are refused).
 //!
+//! Small messages skip the offer (`state::EAGER_WINDOW`, `wire::msg`): a
+//! send of at most `MAX_EAGER_BYTES` of host memory goes inside an
+//! `Eager` notification at once; the receiver copies it into the buffer
+//! posted for its number, or holds it (bounded per connection and in
+//! all) until that buffer is posted, and answers `Ack`. The send ends on
+//! the `Ack`, or as soon as the receiver's offer for its number shows
+//! what the receiver will do with it (a host buffer it fits: it lands
+//! unless the connection dies, which fails the receive as a lost `Fin`
+//! does; too short: `MessageTooLarge` on both sides). A GPU buffer, or a
+//! receiver with no room to hold it, answers `Again`, and the message
+//! goes the usual way.
+//!
 //! Progress is made by the calls: posting, `poll_message` and
 //! `wait_message` (the WRITEs themselves run on the shards as usual). A
 //! blocking `send` thus completes while its receiver only waits in
@@ -19,31 +31,24 @@
 //! `NOTE_CTL`, into an inbox of their own: the application's
 //! notifications never see them.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+mod state;
+
 use std::sync::mpsc::Receiver;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use self::state::{ctl, Pending, Posted, State, Writing, MAX_OUTBOX, MAX_UNMATCHED};
 use super::lanes::Via;
 use super::{Endpoint, MemoryRegion};
 use crate::error::{ConnFault, ConnId, Error, Result};
 use crate::reactor::{Command, Transfer};
 use crate::region::RegionSlice;
-use crate::wire::{CtlMsg, FinStatus, RemoteBuf, NOTE_CTL};
+use crate::wire::{CtlMsg, FinStatus, RemoteBuf};
 
-/// Offers of receive buffers a connection may have waiting for a send.
-/// A receiver never has more than this many offered and unanswered: its
-/// further receives wait on its side and are offered as earlier ones end,
-/// so an honest sender never refuses one.
-pub(super) const MAX_UNMATCHED: usize = 1024;
 /// Receives one connection may have posted and not ended, and sends
 /// started and not ended: past these a post is refused at the call
 /// (`LimitReached`, busy).
 pub const MAX_POSTED_MESSAGES: usize = 1 << 16;
-/// Messages waiting for room in a shard's queue, all connections together;
-/// past this a refusal owed to a peer that offers past its bound while
-/// not reading is not said (it is logged): no peer grows our memory.
-const MAX_OUTBOX: usize = 4 * MAX_UNMATCHED;
 /// Connections' entries kept before the first sweep of those that died
 /// idle (see `sweep_dead`).
 const SWEEP_FLOOR: usize = 64;
@@ -67,63 +72,6 @@ pub(super) struct Mail {
 pub(super) struct Messages {
     ctl: Mutex<Receiver<(ConnId, Vec<u8>)>>,
     state: Mutex<State>,
-}
-
-#[derive(Default)]
-struct State {
-    next_id: u64,
-    conns: HashMap<ConnId, ConnMsgs>,
-    /// Ended ops' results, until polled.
-    ended: HashMap<u64, Result<usize>>,
-    /// Messages for peers not yet queued (their shard's queue was full).
-    outbox: VecDeque<(ConnId, Vec<u8>)>,
-    /// `conns.len()` after the last sweep of dead connections' entries.
-    swept_len: usize,
-}
-
-#[derive(Default)]
-struct ConnMsgs {
-    next_send: u64,
-    next_recv: u64,
-    /// Sends not yet matched, in order.
-    sends: VecDeque<Pending>,
-    /// The peer's offers not yet matched, by sequence number.
-    offers: BTreeMap<u64, RemoteBuf>,
-    /// Sends whose WRITE runs.
-    writing: Vec<Writing>,
-    /// Our posted receives awaiting the sender's `Fin`, by number.
-    recvs: HashMap<u64, Posted>,
-    /// Of those, how many were offered (`Cts` sent) and not yet answered.
-    offered: usize,
-    /// Those not yet offered (past `MAX_UNMATCHED` offered), in order.
-    unoffered: VecDeque<(u64, RemoteBuf)>,
-}
-
-struct Pending {
-    id: u64,
-    seq: u64,
-    /// The message (it holds the registration).
-    msg: RegionSlice,
-}
-
-struct Writing {
-    id: u64,
-    seq: u64,
-    len: u64,
-    t: Transfer,
-}
-
-struct Posted {
-    id: u64,
-    max: u64,
-    /// The window's key, revoked once the message is in (0: none).
-    rkey: u32,
-}
-
-impl ConnMsgs {
-    fn pending(&self) -> bool {
-        !self.sends.is_empty() || !self.recvs.is_empty() || !self.writing.is_empty()
-    }
 }
 
 impl Messages {
@@ -156,7 +104,7 @@ impl Endpoint {
         let mut st = self.inner.mail.messages.state.lock().expect("lock");
         let id = st.new_id();
         let c = st.conns.entry(conn).or_default();
-        if c.sends.len() + c.writing.len() >= MAX_POSTED_MESSAGES {
+        if c.sends.len() + c.writing.len() + c.eager.len() >= MAX_POSTED_MESSAGES {
             return Err(Error::LimitReached {
                 limit: "sends under way per connection (MAX_POSTED_MESSAGES)",
                 max: MAX_POSTED_MESSAGES,
@@ -164,7 +112,27 @@ impl Endpoint {
         }
         let seq = c.next_send;
         c.next_send += 1;
-        c.sends.push_back(Pending { id, seq, msg });
+        if c.goes_eagerly(&msg, seq) {
+            // SAFETY: host memory (`goes_eagerly`), alive while `msg`
+            // holds the registration, `msg.len()` bytes from its start.
+            let bytes = unsafe { std::slice::from_raw_parts(msg.ptr(), msg.len()) };
+            let eager = ctl(CtlMsg::Eager {
+                seq,
+                payload: bytes,
+            });
+            let len = msg.len();
+            let send = Pending { id, seq, msg };
+            // Its buffer is offered already: it lands there (see
+            // `state::Eager::ended`).
+            let ended = c.offers.remove(&seq).is_some();
+            c.eager.insert(seq, state::Eager { send, ended });
+            if ended {
+                st.ended.insert(id, Ok(len));
+            }
+            st.outbox.push_back((conn, eager));
+        } else {
+            c.sends.push_back(Pending { id, seq, msg });
+        }
         drop(st);
         self.progress();
         Ok(MessageOp(id))
@@ -194,8 +162,10 @@ impl Endpoint {
                 len: mr.len(),
             });
         }
+        // Where the CPU copies an eager message (host memory only).
+        let dest = mr.slice(offset, max)?;
+        let dest = (!dest.is_device()).then_some(dest);
         let window = if max == 0 {
-            mr.slice(offset, 0)?;
             self.inner.live(conn)?;
             RemoteBuf::default()
         } else {
@@ -220,7 +190,19 @@ impl Endpoint {
             id,
             max: max as u64,
             rkey: window.rkey,
+            dest,
         };
+        // Its message may be here already (sent eagerly).
+        if let Some(r) = st.take_held(conn, seq, &posted) {
+            st.ended.insert(id, r);
+            flush_outbox(&mut st, self);
+            drop(st);
+            if window.rkey != 0 {
+                self.inner.forget_region(window.rkey);
+            }
+            return Ok(MessageOp(id));
+        }
+        let c = st.conns.get_mut(&conn).expect("entered above");
         c.recvs.insert(seq, posted);
         c.unoffered.push_back((seq, window));
         st.offer_next(conn);
@@ -297,7 +279,7 @@ impl Endpoint {
             self.match_and_write(&mut st, conn);
         }
         self.sweep_dead(&mut st);
-        st.flush_outbox(self);
+        flush_outbox(&mut st, self);
     }
 
     /// Drops the entries of connections that died with nothing under way
@@ -343,8 +325,12 @@ impl Endpoint {
         match msg {
             CtlMsg::Cts { seq, window } => {
                 let c = st.conns.entry(conn).or_default();
-                let matched = c.sends.front().map_or(c.next_send, |p| p.seq);
-                if seq < matched || c.offers.contains_key(&seq) {
+                let eager = c.eager.get(&seq).is_some_and(|e| !e.ended);
+                if eager {
+                    if let Some((id, r)) = c.eager_offer(seq, &window) {
+                        st.ended.insert(id, r);
+                    }
+                } else if seq < c.first_unmatched() || c.offers.contains_key(&seq) {
                     tracing::warn!(%conn, seq, "a receive buffer offered twice: ignored");
                 } else if c.offers.len() >= MAX_UNMATCHED {
                     // Refused: its receiver learns it, we hold nothing.
@@ -368,14 +354,11 @@ impl Endpoint {
                     tracing::warn!(%conn, seq, "an answer for no receive of ours: ignored");
                     return;
                 };
-                if posted.rkey != 0 {
-                    self.inner.forget_region(posted.rkey);
-                }
                 // Its offer is answered: the next receive may be offered.
-                if let Some(c) = st.conns.get_mut(&conn) {
-                    c.offered = c.offered.saturating_sub(1);
+                let ended = st.end_posted(conn, seq, &posted);
+                if ended.rkey != 0 {
+                    self.inner.forget_region(ended.rkey);
                 }
-                st.offer_next(conn);
                 let r = match status {
                     FinStatus::Ok if len <= posted.max => {
                         // RDMA WRITEs into GPU memory: visible to GPU work
@@ -394,7 +377,7 @@ impl Endpoint {
                         len,
                         posted: posted.max,
                     }),
-                    FinStatus::Failed => Err(Error::ConnFailed {
+                    FinStatus::Failed | FinStatus::Again => Err(Error::ConnFailed {
                         conn,
                         cause: ConnFault::refused(format!(
                             "the sender could not fill receive buffer {seq}"
@@ -403,6 +386,14 @@ impl Endpoint {
                 };
                 st.ended.insert(posted.id, r);
             }
+            CtlMsg::Eager { seq, payload } => {
+                if let Some(ended) = st.take_eager(conn, seq, payload) {
+                    if ended.rkey != 0 {
+                        self.inner.forget_region(ended.rkey);
+                    }
+                }
+            }
+            CtlMsg::Ack { seq, status, len } => st.take_ack(conn, seq, status, len),
         }
     }
 
@@ -487,69 +478,25 @@ impl Endpoint {
     }
 }
 
-impl State {
-    fn new_id(&mut self) -> u64 {
-        self.next_id += 1;
-        self.next_id
-    }
-
-    /// `conn` is gone: everything it held fails.
-    fn fail_conn(&mut self, conn: ConnId, err: &Error) {
-        let Some(c) = self.conns.remove(&conn) else {
-            return;
+/// Queues what is to be said, in order, until a shard's queue is full.
+fn flush_outbox(st: &mut State, ep: &Endpoint) {
+    while let Some((conn, msg)) = st.outbox.pop_front() {
+        let Some((lane, shard)) = ep.inner.lanes(conn).next() else {
+            continue;
         };
-        let ids = (c.sends.iter().map(|s| s.id))
-            .chain(c.recvs.values().map(|p| p.id))
-            .chain(c.writing.iter().map(|w| w.id));
-        for id in ids {
-            self.ended.insert(id, Err(err.duplicate()));
-        }
-        self.outbox.retain(|(to, _)| *to != conn);
-    }
-
-    /// Offers `conn`'s posted receives that wait, while fewer than
-    /// `MAX_UNMATCHED` are offered and unanswered (the sender's bound).
-    fn offer_next(&mut self, conn: ConnId) {
-        let Some(c) = self.conns.get_mut(&conn) else {
-            return;
+        let cmd = Command::Notify {
+            conn: lane,
+            payload: msg,
+            ticket: None,
         };
-        while c.offered < MAX_UNMATCHED {
-            let Some((seq, window)) = c.unoffered.pop_front() else {
-                break;
-            };
-            c.offered += 1;
-            self.outbox
-                .push_back((conn, ctl(CtlMsg::Cts { seq, window })));
-        }
-    }
-
-    /// Queues what is to be said, in order, until a shard's queue is full.
-    fn flush_outbox(&mut self, ep: &Endpoint) {
-        while let Some((conn, msg)) = self.outbox.pop_front() {
-            let Some((lane, shard)) = ep.inner.lanes(conn).next() else {
-                continue;
-            };
-            let cmd = Command::Notify {
-                conn: lane,
-                payload: msg,
-                ticket: None,
-            };
-            match shard.submit(cmd) {
-                Ok(()) => {}
-                Err((Error::QueueFull { .. }, Command::Notify { payload, .. })) => {
-                    self.outbox.push_front((conn, payload));
-                    return;
-                }
-                // Shut down: nothing will be said again.
-                Err(_) => {}
+        match shard.submit(cmd) {
+            Ok(()) => {}
+            Err((Error::QueueFull { .. }, Command::Notify { payload, .. })) => {
+                st.outbox.push_front((conn, payload));
+                return;
             }
+            // Shut down: nothing will be said again.
+            Err(_) => {}
         }
     }
-}
-
-/// An engine message as a notification payload.
-fn ctl(msg: CtlMsg) -> Vec<u8> {
-    let mut out = vec![NOTE_CTL];
-    out.extend_from_slice(&msg.encode());
-    out
 }
