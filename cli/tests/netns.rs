@@ -255,3 +255,59 @@ fn a_slow_peer_is_not_failed_by_the_liveness_bound() {
         std::panic::resume_unwind(p);
     }
 }
+
+/// A peer far away is not a vanished one: over a link that delays every
+/// packet by 400 ms each way (a userspace forwarder between two TUN
+/// devices: this kernel has no `sch_netem` for `tc … delay`), an idle
+/// connection stays up for three times `FERRY_LIVENESS_MS` (2 s) and
+/// moves data byte-exact before and after; the first op's round trip
+/// shows the delay is there.
+#[test]
+#[ignore = "needs root to make network namespaces (cargo test --test netns -- --ignored)"]
+fn a_peer_behind_a_long_delay_is_not_failed_by_the_liveness_bound() {
+    const LIVENESS_MS: u64 = 2000;
+    const DELAY: Duration = Duration::from_millis(400);
+    let hosts = Delayed::make_as_root(DELAY);
+    let (mut srv, served) = serve_in(&hosts.a, "198.18.0.1", MIB);
+    let b = hosts.b.clone();
+    let client = std::thread::spawn(move || {
+        enter(&b);
+        let mut cfg = client_config();
+        cfg.liveness_ms = LIVENESS_MS;
+        cfg.op_timeout_ms = 10_000;
+        cfg.connect_timeout_ms = 10_000;
+        let ep = Endpoint::builder().config(cfg).build().unwrap();
+        let conn = ep.add_remote(&served.meta).unwrap();
+        let local = ep.alloc(64 << 10).unwrap();
+        let win = served.rbuf.slice(0, 64 << 10).unwrap();
+        let start = Instant::now();
+        ep.read(conn, &local, 0, 64 << 10, &win).unwrap();
+        let rtt = start.elapsed();
+        assert!(
+            rtt >= 2 * DELAY,
+            "a READ took {rtt:?}: the link is not delayed"
+        );
+        let mut got = vec![0u8; 64 << 10];
+        local.read_at(0, &mut got).unwrap();
+        assert_eq!(check_pattern(&got, 0, 0), None);
+        std::thread::sleep(Duration::from_millis(3 * LIVENESS_MS));
+        assert!(ep.conn_status(conn).is_ok(), "a far, idle peer was failed");
+        let mut src = vec![0u8; 64 << 10];
+        fill_pattern(&mut src, 0, 0x33);
+        local.write_at(0, &src).unwrap();
+        ep.write(conn, &local, 0, 64 << 10, &win).unwrap();
+        assert_eq!(remote_hash(&ep, conn, 0, 64 << 10), fnv64(&src));
+        assert!(ep.conn_status(conn).is_ok());
+        println!(
+            "round trip over the delayed link {rtt:?}; idle {} ms, still up",
+            3 * LIVENESS_MS
+        );
+    });
+    let r = client.join();
+    let _ = srv.kill();
+    let _ = srv.wait();
+    drop(hosts);
+    if let Err(p) = r {
+        std::panic::resume_unwind(p);
+    }
+}

@@ -423,6 +423,32 @@ def test_threads_post_at_once(peer, local):
     assert peer.call("get", 0, threads * each * n) == host(src).tobytes()
 
 
+def test_nixl_telemetry_counts_ferry_transfers(peer, local):
+    """NIXL's own telemetry sees FERRY's transfers: an agent made with
+    `capture_telemetry` reports, per request, the bytes and descriptors
+    the FERRY backend moved and how long it took. (NIXL records this in
+    the agent for every backend; the backend's own event queue,
+    `nixlBackendEngine::addTelemetryEvent`, is not read by NIXL's core.)"""
+    conf = nixl_agent_config(backends=[BACKEND], capture_telemetry=True)
+    ag = nixl_agent("telemetry", conf)
+    assert ag.add_remote_agent(peer.tmeta) == peer.target.encode()
+    assert peer.call("meta", ag.get_agent_metadata()) == b"telemetry"
+    src = local(3 * 4096 + 100, seed=91, ag=ag)
+    pieces = [(0, 4096), (4096 + 17, 4096), (2 * 4096 + 50, 4096 + 50)]
+    total = sum(n for _, n in pieces)
+    for op in ("WRITE", "READ"):
+        l = ag.get_xfer_descs([(addr(src) + o, n, DEV) for o, n in pieces], MEM)
+        r = ag.get_xfer_descs([(peer.taddr + 1000 + o, n, DEV) for o, n in pieces], MEM)
+        h = ag.initialize_xfer(op, l, r, peer.target)
+        assert ag.transfer(h) in ("PROC", "DONE")
+        assert wait_done(ag, h) == "DONE"
+        t = ag.get_xfer_telemetry(h)
+        assert (t.totalBytes, t.descCount) == (total, len(pieces)), op
+        assert t.xferDuration > 0 and t.startTime > 0, op
+        ag.release_xfer_handle(h)
+    assert peer.call("get", 1000, 4096) == host(src)[:4096].tobytes()
+
+
 def test_ucx_stays_available_beside_ferry():
     ag = nixl_agent("both", nixl_agent_config(backends=["FERRY", "UCX"]))
     assert {"FERRY", "UCX"} <= set(ag.get_plugin_list())
