@@ -308,14 +308,12 @@ mod tests {
         let mut b = good;
         b[1] = 2;
         assert!(DataHeader::decode(&b).is_err(), "requests carry no status");
-        let n = DataHeader::request(DataKind::Notify, 0, 0, 1, 0, 5000).encode();
+        let over = MAX_NOTIFY_WIRE_BYTES as u64 + 1;
+        let n = DataHeader::request(DataKind::Notify, 0, 0, 1, 0, over).encode();
         assert!(matches!(
             DataHeader::decode(&n),
-            Err(DecodeError::TooLong {
-                len: 5000,
-                max: 4097,
-                ..
-            })
+            Err(DecodeError::TooLong { len, max, .. })
+                if len == over && max == MAX_NOTIFY_WIRE_BYTES as u64
         ));
         let r = DataHeader::response(DataKind::ReadResp, Status::UnknownKey, 1, 8).encode();
         assert!(
