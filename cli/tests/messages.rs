@@ -471,3 +471,34 @@ fn messages_sent_before_their_receives_land_over_tcp() {
 fn messages_sent_before_their_receives_land_on_one_host() {
     early_sends(Path::Shm);
 }
+
+/// A send that went eagerly and ended (its receive was offered: it ends
+/// at once) does not keep its buffer's registration while the receiver's
+/// answer is on the way (the receiver has not polled yet): deregistering
+/// it does not wait. The receives then end with the bytes.
+#[test]
+fn an_ended_eager_send_holds_no_registration() {
+    let (a, b, ca, cb) = pair(Path::TcpEpoll);
+    let src = a.alloc(64).unwrap();
+    src.write_at(0, b"eight by").unwrap();
+    let dst = b.alloc(64).unwrap();
+    let r0 = b.recv_async(cb, &dst, 0, 8).unwrap();
+    let r1 = b.recv_async(cb, &dst, 8, 8).unwrap();
+    // The first send's wait takes both offers in.
+    let s0 = a.send_async(ca, &src, 0, 8).unwrap();
+    assert_eq!(done(&a, s0).unwrap(), 8);
+    // The second's offer is here: it ends at the call.
+    let s1 = a.send_async(ca, &src, 0, 8).unwrap();
+    assert_eq!(a.poll_message(s1).map(Result::unwrap), Some(8));
+    let t0 = std::time::Instant::now();
+    a.deregister(src).unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(2),
+        "an ended send held its buffer"
+    );
+    assert_eq!(done(&b, r0).unwrap(), 8);
+    assert_eq!(done(&b, r1).unwrap(), 8);
+    let mut got = [0u8; 16];
+    dst.read_at(0, &mut got).unwrap();
+    assert_eq!(&got, b"eight byeight by");
+}

@@ -171,6 +171,61 @@ fn cma_memory_moves_byte_exact_in_slices_over_copy_threads() {
     assert_eq!(helpers, 3, "three helpers beside the shard");
 }
 
+/// A KV-cache shaped request (3000 pieces of about 4 KiB at odd offsets,
+/// memory the target cannot map, so each piece is a CMA copy): the
+/// target's shard hands its runs of pieces to the copy threads (which
+/// start only for that: no piece is large) and answers each piece once
+/// its job is done. Both ways, byte-exact, nothing outside the pieces
+/// touched.
+#[test]
+fn many_small_cma_pieces_move_byte_exact_over_copy_threads() {
+    const N: usize = 3000;
+    let t = Target::start_on(
+        Path::Shm,
+        32 * MIB,
+        &[("FERRY_SHARDS", "1"), ("FERRY_COPY_THREADS", "4")],
+    );
+    let ep = path_client(Path::Shm);
+    let conn = ep.add_remote(&t.served.meta).unwrap();
+    let rb = t.served.rbuf;
+    let local = ep.alloc(32 * MIB).unwrap();
+    // (local offset, remote offset, length): 4 KiB give or take, gaps
+    // between them, odd places.
+    let pieces: Vec<(usize, usize, usize)> = (0..N)
+        .map(|i| (i * 8200 + i % 13, i * 9000 + 7 + i % 5, 4096 - 3 + i % 7))
+        .collect();
+    let mut src = vec![0u8; 32 * MIB];
+    fill_pattern(&mut src, 0, 0x42);
+    local.write_at(0, &src).unwrap();
+    let locals: Vec<_> = pieces.iter().map(|&(l, _, n)| (&local, l, n)).collect();
+    let wins: Vec<_> = (pieces.iter())
+        .map(|&(_, r, n)| rb.slice(r as u32, n as u32).unwrap())
+        .collect();
+    ep.writev(conn, &locals, &wins).unwrap();
+    for &(l, r, n) in pieces.iter().step_by(97) {
+        assert_eq!(
+            remote_hash(&ep, conn, r, n),
+            fnv64(&src[l..l + n]),
+            "piece at {r}"
+        );
+    }
+    // Back into a clean buffer: only the pieces change.
+    local.write_at(0, &vec![0xEEu8; 32 * MIB]).unwrap();
+    ep.readv(conn, &locals, &wins).unwrap();
+    let mut got = vec![0u8; 32 * MIB];
+    local.read_at(0, &mut got).unwrap();
+    let mut expect = vec![0xEEu8; 32 * MIB];
+    for &(l, _, n) in &pieces {
+        expect[l..l + n].copy_from_slice(&src[l..l + n]);
+    }
+    assert!(got == expect, "the READ back differs");
+    assert_eq!(
+        copy_threads_of(t.child.id()),
+        3,
+        "the pieces went to the copy threads"
+    );
+}
+
 /// Without large copies, or with `FERRY_COPY_THREADS=1`, no copy thread
 /// is started.
 #[test]

@@ -447,16 +447,28 @@ pub(crate) struct CopyJoin {
     pub failed: std::sync::atomic::AtomicBool,
 }
 
-/// One slice of a large same-host copy (`HostCopy`), run by a sibling
-/// shard (or the owner), then counted in `join`. Built only from a slice
-/// of our region and a place in the peer's memory whose range `new`
-/// checked, so running it is safe.
+/// One slice of a large same-host copy (`HostCopy`), or one job of a run
+/// of small CMA copies (`CmaBatch`), run by a copy thread, a sibling shard
+/// or the owner, then counted in `join`. Built only from slices of our
+/// regions and places in the peer's memory whose ranges were checked (a
+/// mapping's by `new`; a process's by the kernel), so running it is safe.
 pub(crate) struct CopySlice {
-    ours: RegionSlice,
-    theirs: PeerBytes,
+    what: SliceWork,
     /// The peer's bytes go into ours (else ours into the peer's).
     from_peer: bool,
     join: Arc<CopyJoin>,
+}
+
+enum SliceWork {
+    Span {
+        ours: RegionSlice,
+        theirs: PeerBytes,
+    },
+    /// (op id, our slice, the peer's address) in process `pid`.
+    Pieces {
+        pid: u32,
+        pieces: Vec<(u64, RegionSlice, u64)>,
+    },
 }
 
 impl CopySlice {
@@ -474,37 +486,58 @@ impl CopySlice {
             }
         }
         Some(CopySlice {
-            ours,
-            theirs,
+            what: SliceWork::Span { ours, theirs },
             from_peer,
             join,
         })
     }
 
+    /// CMA copies of `pieces` between our slices and process `pid`.
+    pub fn pieces(
+        pid: u32,
+        pieces: Vec<(u64, RegionSlice, u64)>,
+        from_peer: bool,
+        join: Arc<CopyJoin>,
+    ) -> CopySlice {
+        CopySlice {
+            what: SliceWork::Pieces { pid, pieces },
+            from_peer,
+            join,
+        }
+    }
+
     /// Copies the slice and counts it done (a failure marks the copy).
     pub fn run(self) {
         use std::sync::atomic::Ordering;
-        let len = self.ours.len();
-        let ok = match &self.theirs {
-            PeerBytes::Mapped { map, off } => {
+        let ok = match &self.what {
+            SliceWork::Span {
+                ours,
+                theirs: PeerBytes::Mapped { map, off },
+            } => {
                 // SAFETY: `new` checked off + len against the mapping, which
                 // `self` holds, as it holds our region; the two are distinct
                 // memories (ours and the peer's).
                 unsafe {
                     let theirs = map.ptr().add(*off);
                     if self.from_peer {
-                        crate::shm::local::copy_bytes(self.ours.ptr(), theirs, len);
+                        crate::shm::local::copy_bytes(ours.ptr(), theirs, ours.len());
                     } else {
-                        crate::shm::local::copy_bytes(theirs, self.ours.ptr(), len);
+                        crate::shm::local::copy_bytes(theirs, ours.ptr(), ours.len());
                     }
                 }
                 true
             }
-            PeerBytes::Process { pid, addr } => {
+            SliceWork::Span {
+                ours,
+                theirs: PeerBytes::Process { pid, addr },
+            } => {
                 // SAFETY: our slice is `len` live bytes held by `self`; the
                 // kernel checks the peer's side.
-                unsafe { crate::shm::cma::cma(*pid, self.ours.ptr(), *addr, len, self.from_peer) }
+                unsafe { crate::shm::cma::cma(*pid, ours.ptr(), *addr, ours.len(), self.from_peer) }
                     .is_ok()
+            }
+            SliceWork::Pieces { pid, pieces } => {
+                crate::shm::cma::copy_run(*pid, pieces, self.from_peer)
             }
         };
         if !ok {

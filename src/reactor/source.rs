@@ -67,7 +67,7 @@ pub(crate) struct Cx<'a> {
     /// Answers to those, once copied: (connection, op id, write, status).
     pub gpu_replies: &'a mut Vec<(ConnId, u64, bool, Status)>,
     /// Large same-host copies to spread over the shards (None: one shard).
-    pub host_copies: Option<&'a mut Vec<crate::xfer::HostCopy>>,
+    pub host_copies: Option<&'a mut Vec<crate::xfer::HostWork>>,
     /// The GPU work, for tcp bounce buffers (absent while it is the source
     /// being polled, or without a driver).
     pub gpu: Option<&'a mut GpuWork>,
@@ -271,7 +271,7 @@ pub(crate) struct ShardSink<'a> {
     pub gpu_reqs: Option<&'a mut Vec<GpuReq>>,
     /// Large same-host copies to spread over the shards (None: copied
     /// inline).
-    pub host_copies: Option<&'a mut Vec<crate::xfer::HostCopy>>,
+    pub host_copies: Option<&'a mut Vec<crate::xfer::HostWork>>,
     /// GPU staging for tcp frames (None without a GPU path).
     pub gpu: Option<&'a mut GpuWork>,
     /// Where served requests are counted, and under which path.
@@ -351,10 +351,20 @@ impl Sink for ShardSink<'_> {
     fn host_copy(&mut self, req: crate::xfer::HostCopy) -> Result<(), crate::xfer::HostCopy> {
         match &mut self.host_copies {
             Some(v) => {
-                v.push(req);
+                v.push(crate::xfer::HostWork::One(req));
                 Ok(())
             }
             None => Err(req),
+        }
+    }
+
+    fn cma_batch(&mut self, batch: crate::xfer::CmaBatch) -> Result<(), crate::xfer::CmaBatch> {
+        match &mut self.host_copies {
+            Some(v) => {
+                v.push(crate::xfer::HostWork::Cma(batch));
+                Ok(())
+            }
+            None => Err(batch),
         }
     }
 

@@ -61,6 +61,21 @@ impl PeerMemory for Cma {
     }
 }
 
+/// Copies every piece (our slice, the peer's address) of a run, all from
+/// the peer when `from_peer`: in batches of syscalls, each piece on its own
+/// where a batch fails, to learn which. Whether every piece was copied.
+pub(crate) fn copy_run(pid: u32, pieces: &[(u64, RegionSlice, u64)], from_peer: bool) -> bool {
+    let pairs = pieces.iter().map(|(_, ours, addr)| (ours, *addr));
+    if Cma.copy_many(pid, pairs, from_peer).is_ok() {
+        return true;
+    }
+    let mut all = true;
+    for (_, ours, addr) in pieces {
+        all &= Cma.copy(pid, ours, *addr, from_peer).is_ok();
+    }
+    all
+}
+
 /// One `process_vm_readv/writev` of `local.len()` pairs, `want` bytes in
 /// all; a partial copy is an error (the caller retries op by op).
 ///

@@ -366,7 +366,7 @@ impl LocalConn {
             }
             self.on_msg(m, inline, regions, maps, peer_mem, sink)?;
         }
-        self.flush_cma(peer_mem);
+        self.flush_cma(peer_mem, sink);
         Ok(work)
     }
 

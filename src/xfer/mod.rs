@@ -41,6 +41,11 @@ pub(crate) trait Sink {
     fn host_copy(&mut self, req: HostCopy) -> Result<(), HostCopy> {
         Err(req)
     }
+    /// Takes a large run of small CMA copies to spread over copy threads;
+    /// gives it back when this sink copies alone.
+    fn cma_batch(&mut self, batch: CmaBatch) -> Result<(), CmaBatch> {
+        Err(batch)
+    }
     /// A pinned bounce buffer of at least `len` bytes, for GPU memory on
     /// the tcp path.
     fn bounce(&mut self, _len: usize) -> Bounce {
@@ -141,6 +146,31 @@ pub(crate) struct HostCopy {
     pub write: bool,
     pub ours: RegionSlice,
     pub theirs: PeerBytes,
+}
+
+/// A run of checked same-host requests of one direction, each copied with
+/// CMA between one of our slices and the peer process's address: many
+/// small pieces (a KV-cache request of 4 KiB blocks) that the shard cuts
+/// into jobs for the copy threads, answering each request once its job
+/// is done.
+pub(crate) struct CmaBatch {
+    pub conn: ConnId,
+    /// The peer process.
+    pub pid: u32,
+    /// The peer writes into ours (else reads from it).
+    pub write: bool,
+    /// (request's op id, our slice, the peer's address), in order.
+    pub pieces: Vec<(u64, RegionSlice, u64)>,
+}
+
+/// The least one job of a `CmaBatch` copies: a shorter one copies faster
+/// than a thread wakes for it. A run is handed over from twice this.
+pub(crate) const CMA_JOB_MIN_BYTES: usize = 256 << 10;
+
+/// What a shard spreads over its copy threads or sibling shards.
+pub(crate) enum HostWork {
+    One(HostCopy),
+    Cma(CmaBatch),
 }
 
 /// Where the peer's side of a `HostCopy` is, `ours.len()` bytes long.

@@ -121,11 +121,11 @@ impl Endpoint {
                 payload: bytes,
             });
             let len = msg.len();
-            let send = Pending { id, seq, msg };
             // Its buffer is offered already: it lands there (see
-            // `state::Eager::ended`).
+            // `state::ConnMsgs::eager_offer`); the send ends now.
             let ended = c.offers.remove(&seq).is_some();
-            c.eager.insert(seq, state::Eager { send, ended });
+            let msg = (!ended).then_some(msg);
+            c.eager.insert(seq, state::Eager { id, msg });
             if ended {
                 st.ended.insert(id, Ok(len));
             }
@@ -163,8 +163,7 @@ impl Endpoint {
             });
         }
         // Where the CPU copies an eager message (host memory only).
-        let dest = mr.slice(offset, max)?;
-        let dest = (!dest.is_device()).then_some(dest);
+        let dest = state::Dest::of(mr.slice(offset, max)?);
         let window = if max == 0 {
             self.inner.live(conn)?;
             RemoteBuf::default()
@@ -325,7 +324,7 @@ impl Endpoint {
         match msg {
             CtlMsg::Cts { seq, window } => {
                 let c = st.conns.entry(conn).or_default();
-                let eager = c.eager.get(&seq).is_some_and(|e| !e.ended);
+                let eager = c.eager.get(&seq).is_some_and(|e| !e.ended());
                 if eager {
                     if let Some((id, r)) = c.eager_offer(seq, &window) {
                         st.ended.insert(id, r);

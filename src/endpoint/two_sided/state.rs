@@ -77,12 +77,17 @@ pub(super) struct Pending {
 
 /// A send that went eagerly.
 pub(super) struct Eager {
-    pub(super) send: Pending,
-    /// Its end was reported: the receiver's offer for it came (a host
-    /// buffer it fits), so it lands unless the connection dies, which
-    /// fails the receive (as a `Fin` lost would). The `Ack` is awaited
-    /// only to keep the window.
-    pub(super) ended: bool,
+    pub(super) id: u64,
+    /// The message (it holds the registration) until the send ended;
+    /// `None` after: the answer is awaited only to keep the window (see
+    /// `eager_offer`), and the registration is free to go meanwhile.
+    pub(super) msg: Option<RegionSlice>,
+}
+
+impl Eager {
+    pub(super) fn ended(&self) -> bool {
+        self.msg.is_none()
+    }
 }
 
 pub(super) struct Writing {
@@ -99,7 +104,30 @@ pub(super) struct Posted {
     pub(super) rkey: u32,
     /// The buffer, where the CPU may copy an eager message into it (host
     /// memory); `None` for GPU memory (such a message is sent `Again`).
-    pub(super) dest: Option<RegionSlice>,
+    pub(super) dest: Option<Dest>,
+}
+
+/// A posted host buffer, held (a receive is an op in flight on its
+/// buffer: deregistering it waits for the receive to end, as for a
+/// transfer), so an eager message for it always lands: its sender may
+/// have been told so already (see `ConnMsgs::eager_offer`).
+pub(super) struct Dest(RegionSlice);
+
+impl Dest {
+    /// Where an eager message for `slice` lands; `None` for GPU memory.
+    pub(super) fn of(slice: RegionSlice) -> Option<Dest> {
+        (!slice.is_device()).then_some(Dest(slice))
+    }
+
+    /// Copies `bytes` in; the caller checked they fit the posted length.
+    fn copy_in(&self, bytes: &[u8]) {
+        assert!(bytes.len() <= self.0.len(), "checked by the caller");
+        // SAFETY: host memory (`of`), alive while the slice holds it,
+        // writable (checked when posted), `bytes.len()` fits (above). A
+        // peer's WRITE into the same window can change bytes, never their
+        // validity (u8).
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.0.ptr(), bytes.len()) }
+    }
 }
 
 impl ConnMsgs {
@@ -115,7 +143,7 @@ impl ConnMsgs {
     pub(super) fn first_unmatched(&self) -> u64 {
         let send = self.sends.front().map(|p| p.seq);
         let eager = (self.eager.iter())
-            .find(|(_, e)| !e.ended)
+            .find(|(_, e)| !e.ended())
             .map(|(seq, _)| *seq);
         [send, eager]
             .into_iter()
@@ -145,10 +173,10 @@ impl ConnMsgs {
         seq: u64,
         window: &RemoteBuf,
     ) -> Option<(u64, Result<usize>)> {
-        let e = self.eager.get_mut(&seq).filter(|e| !e.ended)?;
+        let e = self.eager.get_mut(&seq).filter(|e| !e.ended())?;
         // Its `Ack` will only close the window now.
-        e.ended = true;
-        let (id, len) = (e.send.id, e.send.msg.len());
+        let msg = e.msg.take().expect("not ended");
+        let (id, len) = (e.id, msg.len());
         if fills(window, len) {
             return Some((id, Ok(len)));
         }
@@ -157,11 +185,7 @@ impl ConnMsgs {
             let len = len as u64;
             return Some((id, Err(Error::MessageTooLarge { len, posted })));
         }
-        let send = Pending {
-            id,
-            seq,
-            msg: e.send.msg.clone(),
-        };
+        let send = Pending { id, seq, msg };
         let at = self.sends.partition_point(|p| p.seq < seq);
         self.sends.insert(at, send);
         self.offers.insert(seq, *window);
@@ -196,7 +220,7 @@ impl State {
         let ids = (c.sends.iter().map(|s| s.id))
             .chain(c.recvs.values().map(|p| p.id))
             .chain(c.writing.iter().map(|w| w.id))
-            .chain(c.eager.values().filter(|e| !e.ended).map(|e| e.send.id));
+            .chain(c.eager.values().filter(|e| !e.ended()).map(|e| e.id));
         for id in ids {
             self.ended.insert(id, Err(err.duplicate()));
         }
@@ -296,11 +320,7 @@ impl State {
                 posted: posted.max,
             });
         }
-        // SAFETY: `dest` is host memory (`dest` is only set for it), kept
-        // alive by the slice, writable (checked when it was posted), and
-        // holds `max >= len` bytes; `payload` is ours. A peer's WRITE into
-        // the same window can change bytes, never their validity (u8).
-        unsafe { std::ptr::copy_nonoverlapping(payload.as_ptr(), dest.ptr(), payload.len()) };
+        dest.copy_in(payload);
         self.answer(conn, seq, FinStatus::Ok, len);
         Ok(payload.len())
     }
@@ -320,19 +340,25 @@ impl State {
             tracing::warn!(%conn, seq, "an answer for no eager message of ours: ignored");
             return;
         };
-        if sent.ended {
+        let Some(msg) = sent.msg else {
             // Ended when its offer came (what the receiver answers was
             // known then; a GPU buffer's offer waits in `offers` for the
             // WRITE): the answer only closes the window.
             return;
-        }
-        let sent = sent.send;
-        let msg_len = sent.msg.len() as u64;
+        };
+        let msg_len = msg.len() as u64;
         let r = match status {
             FinStatus::Again => {
                 // Back in number order among the sends that wait.
                 let at = c.sends.partition_point(|p| p.seq < seq);
-                c.sends.insert(at, sent);
+                c.sends.insert(
+                    at,
+                    Pending {
+                        id: sent.id,
+                        seq,
+                        msg,
+                    },
+                );
                 return;
             }
             FinStatus::Ok if len == msg_len => Ok(msg_len as usize),
@@ -415,7 +441,7 @@ mod tests {
             id: 77,
             max: 32,
             rkey: 0,
-            dest: RegionSlice::new(&region, 0, 32),
+            dest: Dest::of(RegionSlice::new(&region, 0, 32).unwrap()),
         };
         let before = st.held_bytes;
         assert_eq!(st.take_held(a, 3, &posted).unwrap().unwrap(), 16);
@@ -453,7 +479,7 @@ mod tests {
                 id: 5,
                 max: 8,
                 rkey: 42,
-                dest: RegionSlice::new(&region, 0, 8),
+                dest: Dest::of(RegionSlice::new(&region, 0, 8).unwrap()),
             },
         );
         let ended = st.take_eager(a, 0, &[1; 9]).expect("ends the receive");

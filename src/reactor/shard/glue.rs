@@ -2,67 +2,142 @@
 //! the sibling shards, CUDA copies for same-host requests and IPC ops,
 //! tcp frames staged through pinned bounce buffers, and IPC revocations.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::Shard;
 use crate::error::OpKind;
+use crate::reactor::copy_pool::LazyCopyPool;
 use crate::reactor::gpu::GpuWork;
 use crate::reactor::queue::{Command, CopyJoin, CopySlice};
 use crate::reactor::source::ConnRef;
 use crate::region::RegionSlice;
 use crate::wire::Status;
+use crate::xfer::{CmaBatch, HostCopy, HostWork, CMA_JOB_MIN_BYTES};
+
+/// A large copy's slices (whole 64 KiB blocks, as many as `threads`
+/// copy threads take, or one per shard), all counted in one join; None
+/// (nothing to wait for) when the request's ranges do not cut, which
+/// they always do (checked whole).
+fn span_jobs(
+    req: &HostCopy,
+    threads: Option<usize>,
+    share: usize,
+) -> Option<(Arc<CopyJoin>, Vec<CopySlice>)> {
+    let len = req.ours.len();
+    let count = match threads {
+        Some(n) => crate::reactor::copy_pool::slices(len, n),
+        None => share,
+    };
+    let slice = len.div_ceil(count).next_multiple_of(64 << 10);
+    let count = len.div_ceil(slice);
+    let join = Arc::new(CopyJoin {
+        left: AtomicUsize::new(count),
+        ..Default::default()
+    });
+    let jobs: Option<Vec<_>> = (0..count)
+        .map(|i| {
+            let off = i * slice;
+            let ours = req.ours.sub(off, slice.min(len - off))?;
+            CopySlice::new(ours, req.theirs.at(off), req.write, join.clone())
+        })
+        .collect();
+    Some((join, jobs?))
+}
+
+/// A run of small CMA copies cut into `share` jobs at most, none under
+/// `CMA_JOB_MIN_BYTES` (a shorter one copies faster than a thread wakes
+/// for it), all counted in one join: its requests are answered once every
+/// job is done, all failed if any piece failed (a request may then be
+/// reported failed whose bytes did land; never the other way).
+fn cma_jobs(batch: &CmaBatch, share: usize) -> (Arc<CopyJoin>, Vec<CopySlice>) {
+    let bytes: usize = batch.pieces.iter().map(|(_, s, _)| s.len()).sum();
+    let count = (bytes / CMA_JOB_MIN_BYTES).clamp(1, share.max(1));
+    let per = bytes.div_ceil(count);
+    let join = Arc::new(CopyJoin::default());
+    let mut jobs = Vec::with_capacity(count);
+    let mut cur = Vec::new();
+    let mut cur_bytes = 0;
+    for (op, ours, addr) in &batch.pieces {
+        cur_bytes += ours.len();
+        cur.push((*op, ours.clone(), *addr));
+        if cur_bytes >= per {
+            let pieces = std::mem::take(&mut cur);
+            jobs.push(CopySlice::pieces(
+                batch.pid,
+                pieces,
+                batch.write,
+                join.clone(),
+            ));
+            cur_bytes = 0;
+        }
+    }
+    if !cur.is_empty() {
+        jobs.push(CopySlice::pieces(batch.pid, cur, batch.write, join.clone()));
+    }
+    join.left.store(jobs.len(), Ordering::Release);
+    (join, jobs)
+}
 
 impl Shard {
-    /// Cuts each large same-host copy of this pass into slices: the
-    /// endpoint's copy threads take all but one (or, without them, the
-    /// sibling shards through their queues); a slice that finds no room is
-    /// copied here, as is the first, now.
+    /// Cuts each large same-host copy of this pass into slices, and each
+    /// run of small CMA copies into jobs: the endpoint's copy threads take
+    /// all but one (or, without them, the sibling shards through their
+    /// queues); one that finds no room is copied here, as is the first,
+    /// now.
     pub(super) fn start_host_copies(&mut self) {
-        use std::sync::atomic::AtomicUsize;
         let pool = self.cfg.copy_pool.clone();
         let threads = pool.as_ref().and_then(|p| p.get().map(|_| p.share()));
-        for req in self.host_copies.drain(..) {
-            let len = req.ours.len();
-            let count = match threads {
-                Some(n) => crate::reactor::copy_pool::slices(len, n),
-                None => self.siblings.len() + 1,
-            };
-            // Slices of whole 64 KiB blocks.
-            let slice = len.div_ceil(count).next_multiple_of(64 << 10);
-            let count = len.div_ceil(slice);
-            let join = Arc::new(CopyJoin {
-                left: AtomicUsize::new(count),
-                ..Default::default()
-            });
-            let piece = |i: usize| {
-                let off = i * slice;
-                let ours = req.ours.sub(off, slice.min(len - off))?;
-                CopySlice::new(ours, req.theirs.at(off), req.write, join.clone())
-            };
-            // The others' slices first, so they copy while we copy ours.
-            for i in (1..count).chain(0..1) {
-                let Some(s) = piece(i) else {
-                    // Unreachable: the request's ranges were checked whole.
-                    join.failed.store(true, Ordering::Relaxed);
-                    join.left.fetch_sub(1, Ordering::Release);
-                    continue;
-                };
-                if i == 0 {
-                    s.run();
-                } else if let Some(p) = pool.as_ref().and_then(|p| p.get()) {
-                    if let Err(back) = p.try_submit(s) {
-                        back.run();
+        let share = threads.unwrap_or(self.siblings.len() + 1);
+        for work in std::mem::take(&mut self.host_copies) {
+            let (join, jobs) = match work {
+                HostWork::One(req) => {
+                    let Some((join, jobs)) = span_jobs(&req, threads, share) else {
+                        // Unreachable: the request's ranges were checked whole.
+                        let failed = (req.conn, req.op_id, req.write, Status::PeerMemory);
+                        self.gpu_replies.push(failed);
+                        continue;
+                    };
+                    self.copy_waits
+                        .push((join.clone(), req.conn, req.op_id, req.write));
+                    (join, jobs)
+                }
+                HostWork::Cma(batch) => {
+                    let (join, jobs) = cma_jobs(&batch, share);
+                    for (op, _, _) in &batch.pieces {
+                        self.copy_waits
+                            .push((join.clone(), batch.conn, *op, batch.write));
                     }
-                } else if let Err((_, Command::CopySlice(back))) =
-                    self.siblings[i - 1].submit(Command::CopySlice(s))
-                {
+                    (join, jobs)
+                }
+            };
+            drop(join);
+            self.hand_out(jobs, pool.as_deref());
+        }
+    }
+
+    /// Runs the first job here and hands the others to the copy threads
+    /// (or the siblings), first, so they copy while we copy ours.
+    fn hand_out(&mut self, mut jobs: Vec<CopySlice>, pool: Option<&LazyCopyPool>) {
+        if jobs.is_empty() {
+            return;
+        }
+        let first = jobs.remove(0);
+        for (i, s) in jobs.into_iter().enumerate() {
+            if let Some(p) = pool.and_then(|p| p.get()) {
+                if let Err(back) = p.try_submit(s) {
                     back.run();
                 }
+            } else if self.siblings.is_empty() {
+                s.run();
+            } else if let Err((_, Command::CopySlice(back))) =
+                self.siblings[i % self.siblings.len()].submit(Command::CopySlice(s))
+            {
+                back.run();
             }
-            self.copy_waits.push((join, req.conn, req.op_id, req.write));
         }
+        first.run();
     }
 
     /// Answers the spread copies whose every slice is done.

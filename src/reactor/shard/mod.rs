@@ -146,7 +146,7 @@ pub struct Shard {
     /// The other shards, which copy slices of large same-host copies.
     siblings: Vec<ShardHandle>,
     /// Large same-host copies requested this pass ...
-    host_copies: Vec<crate::xfer::HostCopy>,
+    host_copies: Vec<crate::xfer::HostWork>,
     /// ... and those whose slices are under way: (slices left,
     /// connection, op id, write).
     copy_waits: Vec<(Arc<CopyJoin>, ConnId, u64, bool)>,

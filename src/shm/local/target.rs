@@ -12,7 +12,7 @@ use crate::shm::ring::SLOT_PAYLOAD;
 use crate::sys::Mapping;
 use crate::wire::shm_msg::{Msg, MsgKind, MAX_INLINE};
 use crate::wire::{IpcRef, Status};
-use crate::xfer::{GpuReq, HostCopy, PeerBytes, Sink, Theirs};
+use crate::xfer::{CmaBatch, GpuReq, HostCopy, PeerBytes, Sink, Theirs};
 
 /// A checked request to be copied with CMA and answered by `flush_cma`.
 pub(super) struct DeferredCma {
@@ -41,7 +41,7 @@ impl LocalConn {
     /// direction for the run (the kernel's per-call checks — the peer's
     /// task, its mm, ptrace access — were most of a small copy's cost),
     /// each on its own if the batch fails, to learn which one did.
-    pub(super) fn flush_cma(&mut self, peer_mem: &mut impl PeerMemory) {
+    pub(super) fn flush_cma(&mut self, peer_mem: &mut impl PeerMemory, sink: &mut impl Sink) {
         if self.cma_batch.is_empty() {
             return;
         }
@@ -49,6 +49,10 @@ impl LocalConn {
         for write in [true, false] {
             let mut pairs = batch.iter().filter(|d| d.write == write).peekable();
             if pairs.peek().is_none() {
+                continue;
+            }
+            // A long run goes to the copy threads, which answer it.
+            if self.spread_cma(&batch, write, sink) {
                 continue;
             }
             let pairs = pairs.map(|d| (&d.ours, d.addr));
@@ -62,6 +66,26 @@ impl LocalConn {
         }
         batch.clear();
         self.cma_batch = batch;
+    }
+
+    /// Hands this run's CMA copies of one direction to the shard's copy
+    /// threads when they are many bytes (twice what one job takes): one
+    /// core's CMA moves ~3 GB/s, a KV-cache request of 4 KiB pieces
+    /// needs several. Whether it did (the shard answers them).
+    fn spread_cma(&mut self, batch: &[DeferredCma], write: bool, sink: &mut impl Sink) -> bool {
+        let run = batch.iter().filter(|d| d.write == write);
+        let bytes: usize = run.clone().map(|d| d.ours.len()).sum();
+        if bytes < 2 * crate::xfer::CMA_JOB_MIN_BYTES {
+            return false;
+        }
+        let pieces = run.map(|d| (d.op_id, d.ours.clone(), d.addr)).collect();
+        let req = CmaBatch {
+            conn: self.id,
+            pid: self.peer_pid,
+            write,
+            pieces,
+        };
+        sink.cma_batch(req).is_ok()
     }
 
     pub(super) fn reply(&mut self, m: &Msg, inline: &[u8]) {
@@ -150,7 +174,7 @@ impl LocalConn {
         }
         // Requests are served in order: the copies put off so far happen
         // before this one's.
-        self.flush_cma(peer_mem);
+        self.flush_cma(peer_mem, sink);
         self.serve_now(path, &m, inline, w, maps, peer_mem, sink);
         Ok(())
     }
