@@ -111,6 +111,9 @@ elif [ "$what" = benches ]; then
     step "ferry bench"
     rec host --label "shm, host memory" -- "$FERRY_BIN" bench --transport shm --op write --sizes 4K,64M --latency --baseline --json
     rec host --label "tcp, host memory" -- "$FERRY_BIN" bench --transport tcp --op write --sizes 4K,64M --latency --baseline --json
+    # Two-sided messages (eager up to 8 KiB), a one-sided WRITE beside each.
+    rec host --label "shm, host memory" -- "$FERRY_BIN" bench --transport shm --op send --sizes 8,4K,64K --json
+    rec host --label "tcp, host memory" -- "$FERRY_BIN" bench --transport tcp --op send --sizes 8,4K,64K --json
     rec gpu --label "CUDA IPC, GPU memory" -- "$FERRY_BIN" bench --transport ipc --op write --sizes 4K,1M,256M --baseline --json
     rec gpu --label "tcp, GPU memory" -- "$FERRY_BIN" bench --transport tcp --device gpu --op write --sizes 64M --baseline --json
     if nixl_dir; then

@@ -90,7 +90,9 @@ impl Shard {
         let pool = self.cfg.copy_pool.clone();
         let threads = pool.as_ref().and_then(|p| p.get().map(|_| p.share()));
         let share = threads.unwrap_or(self.siblings.len() + 1);
-        for work in std::mem::take(&mut self.host_copies) {
+        // Taken and put back, so the vector keeps its capacity.
+        let mut works = std::mem::take(&mut self.host_copies);
+        for work in works.drain(..) {
             let (join, jobs) = match work {
                 HostWork::One(req) => {
                     let Some((join, jobs)) = span_jobs(&req, threads, share) else {
@@ -115,6 +117,7 @@ impl Shard {
             drop(join);
             self.hand_out(jobs, pool.as_deref());
         }
+        self.host_copies = works;
     }
 
     /// Runs the first job here and hands the others to the copy threads
