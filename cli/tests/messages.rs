@@ -364,26 +364,33 @@ fn a_sender_that_closes_while_its_peer_is_slow_loses_nothing_on_one_host() {
     close_while_peer_is_slow(Path::Shm);
 }
 
-/// Messages sent before their receives are posted, from `CONNS` peers:
+/// Messages sent before their receives are posted, from `conns` peers:
 /// the small ones go eagerly and the receiver holds them (64 a
-/// connection, 8 MiB in all: 24 × 64 × 8 KiB is past that, so some are
+/// connection, 8 MiB in all: `conns` × 64 × `eager` (the path's eager
+/// bound: 8 KiB over tcp, 4 KiB on one host) is past that, so some are
 /// answered `Again` and come the usual way), the sender's window of 64
 /// sends the rest the usual way, sizes about the 8 KiB bound. Every
 /// message lands byte-exact, in order, with its length, on both sides.
-fn early_sends(path: Path) {
-    const CONNS: usize = 24;
+fn early_sends(path: Path, eager: usize, conns: usize) {
+    assert!(conns * 64 * eager > 8 << 20, "past the receiver's bound");
     const PER: usize = 70;
     const SLOT: usize = 20_000;
-    const SIZES: [usize; 8] = [0, 1, 17, 4096, 8191, 8192, 8193, SLOT];
-    let len = |i: usize| if i < 64 { 8192 } else { SIZES[i % SIZES.len()] };
+    const SIZES: [usize; 9] = [0, 1, 17, 4095, 4096, 4097, 8192, 8193, SLOT];
+    let len = |i: usize| {
+        if i < 64 {
+            eager
+        } else {
+            SIZES[i % SIZES.len()]
+        }
+    };
     path.require();
     let b = path_client(path);
     b.start_passive_accept().unwrap();
-    let mut p = vec![0u8; CONNS * PER * SLOT];
+    let mut p = vec![0u8; conns * PER * SLOT];
     fill_pattern(&mut p, 0, 23);
     let slot = |k: usize, i: usize| (k * PER + i) * SLOT;
     // Each peer: its endpoint, its connection, ours, its source.
-    let peers: Vec<_> = (0..CONNS)
+    let peers: Vec<_> = (0..conns)
         .map(|k| {
             let a = path_client(path);
             let ca = a.add_remote(&b.metadata_bytes()).unwrap();
@@ -393,7 +400,7 @@ fn early_sends(path: Path) {
             (a, ca, cb, src)
         })
         .collect();
-    let dst = b.alloc(CONNS * PER * SLOT).unwrap();
+    let dst = b.alloc(conns * PER * SLOT).unwrap();
     let mut sends = Vec::new();
     for (a, ca, _, src) in &peers {
         for i in 0..PER {
@@ -407,7 +414,7 @@ fn early_sends(path: Path) {
             }
         }
     };
-    let n = CONNS * PER;
+    let n = conns * PER;
     let mut sent: Vec<Option<ferry::Result<usize>>> = (0..n).map(|_| None).collect();
     // The receiver takes what came (its calls move it) before posting:
     // a message of its own, never received, is the handle it polls.
@@ -444,7 +451,7 @@ fn early_sends(path: Path) {
     }
     let mut back = vec![0u8; n * SLOT];
     dst.read_at(0, &mut back).unwrap();
-    for k in 0..CONNS {
+    for k in 0..conns {
         for i in 0..PER {
             let (j, at, l) = (k * PER + i, slot(k, i), len(i));
             assert_eq!(sent[j].take().unwrap().unwrap(), l, "{path:?} send {k}/{i}");
@@ -464,12 +471,12 @@ fn early_sends(path: Path) {
 
 #[test]
 fn messages_sent_before_their_receives_land_over_tcp() {
-    early_sends(Path::TcpEpoll);
+    early_sends(Path::TcpEpoll, 8192, 24);
 }
 
 #[test]
 fn messages_sent_before_their_receives_land_on_one_host() {
-    early_sends(Path::Shm);
+    early_sends(Path::Shm, 4096, 40);
 }
 
 /// A send that went eagerly and ended (its receive was offered: it ends

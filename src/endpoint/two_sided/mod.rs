@@ -101,6 +101,10 @@ impl Endpoint {
     ) -> Result<MessageOp> {
         let msg = mr.slice(offset, len)?;
         self.inner.live(conn)?;
+        let eager_max = match self.peer(conn) {
+            Some(super::Peer::Local { .. }) => state::MAX_EAGER_SAME_HOST,
+            _ => crate::wire::MAX_EAGER_BYTES,
+        };
         let mut st = self.inner.mail.messages.state.lock().expect("lock");
         let id = st.new_id();
         let c = st.conns.entry(conn).or_default();
@@ -112,7 +116,7 @@ impl Endpoint {
         }
         let seq = c.next_send;
         c.next_send += 1;
-        if c.goes_eagerly(&msg, seq) {
+        if c.goes_eagerly(&msg, seq, eager_max) {
             // SAFETY: host memory (`goes_eagerly`), alive while `msg`
             // holds the registration, `msg.len()` bytes from its start.
             let bytes = unsafe { std::slice::from_raw_parts(msg.ptr(), msg.len()) };
