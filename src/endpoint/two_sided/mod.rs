@@ -13,7 +13,8 @@
 //! bounded (`MAX_UNMATCHED` per connection; more are refused).
 //!
 //! Small messages skip the offer (`state::EAGER_WINDOW`, `wire::msg`): a
-//! send of at most `MAX_EAGER_BYTES` of host memory goes inside an
+//! send of at most `MAX_EAGER_BYTES` of host memory (`MAX_EAGER_SAME_HOST`
+//! to a same-host peer) goes inside an
 //! `Eager` notification at once; the receiver copies it into the buffer
 //! posted for its number, or holds it (bounded per connection and in
 //! all) until that buffer is posted, and answers `Ack`. The send ends on
@@ -22,7 +23,8 @@
 //! unless the connection dies, which fails the receive as a lost `Fin`
 //! does; too short: `MessageTooLarge` on both sides). A GPU buffer, or a
 //! receiver with no room to hold it, answers `Again`, and the message
-//! goes the usual way.
+//! goes the usual way. A posted host receive holds its buffer until it
+//! ends (so a message its sender was told landed does land).
 //!
 //! Progress is made by the calls: posting, `poll_message` and
 //! `wait_message` (the WRITEs themselves run on the shards as usual). A
