@@ -6,7 +6,7 @@
 #   wheel/ferry-*.whl (the Python package), uccl/ (UCCL v0.1.1's own
 #   p2p/tests, unchanged, and a one-line `uccl` package that is ferry.p2p).
 #
-#   benches/device_run.sh tests|benches|ray     (results under $OUT)
+#   benches/device_run.sh tests|benches|ray|short     (results under $OUT)
 #
 # tests: the GPU suite, the Python suite, UCCL's own tests, the NIXL suite
 # on VRAM (nixl-cu13 as installed there) over shm and tcp.
@@ -104,6 +104,16 @@ elif [ "$what" = ray ]; then
             step "NIXL suite, VRAM, $t"
             FERRY_NIXL_MEM=VRAM FERRY_TRANSPORT=$t timeout 200 $py -m pytest -q -p no:cacheprovider -rs nixl/tests/test_nixl.py 2>&1 | tail -6
         done
+    fi
+elif [ "$what" = short ]; then
+    # What fits beside a Ray call: NIXL on DRAM (the KV-shaped 100 000
+    # descriptor request among it) and two-sided latency, into $OUT/results.
+    mkdir -p "$OUT/results"
+    rec() { local file=$1; shift; $py benches/record.py "$OUT/results/$file.jsonl" "$@"; }
+    rec host --label "shm, host memory" -- "$FERRY_BIN" bench --transport shm --op send --sizes 8,4K,64K --json
+    rec host --label "tcp, host memory" -- "$FERRY_BIN" bench --transport tcp --op send --sizes 8,4K,64K --json
+    if nixl_dir; then
+        rec nixl --label "NIXL, DRAM, same host" -- $py benches/nixl_bench.py --op WRITE --sizes 4Kx32,64K,1M,64M,4Kx100000 --json
     fi
 elif [ "$what" = benches ]; then
     mkdir -p "$OUT/results"
