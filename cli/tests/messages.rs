@@ -25,6 +25,31 @@ fn done(ep: &Endpoint, op: MessageOp) -> ferry::Result<usize> {
     ep.wait_message(op, WAIT)
 }
 
+/// Polls each side's ops until every one ended (a side's calls move its
+/// part), failing the test after `4 × WAIT`; `ended` holds what already
+/// did (`None`: not yet), and comes back whole.
+fn until_all_ended(
+    path: Path,
+    ops: &[(&Endpoint, MessageOp)],
+    ended: &mut [Option<ferry::Result<usize>>],
+) {
+    let deadline = std::time::Instant::now() + 4 * WAIT;
+    while ended.iter().any(Option::is_none) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{path:?}: {} of {} ops ended",
+            ended.iter().flatten().count(),
+            ended.len()
+        );
+        for ((ep, op), r) in ops.iter().zip(ended.iter_mut()) {
+            if r.is_none() {
+                *r = ep.poll_message(*op);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Three messages of different sizes, buffers posted before and after
 /// they were sent: each lands whole in its own buffer, in order, with its
 /// length; a buffer larger than its registration is cut to it (as the
@@ -136,26 +161,15 @@ fn many_posted(path: Path) {
         .map(|i| a.send_async(ca, &src, i * LEN, LEN - i % 7).unwrap())
         .collect();
     // Both sides' calls move their parts: poll them in turn.
-    let deadline = std::time::Instant::now() + 4 * WAIT;
-    let mut sent: Vec<Option<ferry::Result<usize>>> = (0..SENDS).map(|_| None).collect();
-    let mut got: Vec<Option<ferry::Result<usize>>> = (0..SENDS).map(|_| None).collect();
-    while sent.iter().chain(&got).any(Option::is_none) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{path:?}: {} sends and {} receives ended",
-            sent.iter().flatten().count(),
-            got.iter().flatten().count()
-        );
-        for i in 0..SENDS {
-            if sent[i].is_none() {
-                sent[i] = a.poll_message(sends[i]);
-            }
-            if got[i].is_none() {
-                got[i] = b.poll_message(recvs[i]);
-            }
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let ops: Vec<_> = (0..SENDS)
+        .flat_map(|i| [(&a, sends[i]), (&b, recvs[i])])
+        .collect();
+    let mut ended: Vec<Option<ferry::Result<usize>>> = ops.iter().map(|_| None).collect();
+    until_all_ended(path, &ops, &mut ended);
+    let (mut sent, mut got): (Vec<_>, Vec<_>) = ended
+        .chunks_exact_mut(2)
+        .map(|pair| (pair[0].take(), pair[1].take()))
+        .unzip();
     let mut back = vec![0u8; SENDS * LEN];
     dst.read_at(0, &mut back).unwrap();
     for i in 0..SENDS {
@@ -432,23 +446,13 @@ fn early_sends(path: Path, eager: usize, conns: usize) {
             recvs.push(b.recv_async(*cb, &dst, slot(k, i), SLOT).unwrap());
         }
     }
-    let deadline = std::time::Instant::now() + 4 * WAIT;
-    let mut got: Vec<Option<ferry::Result<usize>>> = (0..n).map(|_| None).collect();
-    while sent.iter().chain(&got).any(Option::is_none) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{path:?}: {} sends and {} receives ended",
-            sent.iter().flatten().count(),
-            got.iter().flatten().count()
-        );
-        poll_sends(&mut sent);
-        for j in 0..n {
-            if got[j].is_none() {
-                got[j] = b.poll_message(recvs[j]);
-            }
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let mut ops: Vec<_> = (sends.iter().enumerate())
+        .map(|(j, s)| (&peers[j / PER].0, *s))
+        .collect();
+    ops.extend(recvs.iter().map(|r| (&b, *r)));
+    sent.extend((0..n).map(|_| None));
+    until_all_ended(path, &ops, &mut sent);
+    let mut got = sent.split_off(n);
     let mut back = vec![0u8; n * SLOT];
     dst.read_at(0, &mut back).unwrap();
     for k in 0..conns {

@@ -55,6 +55,24 @@ fn client_config() -> Config {
     }
 }
 
+/// Runs `client` on a thread inside namespace `ns` (a host), then stops
+/// the targets `served` (whatever the client did) and passes its panic on.
+fn on_host(ns: &str, served: Vec<Child>, client: impl FnOnce() + Send + 'static) {
+    let ns = ns.to_string();
+    let r = std::thread::spawn(move || {
+        enter(&ns);
+        client();
+    })
+    .join();
+    for mut srv in served {
+        let _ = srv.kill();
+        let _ = srv.wait();
+    }
+    if let Err(p) = r {
+        std::panic::resume_unwind(p);
+    }
+}
+
 /// From host B: connect to the target on host A, move data both ways.
 fn transfers_between_hosts(served: &Served) {
     let ep = Endpoint::builder().config(client_config()).build().unwrap();
@@ -81,8 +99,8 @@ fn transfers_between_hosts(served: &Served) {
 #[ignore = "needs root to make network namespaces (cargo test --test netns -- --ignored)"]
 fn endpoints_on_separate_hosts() {
     let hosts = Hosts::make_as_root();
-    let (mut v4, v4_served) = serve_in(&hosts.a, "198.18.0.1", 64 * MIB);
-    let (mut v6, v6_served) = serve_in(&hosts.a, "fd77::1", 16 * MIB);
+    let (v4, v4_served) = serve_in(&hosts.a, "198.18.0.1", 64 * MIB);
+    let (v6, v6_served) = serve_in(&hosts.a, "fd77::1", 16 * MIB);
     assert_eq!(
         ferry::EndpointMetadata::decode(&v4_served.meta)
             .unwrap()
@@ -94,8 +112,7 @@ fn endpoints_on_separate_hosts() {
     let b = hosts.b.clone();
     let hosts = std::sync::Arc::new(hosts);
     let h2 = hosts.clone();
-    let client = std::thread::spawn(move || {
-        enter(&b);
+    on_host(&b, vec![v4, v6], move || {
         transfers_between_hosts(&v4_served);
         transfers_between_hosts(&v6_served);
 
@@ -133,15 +150,7 @@ fn endpoints_on_separate_hosts() {
         );
         println!("link cut: {failed} of 16 transfers failed after {took:?}");
     });
-    let r = client.join();
-    let _ = v4.kill();
-    let _ = v6.kill();
-    let _ = v4.wait();
-    let _ = v6.wait();
     drop(hosts);
-    if let Err(p) = r {
-        std::panic::resume_unwind(p);
-    }
 }
 
 /// A peer that vanishes without a FIN while nothing is in flight (the link
@@ -154,12 +163,11 @@ fn endpoints_on_separate_hosts() {
 fn an_idle_connection_to_a_vanished_peer_fails_within_the_liveness_bound() {
     const LIVENESS_MS: u64 = 2000;
     let hosts = Hosts::make_as_root();
-    let (mut srv, served) = serve_in(&hosts.a, "198.18.0.1", 8 * MIB);
+    let (srv, served) = serve_in(&hosts.a, "198.18.0.1", 8 * MIB);
     let b = hosts.b.clone();
     let hosts = std::sync::Arc::new(hosts);
     let h2 = hosts.clone();
-    let client = std::thread::spawn(move || {
-        enter(&b);
+    on_host(&b, vec![srv], move || {
         let mut cfg = client_config();
         cfg.liveness_ms = LIVENESS_MS;
         let ep = Endpoint::builder().config(cfg).build().unwrap();
@@ -198,13 +206,7 @@ fn an_idle_connection_to_a_vanished_peer_fails_within_the_liveness_bound() {
         assert!(at_once.elapsed() < Duration::from_millis(100));
         println!("idle connection to a vanished peer failed after {took:?}: {failed}");
     });
-    let r = client.join();
-    let _ = srv.kill();
-    let _ = srv.wait();
     drop(hosts);
-    if let Err(p) = r {
-        std::panic::resume_unwind(p);
-    }
 }
 
 /// A peer that is merely slow is not a vanished one: over a link shaped
@@ -216,11 +218,10 @@ fn an_idle_connection_to_a_vanished_peer_fails_within_the_liveness_bound() {
 fn a_slow_peer_is_not_failed_by_the_liveness_bound() {
     const LIVENESS_MS: u64 = 2000;
     let hosts = Hosts::make_as_root();
-    let (mut srv, served) = serve_in(&hosts.a, "198.18.0.1", 2 * MIB);
+    let (srv, served) = serve_in(&hosts.a, "198.18.0.1", 2 * MIB);
     hosts.shape_a("2mbit");
     let b = hosts.b.clone();
-    let client = std::thread::spawn(move || {
-        enter(&b);
+    on_host(&b, vec![srv], move || {
         let mut cfg = client_config();
         cfg.liveness_ms = LIVENESS_MS;
         cfg.op_timeout_ms = 30_000;
@@ -247,13 +248,7 @@ fn a_slow_peer_is_not_failed_by_the_liveness_bound() {
         assert!(ep.conn_status(conn).is_ok(), "a slow peer was failed");
         println!("a 1 MiB READ over a 2 Mbit/s link took {took:?}; the connection is up");
     });
-    let r = client.join();
-    let _ = srv.kill();
-    let _ = srv.wait();
     drop(hosts);
-    if let Err(p) = r {
-        std::panic::resume_unwind(p);
-    }
 }
 
 /// A peer far away is not a vanished one: over a link that delays every
@@ -268,10 +263,9 @@ fn a_peer_behind_a_long_delay_is_not_failed_by_the_liveness_bound() {
     const LIVENESS_MS: u64 = 2000;
     const DELAY: Duration = Duration::from_millis(400);
     let hosts = Delayed::make_as_root(DELAY);
-    let (mut srv, served) = serve_in(&hosts.a, "198.18.0.1", MIB);
+    let (srv, served) = serve_in(&hosts.a, "198.18.0.1", MIB);
     let b = hosts.b.clone();
-    let client = std::thread::spawn(move || {
-        enter(&b);
+    on_host(&b, vec![srv], move || {
         let mut cfg = client_config();
         cfg.liveness_ms = LIVENESS_MS;
         cfg.op_timeout_ms = 10_000;
@@ -303,11 +297,5 @@ fn a_peer_behind_a_long_delay_is_not_failed_by_the_liveness_bound() {
             3 * LIVENESS_MS
         );
     });
-    let r = client.join();
-    let _ = srv.kill();
-    let _ = srv.wait();
     drop(hosts);
-    if let Err(p) = r {
-        std::panic::resume_unwind(p);
-    }
 }

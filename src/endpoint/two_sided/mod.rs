@@ -107,7 +107,7 @@ impl Endpoint {
             Some(super::Peer::Local { .. }) => state::MAX_EAGER_SAME_HOST,
             _ => crate::wire::MAX_EAGER_BYTES,
         };
-        let mut st = self.inner.mail.messages.state.lock().expect("lock");
+        let mut st = self.msg_state();
         let id = st.new_id();
         let c = st.conns.entry(conn).or_default();
         if c.sends.len() + c.writing.len() + c.eager.len() >= MAX_POSTED_MESSAGES {
@@ -176,7 +176,7 @@ impl Endpoint {
         } else {
             self.advertise(conn, mr, offset, max)?
         };
-        let mut st = self.inner.mail.messages.state.lock().expect("lock");
+        let mut st = self.msg_state();
         let id = st.new_id();
         let c = st.conns.entry(conn).or_default();
         if c.recvs.len() >= MAX_POSTED_MESSAGES {
@@ -220,14 +220,7 @@ impl Endpoint {
     /// length, on both sides), given once.
     pub fn poll_message(&self, op: MessageOp) -> Option<Result<usize>> {
         self.progress();
-        self.inner
-            .mail
-            .messages
-            .state
-            .lock()
-            .expect("lock")
-            .ended
-            .remove(&op.0)
+        self.msg_state().ended.remove(&op.0)
     }
 
     /// Waits up to `timeout` for `op` to end (spinning, then sleeping in
@@ -255,6 +248,11 @@ impl Endpoint {
         }
     }
 
+    /// The matching state, locked.
+    fn msg_state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.inner.mail.messages.state.lock().expect("lock")
+    }
+
     /// One step of every connection's two-sided work: take the engine's
     /// messages that arrived, start the WRITEs whose message and buffer
     /// are both there, end those that finished, fail what a dead
@@ -266,7 +264,7 @@ impl Endpoint {
                 .take(256)
                 .collect()
         };
-        let mut st = self.inner.mail.messages.state.lock().expect("lock");
+        let mut st = self.msg_state();
         for (conn, bytes) in arrived {
             self.take_ctl(&mut st, conn, &bytes);
         }
@@ -308,14 +306,7 @@ impl Endpoint {
     /// that ended idle are swept as the map grows, so this stays near the
     /// open connections plus those with messages under way).
     pub fn message_conns(&self) -> usize {
-        self.inner
-            .mail
-            .messages
-            .state
-            .lock()
-            .expect("lock")
-            .conns
-            .len()
+        self.msg_state().conns.len()
     }
 
     /// One of the engine's messages from the peer on `conn`.
