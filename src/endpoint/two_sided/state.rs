@@ -331,7 +331,17 @@ impl State {
         Ok(payload.len())
     }
 
+    /// Queues the answer to eager message `seq`. An `Ack` of a message
+    /// taken is one per receive we posted (our bound); `Again` a peer can
+    /// ask for without end (the same message again and again, for a GPU
+    /// buffer or past the hold bounds), so past `MAX_OUTBOX` unsaid
+    /// messages (peers not reading) it is not said, it is logged, as an
+    /// offer refused past the bound: no peer grows our memory.
     fn answer(&mut self, conn: ConnId, seq: u64, status: FinStatus, len: u64) {
+        if status == FinStatus::Again && self.outbox.len() >= MAX_OUTBOX {
+            tracing::warn!(%conn, seq, "an eager message not taken, unanswered: peers are not reading");
+            return;
+        }
         self.outbox
             .push_back((conn, ctl(CtlMsg::Ack { seq, status, len })));
     }
@@ -466,6 +476,34 @@ mod tests {
         let before = st.held_bytes;
         st.fail_conn(a, &Error::Shutdown);
         assert_eq!(st.held_bytes, before - 16 * (MAX_HELD_PER_CONN - 2));
+    }
+
+    /// A peer that repeats an eager message for a GPU buffer (each one
+    /// answered `Again`) while nobody reads our answers grows the outbox
+    /// only to its bound.
+    #[test]
+    fn again_answers_stop_at_the_outbox_bound() {
+        let mut st = State::default();
+        let a = ConnId(1);
+        let c = st.conns.entry(a).or_default();
+        c.next_recv = 1;
+        c.recvs.insert(
+            0,
+            Posted {
+                id: 5,
+                max: 64,
+                rkey: 0,
+                dest: None,
+            },
+        );
+        for _ in 0..2 * MAX_OUTBOX {
+            assert!(st.take_eager(a, 0, &[1; 8]).is_none());
+        }
+        assert_eq!(st.outbox.len(), MAX_OUTBOX);
+        assert!(
+            st.conns[&a].recvs.contains_key(&0),
+            "the receive stays posted"
+        );
     }
 
     /// An eager message longer than the buffer fails the receive and says
