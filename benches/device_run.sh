@@ -6,7 +6,7 @@
 #   wheel/ferry-*.whl (the Python package), uccl/ (UCCL v0.1.1's own
 #   p2p/tests, unchanged, and a one-line `uccl` package that is ferry.p2p).
 #
-#   benches/device_run.sh tests|benches|ray|short     (results under $OUT)
+#   benches/device_run.sh tests|benches|ray|short|kv  (results under $OUT)
 #
 # tests: the GPU suite, the Python suite, UCCL's own tests, the NIXL suite
 # on VRAM (nixl-cu13 as installed there) over shm and tcp.
@@ -115,6 +115,52 @@ elif [ "$what" = short ]; then
     if nixl_dir; then
         rec nixl --label "NIXL, DRAM, same host" -- $py benches/nixl_bench.py --op WRITE --sizes 4Kx32,64K,1M,64M,4Kx100000 --json
     fi
+elif [ "$what" = kv ]; then
+    # The KV shapes (issue 49): the gather kernel alone (benches/
+    # gather_probe.py, with and without a second context on the GPU), the
+    # GPU pieces suite, then NIXL on VRAM alternating this build (B) with
+    # the one in $carry/A (A: libplugin_FERRY.so and ferry of the commit
+    # before), a 4 KiB IPC op from Python and from `ferry bench`, and
+    # DRAM's 100 000-descriptor request.
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    step "gather probe"
+    $py benches/gather_probe.py --shapes 4Kx1,4Kx32,64Kx32,16Kx1024 2>&1 | tee "$OUT/probe.txt"
+    $py benches/gather_probe.py --shapes 4Kx1,4Kx32,64Kx32 --neighbour 2>&1 | tee -a "$OUT/probe.txt"
+    if [ -x "$carry/gpu_pieces" ]; then
+        step "GPU pieces suite"
+        timeout 200 "$carry/gpu_pieces" --ignored --test-threads=1 2>&1 | tail -15
+    fi
+    if nixl_dir; then
+        mkdir -p /tmp/nixl-plugins-A
+        for p in /tmp/nixl-plugins/*.so; do ln -sf "$(readlink -f "$p")" /tmp/nixl-plugins-A/; done
+        ln -sf "$carry/A/libplugin_FERRY.so" /tmp/nixl-plugins-A/libplugin_FERRY.so
+        for r in 1 2; do
+            for v in B A; do
+                dir=/tmp/nixl-plugins; [ $v = A ] && dir=/tmp/nixl-plugins-A
+                for op in WRITE READ; do
+                    step "NIXL VRAM $op, build $v, round $r"
+                    NIXL_PLUGIN_DIR=$dir timeout 100 $py benches/nixl_bench.py --mem vram --backends FERRY --op $op \
+                        --rounds 1 --sizes 4Kx32,64Kx32,16Kx1024,1M --json 2>&1 | tee -a "$OUT/nixl_vram_$v.jsonl" | cut -c1-400
+                done
+            done
+        done
+        step "NIXL DRAM 4Kx100000 (B)"
+        timeout 120 $py benches/nixl_bench.py --op WRITE --sizes 4Kx32,64M,4Kx100000 --json 2>&1 | tee "$OUT/nixl_dram.jsonl" | cut -c1-400
+    fi
+    step "one 4 KiB IPC op: ferry bench, B (auto, engine, kernel) then A"
+    for way in auto engine kernel; do
+        echo "-- B, FERRY_GPU_COPY=$way"
+        FERRY_GPU_COPY=$way timeout 60 "$FERRY_BIN" bench --transport ipc --op write --sizes 4K --latency --seconds 1 2>&1 | tail -4
+    done
+    echo "-- A"
+    timeout 60 "$carry/A/ferry" bench --transport ipc --op write --sizes 4K --latency --seconds 1 2>&1 | tail -4
+    step "python -m ferry.bench --transport ipc (B)"
+    $py -m pip install -q --no-deps --no-index --force-reinstall "$carry"/wheel/ferry-*.whl 2>&1 | tail -2
+    (cd / && timeout 120 $py -m ferry.bench --transport ipc --sizes 4K --ferry-bin "$FERRY_BIN" 2>&1 | tail -12)
+    step "two-sided (B)"
+    for t in shm tcp; do
+        timeout 60 "$FERRY_BIN" bench --transport $t --op send --sizes 8,4K,64K --seconds 1 2>&1 | tail -5
+    done
 elif [ "$what" = benches ]; then
     mkdir -p "$OUT/results"
     rec() { local file=$1; shift; $py benches/record.py "$OUT/results/$file.jsonl" "$@"; }

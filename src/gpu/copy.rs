@@ -119,8 +119,11 @@ pub(crate) struct Copier<E> {
     batches: usize,
     /// Emptied entry vectors, reused so steady state allocates nothing.
     spare: Vec<Vec<E>>,
-    /// Which way batches of kernel-eligible copies go (see `Choice`).
-    choice: Choice,
+    /// Which way kernel-eligible copies go (see `Choice`): index 0 for a
+    /// lone copy, 1 for a batch of several. Kept apart because a lone copy
+    /// is all fixed cost (a launch or an engine call, and the GPU's start),
+    /// which a per-copy average over batches would hide.
+    choice: [Choice; 2],
 }
 
 // SAFETY: streams and events are driver handles usable from any thread; a
@@ -160,7 +163,7 @@ impl<E> Copier<E> {
             inflight: VecDeque::with_capacity(64),
             batches: 0,
             spare: Vec::new(),
-            choice: Choice::forced(way),
+            choice: [Choice::forced(way), Choice::forced(way)],
         })
     }
 
@@ -361,7 +364,8 @@ impl<E> Copier<E> {
         let r = (|| {
             cuda()?.make_current(self.ordinal)?;
             let count = self.sizes.len();
-            let way = (count > 1 && self.all_kernel_ok).then(|| self.choice.pick());
+            let way = (count > 0 && self.all_kernel_ok)
+                .then(|| self.choice[usize::from(count > 1)].pick());
             let slot = match way {
                 Some(Way::Kernel) => self.gather_slot(),
                 _ => None,
@@ -430,7 +434,7 @@ impl<E> Copier<E> {
             match Gather::load(self.ordinal, BATCHES_IN_FLIGHT + 2) {
                 Ok(g) => self.gather = Some(g),
                 Err(e) => {
-                    self.choice.no_kernel();
+                    self.choice.iter_mut().for_each(Choice::no_kernel);
                     tracing::warn!(
                         gpu = self.ordinal,
                         "the gather kernel did not load ({e}): small copies stay on the copy engine"
@@ -493,7 +497,7 @@ impl<E> Copier<E> {
             let mut f = self.inflight.remove(i).expect("index in range");
             self.batches -= usize::from(f.batch);
             if let (Some((t0, count, way)), Ok(())) = (f.timed, &result) {
-                self.choice.took(way, t0.elapsed(), count);
+                self.choice[usize::from(count > 1)].took(way, t0.elapsed(), count);
             }
             if let (Some(s), Some(g)) = (f.slot, self.gather.as_mut()) {
                 g.free_slot(s);

@@ -14,7 +14,8 @@
 //! `count` descriptors `{dst: u64, src: u64, len: u64}`, written in
 //! pinned memory and read there (kernels reach it at its host address), or
 //! for a large batch copied to device memory ahead of the launch on its
-//! stream. Block (x, y) copies the y-th 4 KiB of copy x: 16-byte words
+//! stream; a batch of at most `PARAM_DESCS` goes by value in the launch's
+//! parameters instead (`ferry_gather_p`), read from the constant bank. Block (x, y) copies the y-th 4 KiB of copy x: 16-byte words
 //! when all three are 16-byte aligned, else bytes.
 //!
 //! Only memory that kernels may touch goes through it: device memory and
@@ -44,35 +45,12 @@ const THREADS: u32 = 256;
 /// Bytes of one descriptor.
 const DESC_BYTES: usize = 24;
 
-/// The kernel, in PTX (ISA 7.0, sm_70 and later: the driver compiles it
-/// for the GPU at load). NUL-terminated, as `cuModuleLoadData` reads it.
-const PTX: &str = concat!(
-    r#"
-.version 7.0
-.target sm_70
-.address_size 64
-
-.visible .entry ferry_gather(
-    .param .u64 descs,
-    .param .u32 count
-)
-{
-    .reg .pred %p<6>;
-    .reg .b16 %rs<2>;
-    .reg .b32 %r<12>;
-    .reg .b64 %rd<20>;
-
-    ld.param.u64 %rd1, [descs];
-    ld.param.u32 %r1, [count];
-    mov.u32 %r2, %ctaid.x;
-    setp.ge.u32 %p1, %r2, %r1;
-    @%p1 bra DONE;
-    cvta.to.global.u64 %rd2, %rd1;
-    mul.wide.u32 %rd3, %r2, 24;
-    add.s64 %rd4, %rd2, %rd3;
-    ld.global.u64 %rd5, [%rd4];
-    ld.global.u64 %rd6, [%rd4+8];
-    ld.global.u64 %rd7, [%rd4+16];
+/// The copy loop both entries share, once a block has its copy's
+/// descriptor in %rd5 (dst), %rd6 (src), %rd7 (len) and the copy's index
+/// checked. Labels are local to each entry in PTX, so it appears twice.
+macro_rules! copy_body {
+    () => {
+        r#"
     // This block's chunk of the copy: [start, end), CHUNK bytes at y.
     mov.u32 %r9, %ctaid.y;
     mul.wide.u32 %rd15, %r9, 4096;
@@ -120,9 +98,89 @@ BYTELOOP:
 DONE:
     ret;
 }
+"#
+    };
+}
+
+/// The kernel, in PTX (ISA 7.0, sm_70 and later: the driver compiles it
+/// for the GPU at load). NUL-terminated, as `cuModuleLoadData` reads it.
+///
+/// Two entries (two modules, `PTX` and `PTX_P`): `ferry_gather(descs, count)` reads the descriptors from
+/// memory (pinned or device); `ferry_gather_p(count, descs[])` takes up to
+/// `PARAM_DESCS` of them by value, in the launch's parameters, which every
+/// block reads from the constant bank instead of over PCIe — for a batch
+/// of 32 copies in 512 blocks those were 4 096 warps' reads of pinned host
+/// memory before any byte moved.
+const PTX: &str = concat!(
+    r#"
+.version 7.0
+.target sm_70
+.address_size 64
+
+.visible .entry ferry_gather(
+    .param .u64 descs,
+    .param .u32 count
+)
+{
+    .reg .pred %p<6>;
+    .reg .b16 %rs<2>;
+    .reg .b32 %r<12>;
+    .reg .b64 %rd<20>;
+
+    ld.param.u64 %rd1, [descs];
+    ld.param.u32 %r1, [count];
+    mov.u32 %r2, %ctaid.x;
+    setp.ge.u32 %p1, %r2, %r1;
+    @%p1 bra DONE;
+    cvta.to.global.u64 %rd2, %rd1;
+    mul.wide.u32 %rd3, %r2, 24;
+    add.s64 %rd4, %rd2, %rd3;
+    ld.global.u64 %rd5, [%rd4];
+    ld.global.u64 %rd6, [%rd4+8];
+    ld.global.u64 %rd7, [%rd4+16];
 "#,
+    copy_body!(),
     "\0"
 );
+
+/// The by-value entry, its own module: were a driver to refuse it, the
+/// first still loads and batches read their descriptors from memory.
+const PTX_P: &str = concat!(
+    r#"
+.version 7.0
+.target sm_70
+.address_size 64
+
+.visible .entry ferry_gather_p(
+    .param .u32 count,
+    .param .align 8 .b8 descs[3840]
+)
+{
+    .reg .pred %p<6>;
+    .reg .b16 %rs<2>;
+    .reg .b32 %r<12>;
+    .reg .b64 %rd<20>;
+
+    ld.param.u32 %r1, [count];
+    mov.u32 %r2, %ctaid.x;
+    setp.ge.u32 %p1, %r2, %r1;
+    @%p1 bra DONE;
+    // A kernel parameter's address, read with ld.param (PTX ISA 5.1.6.1).
+    mov.u64 %rd2, descs;
+    mul.wide.u32 %rd3, %r2, 24;
+    add.s64 %rd4, %rd2, %rd3;
+    ld.param.u64 %rd5, [%rd4];
+    ld.param.u64 %rd6, [%rd4+8];
+    ld.param.u64 %rd7, [%rd4+16];
+"#,
+    copy_body!(),
+    "\0"
+);
+
+/// Descriptors passed by value (`ferry_gather_p`): 3 840 bytes, inside
+/// the 4 KiB of parameters every driver takes.
+const PARAM_DESCS: usize = 160;
+const _: () = assert!(PARAM_DESCS * DESC_BYTES == 3840, "the PTX's descs[]");
 
 /// The loaded kernel of one device and its descriptor slots: `slots`
 /// batches can be in flight at once, each holding its slot (and the
@@ -132,7 +190,11 @@ DONE:
 pub(crate) struct Gather {
     ordinal: i32,
     module: cu::CUmodule,
+    /// `ferry_gather`: descriptors in memory.
     func: cu::CUfunction,
+    /// `ferry_gather_p` (up to `PARAM_DESCS` descriptors by value) and its
+    /// module, where it loaded.
+    by_value: Option<(cu::CUmodule, cu::CUfunction)>,
     /// Each slot's descriptors (None: not allocated yet).
     descs: Vec<Option<SlotBufs>>,
     /// Bit i set: slot i is free.
@@ -166,23 +228,20 @@ impl Gather {
     pub fn load(ordinal: i32, slots: usize) -> Result<Self> {
         let slots = slots.clamp(1, 32);
         cuda()?.make_current(ordinal)?;
-        let mut module: cu::CUmodule = std::ptr::null_mut();
-        // SAFETY: a NUL-terminated PTX image, read during the call.
-        check("cuModuleLoadData", unsafe {
-            cu::cuModuleLoadData(&mut module, PTX.as_ptr().cast())
-        })?;
-        let mut func: cu::CUfunction = std::ptr::null_mut();
-        // SAFETY: a function of the module just loaded, by a C string name.
-        let r = unsafe { cu::cuModuleGetFunction(&mut func, module, c"ferry_gather".as_ptr()) };
-        if let Err(e) = check("cuModuleGetFunction", r) {
-            // SAFETY: the module loaded above, unused.
-            unsafe { cu::cuModuleUnload(module) };
-            return Err(e);
-        }
+        let (module, func) = load_entry(PTX, c"ferry_gather")?;
+        let by_value = load_entry(PTX_P, c"ferry_gather_p")
+            .map_err(|e| {
+                tracing::warn!(
+                    gpu = ordinal,
+                    "the by-value gather kernel did not load ({e}): descriptors go through memory"
+                )
+            })
+            .ok();
         Ok(Self {
             ordinal,
             module,
             func,
+            by_value,
             descs: (0..slots).map(|_| None).collect(),
             free: if slots == 32 {
                 u32::MAX
@@ -241,6 +300,28 @@ impl Gather {
         stream: cu::CUstream,
     ) -> Result<()> {
         let n = sizes.len().min(dsts.len()).min(srcs.len());
+        let mut count = n as u32;
+        let longest = sizes[..n].iter().copied().max().unwrap_or(0);
+        let chunks = longest.div_ceil(CHUNK_BYTES).max(1) as u32;
+        if let (Some((_, func_p)), true) = (self.by_value, n <= PARAM_DESCS) {
+            // By value: the driver copies all of `descs[]` into the launch.
+            let mut words = [0u64; PARAM_DESCS * 3];
+            for i in 0..n {
+                words[3 * i] = dsts[i];
+                words[3 * i + 1] = srcs[i];
+                words[3 * i + 2] = sizes[i] as u64;
+            }
+            let mut params = [
+                (&mut count as *mut u32).cast::<std::ffi::c_void>(),
+                words.as_mut_ptr().cast::<std::ffi::c_void>(),
+            ];
+            // SAFETY: the kernel's two parameters (a u32 and 3 840 bytes),
+            // read during the call; the ranges are valid until the launch
+            // ends (the caller's promise).
+            return check("cuLaunchKernel", unsafe {
+                self.launch_fn(func_p, count, chunks, &mut params, stream)
+            });
+        }
         let bufs = self.room(slot, n)?;
         let (d, dev) = (bufs.host.ptr().cast::<u64>(), bufs.dev.ptr());
         for i in 0..n {
@@ -253,9 +334,9 @@ impl Gather {
                 d.add(3 * i + 2).write(sizes[i] as u64);
             }
         }
-        // A few descriptors are read where they are written (pinned memory
-        // that kernels reach at its host address): one more call would
-        // cost more than their reads over PCIe.
+        // A few hundred descriptors are read where they are written
+        // (pinned memory that kernels reach at its host address): one more
+        // call would cost more than their reads over PCIe.
         let mut descs = if n < DEVICE_DESCS_MIN {
             d as u64
         } else {
@@ -268,9 +349,6 @@ impl Gather {
             })?;
             dev
         };
-        let mut count = n as u32;
-        let longest = sizes[..n].iter().copied().max().unwrap_or(0);
-        let chunks = longest.div_ceil(CHUNK_BYTES).max(1) as u32;
         let mut params = [
             (&mut descs as *mut u64).cast::<std::ffi::c_void>(),
             (&mut count as *mut u32).cast::<std::ffi::c_void>(),
@@ -278,8 +356,26 @@ impl Gather {
         // SAFETY: the kernel's two parameters, read during the call; the
         // ranges are valid until the launch ends (the caller's promise).
         check("cuLaunchKernel", unsafe {
+            self.launch_fn(self.func, count, chunks, &mut params, stream)
+        })
+    }
+
+    /// One launch of `func` over `count` x `chunks` blocks.
+    ///
+    /// # Safety
+    /// `params` must be `func`'s parameters, as `cuLaunchKernel` reads them.
+    unsafe fn launch_fn(
+        &self,
+        func: cu::CUfunction,
+        count: u32,
+        chunks: u32,
+        params: &mut [*mut std::ffi::c_void; 2],
+        stream: cu::CUstream,
+    ) -> cu::CUresult {
+        // SAFETY: the caller's promise; no extra launch options.
+        unsafe {
             cu::cuLaunchKernel(
-                self.func,
+                func,
                 count,
                 chunks,
                 1,
@@ -291,13 +387,84 @@ impl Gather {
                 params.as_mut_ptr(),
                 std::ptr::null_mut(),
             )
-        })
+        }
     }
+}
+
+/// Loads `ptx` into the current context and finds its entry `name`.
+fn load_entry(ptx: &str, name: &std::ffi::CStr) -> Result<(cu::CUmodule, cu::CUfunction)> {
+    let mut module: cu::CUmodule = std::ptr::null_mut();
+    // SAFETY: a NUL-terminated PTX image, read during the call.
+    check("cuModuleLoadData", unsafe {
+        cu::cuModuleLoadData(&mut module, ptx.as_ptr().cast())
+    })?;
+    let mut func: cu::CUfunction = std::ptr::null_mut();
+    // SAFETY: a function of the module just loaded, by a C string name.
+    let r = unsafe { cu::cuModuleGetFunction(&mut func, module, name.as_ptr()) };
+    if let Err(e) = check("cuModuleGetFunction", r) {
+        // SAFETY: the module loaded above, unused.
+        unsafe { cu::cuModuleUnload(module) };
+        return Err(e);
+    }
+    Ok((module, func))
 }
 
 impl Drop for Gather {
     fn drop(&mut self) {
-        // SAFETY: our module; the owning copier synchronised its streams.
-        unsafe { cu::cuModuleUnload(self.module) };
+        // SAFETY: our modules; the owning copier synchronised its streams.
+        unsafe {
+            cu::cuModuleUnload(self.module);
+            if let Some((m, _)) = self.by_value {
+                cu::cuModuleUnload(m);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Both modules assemble for the oldest and a current target, by
+    /// NVIDIA's own assembler (no GPU needed: `ptxas` from PyPI's
+    /// nvidia-cuda-nvcc wheel; .ci/run installs it and sets FERRY_PTXAS).
+    /// A driver JIT-compiles the same text at first use, where a mistake
+    /// would only show as "small copies stay on the copy engine".
+    #[test]
+    #[ignore = "needs ptxas (FERRY_PTXAS names it)"]
+    fn the_kernels_assemble() {
+        let ptxas = std::env::var("FERRY_PTXAS").expect("FERRY_PTXAS: the ptxas binary");
+        let dir = std::env::temp_dir().join(format!("ferry-ptx-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (name, ptx, entry) in [
+            ("gather", PTX, "ferry_gather"),
+            ("gather_p", PTX_P, "ferry_gather_p"),
+        ] {
+            let src = dir.join(format!("{name}.ptx"));
+            std::fs::write(&src, ptx.trim_end_matches('\0')).unwrap();
+            for arch in ["sm_70", "sm_90"] {
+                let out = std::process::Command::new(&ptxas)
+                    .arg(format!("-arch={arch}"))
+                    .arg("-v")
+                    .arg(&src)
+                    .arg("-o")
+                    .arg(dir.join(format!("{name}.{arch}.cubin")))
+                    .output()
+                    .expect("run ptxas");
+                let log = String::from_utf8_lossy(&out.stderr);
+                assert!(out.status.success(), "{name} for {arch}: {log}");
+                assert!(
+                    log.contains(entry),
+                    "{name} for {arch}: no {entry} in {log}"
+                );
+                // Descriptors by value are read in place (constant bank),
+                // not copied to a stack frame first.
+                assert!(
+                    log.contains("0 bytes stack frame"),
+                    "{name} for {arch}: {log}"
+                );
+            }
+        }
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""What ferry's gather kernel (src/gpu/gather.rs) costs on its own, beside
+the copy engine, on one GPU in one process: for each shape N x SIZE
+(pieces GAP bytes apart in one allocation, device to device), the wall
+time from the first driver call to a completed event (polled, as a shard
+polls), p50 over --rounds, of:
+
+  engine 1 call   one cuMemcpyDtoDAsync of the same bytes, contiguous
+                  (what nixl_bench.py's "copy" is, less Python);
+  engine batch    cuMemcpyBatchAsync of the N pieces;
+  kernel, pinned  ferry_gather, descriptors read from pinned host memory;
+  kernel, device  ferry_gather, descriptors already in device memory;
+  kernel, params  ferry_gather_p, descriptors by value (N <= 160).
+
+With --neighbour a second process holds its own context on the same GPU
+(allocated, idle), as the target of a same-host transfer does.
+
+    python3 benches/gather_probe.py [--shapes 4Kx32,64Kx32,16Kx1024] [--rounds 300] [--neighbour]
+"""
+import argparse
+import ctypes as C
+import multiprocessing as mp
+import os
+import re
+import time
+
+GAP = 4096
+PARAM_DESCS = 160
+
+
+def ok(r, what):
+    if r != 0:
+        raise SystemExit(f"{what}: CUresult {r}")
+
+
+def p50(v):
+    return sorted(v)[len(v) // 2]
+
+
+def ptx():
+    """The kernel's two PTX modules as gather.rs builds them: its raw
+    strings are the copy loop (the macro's), then the two entries' heads."""
+    src = open(os.path.join(os.path.dirname(__file__), "..", "src", "gpu", "gather.rs")).read()
+    body, head, head_p = re.findall(r'r#"(.*?)"#', src, re.S)[:3]
+    return (head + body).encode() + b"\0", (head_p + body).encode() + b"\0"
+
+
+def size(s):
+    s = s.upper()
+    m = {"K": 1 << 10, "M": 1 << 20}
+    return int(s[:-1]) * m[s[-1]] if s[-1] in m else int(s)
+
+
+def neighbour(ready, done):
+    cu = C.CDLL("libcuda.so.1")
+    cu.cuInit(0)
+    dev, ctx, d = C.c_int(), C.c_void_p(), C.c_uint64()
+    cu.cuDeviceGet(C.byref(dev), 0)
+    cu.cuCtxCreate_v2(C.byref(ctx), 0, dev)
+    cu.cuMemAlloc_v2(C.byref(d), C.c_size_t(64 << 20))
+    ready.set()
+    done.wait()
+
+
+class Attr(C.Structure):
+    _fields_ = [("order", C.c_int), ("src_t", C.c_int), ("src_id", C.c_int),
+                ("dst_t", C.c_int), ("dst_id", C.c_int), ("flags", C.c_uint)]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="4Kx32,64Kx32,16Kx1024")
+    ap.add_argument("--rounds", type=int, default=300)
+    ap.add_argument("--neighbour", action="store_true")
+    a = ap.parse_args()
+    if a.neighbour:
+        ctx = mp.get_context("spawn")
+        ready, done = ctx.Event(), ctx.Event()
+        proc = ctx.Process(target=neighbour, args=(ready, done), daemon=True)
+        proc.start()
+        ready.wait(60)
+    cu = C.CDLL("libcuda.so.1")
+    ok(cu.cuInit(0), "cuInit")
+    dev, ctx = C.c_int(), C.c_void_p()
+    ok(cu.cuDeviceGet(C.byref(dev), 0), "cuDeviceGet")
+    ok(cu.cuDevicePrimaryCtxRetain(C.byref(ctx), dev), "retain")
+    ok(cu.cuCtxSetCurrent(ctx), "set")
+    mod, mod_p, fn, fn_p = C.c_void_p(), C.c_void_p(), C.c_void_p(), C.c_void_p()
+    image, image_p = ptx()
+    ok(cu.cuModuleLoadData(C.byref(mod), C.c_char_p(image)), "cuModuleLoadData")
+    ok(cu.cuModuleGetFunction(C.byref(fn), mod, b"ferry_gather"), "fn")
+    ok(cu.cuModuleLoadData(C.byref(mod_p), C.c_char_p(image_p)), "cuModuleLoadData (by value)")
+    ok(cu.cuModuleGetFunction(C.byref(fn_p), mod_p, b"ferry_gather_p"), "fn_p")
+    s, e = C.c_void_p(), C.c_void_p()
+    ok(cu.cuStreamCreate(C.byref(s), 1), "stream")
+    ok(cu.cuEventCreate(C.byref(e), 2), "event")
+
+    def timed(issue):
+        out = []
+        for _ in range(a.rounds):
+            t0 = time.perf_counter_ns()
+            issue()
+            ok(cu.cuEventRecord(e, s), "record")
+            while cu.cuEventQuery(e) == 600:  # CUDA_ERROR_NOT_READY
+                pass
+            out.append(time.perf_counter_ns() - t0)
+        return p50(out) / 1e3
+
+    print(f"neighbour context: {'yes' if a.neighbour else 'no'}")
+    for shape in a.shapes.split(","):
+        sz, n = shape.lower().split("x")
+        sz, n = size(sz), int(n)
+        span = n * (sz + GAP)
+        src, dst, ddesc = C.c_uint64(), C.c_uint64(), C.c_uint64()
+        ok(cu.cuMemAlloc_v2(C.byref(src), C.c_size_t(span)), "alloc")
+        ok(cu.cuMemAlloc_v2(C.byref(dst), C.c_size_t(span)), "alloc")
+        ok(cu.cuMemAlloc_v2(C.byref(ddesc), C.c_size_t(24 * n)), "alloc")
+        hdesc = C.c_void_p()
+        ok(cu.cuMemHostAlloc(C.byref(hdesc), C.c_size_t(24 * n), 0), "hostalloc")
+        offs = [k * (sz + GAP) for k in range(n)]
+        words = []
+        for o in offs:
+            words += [dst.value + o, src.value + o, sz]
+        arr = (C.c_uint64 * len(words)).from_address(hdesc.value)
+        arr[:] = words
+        ok(cu.cuMemcpyHtoD_v2(ddesc, hdesc, C.c_size_t(24 * n)), "descs")
+        dsts = (C.c_uint64 * n)(*[dst.value + o for o in offs])
+        srcs = (C.c_uint64 * n)(*[src.value + o for o in offs])
+        sizes = (C.c_size_t * n)(*[sz] * n)
+        attr, idx = Attr(1, 0, 0, 0, 0, 0), (C.c_size_t * 1)(0)
+        fail = C.c_size_t()
+        chunks = max(1, -(-sz // 4096))
+        count = C.c_uint32(n)
+
+        def launch(f, params):
+            ok(cu.cuLaunchKernel(f, n, chunks, 1, 256, 1, 1, 0, s, params, None), "launch")
+
+        hptr, dptr = C.c_uint64(hdesc.value), C.c_uint64(ddesc.value)
+        p_host = (C.c_void_p * 2)(C.cast(C.byref(hptr), C.c_void_p), C.cast(C.byref(count), C.c_void_p))
+        p_dev = (C.c_void_p * 2)(C.cast(C.byref(dptr), C.c_void_p), C.cast(C.byref(count), C.c_void_p))
+        byval = (C.c_uint64 * (3 * PARAM_DESCS))(*(words + [0] * (3 * PARAM_DESCS - len(words)))) if n <= PARAM_DESCS else None
+        rows = [
+            ("engine 1 call", lambda: ok(cu.cuMemcpyDtoDAsync_v2(dst, src, C.c_size_t(sz * n), s), "copy")),
+            ("engine batch", lambda: ok(cu.cuMemcpyBatchAsync_v2(dsts, srcs, sizes, C.c_size_t(n), C.byref(attr), idx, C.c_size_t(1), s)
+                                        if hasattr(cu, "cuMemcpyBatchAsync_v2") else
+                                        cu.cuMemcpyBatchAsync(dsts, srcs, sizes, C.c_size_t(n), C.byref(attr), idx, C.c_size_t(1), C.byref(fail), s), "batch")),
+            ("kernel, pinned", lambda: launch(fn, p_host)),
+            ("kernel, device", lambda: launch(fn, p_dev)),
+        ]
+        if byval is not None:
+            p_val = (C.c_void_p * 2)(C.cast(C.byref(count), C.c_void_p), C.cast(byval, C.c_void_p))
+            rows.append(("kernel, params", lambda: launch(fn_p, p_val)))
+        for name, issue in rows:
+            issue()
+            ok(cu.cuCtxSynchronize(), "sync")
+            print(f"{shape:>10}  {name:<15} p50 {timed(issue):8.2f} us")
+        # The kernels copied right: check the last piece's bytes landed.
+        ok(cu.cuMemsetD8_v2(src, 7, C.c_size_t(span)), "memset")
+        ok(cu.cuMemsetD8_v2(dst, 0, C.c_size_t(span)), "memset")
+        launch(fn_p if byval is not None else fn, p_val if byval is not None else p_dev)
+        ok(cu.cuCtxSynchronize(), "sync")
+        back = (C.c_uint8 * sz)()
+        ok(cu.cuMemcpyDtoH_v2(back, C.c_uint64(dst.value + offs[-1]), C.c_size_t(sz)), "back")
+        print(f"{shape:>10}  last piece copied: {all(b == 7 for b in back)}")
+        for p in (src, dst, ddesc):
+            cu.cuMemFree_v2(p)
+        cu.cuMemFreeHost(hdesc)
+    if a.neighbour:
+        done.set()
+
+
+if __name__ == "__main__":
+    main()
