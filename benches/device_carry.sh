@@ -2,8 +2,8 @@
 # Builds here (release, stripped) what benches/device_run.sh runs on the GPU
 # machine, into target/carry (the device tool's `carry`, 64 MiB at most):
 # the CLI, the GPU suite's test binary, the NIXL plugin, the Python wheel,
-# UCCL v0.1.1's p2p/tests (from a UCCL checkout: $UCCL_REPO, a git
-# directory) with a one-line `uccl` package that is ferry.p2p, and NIXL
+# UCCL v0.1.1's p2p/tests and p2p/benchmarks/benchmark_uccl.py (from a
+# UCCL checkout: $UCCL_REPO, a git directory) with a one-line `uccl` package that is ferry.p2p, and NIXL
 # for Python 3.12 slimmed from the wheels in $NIXL_WHEELS (`pip download
 # nixl-cu13 nixl --no-deps --python-version 3.12 --only-binary=:all:
 # --platform manylinux_2_28_x86_64 -d DIR`). RAY_WHEELS (a folder of `pip
@@ -39,6 +39,7 @@ if [ -n "${UCCL_REPO:-}" ]; then
         test_register_memory_cache.py test_remove_remote_endpoint.py; do
         git --git-dir="$UCCL_REPO" show v0.1.1:p2p/tests/$f > $c/uccl/$f
     done
+    git --git-dir="$UCCL_REPO" show v0.1.1:p2p/benchmarks/benchmark_uccl.py > $c/uccl/benchmark_uccl.py
     echo "from ferry import p2p  # noqa: F401 (UCCL's tests import uccl.p2p)" > $c/uccl/uccl/__init__.py
 fi
 # NIXL for the GPU machine, which has none and no internet: the nixl-cu13

@@ -157,6 +157,13 @@ elif [ "$what" = kv ]; then
     step "python -m ferry.bench --transport ipc (B)"
     $py -m pip install -q --no-deps --no-index --force-reinstall "$carry"/wheel/ferry-*.whl 2>&1 | tail -2
     (cd / && timeout 120 $py -m ferry.bench --transport ipc --sizes 4K --ferry-bin "$FERRY_BIN" 2>&1 | tail -12)
+    if [ -f "$carry/uccl/benchmark_uccl.py" ]; then
+        step "UCCL v0.1.1 benchmark_uccl.py, unchanged, both ranks on GPU 0 (B): send/recv, then write_ipc"
+        for mode in "" --write-ipc; do
+            (cd "$carry/uccl" && PYTHONPATH=$carry/uccl timeout 120 $py -m torch.distributed.run --nproc_per_node=2 \
+                benchmark_uccl.py $mode --sizes 256,4096,65536,1048576 --iters 2000 2>&1 | grep -v "^W\|^I\|warn" | tail -12)
+        done
+    fi
     step "two-sided (B)"
     for t in shm tcp; do
         timeout 60 "$FERRY_BIN" bench --transport $t --op send --sizes 8,4K,64K --seconds 1 2>&1 | tail -5
