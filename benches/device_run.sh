@@ -86,24 +86,32 @@ elif [ "$what" = ray ]; then
     $py -m pip install -q --no-deps --no-index --force-reinstall "$carry"/wheel/ferry-*.whl 2>&1 | tail -2
     $py -c 'import ray, torch, ferry.ray; print("ray", ray.__version__, "torch", torch.__version__, "cuda", torch.cuda.is_available())'
     nixl_dir || true
+    # The GPU pieces suite and the gather probe first, where carried (one
+    # call for both issues when device time is short).
+    if [ -x "$carry/gpu_pieces" ]; then
+        step "GPU pieces suite"
+        timeout 90 "$carry/gpu_pieces" --ignored --test-threads=1 2>&1 | tail -8 | tee "$OUT/gpu_pieces.txt"
+        step "gather probe"
+        timeout 40 $py benches/gather_probe.py --shapes 4Kx1,4Kx32,64Kx32,16Kx1024 --rounds 200 2>&1 | tee "$OUT/probe.txt"
+    fi
     # suite, bench or all (one device call is 10 minutes at most); RAY_RUNS,
-    # RAY_SUITE_S, RAY_BENCH_S and RAY_SIZES trim them to fit.
+    # RAY_SUITE_S, RAY_BENCH_S, RAY_NIXL_S and RAY_SIZES trim them to fit.
     part=${2:-all}
     if [ "$part" != bench ]; then
         for i in $(seq "${RAY_RUNS:-3}"); do
             step "ferry.ray suite, run $i"
-            (cd python/tests && timeout "${RAY_SUITE_S:-170}" $py -m pytest -q -p no:cacheprovider -rs test_ray.py 2>&1 | tail -8)
+            (cd python/tests && timeout "${RAY_SUITE_S:-170}" $py -m pytest -q -p no:cacheprovider -rs test_ray.py 2>&1 | tail -8 | tee -a "$OUT/ray_suite.txt")
+        done
+    fi
+    if [ "$part" != suite ] && [ -n "${NIXL_PLUGIN_DIR:-}" ]; then
+        for t in shm tcp; do
+            step "NIXL suite, VRAM, $t"
+            FERRY_NIXL_MEM=VRAM FERRY_TRANSPORT=$t timeout "${RAY_NIXL_S:-200}" $py -m pytest -q -p no:cacheprovider -rs nixl/tests/test_nixl.py 2>&1 | tail -6 | tee -a "$OUT/nixl_suite.txt"
         done
     fi
     if [ "$part" != suite ]; then
         step "benches/ray_rdt.py"
         timeout "${RAY_BENCH_S:-400}" $py benches/ray_rdt.py --sizes "${RAY_SIZES:-4K,1M,64M,1G}" --json 2>&1 | grep -v "WARNING\|INFO" | tee "$OUT/ray_rdt.txt"
-    fi
-    if [ "$part" != suite ] && [ -n "${NIXL_PLUGIN_DIR:-}" ]; then
-        for t in shm tcp; do
-            step "NIXL suite, VRAM, $t"
-            FERRY_NIXL_MEM=VRAM FERRY_TRANSPORT=$t timeout 200 $py -m pytest -q -p no:cacheprovider -rs nixl/tests/test_nixl.py 2>&1 | tail -6
-        done
     fi
 elif [ "$what" = short ]; then
     # What fits beside a Ray call: NIXL on DRAM (the KV-shaped 100 000
