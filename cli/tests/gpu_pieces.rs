@@ -2,7 +2,8 @@
 //! exact on every way they can run: CUDA IPC ops of this endpoint and a
 //! same-host peer's requests on its GPU memory, WRITE and READ, through the
 //! gather kernel (`FERRY_GPU_COPY=kernel`) and the copy engine (`engine`):
-//! 1 piece, 32 at odd offsets, 1024 of 16 KiB, 100 000 of odd sizes, runs
+//! 1 piece, 32 at odd offsets, 160 and 200 (the kernel reads descriptors
+//! by value up to 160), 1024 of 16 KiB, 100 000 of odd sizes, runs
 //! of adjacent pieces (joined into one copy) and pieces too long for the
 //! kernel beside short ones; a piece that cannot be copied fails its whole
 //! request.
@@ -68,6 +69,10 @@ fn cases() -> Vec<(&'static str, usize, usize, Vec<usize>, bool)> {
         ("1 piece at an odd offset", 4099, 777, vec![777], false),
         ("32 x 4 KiB at odd offsets", 13, 32 * 4096, vec![4096], true),
         ("odd sizes", 1, 300_001, vec![1, 4095, 17, 65_537, 3], true),
+        // The kernel's three ways to its descriptors (src/gpu/gather.rs):
+        // by value up to 160, pinned memory below 256, device memory after.
+        ("160 pieces, by value", 7, 160 * 3000, vec![3000], true),
+        ("200 pieces, pinned", 9, 200 * 3000, vec![3000], true),
         ("1024 x 16 KiB", 0, 1024 * 16384, vec![16384], true),
         ("adjacent pieces join", 64, 256 * 4096, vec![4096], false),
         (
