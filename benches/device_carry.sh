@@ -9,8 +9,10 @@
 # --platform manylinux_2_28_x86_64 -d DIR`). RAY_WHEELS (a folder of `pip
 # download ray --python-version 3.12 --only-binary=:all: --platform
 # manylinux2014_x86_64 --platform any`) adds Ray for `device_run.sh ray`,
-# slimmed (its Java jar and source maps: 43 of 76 MiB left); with it, set
-# NIXL_WHEELS aside (64 MiB in all) and the GPU suites are left out.
+# slimmed (its Java jar, web client, source maps and the libraries on top
+# of its core); with it the GPU suites are left out, and NIXL_WHEELS still
+# fits (the GPU machine has no NIXL of its own: Ray's NIXL transport and
+# the NIXL suite need the carried one).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -66,7 +68,11 @@ if [ -n "${RAY_WHEELS:-}" ]; then
         case $(basename "$w") in
         ray-*) python3 - "$w" $c/rayslim/$(basename "$w") <<'PY'
 import sys, zipfile
-drop = lambda n: n.startswith("ray/jars/") or n.endswith(".js.map")
+# Not loaded by Ray's core or its tensor transports: the Java jar, the
+# dashboard's web client, and the libraries on top (rllib, serve, llm,
+# tune, train), so that NIXL fits beside Ray in the 64 MiB carry.
+gone = ("ray/jars/", "ray/dashboard/client/build/", "ray/rllib/", "ray/serve/", "ray/llm/", "ray/tune/", "ray/train/")
+drop = lambda n: n.startswith(gone) or n.endswith(".js.map")
 zi, zo = zipfile.ZipFile(sys.argv[1]), zipfile.ZipFile(sys.argv[2], "w", zipfile.ZIP_DEFLATED, compresslevel=9)
 for i in zi.infolist():
     if drop(i.filename):
