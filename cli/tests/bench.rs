@@ -194,7 +194,8 @@ fn same_host_round_trips_with_baseline_print_the_cache_line_floor() {
     assert!(
         text.lines()
             .any(|l| l.starts_with("write_latency") && l.contains("cache-line ping-pong p50")),
-        "{text}"
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
     );
 }
 

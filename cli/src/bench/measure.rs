@@ -551,10 +551,11 @@ impl Bench<'_> {
                 }
             }
             n += 1;
-            if !last && n > 100 && lat.len() < lat.capacity() {
+            if !last && lat.len() < lat.capacity() {
                 lat.push(start.elapsed().as_secs_f64() * 1e6);
             }
         }
+        drop_warm_up(&mut lat);
         if lat.is_empty() {
             bail!("message round trips: {n} in {secs} s, all warming up; use a longer --seconds");
         }
@@ -596,19 +597,32 @@ impl Bench<'_> {
             r?;
             stage_trace::mark(Stage::Seen);
             n += 1;
-            // The first few round trips warm caches and the peer's spin loop.
-            if n > 100 && lat.len() < lat.capacity() {
+            if lat.len() < lat.capacity() {
                 lat.push(start.elapsed().as_secs_f64() * 1e6);
+            }
+            if n > WARM_UP_MAX as u64 {
                 gaps.record();
             }
         }
         gaps.print();
+        drop_warm_up(&mut lat);
         if lat.is_empty() {
             // Percentiles of nothing would print NaN (and break --json).
-            bail!("{op} round trips: {n} in {secs} s, all warming up (the first 100 are not counted); use a longer --seconds");
+            bail!("{op} round trips: {n} in {secs} s, all warming up; use a longer --seconds");
         }
         Ok(lat)
     }
+}
+
+/// Round trips at the start that only warm caches and the peer's spin loop.
+const WARM_UP_MAX: usize = 100;
+
+/// Leaves out the first round trips (up to `WARM_UP_MAX`, never more than
+/// half, so a busy machine, where each round trip waits for a thread to be
+/// scheduled and few fit in the time, still gets a figure).
+fn drop_warm_up(lat: &mut Vec<f64>) {
+    let warm = (lat.len() / 2).min(WARM_UP_MAX);
+    lat.drain(..warm);
 }
 
 #[cfg(test)]
