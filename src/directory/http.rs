@@ -60,6 +60,31 @@ impl Stream {
     }
 }
 
+impl Stream {
+    /// Why a send failed: under TLS 1.3 the server checks our certificate
+    /// after our side of the handshake ended, so a refusal shows first as
+    /// a broken pipe on our request; the alert that says why is already in
+    /// the socket's receive queue (Linux keeps queued bytes readable after
+    /// a reset). Reads it (within the socket's read timeout) and reports
+    /// the alert instead; `e` when there is none.
+    fn why_closed(&mut self, e: std::io::Error) -> std::io::Error {
+        let Stream::Tls(t) = self else { return e };
+        // A few records at most: an alert follows at most a session ticket
+        // or two; anything more is not a refusal.
+        for _ in 0..8 {
+            match t.conn.read_tls(&mut t.sock) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {
+                    if let Err(alert) = t.conn.process_new_packets() {
+                        return std::io::Error::new(std::io::ErrorKind::InvalidData, alert);
+                    }
+                }
+            }
+        }
+        e
+    }
+}
+
 impl Read for Stream {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         match self {
@@ -141,9 +166,13 @@ pub(crate) fn post(
          {auth}Content-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     );
-    s.write_all(head.as_bytes()).map_err(io(addr, "send"))?;
-    s.write_all(body).map_err(io(addr, "send"))?;
-    s.flush().map_err(io(addr, "send"))?;
+    let sent = s
+        .write_all(head.as_bytes())
+        .and_then(|()| s.write_all(body))
+        .and_then(|()| s.flush());
+    if let Err(e) = sent {
+        return Err(io(addr, "send")(s.why_closed(e)));
+    }
     let mut r = BufReader::new(s);
     let line = read_line(&mut r, addr)?;
     let status: u16 = line
@@ -357,5 +386,71 @@ mod tests {
         );
         assert_eq!(m.next().unwrap(), br#"{"result":{}}"#);
         assert!(m.next().is_none());
+    }
+
+    /// A TLS 1.3 server that wants a client certificate refuses ours only
+    /// after our side of the handshake ended: its alert comes while we
+    /// send. With a request larger than the sockets can hold, the send
+    /// always breaks on the reset that follows the server's close (before
+    /// the fix, CI saw "send: Broken pipe" from etcd in this race); the
+    /// error must still name the alert, which is what tells a user their
+    /// certificate was refused.
+    #[test]
+    fn a_certificate_refused_mid_send_is_reported_as_the_alert() {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        use std::sync::Arc;
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/directory/testdata");
+        let pem = |f: &str| std::fs::read(dir.join(f)).unwrap();
+        let ca: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&pem("ca.pem"))
+            .collect::<Result<_, _>>()
+            .unwrap();
+        let chain: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_slice_iter(&pem("server.pem"))
+                .collect::<Result<_, _>>()
+                .unwrap();
+        let key = PrivateKeyDer::from_pem_slice(&pem("server.key")).unwrap();
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(ca[0].clone()).unwrap();
+        #[allow(deprecated)]
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+            Arc::new(roots),
+            provider.clone(),
+        )
+        .build()
+        .unwrap();
+        let server = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(chain, key)
+            .unwrap();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let serve = std::thread::spawn(move || {
+            let (mut sock, _) = listener.accept().unwrap();
+            let mut conn = rustls::ServerConnection::new(Arc::new(server)).unwrap();
+            // Until the handshake fails on our missing certificate;
+            // complete_io writes the alert before it returns the error.
+            while conn.complete_io(&mut sock).is_ok() {}
+            // Closed with the request unread: the kernel answers it with
+            // a reset.
+        });
+        let sec = crate::directory::EtcdSecurity {
+            ca: Some(dir.join("ca.pem")),
+            ..Default::default()
+        };
+        let to = Target {
+            addr,
+            tls: Some(crate::directory::tls::setup(&sec, "127.0.0.1").unwrap()),
+        };
+        let body = vec![b' '; 32 << 20];
+        let err = post(&to, "/v3/kv/put", &body, Duration::from_secs(10), None)
+            .err()
+            .expect("the server refused us")
+            .to_string();
+        serve.join().unwrap();
+        assert!(err.contains("CertificateRequired"), "{err}");
     }
 }
