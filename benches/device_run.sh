@@ -92,7 +92,7 @@ elif [ "$what" = ray ]; then
         step "GPU pieces suite"
         timeout 90 "$carry/gpu_pieces" --ignored --test-threads=1 2>&1 | tail -8 | tee "$OUT/gpu_pieces.txt"
         step "gather probe"
-        timeout 40 $py benches/gather_probe.py --shapes 4Kx1,4Kx32,64Kx32,16Kx1024 --rounds 200 2>&1 | tee "$OUT/probe.txt"
+        timeout 40 $py benches/gather_probe.py --shapes 4Kx1,4Kx32,64Kx32,16Kx1024 --rounds 200 --completion 2>&1 | tee "$OUT/probe.txt"
     fi
     # suite, bench or all (one device call is 10 minutes at most); RAY_RUNS,
     # RAY_SUITE_S, RAY_BENCH_S, RAY_NIXL_S and RAY_SIZES trim them to fit.
@@ -136,7 +136,7 @@ elif [ "$what" = kv ]; then
     # DRAM's 100 000-descriptor request.
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     step "gather probe"
-    $py benches/gather_probe.py --shapes 4Kx1,4Kx32,64Kx32,16Kx1024 2>&1 | tee "$OUT/probe.txt"
+    $py benches/gather_probe.py --completion --shapes 4Kx1,4Kx32,64Kx32,16Kx1024 2>&1 | tee "$OUT/probe.txt"
     $py benches/gather_probe.py --shapes 4Kx1,4Kx32,64Kx32 --neighbour 2>&1 | tee -a "$OUT/probe.txt"
     if [ -x "$carry/gpu_pieces" ]; then
         step "GPU pieces suite"

@@ -15,7 +15,25 @@ polls), p50 over --rounds, of:
 With --neighbour a second process holds its own context on the same GPU
 (allocated, idle), as the target of a same-host transfer does.
 
-    python3 benches/gather_probe.py [--shapes 4Kx32,64Kx32,16Kx1024] [--rounds 300] [--neighbour]
+With --completion it first measures what one 4 KiB copy's completion
+costs by each way the engine could learn of it (the floor under a small
+one-sided op and a small GPU message; issue 49 asks 6 and 10 us):
+
+  copy + event        cuMemcpyDtoDAsync, cuEventRecord, cuEventQuery polled
+                      (what a shard does today);
+  event alone         cuEventRecord and its polling, no copy;
+  copy + flag         the copy, then cuStreamWriteValue32 into mapped pinned
+                      memory, polled with plain loads (no driver call);
+  flag alone          the stream write and its polling, no copy;
+  sync copy           cuMemcpyDtoD (the driver blocks);
+  armed copy          the copy queued beforehand behind cuStreamWaitValue32
+                      on a pinned word: timed from the host's store of that
+                      word to the flag (no driver call on the path);
+  armed kernel        ferry_gather queued beforehand behind the wait, its
+                      descriptor written into pinned memory with the word;
+  kernel + flag       ferry_gather_p (by value), then the stream write.
+
+    python3 benches/gather_probe.py [--shapes 4Kx32,64Kx32,16Kx1024] [--rounds 300] [--neighbour] [--completion]
 """
 import argparse
 import ctypes as C
@@ -67,11 +85,105 @@ class Attr(C.Structure):
                 ("dst_t", C.c_int), ("dst_id", C.c_int), ("flags", C.c_uint)]
 
 
+def completion(cu, s, e, fn, fn_p, rounds):
+    """The completion probe (see the module doc): p50 us of each way."""
+    sz = 4096
+    src, dst = C.c_uint64(), C.c_uint64()
+    ok(cu.cuMemAlloc_v2(C.byref(src), C.c_size_t(sz)), "alloc")
+    ok(cu.cuMemAlloc_v2(C.byref(dst), C.c_size_t(sz)), "alloc")
+    # Pinned words the GPU reaches: [0] the done flag, [1] the go word,
+    # then one descriptor (dst, src, len) for the armed kernel.
+    host = C.c_void_p()
+    ok(cu.cuMemHostAlloc(C.byref(host), C.c_size_t(4096), 0x2 | 0x1), "hostalloc mapped")
+    dev = C.c_uint64()
+    ok(cu.cuMemHostGetDevicePointer_v2(C.byref(dev), host, 0), "device pointer")
+    words = (C.c_uint32 * 2).from_address(host.value)
+    desc = (C.c_uint64 * 3).from_address(host.value + 64)
+    words[0] = words[1] = 0
+    done_at, go_at = C.c_uint64(dev.value), C.c_uint64(dev.value + 4)
+    hdesc = C.c_uint64(host.value + 64)
+    write = getattr(cu, "cuStreamWriteValue32_v2", None) or cu.cuStreamWriteValue32
+    wait = getattr(cu, "cuStreamWaitValue32_v2", None) or cu.cuStreamWaitValue32
+    one = C.c_uint32(1)
+    copy = lambda: ok(cu.cuMemcpyDtoDAsync_v2(dst, src, C.c_size_t(sz), s), "copy")
+    seq = [0]
+
+    def flag_now():
+        seq[0] += 1
+        ok(write(s, done_at, C.c_uint32(seq[0]), 0), "cuStreamWriteValue32")
+
+    def until_flag():
+        while words[0] != seq[0]:
+            pass
+
+    def event_now():
+        ok(cu.cuEventRecord(e, s), "record")
+        while cu.cuEventQuery(e) == 600:
+            pass
+
+    def run(issue):
+        issue()
+        out = []
+        for _ in range(rounds):
+            t0 = time.perf_counter_ns()
+            issue()
+            out.append(time.perf_counter_ns() - t0)
+        return p50(out) / 1e3
+
+    def armed(queue):
+        """Queues `queue` behind a wait on the go word, then times the
+        host's store to the done flag."""
+        out = []
+        for k in range(rounds + 1):
+            target = seq[0] + 1
+            ok(wait(s, go_at, C.c_uint32(target), 0), "cuStreamWaitValue32")  # GEQ
+            queue()
+            flag_now()
+            time.sleep(0.0002)  # the GPU is parked on the wait
+            t0 = time.perf_counter_ns()
+            desc[0], desc[1], desc[2] = dst.value, src.value, sz
+            words[1] = target
+            until_flag()
+            if k:
+                out.append(time.perf_counter_ns() - t0)
+        return p50(out) / 1e3
+
+    chunks = 1
+    p_host = (C.c_void_p * 2)(C.cast(C.byref(hdesc), C.c_void_p), C.cast(C.byref(one), C.c_void_p))
+    byval = (C.c_uint64 * (3 * PARAM_DESCS))(dst.value, src.value, sz)
+    p_val = (C.c_void_p * 2)(C.cast(C.byref(one), C.c_void_p), C.cast(byval, C.c_void_p))
+    launch = lambda f, params: ok(cu.cuLaunchKernel(f, 1, chunks, 1, 256, 1, 1, 0, s, params, None), "launch")
+    rows = [
+        ("copy + event", lambda: (copy(), event_now())),
+        ("event alone", event_now),
+        ("copy + flag", lambda: (copy(), flag_now(), until_flag())),
+        ("flag alone", lambda: (flag_now(), until_flag())),
+        ("sync copy", lambda: ok(cu.cuMemcpyDtoD_v2(dst, src, C.c_size_t(sz)), "sync copy")),
+        ("kernel + flag", lambda: (launch(fn_p, p_val), flag_now(), until_flag())),
+    ]
+    for name, issue in rows:
+        try:
+            print(f"completion 4K  {name:<15} p50 {run(issue):8.2f} us")
+        except SystemExit as err:
+            print(f"completion 4K  {name:<15} failed: {err}")
+        ok(cu.cuCtxSynchronize(), "sync")
+    for name, queue in (("armed copy", copy), ("armed kernel", lambda: launch(fn, p_host))):
+        try:
+            print(f"completion 4K  {name:<15} p50 {armed(queue):8.2f} us")
+        except SystemExit as err:
+            print(f"completion 4K  {name:<15} failed: {err}")
+        ok(cu.cuCtxSynchronize(), "sync")
+    for p in (src, dst):
+        cu.cuMemFree_v2(p)
+    cu.cuMemFreeHost(host)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="4Kx32,64Kx32,16Kx1024")
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--neighbour", action="store_true")
+    ap.add_argument("--completion", action="store_true", help="first, the completion probe (module doc)")
     a = ap.parse_args()
     if a.neighbour:
         ctx = mp.get_context("spawn")
@@ -107,6 +219,8 @@ def main():
         return p50(out) / 1e3
 
     print(f"neighbour context: {'yes' if a.neighbour else 'no'}")
+    if a.completion:
+        completion(cu, s, e, fn, fn_p, a.rounds)
     for shape in a.shapes.split(","):
         sz, n = shape.lower().split("x")
         sz, n = size(sz), int(n)
