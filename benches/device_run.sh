@@ -136,8 +136,8 @@ elif [ "$what" = kv ]; then
     # DRAM's 100 000-descriptor request.
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     step "gather probe"
-    $py benches/gather_probe.py --completion --shapes 4Kx1,4Kx32,64Kx32,16Kx1024 2>&1 | tee "$OUT/probe.txt"
-    $py benches/gather_probe.py --shapes 4Kx1,4Kx32,64Kx32 --neighbour 2>&1 | tee -a "$OUT/probe.txt"
+    timeout 90 $py benches/gather_probe.py --completion --shapes 4Kx1,4Kx32,64Kx32,16Kx1024 2>&1 | tee "$OUT/probe.txt"
+    timeout 60 $py benches/gather_probe.py --shapes 4Kx1,4Kx32,64Kx32 --neighbour 2>&1 | tee -a "$OUT/probe.txt"
     if [ -x "$carry/gpu_pieces" ]; then
         step "GPU pieces suite"
         timeout 200 "$carry/gpu_pieces" --ignored --test-threads=1 2>&1 | tail -15
