@@ -113,8 +113,11 @@ def completion(cu, s, e, fn, fn_p, rounds):
         ok(write(s, done_at, C.c_uint32(seq[0]), 0), "cuStreamWriteValue32")
 
     def until_flag():
+        spins = 0
         while words[0] != seq[0]:
-            pass
+            spins += 1
+            if spins > 5_000_000:  # seconds: the write never landed
+                raise SystemExit(f"the stream's write of {seq[0]} never landed (flag {words[0]})")
 
     def event_now():
         ok(cu.cuEventRecord(e, s), "record")
