@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Ray Direct Transport: ferry's tensor transport (``ferry.ray``, "FERRY")
-beside Ray's own NIXL transport and Ray's object store, on one local Ray
-cluster, same tensors, same run.
+beside Ray's own NIXL transport and Ray's object store, each on a local
+Ray cluster of its own (below), same tensors, same run.
 
 A source actor (on the GPU when --devices has cuda) makes one tensor of
 SIZE bytes once and returns it again and again (a fresh Ray object each
@@ -12,7 +12,15 @@ OBJECT_STORE is a plain actor method (Ray serializes the tensor into its
 shared-memory store, CUDA tensors through host memory).
 
     python3 benches/ray_rdt.py [--transports FERRY,NIXL,OBJECT_STORE]
-        [--devices cpu,cuda] [--sizes 4K,1M,64M,1G] [--json]
+        [--devices cpu,cuda] [--sizes 4K,1M,64M,1G] [--rounds N] [--json]
+
+Each transport is measured in its own child process with its own Ray
+cluster (driver and source actor), one after another: Ray's NIXL transport
+leaves busy-polling threads in every process that used it (two a process,
+at 100 % of a core each, seen with `top -H` after five `ray.get`s on a
+2-core VM), which halved FERRY's 64 MiB rate when both shared the
+processes. Rounds (--rounds) repeat the transports in turn; a point's p50
+is the median of its rounds' p50s.
 
 A transport that cannot run here (NIXL without the nixl module or without
 torch; cuda without a GPU) is left out with the reason printed.
@@ -24,6 +32,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -104,19 +113,59 @@ def available(name, devices):
     return True, ""
 
 
+def measure(a, name, devices):
+    """One transport's points in this process (the child's work): a JSON
+    line per point on stdout."""
+    gpus = 1 if "cuda" in devices else 0
+    ray.init(num_cpus=4, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
+    src = Source.options(num_gpus=gpus).remote()
+    m = src.tensor if name == "OBJECT_STORE" else src.tensor.options(tensor_transport=name)
+    for device in devices:
+        for size in [parse_size(s) for s in a.sizes.split(",") if s]:
+            ray.get(src.prepare.remote(size, device))
+            iters = a.iters or ITERS.get(size, 10)
+            times = []
+            for i in range(iters + 1):  # the first one warms (connects, registers)
+                ref = m.remote()
+                ray.wait([ref])
+                t0 = time.perf_counter()
+                t = ray.get(ref)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                ok = sample_ok(t, size) if i == 0 else True
+                where = str(getattr(t, "device", "cpu"))
+                del t
+                if not ok:
+                    sys.exit(f"{name} {device} {human(size)}: the bytes that arrived are wrong")
+                if not where.startswith(device):
+                    sys.exit(f"{name} {device} {human(size)}: arrived on {where}")
+                if i:
+                    times.append(dt)
+                del ref
+            p50 = statistics.median(times)
+            print(json.dumps({"transport": name, "device": device, "size": size, "iters": iters, "p50_s": p50}), flush=True)
+    ray.shutdown()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--transports", default="FERRY,NIXL,OBJECT_STORE")
     ap.add_argument("--devices", default="cpu,cuda")
     ap.add_argument("--sizes", default="4K,1M,64M,1G")
     ap.add_argument("--iters", type=int, default=0, help="ray.get calls per point (default: by size)")
+    ap.add_argument("--rounds", type=int, default=1, help="times each transport runs, in turn (default 1)")
     ap.add_argument("--json", action="store_true", help="one JSON line per point")
+    ap.add_argument("--only", help=argparse.SUPPRESS)  # a child's transport
     a = ap.parse_args()
 
     devices = [d for d in a.devices.split(",") if d]
     if "cuda" in devices and not (torch is not None and torch.cuda.is_available()):
         print("# cuda left out: no torch with a GPU here", file=sys.stderr)
         devices.remove("cuda")
+    if a.only:
+        measure(a, a.only, devices)
+        return
     transports = []
     for name in [t for t in a.transports.split(",") if t]:
         ok, why = available(name, devices)
@@ -124,50 +173,33 @@ def main():
             transports.append(name)
         else:
             print(f"# {name} left out: {why}", file=sys.stderr)
-    gpus = 1 if "cuda" in devices else 0
-    ray.init(num_cpus=4, num_gpus=gpus, include_dashboard=False, log_to_driver=False)
-    src = Source.options(num_gpus=gpus).remote()
-
-    def method(name):
-        if name == "OBJECT_STORE":
-            return src.tensor
-        return src.tensor.options(tensor_transport=name)
+    # (transport, device, size) -> each round's p50, in seconds.
+    got = {}
+    for r in range(a.rounds):
+        for name in transports:
+            child = [sys.executable, os.path.abspath(__file__), "--only", name,
+                     "--devices", ",".join(devices), "--sizes", a.sizes, "--iters", str(a.iters)]
+            out = subprocess.run(child, stdout=subprocess.PIPE, text=True)
+            if out.returncode != 0:
+                sys.exit(f"{name} (round {r + 1}) failed: exit {out.returncode}")
+            for line in out.stdout.splitlines():
+                if line.startswith("{"):
+                    p = json.loads(line)
+                    got.setdefault((name, p["device"], p["size"]), []).append(p["p50_s"])
 
     print(f"{'device':6} {'size':>8} " + " ".join(f"{t + ' p50 µs':>18} {'GB/s':>8}" for t in transports))
     for device in devices:
         for size in [parse_size(s) for s in a.sizes.split(",") if s]:
-            ray.get(src.prepare.remote(size, device))
-            iters = a.iters or ITERS.get(size, 10)
-            row = {"bench": "ray_rdt", "device": device, "size": size, "iters": iters}
+            row = {"bench": "ray_rdt", "device": device, "size": size, "rounds": a.rounds}
             cells = []
             for name in transports:
-                times = []
-                for i in range(iters + 1):  # the first one warms (connects, registers)
-                    ref = method(name).remote()
-                    ray.wait([ref])
-                    t0 = time.perf_counter()
-                    t = ray.get(ref)
-                    if device == "cuda":
-                        torch.cuda.synchronize()
-                    dt = time.perf_counter() - t0
-                    ok = sample_ok(t, size) if i == 0 else True
-                    where = str(getattr(t, "device", "cpu"))
-                    del t
-                    if not ok:
-                        sys.exit(f"{name} {device} {human(size)}: the bytes that arrived are wrong")
-                    if not where.startswith(device):
-                        sys.exit(f"{name} {device} {human(size)}: arrived on {where}")
-                    if i:
-                        times.append(dt)
-                    del ref
-                p50 = statistics.median(times)
+                p50 = statistics.median(got[(name, device, size)])
                 row[f"{name}_p50_us"] = p50 * 1e6
                 row[f"{name}_gbs"] = size / p50 / 1e9
                 cells.append(f"{p50 * 1e6:>18.1f} {size / p50 / 1e9:>8.2f}")
             print(f"{device:6} {human(size):>8} " + " ".join(cells), flush=True)
             if a.json:
                 print(json.dumps(row), flush=True)
-    ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import ctypes
 import threading
 import time
 import traceback
@@ -82,6 +83,13 @@ _MAX_ACTORS = 4096
 
 #: How often a waiting fetch looks whether it was aborted, in seconds.
 _ABORT_POLL_S = 0.05
+
+#: Fresh host buffers at least this long are backed by huge pages (see
+#: ``_advise_huge_pages``).
+_HUGE_PAGES_MIN = 4 << 20
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_libc: Any = None
 
 
 # The instance Ray made in this process (for ``stats``).
@@ -191,6 +199,29 @@ def _registrable(t: Any) -> Any:
 _ALIGN = 256
 
 
+def _advise_huge_pages(ptr: int, nbytes: int) -> None:
+    """Asks for transparent huge pages under the 2 MiB-aligned inside of a
+    fresh host buffer of ours (an advice: where the kernel has them off,
+    or refuses, nothing changes).
+
+    The source actor writes the object into it from its own process
+    (``process_vm_writev``), faulting in every page as it goes. numpy
+    gives large arrays this advice itself; torch's allocator does not,
+    and 4 KiB pages made a 64 MiB fetch into a fresh tensor 36 ms on the
+    2-core VM against 10 ms into a numpy array, 14 ms with the advice."""
+    global _libc
+    start = -(-ptr // _HUGE_PAGE) * _HUGE_PAGE
+    end = (ptr + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+    if end <= start:
+        return
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+    except (OSError, AttributeError):
+        pass
+
+
 def _alloc_object(tensor_meta: List[Tuple[Any, Any]], device: Optional[str]) -> Tuple[Any, List[int], List[Any]]:
     """One byte buffer for all tensors of an object (None when they hold
     no bytes), each tensor's offset in it, and the tensors: views of it."""
@@ -209,6 +240,8 @@ def _alloc_object(tensor_meta: List[Tuple[Any, Any]], device: Optional[str]) -> 
         import torch
 
         buf = torch.empty(max(total, 1), dtype=torch.uint8, device=device or "cpu")
+        if buf.device.type == "cpu" and total >= _HUGE_PAGES_MIN:
+            _advise_huge_pages(buf.data_ptr(), total)
     tensors = [
         buf[off : off + _nbytes_of(shape, dtype)].view(dtype).reshape(tuple(shape))
         for (shape, dtype), off in zip(tensor_meta, offsets)
