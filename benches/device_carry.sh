@@ -16,7 +16,9 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-c=target/carry
+# FERRY_CARRY names another folder (two carries for one warm machine:
+# the Ray one does not fit beside the GPU suites and UCCL).
+c=${FERRY_CARRY:-target/carry}
 mkdir -p $c/wheel $c/uccl/uccl
 cargo build -q --release -p ferry-cli -p ferry-nixl
 # The GPU suites' test binaries, as $c/gpu and $c/gpu_pieces.
