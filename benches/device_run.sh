@@ -94,24 +94,25 @@ elif [ "$what" = ray ]; then
         step "gather probe"
         timeout 40 $py benches/gather_probe.py --shapes 4Kx1,4Kx32,64Kx32,16Kx1024 --rounds 200 --completion 2>&1 | tee "$OUT/probe.txt"
     fi
-    # suite, bench or all (one device call is 10 minutes at most); RAY_RUNS,
+    # suite, nixl, bench or all (one device call is 10 minutes at most); RAY_RUNS,
     # RAY_SUITE_S, RAY_BENCH_S, RAY_NIXL_S and RAY_SIZES trim them to fit.
     # On the H100 machine a suite run takes ~4 minutes (29 tests, ~8 s each:
     # every test starts its actors' workers, torch and CUDA in each): two
     # runs a call at most one after another, three side by side. A run cut by its timeout reports the test it was
     # in as failed (pytest dies of the SIGTERM): read the count, not the F.
-    part=${2:-all}
+    part=${2:-all}  # all, or a comma list of suite, nixl, bench
+    has() { [ "$part" = all ] || [[ ",$part," == *",$1,"* ]]; }
     # RAY_PARALLEL=1 runs the suite's runs and the NIXL suites side by side
     # (each run its own local Ray cluster: Ray picks free ports), so three
     # runs fit in one call; under that load a flake shows sooner, not later.
-    if [ "$part" != bench ]; then
+    if has suite; then
         for i in $(seq "${RAY_RUNS:-3}"); do
             step "ferry.ray suite, run $i"
             (cd python/tests && timeout "${RAY_SUITE_S:-300}" $py -m pytest -q -p no:cacheprovider -rs test_ray.py > /tmp/ray_suite_$i.txt 2>&1) &
             [ -n "${RAY_PARALLEL:-}" ] || wait
         done
     fi
-    if [ "$part" != suite ] && [ -n "${NIXL_PLUGIN_DIR:-}" ]; then
+    if has nixl && [ -n "${NIXL_PLUGIN_DIR:-}" ]; then
         (for t in shm tcp; do
             echo "== NIXL suite, VRAM, $t"
             FERRY_NIXL_MEM=VRAM FERRY_TRANSPORT=$t timeout "${RAY_NIXL_S:-200}" $py -m pytest -q -p no:cacheprovider -rs nixl/tests/test_nixl.py 2>&1 | tail -6
@@ -125,7 +126,7 @@ elif [ "$what" = ray ]; then
     done
     [ -f /tmp/nixl_suite.txt ] && tee -a "$OUT/nixl_suite.txt" < /tmp/nixl_suite.txt
     rm -f /tmp/ray_suite_*.txt /tmp/nixl_suite.txt
-    if [ "$part" != suite ]; then
+    if has bench; then
         step "benches/ray_rdt.py"
         timeout "${RAY_BENCH_S:-400}" $py benches/ray_rdt.py --sizes "${RAY_SIZES:-4K,1M,64M,1G}" --json 2>&1 | grep -v "WARNING\|INFO" | tee "$OUT/ray_rdt.txt"
     fi
