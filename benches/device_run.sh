@@ -6,7 +6,7 @@
 #   wheel/ferry-*.whl (the Python package), uccl/ (UCCL v0.1.1's own
 #   p2p/tests, unchanged, and a one-line `uccl` package that is ferry.p2p).
 #
-#   benches/device_run.sh tests|benches|ray|short|kv  (results under $OUT)
+#   benches/device_run.sh tests|benches|ray|short|kv|sweep  (results under $OUT)
 #
 # tests: the GPU suite, the Python suite, UCCL's own tests, the NIXL suite
 # on VRAM (nixl-cu13 as installed there) over shm and tcp.
@@ -193,6 +193,28 @@ elif [ "$what" = kv ]; then
     for t in shm tcp; do
         timeout 60 "$FERRY_BIN" bench --transport $t --op send --sizes 8,4K,64K --seconds 1 2>&1 | tail -5
     done
+elif [ "$what" = sweep ]; then
+    # One setting's values against each other on NIXL VRAM points, in
+    # alternating rounds (the GPU pieces suite first, where carried, with
+    # each value): SWEEP_VAR, SWEEP_VALUES, SWEEP_SIZES, SWEEP_ROUNDS.
+    var=${SWEEP_VAR:?SWEEP_VAR}
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    if [ -x "$carry/gpu_pieces" ]; then
+        step "GPU pieces suite"
+        timeout 200 "$carry/gpu_pieces" --ignored --test-threads=1 2>&1 | tail -12
+    fi
+    if nixl_dir; then
+        for r in $(seq "${SWEEP_ROUNDS:-2}"); do
+            for v in ${SWEEP_VALUES:?SWEEP_VALUES}; do
+                for op in WRITE READ; do
+                    step "NIXL VRAM $op, $var=$v, round $r"
+                    env "$var=$v" timeout 100 $py benches/nixl_bench.py --mem vram --backends FERRY --op $op \
+                        --rounds 1 --sizes "${SWEEP_SIZES:-4Kx32,64Kx32,16Kx1024,4Kx100000}" --json 2>&1 \
+                        | grep '^{' | sed "s/^{/{\"$var\": \"$v\", /" | tee -a "$OUT/sweep.jsonl" | cut -c1-200
+                done
+            done
+        done
+    fi
 elif [ "$what" = benches ]; then
     mkdir -p "$OUT/results"
     rec() { local file=$1; shift; $py benches/record.py "$OUT/results/$file.jsonl" "$@"; }

@@ -31,7 +31,13 @@ one-sided op and a small GPU message; issue 49 asks 6 and 10 us):
                       word to the flag (no driver call on the path);
   armed kernel        ferry_gather queued beforehand behind the wait, its
                       descriptor written into pinned memory with the word;
-  kernel + flag       ferry_gather_p (by value), then the stream write.
+  kernel + flag       ferry_gather_p (by value), then the stream write;
+  null copy+event, blocking s, priority N, two streams: the copy and its
+                      event on the legacy default stream, a blocking
+                      stream, the highest-priority one, two in turn;
+  copy + s sync, null copy+ctxsync: waited by the driver, not polled;
+  copy, 3us, event    the event recorded 3 us after the copy;
+  sync copy, s        the sync copy, then an event on the probe's stream.
 
     python3 benches/gather_probe.py [--shapes 4Kx32,64Kx32,16Kx1024] [--rounds 300] [--neighbour] [--completion]
 """
@@ -156,8 +162,47 @@ def completion(cu, s, e, fn, fn_p, rounds):
     byval = (C.c_uint64 * (3 * PARAM_DESCS))(dst.value, src.value, sz)
     p_val = (C.c_void_p * 2)(C.cast(C.byref(one), C.c_void_p), C.cast(byval, C.c_void_p))
     launch = lambda f, params: ok(cu.cuLaunchKernel(f, 1, chunks, 1, 256, 1, 1, 0, s, params, None), "launch")
+    # Other streams, to tell why an async copy costs more than a sync one:
+    # the legacy default stream, a blocking one, the highest priority, and
+    # two streams in turn (as a shard's pool takes them).
+    null = C.c_void_p(0)
+    sb, sh, s2 = C.c_void_p(), C.c_void_p(), C.c_void_p()
+    ok(cu.cuStreamCreate(C.byref(sb), 0), "blocking stream")
+    lo, hi = C.c_int(), C.c_int()
+    ok(cu.cuCtxGetStreamPriorityRange(C.byref(lo), C.byref(hi)), "priority range")
+    ok(cu.cuStreamCreateWithPriority(C.byref(sh), 1, hi), "high-priority stream")
+    ok(cu.cuStreamCreate(C.byref(s2), 1), "second stream")
+    turn = [0]
+
+    def copy_on(st):
+        ok(cu.cuMemcpyDtoDAsync_v2(dst, src, C.c_size_t(sz), st), "copy")
+
+    def event_on(st):
+        ok(cu.cuEventRecord(e, st), "record")
+        while cu.cuEventQuery(e) == 600:
+            pass
+
+    def in_turn():
+        turn[0] ^= 1
+        st = s if turn[0] else s2
+        copy_on(st)
+        event_on(st)
+
+    def spin_us(us):
+        t = time.perf_counter_ns() + us * 1000
+        while time.perf_counter_ns() < t:
+            pass
+
     rows = [
         ("copy + event", lambda: (copy(), event_now())),
+        ("null copy+event", lambda: (copy_on(null), event_on(null))),
+        ("blocking s", lambda: (copy_on(sb), event_on(sb))),
+        (f"priority {hi.value}", lambda: (copy_on(sh), event_on(sh))),
+        ("two streams", in_turn),
+        ("copy + s sync", lambda: (copy(), ok(cu.cuStreamSynchronize(s), "stream sync"))),
+        ("null copy+ctxsync", lambda: (copy_on(null), ok(cu.cuCtxSynchronize(), "ctx sync"))),
+        ("copy, 3us, event", lambda: (copy(), spin_us(3), event_now())),
+        ("sync copy, s", lambda: (ok(cu.cuMemcpyDtoD_v2(dst, src, C.c_size_t(sz)), "sync copy"), event_now())),
         ("event alone", event_now),
         ("copy + flag", lambda: (copy(), flag_now(), until_flag())),
         ("flag alone", lambda: (flag_now(), until_flag())),
