@@ -21,19 +21,11 @@ use ferry_cli::testkit::{check_pattern, fill_pattern, fnv64};
 
 const SPAN: usize = 48 << 20;
 
-/// How the copies run: the way, and `FERRY_GPU_BY_VALUE_MAX` where set
-/// (every batch by value, in launches of 160 one after another).
-#[derive(Clone, Copy)]
-struct How(GpuCopy, Option<usize>);
-
-fn cfg(how: How) -> Config {
+fn cfg(way: GpuCopy) -> Config {
     let mut c = Config::default();
     c.listen_addr = "127.0.0.1".parse().unwrap();
     c.gpu = Some(0);
-    c.gpu_copy = how.0;
-    if let Some(n) = how.1 {
-        c.gpu_by_value_max = n;
-    }
+    c.gpu_copy = way;
     c
 }
 
@@ -211,29 +203,18 @@ fn one_case(
     }
 }
 
-fn gpu_target(how: How) -> Target {
-    let by_value = how.1.map(|n| n.to_string());
-    let mut env = vec![("FERRY_GPU_COPY", way_name(how.0))];
-    if let Some(n) = &by_value {
-        env.push(("FERRY_GPU_BY_VALUE_MAX", n));
-    }
+fn gpu_target(way: GpuCopy) -> Target {
+    let env = [("FERRY_GPU_COPY", way_name(way))];
     Target::start_with(Path::Shm, SPAN, &env, &["--gpu", "0"])
 }
 
-fn how_name(how: How) -> String {
-    match how.1 {
-        Some(n) => format!("{}, by value up to {n}", way_name(how.0)),
-        None => way_name(how.0).to_string(),
-    }
-}
-
-fn ipc_pieces(how: How) {
-    let target = gpu_target(how);
-    let ep = Endpoint::builder().config(cfg(how)).build().unwrap();
+fn ipc_pieces(way: GpuCopy) {
+    let target = gpu_target(way);
+    let ep = Endpoint::builder().config(cfg(way)).build().unwrap();
     let conn = ep.add_remote(&target.served.meta).unwrap();
     let remote: IpcBuf = target.served.ipc.expect("IPCBUF line");
     let local = ep.alloc_gpu(SPAN).unwrap();
-    let what = format!("CUDA IPC, {}", how_name(how));
+    let what = format!("CUDA IPC, {}", way_name(way));
     every_case(&ep, conn, &local, &what, |o, l| {
         AnyWindow::Ipc(remote.slice(o as u64, l as u64).unwrap())
     });
@@ -270,13 +251,13 @@ fn ipc_pieces(how: How) {
     assert_eq!(ghash(&ep, conn, 0, 4096), pattern_hash(0, 4096, 99));
 }
 
-fn same_host_pieces(how: How) {
-    let target = gpu_target(how);
-    let ep = Endpoint::builder().config(cfg(how)).build().unwrap();
+fn same_host_pieces(way: GpuCopy) {
+    let target = gpu_target(way);
+    let ep = Endpoint::builder().config(cfg(way)).build().unwrap();
     let conn = ep.add_remote(&target.served.meta).unwrap();
     let grb: RemoteBuf = target.served.gpu_rbuf.expect("GRBUF line");
     let local = ep.alloc_gpu(SPAN).unwrap();
-    let what = format!("same-host requests on GPU memory, {}", how_name(how));
+    let what = format!("same-host requests on GPU memory, {}", way_name(way));
     every_case(&ep, conn, &local, &what, |o, l| {
         AnyWindow::Key(grb.slice(o as u32, l as u32).unwrap())
     });
@@ -285,35 +266,23 @@ fn same_host_pieces(how: How) {
 #[test]
 #[ignore = "needs an NVIDIA GPU (cargo test --test gpu_pieces -- --ignored)"]
 fn ipc_pieces_through_the_gather_kernel_are_byte_exact() {
-    ipc_pieces(How(GpuCopy::Kernel, None));
+    ipc_pieces(GpuCopy::Kernel);
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU (cargo test --test gpu_pieces -- --ignored)"]
 fn ipc_pieces_through_the_copy_engine_are_byte_exact() {
-    ipc_pieces(How(GpuCopy::Engine, None));
+    ipc_pieces(GpuCopy::Engine);
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU (cargo test --test gpu_pieces -- --ignored)"]
 fn same_host_gpu_requests_through_the_gather_kernel_are_byte_exact() {
-    same_host_pieces(How(GpuCopy::Kernel, None));
+    same_host_pieces(GpuCopy::Kernel);
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU (cargo test --test gpu_pieces -- --ignored)"]
 fn same_host_gpu_requests_through_the_copy_engine_are_byte_exact() {
-    same_host_pieces(How(GpuCopy::Engine, None));
-}
-
-#[test]
-#[ignore = "needs an NVIDIA GPU (cargo test --test gpu_pieces -- --ignored)"]
-fn ipc_pieces_by_value_in_many_launches_are_byte_exact() {
-    ipc_pieces(How(GpuCopy::Kernel, Some(1 << 17)));
-}
-
-#[test]
-#[ignore = "needs an NVIDIA GPU (cargo test --test gpu_pieces -- --ignored)"]
-fn same_host_gpu_requests_by_value_in_many_launches_are_byte_exact() {
-    same_host_pieces(How(GpuCopy::Kernel, Some(1 << 17)));
+    same_host_pieces(GpuCopy::Engine);
 }

@@ -202,12 +202,6 @@ macro_rules! settings {
             /// default auto: each copier times the gather kernel against the copy
             /// engine and takes the faster).
             gpu_copy: GpuCopy = GpuCopy::Auto, "FERRY_GPU_COPY", with(gpu_copy);
-            /// Batches of at most this many small GPU copies carry their
-            /// descriptors in the gather kernel's launches, 160 a launch, one
-            /// launch after another on one stream (`FERRY_GPU_BY_VALUE_MAX`,
-            /// default 160: one launch); larger batches read them from memory
-            /// in one launch.
-            gpu_by_value_max: usize = 160, "FERRY_GPU_BY_VALUE_MAX", range(0, 1 << 17);
             /// Pinned bounce memory per shard for GPU memory on tcp
             /// (`FERRY_GPU_BOUNCE_BYTES`, default 256 MiB), in buffers of
             /// `chunk_bytes` (at least 2).

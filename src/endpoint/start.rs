@@ -78,7 +78,6 @@ fn shard_config(
         max_conn_inflight_ops: cfg.max_conn_inflight_ops,
         gpu_streams: cfg.gpu_streams,
         gpu_copy: cfg.gpu_copy,
-        gpu_by_value_max: cfg.gpu_by_value_max,
         copy_pool: crate::reactor::copy_pool::LazyCopyPool::new(cfg.copy_threads),
         gpu_bounce_bytes: cfg.gpu_bounce_bytes,
         codec,

@@ -38,17 +38,6 @@ pub enum GpuCopy {
     Engine,
 }
 
-/// How a copier runs batches of small copies (from the endpoint's config).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct CopyTuning {
-    /// `FERRY_GPU_COPY`.
-    pub way: GpuCopy,
-    /// `FERRY_GPU_BY_VALUE_MAX`: batches of at most this many copies carry
-    /// their descriptors in the kernel's launches (160 a launch, several
-    /// launches on one stream); larger ones read them from memory.
-    pub by_value_max: usize,
-}
-
 /// Pieces one copy is split into at most (one per stream).
 pub(crate) const MAX_SPLIT: usize = 8;
 /// Copies below this size go on one stream: splitting only adds latency.
@@ -135,8 +124,6 @@ pub(crate) struct Copier<E> {
     /// is all fixed cost (a launch or an engine call, and the GPU's start),
     /// which a per-copy average over batches would hide.
     choice: [Choice; 2],
-    /// See `CopyTuning::by_value_max`.
-    by_value_max: usize,
 }
 
 // SAFETY: streams and events are driver handles usable from any thread; a
@@ -144,7 +131,7 @@ pub(crate) struct Copier<E> {
 unsafe impl<E: Send> Send for Copier<E> {}
 
 impl<E> Copier<E> {
-    pub fn new(ordinal: i32, streams: usize, tuning: CopyTuning) -> Result<Self> {
+    pub fn new(ordinal: i32, streams: usize, way: GpuCopy) -> Result<Self> {
         let c = cuda()?;
         c.make_current(ordinal)?;
         c.enable_peer_access();
@@ -176,8 +163,7 @@ impl<E> Copier<E> {
             inflight: VecDeque::with_capacity(64),
             batches: 0,
             spare: Vec::new(),
-            choice: [Choice::forced(tuning.way), Choice::forced(tuning.way)],
-            by_value_max: tuning.by_value_max,
+            choice: [Choice::forced(way), Choice::forced(way)],
         })
     }
 
@@ -445,7 +431,7 @@ impl<E> Copier<E> {
     /// `choice` never asks again) or every slot is in use.
     fn gather_slot(&mut self) -> Option<usize> {
         if self.gather.is_none() {
-            match Gather::load(self.ordinal, BATCHES_IN_FLIGHT + 2, self.by_value_max) {
+            match Gather::load(self.ordinal, BATCHES_IN_FLIGHT + 2) {
                 Ok(g) => self.gather = Some(g),
                 Err(e) => {
                     self.choice.iter_mut().for_each(Choice::no_kernel);

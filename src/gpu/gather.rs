@@ -199,9 +199,6 @@ pub(crate) struct Gather {
     descs: Vec<Option<SlotBufs>>,
     /// Bit i set: slot i is free.
     free: u32,
-    /// Batches of at most this many copies go by value, in launches of
-    /// `PARAM_DESCS` (`CopyTuning::by_value_max`).
-    by_value_max: usize,
 }
 
 /// A slot's descriptors: written in pinned host memory, copied to the
@@ -227,9 +224,8 @@ const FIRST_SLOT_DESCS: usize = 1024;
 
 impl Gather {
     /// Loads the kernel into device `ordinal`'s context (left current)
-    /// with `slots` (≤ 32) slots; batches of up to `by_value_max` copies
-    /// will carry their descriptors in their launches.
-    pub fn load(ordinal: i32, slots: usize, by_value_max: usize) -> Result<Self> {
+    /// with `slots` (≤ 32) slots.
+    pub fn load(ordinal: i32, slots: usize) -> Result<Self> {
         let slots = slots.clamp(1, 32);
         cuda()?.make_current(ordinal)?;
         let (module, func) = load_entry(PTX, c"ferry_gather")?;
@@ -252,7 +248,6 @@ impl Gather {
             } else {
                 (1u32 << slots) - 1
             },
-            by_value_max,
         })
     }
 
@@ -305,39 +300,28 @@ impl Gather {
         stream: cu::CUstream,
     ) -> Result<()> {
         let n = sizes.len().min(dsts.len()).min(srcs.len());
-        if let (Some((_, func_p)), true) = (self.by_value, n <= self.by_value_max) {
-            // By value, in launches of up to PARAM_DESCS one after another
-            // on `stream`: nothing to write to memory first, and the GPU
-            // starts on the first while the next is being issued.
-            let mut at = 0;
-            while at < n {
-                let end = (at + PARAM_DESCS).min(n);
-                // SAFETY: the caller's promise, for this launch's ranges.
-                let r = unsafe {
-                    self.launch_by_value(
-                        func_p,
-                        &dsts[at..end],
-                        &srcs[at..end],
-                        &sizes[at..end],
-                        stream,
-                    )
-                };
-                if let Err(e) = r {
-                    if at > 0 {
-                        // Earlier launches of the batch still read and write
-                        // the ranges: the caller lets go of them on an error.
-                        // SAFETY: our stream, in the current context.
-                        unsafe { cu::cuStreamSynchronize(stream) };
-                    }
-                    return Err(e);
-                }
-                at = end;
-            }
-            return Ok(());
-        }
         let mut count = n as u32;
         let longest = sizes[..n].iter().copied().max().unwrap_or(0);
         let chunks = longest.div_ceil(CHUNK_BYTES).max(1) as u32;
+        if let (Some((_, func_p)), true) = (self.by_value, n <= PARAM_DESCS) {
+            // By value: the driver copies all of `descs[]` into the launch.
+            let mut words = [0u64; PARAM_DESCS * 3];
+            for i in 0..n {
+                words[3 * i] = dsts[i];
+                words[3 * i + 1] = srcs[i];
+                words[3 * i + 2] = sizes[i] as u64;
+            }
+            let mut params = [
+                (&mut count as *mut u32).cast::<std::ffi::c_void>(),
+                words.as_mut_ptr().cast::<std::ffi::c_void>(),
+            ];
+            // SAFETY: the kernel's two parameters (a u32 and 3 840 bytes),
+            // read during the call; the ranges are valid until the launch
+            // ends (the caller's promise).
+            return check("cuLaunchKernel", unsafe {
+                self.launch_fn(func_p, count, chunks, &mut params, stream)
+            });
+        }
         let bufs = self.room(slot, n)?;
         let (d, dev) = (bufs.host.ptr().cast::<u64>(), bufs.dev.ptr());
         for i in 0..n {
@@ -373,43 +357,6 @@ impl Gather {
         // ranges are valid until the launch ends (the caller's promise).
         check("cuLaunchKernel", unsafe {
             self.launch_fn(self.func, count, chunks, &mut params, stream)
-        })
-    }
-
-    /// One launch of `ferry_gather_p` (`func_p`) with the descriptors of
-    /// `dsts[i] <- srcs[i]` (`sizes[i]` bytes, at most `PARAM_DESCS`) in its
-    /// parameters: the driver copies all of `descs[]` into the launch.
-    ///
-    /// # Safety
-    /// As `launch`, for these ranges.
-    unsafe fn launch_by_value(
-        &self,
-        func_p: cu::CUfunction,
-        dsts: &[u64],
-        srcs: &[u64],
-        sizes: &[usize],
-        stream: cu::CUstream,
-    ) -> Result<()> {
-        let n = sizes.len();
-        debug_assert!(n <= PARAM_DESCS && dsts.len() == n && srcs.len() == n);
-        let mut count = n as u32;
-        let longest = sizes.iter().copied().max().unwrap_or(0);
-        let chunks = longest.div_ceil(CHUNK_BYTES).max(1) as u32;
-        let mut words = [0u64; PARAM_DESCS * 3];
-        for i in 0..n {
-            words[3 * i] = dsts[i];
-            words[3 * i + 1] = srcs[i];
-            words[3 * i + 2] = sizes[i] as u64;
-        }
-        let mut params = [
-            (&mut count as *mut u32).cast::<std::ffi::c_void>(),
-            words.as_mut_ptr().cast::<std::ffi::c_void>(),
-        ];
-        // SAFETY: the kernel's two parameters (a u32 and 3 840 bytes), read
-        // during the call; the ranges are valid until the launch ends (the
-        // caller's promise).
-        check("cuLaunchKernel", unsafe {
-            self.launch_fn(func_p, count, chunks, &mut params, stream)
         })
     }
 

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::queue::{IpcCmd, IpcDesc, IpcParts, IpcPlan};
 use crate::error::{ConnId, Error, OpKind, Result};
-use crate::gpu::copy::{span_of, Allow, Copier, CopyTuning};
+use crate::gpu::copy::{span_of, Allow, Copier, GpuCopy};
 use crate::gpu::ipc::{IpcCache, IpcCounters, MapTicket};
 use crate::gpu::MemKind;
 use crate::region::{KeyRef, Region, RegionSlice};
@@ -155,8 +155,8 @@ pub(crate) struct GpuWork {
     copiers: Vec<Copier<Entry>>,
     cache: IpcCache,
     streams: usize,
-    /// How batches of small copies go (`FERRY_GPU_COPY`, `FERRY_GPU_BY_VALUE_MAX`).
-    tuning: CopyTuning,
+    /// Which way batches of small copies go (`FERRY_GPU_COPY`).
+    way: GpuCopy,
     done: Done,
     replies: Replies,
     pool: BouncePool,
@@ -172,7 +172,7 @@ impl GpuWork {
     pub fn new(
         counters: Arc<IpcCounters>,
         streams: usize,
-        tuning: CopyTuning,
+        way: GpuCopy,
         bounce_len: usize,
         bounce_bytes: usize,
     ) -> Self {
@@ -180,7 +180,7 @@ impl GpuWork {
             copiers: Vec::new(),
             cache: IpcCache::new(counters),
             streams,
-            tuning,
+            way,
             done: Vec::with_capacity(256),
             replies: Vec::with_capacity(256),
             pool: BouncePool {
@@ -266,7 +266,7 @@ impl GpuWork {
             return Ok(i);
         }
         self.copiers
-            .push(Copier::new(ordinal, self.streams, self.tuning)?);
+            .push(Copier::new(ordinal, self.streams, self.way)?);
         Ok(self.copiers.len() - 1)
     }
 

@@ -193,10 +193,10 @@ impl Shard {
 
     pub(super) fn gpu_work(&mut self) -> &mut GpuWork {
         let counters = &self.ipc_counters;
-        let (streams, tuning) = (self.cfg.gpu_streams, self.cfg.copy_tuning());
+        let (streams, way) = (self.cfg.gpu_streams, self.cfg.gpu_copy);
         let (bounce, bounce_bytes) = (self.cfg.chunk_bytes, self.cfg.gpu_bounce_bytes);
         self.gpu.get_or_insert_with(|| {
-            GpuWork::new(counters.clone(), streams, tuning, bounce, bounce_bytes)
+            GpuWork::new(counters.clone(), streams, way, bounce, bounce_bytes)
         })
     }
 

@@ -69,9 +69,6 @@ pub(crate) struct ShardConfig {
     pub gpu_streams: usize,
     /// Which way batches of small GPU copies go.
     pub gpu_copy: crate::gpu::GpuCopy,
-    /// Batches of small GPU copies of at most this many carry their
-    /// descriptors in the gather kernel's launches.
-    pub gpu_by_value_max: usize,
     /// Pinned bounce memory for GPU memory on tcp.
     pub gpu_bounce_bytes: usize,
     pub spin: Duration,
@@ -93,15 +90,6 @@ pub(crate) struct ShardConfig {
     pub codec: Option<Arc<super::codec_pool::LazyCodecPool>>,
     /// The endpoint's copy threads (None: one thread per copy).
     pub copy_pool: Option<Arc<super::copy_pool::LazyCopyPool>>,
-}
-
-impl ShardConfig {
-    pub(crate) fn copy_tuning(&self) -> crate::gpu::copy::CopyTuning {
-        crate::gpu::copy::CopyTuning {
-            way: self.gpu_copy,
-            by_value_max: self.gpu_by_value_max,
-        }
-    }
 }
 
 /// One shard: its connections, its view of the registrations, and its loop.
@@ -230,7 +218,7 @@ impl Shard {
             GpuWork::new(
                 ipc_counters.clone(),
                 cfg.gpu_streams,
-                cfg.copy_tuning(),
+                cfg.gpu_copy,
                 cfg.chunk_bytes,
                 cfg.gpu_bounce_bytes,
             )
