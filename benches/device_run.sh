@@ -196,7 +196,8 @@ elif [ "$what" = kv ]; then
 elif [ "$what" = sweep ]; then
     # One setting's values against each other on NIXL VRAM points, in
     # alternating rounds (the GPU pieces suite first, where carried, with
-    # each value): SWEEP_VAR, SWEEP_VALUES, SWEEP_SIZES, SWEEP_ROUNDS.
+    # each value): SWEEP_VAR, SWEEP_VALUES, SWEEP_SIZES, SWEEP_ROUNDS; SWEEP_TAG
+    # names the run in each line.
     var=${SWEEP_VAR:?SWEEP_VAR}
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     if [ -x "$carry/gpu_pieces" ]; then
@@ -210,7 +211,7 @@ elif [ "$what" = sweep ]; then
                     step "NIXL VRAM $op, $var=$v, round $r"
                     env "$var=$v" timeout 100 $py benches/nixl_bench.py --mem vram --backends FERRY --op $op \
                         --rounds 1 --sizes "${SWEEP_SIZES:-4Kx32,64Kx32,16Kx1024,4Kx100000}" --json 2>&1 \
-                        | grep '^{' | sed "s/^{/{\"$var\": \"$v\", /" | tee -a "$OUT/sweep.jsonl" | cut -c1-200
+                        | grep '^{' | sed "s/^{/{${SWEEP_TAG:+\"tag\": \"$SWEEP_TAG\", }\"$var\": \"$v\", /" | tee -a "$OUT/sweep.jsonl" | cut -c1-200
                 done
             done
         done
