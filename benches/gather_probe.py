@@ -37,7 +37,12 @@ one-sided op and a small GPU message; issue 49 asks 6 and 10 us):
                       stream, the highest-priority one, two in turn;
   copy + s sync, null copy+ctxsync: waited by the driver, not polled;
   copy, 3us, event    the event recorded 3 us after the copy;
-  sync copy, s        the sync copy, then an event on the probe's stream.
+  sync copy, s        the sync copy, then an event on the probe's stream;
+  sync cuMemcpy       the unified synchronous copy;
+  sync, legacy busy / s busy: the sync copy alone, a 256 MiB memset queued
+                      first on the legacy stream / the probe's stream;
+  IPC copy+event, IPC sync copy, IPC sync read (with --neighbour): to and
+                      from the neighbour's allocation, opened by CUDA IPC.
 
     python3 benches/gather_probe.py [--shapes 4Kx32,64Kx32,16Kx1024] [--rounds 300] [--neighbour] [--completion]
 """
@@ -75,13 +80,22 @@ def size(s):
     return int(s[:-1]) * m[s[-1]] if s[-1] in m else int(s)
 
 
-def neighbour(ready, done):
+class IpcHandle(C.Structure):
+    _fields_ = [("reserved", C.c_char * 64)]
+
+
+def neighbour(ready, done, handle_out):
     cu = C.CDLL("libcuda.so.1")
     cu.cuInit(0)
     dev, ctx, d = C.c_int(), C.c_void_p(), C.c_uint64()
     cu.cuDeviceGet(C.byref(dev), 0)
     cu.cuCtxCreate_v2(C.byref(ctx), 0, dev)
     cu.cuMemAlloc_v2(C.byref(d), C.c_size_t(64 << 20))
+    h = IpcHandle()
+    # Its memory for the completion probe's IPC rows (a peer's allocation,
+    # as a CUDA IPC op copies into).
+    got = cu.cuIpcGetMemHandle(C.byref(h), d) == 0
+    handle_out.put(C.string_at(C.addressof(h), 64) if got else b"")
     ready.set()
     done.wait()
 
@@ -91,12 +105,23 @@ class Attr(C.Structure):
                 ("dst_t", C.c_int), ("dst_id", C.c_int), ("flags", C.c_uint)]
 
 
-def completion(cu, s, e, fn, fn_p, rounds):
+def completion(cu, s, e, fn, fn_p, rounds, peer_handle=b""):
     """The completion probe (see the module doc): p50 us of each way."""
     sz = 4096
     src, dst = C.c_uint64(), C.c_uint64()
     ok(cu.cuMemAlloc_v2(C.byref(src), C.c_size_t(sz)), "alloc")
     ok(cu.cuMemAlloc_v2(C.byref(dst), C.c_size_t(sz)), "alloc")
+    peer = C.c_uint64()
+    if peer_handle:
+        h = IpcHandle()
+        C.memmove(C.addressof(h), peer_handle, 64)
+        r = cu.cuIpcOpenMemHandle_v2(C.byref(peer), h, 1)
+        if r != 0:
+            print(f"completion 4K  IPC rows skipped: cuIpcOpenMemHandle CUresult {r}")
+            peer.value = 0
+    # Work queued ahead of a sync copy: 256 MiB to memset.
+    big = C.c_uint64()
+    ok(cu.cuMemAlloc_v2(C.byref(big), C.c_size_t(256 << 20)), "alloc")
     # Pinned words the GPU reaches: [0] the done flag, [1] the go word,
     # then one descriptor (dst, src, len) for the armed kernel.
     host = C.c_void_p()
@@ -203,18 +228,40 @@ def completion(cu, s, e, fn, fn_p, rounds):
         ("null copy+ctxsync", lambda: (copy_on(null), ok(cu.cuCtxSynchronize(), "ctx sync"))),
         ("copy, 3us, event", lambda: (copy(), spin_us(3), event_now())),
         ("sync copy, s", lambda: (ok(cu.cuMemcpyDtoD_v2(dst, src, C.c_size_t(sz)), "sync copy"), event_now())),
+        ("sync cuMemcpy", lambda: ok(cu.cuMemcpy(dst, src, C.c_size_t(sz)), "sync cuMemcpy")),
+
         ("event alone", event_now),
         ("copy + flag", lambda: (copy(), flag_now(), until_flag())),
         ("flag alone", lambda: (flag_now(), until_flag())),
         ("sync copy", lambda: ok(cu.cuMemcpyDtoD_v2(dst, src, C.c_size_t(sz)), "sync copy")),
         ("kernel + flag", lambda: (launch(fn_p, p_val), flag_now(), until_flag())),
     ]
+    if peer.value:
+        rows += [
+            ("IPC copy+event", lambda: (ok(cu.cuMemcpyDtoDAsync_v2(peer, src, C.c_size_t(sz), s), "copy"), event_now())),
+            ("IPC sync copy", lambda: ok(cu.cuMemcpyDtoD_v2(peer, src, C.c_size_t(sz)), "sync copy")),
+            ("IPC sync read", lambda: ok(cu.cuMemcpyDtoD_v2(dst, peer, C.c_size_t(sz)), "sync copy")),
+        ]
     for name, issue in rows:
         try:
             print(f"completion 4K  {name:<15} p50 {run(issue):8.2f} us")
         except SystemExit as err:
             print(f"completion 4K  {name:<15} failed: {err}")
         ok(cu.cuCtxSynchronize(), "sync")
+    def behind(st):
+        """A sync copy timed alone, with a 256 MiB memset queued on `st`
+        first: does it wait for that stream's work?"""
+        out = []
+        for _ in range(min(rounds, 100)):
+            ok(cu.cuMemsetD8Async(big, 0, C.c_size_t(256 << 20), st), "memset")
+            t0 = time.perf_counter_ns()
+            ok(cu.cuMemcpyDtoD_v2(dst, src, C.c_size_t(sz)), "sync copy")
+            out.append(time.perf_counter_ns() - t0)
+            ok(cu.cuCtxSynchronize(), "sync")
+        return p50(out) / 1e3
+
+    for name, st in (("sync, legacy busy", null), ("sync, s busy", s)):
+        print(f"completion 4K  {name:<15} p50 {behind(st):8.2f} us")
     for name, queue in (("armed copy", copy), ("armed kernel", lambda: launch(fn, p_host))):
         try:
             print(f"completion 4K  {name:<15} p50 {armed(queue):8.2f} us")
@@ -223,8 +270,10 @@ def completion(cu, s, e, fn, fn_p, rounds):
             words[1] = 0xFFFFFFFF  # lets any wait still queued go
         ok(cu.cuCtxSynchronize(), "sync")
         words[1] = seq[0]
-    for p in (src, dst):
+    for p in (src, dst, big):
         cu.cuMemFree_v2(p)
+    if peer.value:
+        cu.cuIpcCloseMemHandle(peer)
     cu.cuMemFreeHost(host)
 
 
@@ -237,10 +286,11 @@ def main():
     a = ap.parse_args()
     if a.neighbour:
         ctx = mp.get_context("spawn")
-        ready, done = ctx.Event(), ctx.Event()
-        proc = ctx.Process(target=neighbour, args=(ready, done), daemon=True)
+        ready, done, handle = ctx.Event(), ctx.Event(), ctx.Queue()
+        proc = ctx.Process(target=neighbour, args=(ready, done, handle), daemon=True)
         proc.start()
         ready.wait(60)
+        peer_handle = handle.get(timeout=60)
     cu = C.CDLL("libcuda.so.1")
     ok(cu.cuInit(0), "cuInit")
     dev, ctx = C.c_int(), C.c_void_p()
@@ -270,7 +320,7 @@ def main():
 
     print(f"neighbour context: {'yes' if a.neighbour else 'no'}")
     if a.completion:
-        completion(cu, s, e, fn, fn_p, a.rounds)
+        completion(cu, s, e, fn, fn_p, a.rounds, peer_handle if a.neighbour else b"")
     for shape in a.shapes.split(","):
         sz, n = shape.lower().split("x")
         sz, n = size(sz), int(n)
