@@ -6,7 +6,7 @@
 #   wheel/ferry-*.whl (the Python package), uccl/ (UCCL v0.1.1's own
 #   p2p/tests, unchanged, and a one-line `uccl` package that is ferry.p2p).
 #
-#   benches/device_run.sh tests|benches|ray|short|kv|sweep  (results under $OUT)
+#   benches/device_run.sh tests|benches|ray|short|kv|sweep|latency  (results under $OUT)
 #
 # tests: the GPU suite, the Python suite, UCCL's own tests, the NIXL suite
 # on VRAM (nixl-cu13 as installed there) over shm and tcp.
@@ -193,6 +193,24 @@ elif [ "$what" = kv ]; then
     for t in shm tcp; do
         timeout 60 "$FERRY_BIN" bench --transport $t --op send --sizes 8,4K,64K --seconds 1 2>&1 | tail -5
     done
+elif [ "$what" = latency ]; then
+    # Where one small op's time goes (issue 49's 6 us from Python): the
+    # completion probe with a neighbour's CUDA IPC memory (sync and async
+    # copies, a sync copy behind busy streams), one 4 KiB op on an embedded
+    # shard (--shards 1) against managed ones (--shards 2: what Python's
+    # endpoints use), and the same op from Python.
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    step "completion probe, with a neighbour's IPC memory"
+    timeout 120 $py benches/gather_probe.py --completion --neighbour --shapes 4Kx1 --rounds 400 2>&1 | tee "$OUT/probe.txt"
+    for t in ipc shm; do
+        for n in 1 2; do
+            step "one op, $t, --shards $n"
+            timeout 60 "$FERRY_BIN" bench --transport $t --op write --sizes 4K --latency --seconds 1 --shards $n 2>&1 | grep latency
+        done
+    done
+    step "python -m ferry.bench --transport ipc"
+    $py -m pip install -q --no-deps --no-index --force-reinstall "$carry"/wheel/ferry-*.whl 2>&1 | tail -2
+    (cd / && timeout 120 $py -m ferry.bench --transport ipc --sizes 4K --ferry-bin "$FERRY_BIN" 2>&1 | tail -4)
 elif [ "$what" = sweep ]; then
     # One setting's values against each other on NIXL VRAM points, in
     # alternating rounds (the GPU pieces suite first, where carried, with
