@@ -18,7 +18,7 @@
 # tensors), benches/ray_rdt.py into $OUT/ray_rdt.txt, and the NIXL suite on
 # VRAM over shm and tcp (nixl-cu13 as installed there).
 set -uo pipefail
-what=${1:?tests or benches}
+what=${1:?tests, benches, ray, short, kv, sweep or latency}
 carry=$PWD/${FERRY_CARRY:-target/carry}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -48,6 +48,13 @@ nixl_dir() {
 }
 
 step() { echo "== $*"; }
+
+# One blocking 4 KiB write_ipc from Python (the carried wheel), p50/p99.
+python_ipc_op() {
+    step "python -m ferry.bench --transport ipc"
+    $py -m pip install -q --no-deps --no-index --force-reinstall "$carry"/wheel/ferry-*.whl 2>&1 | tail -2
+    (cd / && timeout 120 $py -m ferry.bench --transport ipc --sizes 4K --ferry-bin "$FERRY_BIN" 2>&1 | tail -12)
+}
 
 # NIXL carried in (device_carry.sh with NIXL_WHEELS), where none is installed.
 if [ -f "$carry/nixl-slim.tar.xz" ] && ! (cd / && $py -c 'import nixl._api') 2>/dev/null; then
@@ -98,8 +105,9 @@ elif [ "$what" = ray ]; then
     # RAY_SUITE_S, RAY_BENCH_S, RAY_NIXL_S and RAY_SIZES trim them to fit.
     # On the H100 machine a suite run takes ~4 minutes (29 tests, ~8 s each:
     # every test starts its actors' workers, torch and CUDA in each): two
-    # runs a call at most one after another, three side by side. A run cut by its timeout reports the test it was
-    # in as failed (pytest dies of the SIGTERM): read the count, not the F.
+    # runs a call one after another, three side by side. A run cut by its
+    # timeout reports the test it was in as failed (pytest dies of the
+    # SIGTERM): read the count, not the F.
     part=${2:-all}  # all, or a comma list of suite, nixl, bench
     has() { [ "$part" = all ] || [[ ",$part," == *",$1,"* ]]; }
     # RAY_PARALLEL=1 runs the suite's runs and the NIXL suites side by side
@@ -179,9 +187,7 @@ elif [ "$what" = kv ]; then
     done
     echo "-- A"
     timeout 60 "$carry/A/ferry" bench --transport ipc --op write --sizes 4K --latency --seconds 1 2>&1 | tail -4
-    step "python -m ferry.bench --transport ipc (B)"
-    $py -m pip install -q --no-deps --no-index --force-reinstall "$carry"/wheel/ferry-*.whl 2>&1 | tail -2
-    (cd / && timeout 120 $py -m ferry.bench --transport ipc --sizes 4K --ferry-bin "$FERRY_BIN" 2>&1 | tail -12)
+    python_ipc_op
     if [ -f "$carry/uccl/benchmark_uccl.py" ]; then
         step "UCCL v0.1.1 benchmark_uccl.py, unchanged, both ranks on GPU 0 (B): send/recv, then write_ipc"
         for mode in "" --write-ipc; do
@@ -208,9 +214,7 @@ elif [ "$what" = latency ]; then
             timeout 60 "$FERRY_BIN" bench --transport $t --op write --sizes 4K --latency --seconds 1 --shards $n 2>&1 | grep latency
         done
     done
-    step "python -m ferry.bench --transport ipc"
-    $py -m pip install -q --no-deps --no-index --force-reinstall "$carry"/wheel/ferry-*.whl 2>&1 | tail -2
-    (cd / && timeout 120 $py -m ferry.bench --transport ipc --sizes 4K --ferry-bin "$FERRY_BIN" 2>&1 | tail -4)
+    python_ipc_op
 elif [ "$what" = sweep ]; then
     # One setting's values against each other on NIXL VRAM points, in
     # alternating rounds (the GPU pieces suite first, where carried, with

@@ -136,7 +136,14 @@ def completion(cu, s, e, fn, fn_p, rounds, peer_handle=b""):
     write = getattr(cu, "cuStreamWriteValue32_v2", None) or cu.cuStreamWriteValue32
     wait = getattr(cu, "cuStreamWaitValue32_v2", None) or cu.cuStreamWaitValue32
     one = C.c_uint32(1)
-    copy = lambda: ok(cu.cuMemcpyDtoDAsync_v2(dst, src, C.c_size_t(sz), s), "copy")
+
+    def copy_on(st, to=dst, frm=src):
+        ok(cu.cuMemcpyDtoDAsync_v2(to, frm, C.c_size_t(sz), st), "copy")
+
+    def sync_copy(to=dst, frm=src):
+        ok(cu.cuMemcpyDtoD_v2(to, frm, C.c_size_t(sz)), "sync copy")
+
+    copy = lambda: copy_on(s)
     seq = [0]
 
     def flag_now():
@@ -150,10 +157,12 @@ def completion(cu, s, e, fn, fn_p, rounds, peer_handle=b""):
             if spins > 5_000_000:  # seconds: the write never landed
                 raise SystemExit(f"the stream's write of {seq[0]} never landed (flag {words[0]})")
 
-    def event_now():
-        ok(cu.cuEventRecord(e, s), "record")
+    def event_on(st):
+        ok(cu.cuEventRecord(e, st), "record")
         while cu.cuEventQuery(e) == 600:
             pass
+
+    event_now = lambda: event_on(s)
 
     def run(issue):
         issue()
@@ -199,14 +208,6 @@ def completion(cu, s, e, fn, fn_p, rounds, peer_handle=b""):
     ok(cu.cuStreamCreate(C.byref(s2), 1), "second stream")
     turn = [0]
 
-    def copy_on(st):
-        ok(cu.cuMemcpyDtoDAsync_v2(dst, src, C.c_size_t(sz), st), "copy")
-
-    def event_on(st):
-        ok(cu.cuEventRecord(e, st), "record")
-        while cu.cuEventQuery(e) == 600:
-            pass
-
     def in_turn():
         turn[0] ^= 1
         st = s if turn[0] else s2
@@ -227,20 +228,19 @@ def completion(cu, s, e, fn, fn_p, rounds, peer_handle=b""):
         ("copy + s sync", lambda: (copy(), ok(cu.cuStreamSynchronize(s), "stream sync"))),
         ("null copy+ctxsync", lambda: (copy_on(null), ok(cu.cuCtxSynchronize(), "ctx sync"))),
         ("copy, 3us, event", lambda: (copy(), spin_us(3), event_now())),
-        ("sync copy, s", lambda: (ok(cu.cuMemcpyDtoD_v2(dst, src, C.c_size_t(sz)), "sync copy"), event_now())),
+        ("sync copy, s", lambda: (sync_copy(), event_now())),
         ("sync cuMemcpy", lambda: ok(cu.cuMemcpy(dst, src, C.c_size_t(sz)), "sync cuMemcpy")),
-
         ("event alone", event_now),
         ("copy + flag", lambda: (copy(), flag_now(), until_flag())),
         ("flag alone", lambda: (flag_now(), until_flag())),
-        ("sync copy", lambda: ok(cu.cuMemcpyDtoD_v2(dst, src, C.c_size_t(sz)), "sync copy")),
+        ("sync copy", sync_copy),
         ("kernel + flag", lambda: (launch(fn_p, p_val), flag_now(), until_flag())),
     ]
     if peer.value:
         rows += [
-            ("IPC copy+event", lambda: (ok(cu.cuMemcpyDtoDAsync_v2(peer, src, C.c_size_t(sz), s), "copy"), event_now())),
-            ("IPC sync copy", lambda: ok(cu.cuMemcpyDtoD_v2(peer, src, C.c_size_t(sz)), "sync copy")),
-            ("IPC sync read", lambda: ok(cu.cuMemcpyDtoD_v2(dst, peer, C.c_size_t(sz)), "sync copy")),
+            ("IPC copy+event", lambda: (copy_on(s, to=peer), event_now())),
+            ("IPC sync copy", lambda: sync_copy(to=peer)),
+            ("IPC sync read", lambda: sync_copy(frm=peer)),
         ]
     for name, issue in rows:
         try:
@@ -248,6 +248,7 @@ def completion(cu, s, e, fn, fn_p, rounds, peer_handle=b""):
         except SystemExit as err:
             print(f"completion 4K  {name:<15} failed: {err}")
         ok(cu.cuCtxSynchronize(), "sync")
+
     def behind(st):
         """A sync copy timed alone, with a 256 MiB memset queued on `st`
         first: does it wait for that stream's work?"""
@@ -255,7 +256,7 @@ def completion(cu, s, e, fn, fn_p, rounds, peer_handle=b""):
         for _ in range(min(rounds, 100)):
             ok(cu.cuMemsetD8Async(big, 0, C.c_size_t(256 << 20), st), "memset")
             t0 = time.perf_counter_ns()
-            ok(cu.cuMemcpyDtoD_v2(dst, src, C.c_size_t(sz)), "sync copy")
+            sync_copy()
             out.append(time.perf_counter_ns() - t0)
             ok(cu.cuCtxSynchronize(), "sync")
         return p50(out) / 1e3
@@ -272,6 +273,8 @@ def completion(cu, s, e, fn, fn_p, rounds, peer_handle=b""):
         words[1] = seq[0]
     for p in (src, dst, big):
         cu.cuMemFree_v2(p)
+    for st in (sb, sh, s2):
+        cu.cuStreamDestroy_v2(st)
     if peer.value:
         cu.cuIpcCloseMemHandle(peer)
     cu.cuMemFreeHost(host)
