@@ -56,6 +56,17 @@ python_ipc_op() {
     (cd / && timeout 120 $py -m ferry.bench --transport ipc --sizes 4K --ferry-bin "$FERRY_BIN" 2>&1 | tail -12)
 }
 
+# UCCL v0.1.1's benchmark_uccl.py, unchanged, both ranks on GPU 0, in the
+# modes given ("" = its default, two-sided send/recv).
+uccl_bench() {
+    [ -f "$carry/uccl/benchmark_uccl.py" ] || return 0
+    step "UCCL v0.1.1 benchmark_uccl.py, unchanged, both ranks on GPU 0: modes '$*'"
+    for mode in "$@"; do
+        (cd "$carry/uccl" && PYTHONPATH=$carry/uccl timeout 120 $py -m torch.distributed.run --nproc_per_node=2 \
+            benchmark_uccl.py $mode --sizes 256,4096,65536,1048576 --iters 2000 2>&1 | grep -v "^W\|^I\|warn" | tail -12)
+    done
+}
+
 # NIXL carried in (device_carry.sh with NIXL_WHEELS), where none is installed.
 if [ -f "$carry/nixl-slim.tar.xz" ] && ! (cd / && $py -c 'import nixl._api') 2>/dev/null; then
     mkdir -p /tmp/nixlsite
@@ -188,13 +199,7 @@ elif [ "$what" = kv ]; then
     echo "-- A"
     timeout 60 "$carry/A/ferry" bench --transport ipc --op write --sizes 4K --latency --seconds 1 2>&1 | tail -4
     python_ipc_op
-    if [ -f "$carry/uccl/benchmark_uccl.py" ]; then
-        step "UCCL v0.1.1 benchmark_uccl.py, unchanged, both ranks on GPU 0 (B): send/recv, then write_ipc"
-        for mode in "" --write-ipc; do
-            (cd "$carry/uccl" && PYTHONPATH=$carry/uccl timeout 120 $py -m torch.distributed.run --nproc_per_node=2 \
-                benchmark_uccl.py $mode --sizes 256,4096,65536,1048576 --iters 2000 2>&1 | grep -v "^W\|^I\|warn" | tail -12)
-        done
-    fi
+    uccl_bench "" --write-ipc
     step "two-sided (B)"
     for t in shm tcp; do
         timeout 60 "$FERRY_BIN" bench --transport $t --op send --sizes 8,4K,64K --seconds 1 2>&1 | tail -5
@@ -215,6 +220,7 @@ elif [ "$what" = latency ]; then
         done
     done
     python_ipc_op
+    uccl_bench ""
 elif [ "$what" = sweep ]; then
     # One setting's values against each other on NIXL VRAM points, in
     # alternating rounds (the GPU pieces suite first, where carried, with

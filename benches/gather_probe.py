@@ -41,6 +41,10 @@ one-sided op and a small GPU message; issue 49 asks 6 and 10 us):
   sync cuMemcpy       the unified synchronous copy;
   sync, legacy busy / s busy: the sync copy alone, a 256 MiB memset queued
                       first on the legacy stream / the probe's stream;
+  64M async+event, 64M sync, 64M sync+lgcy ev, 4K sync+lgcy ev: whether a
+                      sync device-to-device copy ends before it returns;
+  resident kernel, resident IPC: a kernel already running copies when a
+                      pinned word moves, and writes a done flag back;
   IPC copy+event, IPC sync copy, IPC sync read (with --neighbour): to and
                       from the neighbour's allocation, opened by CUDA IPC.
 
@@ -55,6 +59,72 @@ import time
 
 GAP = 4096
 PARAM_DESCS = 160
+
+
+# A kernel that stays resident: one block polls a word in mapped pinned
+# memory, copies the descriptor's bytes when the word moves, and writes the
+# word back as its done flag (no driver call, no launch on the op's path).
+# A word of 0xFFFFFFFF ends it. ctl: [0] go, [4] done, [64..88) dst, src, len.
+RESIDENT_PTX = b"""
+.version 7.0
+.target sm_70
+.address_size 64
+
+.visible .entry ferry_resident(
+    .param .u64 ctl
+)
+{
+    .reg .pred %p<6>;
+    .reg .b32 %r<10>;
+    .reg .b64 %rd<12>;
+    .shared .align 4 .u32 go_s;
+
+    ld.param.u64 %rd1, [ctl];
+    cvta.to.global.u64 %rd1, %rd1;
+    mov.u32 %r1, %tid.x;
+    setp.ne.u32 %p1, %r1, 0;
+    mov.u32 %r2, 0;
+LOOP:
+    @%p1 bra WAIT;
+POLL:
+    ld.volatile.global.u32 %r3, [%rd1];
+    setp.eq.u32 %p2, %r3, %r2;
+    @%p2 bra POLL;
+    st.shared.u32 [go_s], %r3;
+WAIT:
+    bar.sync 0;
+    ld.shared.u32 %r3, [go_s];
+    setp.eq.u32 %p3, %r3, 0xFFFFFFFF;
+    @%p3 bra EXIT;
+    membar.sys;
+    ld.volatile.global.u64 %rd2, [%rd1+64];
+    ld.volatile.global.u64 %rd3, [%rd1+72];
+    ld.volatile.global.u64 %rd4, [%rd1+80];
+    cvta.to.global.u64 %rd2, %rd2;
+    cvta.to.global.u64 %rd3, %rd3;
+    shr.u64 %rd5, %rd4, 4;
+    cvt.u64.u32 %rd6, %r1;
+COPY:
+    setp.ge.u64 %p4, %rd6, %rd5;
+    @%p4 bra COPIED;
+    shl.b64 %rd7, %rd6, 4;
+    add.s64 %rd8, %rd3, %rd7;
+    add.s64 %rd9, %rd2, %rd7;
+    ld.global.v4.u32 {%r4, %r5, %r6, %r7}, [%rd8];
+    st.global.v4.u32 [%rd9], {%r4, %r5, %r6, %r7};
+    add.s64 %rd6, %rd6, 256;
+    bra COPY;
+COPIED:
+    membar.sys;
+    bar.sync 0;
+    mov.u32 %r2, %r3;
+    @%p1 bra LOOP;
+    st.volatile.global.u32 [%rd1+4], %r3;
+    bra LOOP;
+EXIT:
+    ret;
+}
+"""
 
 
 def ok(r, what):
@@ -103,6 +173,49 @@ def neighbour(ready, done, handle_out):
 class Attr(C.Structure):
     _fields_ = [("order", C.c_int), ("src_t", C.c_int), ("src_id", C.c_int),
                 ("dst_t", C.c_int), ("dst_id", C.c_int), ("flags", C.c_uint)]
+
+
+def resident(cu, src, dst, peer, rounds, sz=4096):
+    """A 4 KiB copy by a kernel already running (RESIDENT_PTX): from the
+    host's store of the go word to its load of the done flag, p50 us, to
+    our own memory and (with --neighbour) to the neighbour's."""
+    mod, fn = C.c_void_p(), C.c_void_p()
+    ok(cu.cuModuleLoadData(C.byref(mod), C.c_char_p(RESIDENT_PTX + b"\0")), "resident module")
+    ok(cu.cuModuleGetFunction(C.byref(fn), mod, b"ferry_resident"), "resident fn")
+    host, dev, st = C.c_void_p(), C.c_uint64(), C.c_void_p()
+    ok(cu.cuMemHostAlloc(C.byref(host), C.c_size_t(4096), 0x2 | 0x1), "hostalloc mapped")
+    ok(cu.cuMemHostGetDevicePointer_v2(C.byref(dev), host, 0), "device pointer")
+    ok(cu.cuStreamCreate(C.byref(st), 1), "resident stream")
+    words = (C.c_uint32 * 2).from_address(host.value)
+    desc = (C.c_uint64 * 3).from_address(host.value + 64)
+    words[0] = words[1] = 0
+    params = (C.c_void_p * 1)(C.cast(C.byref(dev), C.c_void_p))
+    ok(cu.cuLaunchKernel(fn, 1, 1, 1, 256, 1, 1, 0, st, params, None), "resident launch")
+    seq = 0
+    rows = [("resident kernel", dst)] + ([("resident IPC", peer)] if peer.value else [])
+    try:
+        for name, to in rows:
+            out = []
+            for k in range(rounds + 1):
+                seq += 1
+                desc[0], desc[1], desc[2] = to.value, src.value, sz
+                t0 = time.perf_counter_ns()
+                words[0] = seq
+                spins = 0
+                while words[1] != seq:
+                    spins += 1
+                    if spins > 5_000_000:
+                        raise SystemExit(f"the resident kernel never answered {seq}")
+                if k:
+                    out.append(time.perf_counter_ns() - t0)
+            print(f"completion 4K  {name:<15} p50 {p50(out) / 1e3:8.2f} us")
+    except SystemExit as err:
+        print(f"completion 4K  resident        failed: {err}")
+    words[0] = 0xFFFFFFFF
+    ok(cu.cuStreamSynchronize(st), "resident end")
+    cu.cuStreamDestroy_v2(st)
+    cu.cuMemFreeHost(host)
+    cu.cuModuleUnload(mod)
 
 
 def completion(cu, s, e, fn, fn_p, rounds, peer_handle=b""):
@@ -263,6 +376,32 @@ def completion(cu, s, e, fn, fn_p, rounds, peer_handle=b""):
 
     for name, st in (("sync, legacy busy", null), ("sync, s busy", s)):
         print(f"completion 4K  {name:<15} p50 {behind(st):8.2f} us")
+
+    # Does a synchronous device-to-device copy end before it returns? CUDA
+    # documents no host-side synchronisation for that direction. 64 MiB
+    # takes tens of microseconds to move: a return much sooner than the
+    # async copy's end says the call only queued it. Then an event on the
+    # legacy stream, recorded after the sync copy, tells when it ended.
+    n64 = 64 << 20
+    half = C.c_uint64(big.value + n64)
+
+    def timed(issue, n=50):
+        out = []
+        for _ in range(n):
+            ok(cu.cuCtxSynchronize(), "sync")
+            t0 = time.perf_counter_ns()
+            issue()
+            out.append(time.perf_counter_ns() - t0)
+        return p50(out) / 1e3
+
+    sync64 = lambda: ok(cu.cuMemcpyDtoD_v2(half, big, C.c_size_t(n64)), "sync copy 64M")
+    for name, issue in (
+        ("64M async+event", lambda: (ok(cu.cuMemcpyDtoDAsync_v2(half, big, C.c_size_t(n64), s), "copy"), event_now())),
+        ("64M sync", sync64),
+        ("64M sync+lgcy ev", lambda: (sync64(), event_on(null))),
+        ("4K sync+lgcy ev", lambda: (sync_copy(), event_on(null))),
+    ):
+        print(f"completion     {name:<15} p50 {timed(issue):8.2f} us")
     for name, queue in (("armed copy", copy), ("armed kernel", lambda: launch(fn, p_host))):
         try:
             print(f"completion 4K  {name:<15} p50 {armed(queue):8.2f} us")
@@ -271,6 +410,7 @@ def completion(cu, s, e, fn, fn_p, rounds, peer_handle=b""):
             words[1] = 0xFFFFFFFF  # lets any wait still queued go
         ok(cu.cuCtxSynchronize(), "sync")
         words[1] = seq[0]
+    resident(cu, src, dst, peer, rounds)
     for p in (src, dst, big):
         cu.cuMemFree_v2(p)
     for st in (sb, sh, s2):
