@@ -228,16 +228,14 @@ class Endpoint:
         try:
             conn = self._conn(conn_id)
             locals_, windows = pieces()
+            if blocking:
+                # Submitted and waited in one native call (one GIL release).
+                conn.run(write, locals_, windows)
+                return True, 0
             t = conn.submit(write, locals_, windows)
         except (FerryError, _Failed) as e:
             return self._fail(what, e, (False, 0))
-        if not blocking:
-            return True, self._keep(t)
-        try:
-            t.wait()
-        except FerryError as e:
-            return self._fail(what, e, (False, 0))
-        return True, 0
+        return True, self._keep(t)
 
     @staticmethod
     def _window(what: str, meta: Any) -> bytes:

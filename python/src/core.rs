@@ -633,6 +633,46 @@ impl Connection {
         ep.conn_status(self.id).map_err(fe)?;
         Ok((ep, region.view()?))
     }
+
+    /// The checked pieces of one WRITE or READ (`submit`, `run`): the
+    /// endpoint, each local piece as (registration, offset, size), and
+    /// the decoded windows.
+    #[allow(clippy::type_complexity)]
+    fn pieces(
+        &self,
+        locals: &[(PyRef<'_, Region>, u64, usize)],
+        windows: &[Vec<u8>],
+    ) -> PyResult<(
+        Arc<ferry::Endpoint>,
+        Vec<(Arc<MemoryRegion>, usize, usize)>,
+        Vec<AnyWindow>,
+    )> {
+        let ep = self.ep.get()?;
+        ep.conn_status(self.id).map_err(fe)?;
+        if locals.len() != windows.len() {
+            return Err(FerryError::new_err(format!(
+                "{} local pieces but {} windows",
+                locals.len(),
+                windows.len()
+            )));
+        }
+        let mut held = Vec::with_capacity(locals.len());
+        for (r, ptr, size) in locals {
+            if !r.ep.same(&self.ep) {
+                return Err(FerryError::new_err(
+                    "a region of another endpoint than this connection's",
+                ));
+            }
+            let v = r.view()?;
+            let off = r.offset_of(&v, *ptr, *size)?;
+            held.push((v.mr, off, *size));
+        }
+        let wins = windows
+            .iter()
+            .map(|b| AnyWindow::decode(b).map_err(fe))
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok((ep, held, wins))
+    }
 }
 
 #[pymethods]
@@ -666,42 +706,53 @@ impl Connection {
         locals: Vec<(PyRef<'_, Region>, u64, usize)>,
         windows: Vec<Vec<u8>>,
     ) -> PyResult<Transfer> {
-        let ep = self.ep.get()?;
-        ep.conn_status(self.id).map_err(fe)?;
-        if locals.len() != windows.len() {
-            return Err(FerryError::new_err(format!(
-                "{} local pieces but {} windows",
-                locals.len(),
-                windows.len()
-            )));
-        }
-        let mut held = Vec::with_capacity(locals.len());
-        for (r, ptr, size) in &locals {
-            if !r.ep.same(&self.ep) {
-                return Err(FerryError::new_err(
-                    "a region of another endpoint than this connection's",
-                ));
-            }
-            let v = r.view()?;
-            let off = r.offset_of(&v, *ptr, *size)?;
-            held.push((v.mr, off, *size));
-        }
-        let wins = windows
-            .iter()
-            .map(|b| AnyWindow::decode(b).map_err(fe))
-            .collect::<PyResult<Vec<_>>>()?;
+        let (ep, held, wins) = self.pieces(&locals, &windows)?;
         let l: Vec<(&MemoryRegion, usize, usize)> =
             held.iter().map(|(m, o, n)| (&**m, *o, *n)).collect();
         let t = py
+            .allow_threads(|| start_op(&ep, self.id, write, &l, &wins))
+            .map_err(fe)?;
+        Ok(Transfer::new(t))
+    }
+
+    /// `submit` and the transfer's `wait` in one call, the GIL released
+    /// once for both (what ferry.p2p's blocking calls use): returns when
+    /// the operation ended; raises `FerryError` if it failed. Ctrl-C
+    /// interrupts the wait; the operation runs on.
+    fn run(
+        &self,
+        py: Python<'_>,
+        write: bool,
+        locals: Vec<(PyRef<'_, Region>, u64, usize)>,
+        windows: Vec<Vec<u8>>,
+    ) -> PyResult<()> {
+        let (ep, held, wins) = self.pieces(&locals, &windows)?;
+        let l: Vec<(&MemoryRegion, usize, usize)> =
+            held.iter().map(|(m, o, n)| (&**m, *o, *n)).collect();
+        let mut t = py
             .allow_threads(|| {
-                if write {
-                    ep.writev_async(self.id, &l, &wins)
-                } else {
-                    ep.readv_async(self.id, &l, &wins)
+                let mut t = start_op(&ep, self.id, write, &l, &wins)?;
+                match t.wait_timeout(SLICE) {
+                    Err(ferry::Error::Timeout {
+                        what: "transfer", ..
+                    }) => Ok(Some(t)),
+                    other => other.map(|()| None),
                 }
             })
             .map_err(fe)?;
-        Ok(Transfer::new(t))
+        while let Some(mut left) = t.take() {
+            py.check_signals()?;
+            t = match py.allow_threads(|| left.wait_timeout(SLICE)) {
+                Err(ferry::Error::Timeout {
+                    what: "transfer", ..
+                }) => Some(left),
+                other => {
+                    other.map_err(fe)?;
+                    None
+                }
+            };
+        }
+        Ok(())
     }
 
     /// Two-sided: sends `[ptr, ptr + size)` of `region` as one message,
@@ -765,6 +816,21 @@ impl Transfer {
         Self {
             t: Mutex::new(Slot::Idle(t)),
         }
+    }
+}
+
+/// Starts one WRITE or READ of `l` against `wins` on connection `id`.
+fn start_op(
+    ep: &ferry::Endpoint,
+    id: ConnId,
+    write: bool,
+    l: &[(&MemoryRegion, usize, usize)],
+    wins: &[AnyWindow],
+) -> ferry::Result<ferry::Transfer> {
+    if write {
+        ep.writev_async(id, l, wins)
+    } else {
+        ep.readv_async(id, l, wins)
     }
 }
 
