@@ -1,8 +1,8 @@
 //! The atomics and cells of the code that the loom models check
 //! (`RUSTFLAGS="--cfg loom" cargo test --release --lib loom`, run by
 //! `.ci/run`): std's in every real build, loom's under `--cfg loom`, so
-//! the models run the real completion table, ring, doorbell and wake flag,
-//! not copies of them.
+//! the models run the real completion table, ring, doorbell, wake flag and
+//! GPU copy runner handshake, not copies of them.
 //!
 //! Only those modules use this one; the rest of the crate uses std's
 //! atomics directly.

@@ -756,22 +756,11 @@ fn pool_memory_that_cannot_be_exported_moves_over_tcp() {
     use cudarc::driver::sys as cu;
     let (target, ep, conn) = tcp_gpu_pair(8 << 20);
     let len = 8usize << 20;
-    let dev = &ferry::gpu::cuda().unwrap().devices[0];
     let mut ptr: cu::CUdeviceptr = 0;
+    common::primary_context_current();
     // SAFETY: plain driver calls on device 0's primary context (retained
     // by ferry); the pointer is freed below, after its deregistration.
     unsafe {
-        let mut d: cu::CUdevice = 0;
-        assert_eq!(
-            cu::cuDeviceGet(&mut d, dev.ordinal),
-            cu::CUresult::CUDA_SUCCESS
-        );
-        let mut ctx = std::ptr::null_mut();
-        assert_eq!(
-            cu::cuDevicePrimaryCtxRetain(&mut ctx, d),
-            cu::CUresult::CUDA_SUCCESS
-        );
-        assert_eq!(cu::cuCtxSetCurrent(ctx), cu::CUresult::CUDA_SUCCESS);
         assert_eq!(
             cu::cuMemAllocAsync(&mut ptr, len, std::ptr::null_mut()),
             cu::CUresult::CUDA_SUCCESS

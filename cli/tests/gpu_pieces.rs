@@ -6,7 +6,8 @@
 //! by value up to 160), 1024 of 16 KiB, 100 000 of odd sizes, runs
 //! of adjacent pieces (joined into one copy) and pieces too long for the
 //! kernel beside short ones; a piece that cannot be copied fails its whole
-//! request.
+//! request. Lone small copies also go through the copy runner (a
+//! resident kernel, `src/gpu/runner/`) and, with it off, a launch.
 //!
 //! `#[ignore]`d: run with `cargo test --test gpu_pieces -- --ignored`
 //! where there is a GPU (they fail, not pass, where there is none).
@@ -285,4 +286,110 @@ fn same_host_gpu_requests_through_the_gather_kernel_are_byte_exact() {
 #[ignore = "needs an NVIDIA GPU (cargo test --test gpu_pieces -- --ignored)"]
 fn same_host_gpu_requests_through_the_copy_engine_are_byte_exact() {
     same_host_pieces(GpuCopy::Engine);
+}
+
+/// Lone small CUDA IPC ops go to the copy runner (src/gpu/runner/), a
+/// kernel that stays resident for `FERRY_GPU_RUNNER_US` after each copy
+/// and then ends itself. Ops spaced below, at and past that span (the
+/// runner serving, ending as one is posted, launched again) at odd sizes
+/// and offsets (its byte loop), at its 64 KiB limit and one byte past it
+/// (the launched kernel), both directions: each byte exact. And a
+/// device-wide synchronisation right after an op returns: the runner does
+/// not hold the GPU.
+#[test]
+#[ignore = "needs an NVIDIA GPU (cargo test --test gpu_pieces -- --ignored)"]
+fn lone_copies_through_the_runner_are_byte_exact_across_its_ends() {
+    let target = gpu_target(GpuCopy::Kernel);
+    let mut c = cfg(GpuCopy::Kernel);
+    c.gpu_runner_us = 50;
+    let ep = Endpoint::builder().config(c).build().unwrap();
+    let conn = ep.add_remote(&target.served.meta).unwrap();
+    let remote: IpcBuf = target.served.ipc.expect("IPCBUF line");
+    let local = ep.alloc_gpu(1 << 20).unwrap();
+    let sizes = [1usize, 15, 16, 777, 4096, 4099, 16384, 65536, 65537];
+    let gaps_us = [0u64, 10, 40, 50, 60, 100, 400, 2000];
+    for i in 0..240usize {
+        let len = sizes[i % sizes.len()];
+        let off = (i * 4099) % (512 << 10) + (i % 3) * 16;
+        let w = remote.slice(off as u64, len as u64).unwrap();
+        std::thread::sleep(std::time::Duration::from_micros(gaps_us[i % gaps_us.len()]));
+        let seed = (i % 200) as u8 + 1;
+        let what = format!("op {i}: {len} bytes at {off}");
+        if i % 2 == 0 {
+            gpu_fill(&local, off, len, seed);
+            ep.write(conn, &local, off, len, &w)
+                .unwrap_or_else(|e| panic!("{what}: WRITE failed: {e}"));
+            assert_eq!(
+                ghash(&ep, conn, off, len),
+                pattern_hash(off, len, seed),
+                "{what}: WRITE"
+            );
+        } else {
+            assert_eq!(ask(&ep, conn, &format!("gfill {off} {len} {seed}")), "ok");
+            gpu_fill(&local, off, len, 0);
+            ep.read(conn, &local, off, len, &w)
+                .unwrap_or_else(|e| panic!("{what}: READ failed: {e}"));
+            assert_eq!(
+                check_pattern(&gpu_bytes(&local, off, len), off as u64, seed),
+                None,
+                "{what}: READ"
+            );
+        }
+    }
+    // Many back to back, no gap: the runner stays and serves them all
+    // (and ends after twenty idle spans of life at most, mid-run).
+    for i in 0..2000usize {
+        let off = (i * 4096) % (512 << 10);
+        let w = remote.slice(off as u64, 4096).unwrap();
+        ep.write(conn, &local, off, 4096, &w).unwrap();
+    }
+    gpu_fill(&local, 0, 4096, 77);
+    ep.write(conn, &local, 0, 4096, &remote.slice(0, 4096).unwrap())
+        .unwrap();
+    assert_eq!(ghash(&ep, conn, 0, 4096), pattern_hash(0, 4096, 77));
+    // A device-wide synchronisation right after an op ends: the runner
+    // ends itself; one that never did would hold this call for ever.
+    let (tx, rx) = std::sync::mpsc::channel();
+    ep.write(conn, &local, 0, 4096, &remote.slice(0, 4096).unwrap())
+        .unwrap();
+    std::thread::spawn(move || {
+        common::primary_context_current();
+        // SAFETY: a plain driver call in the primary context.
+        let r = unsafe { cudarc::driver::sys::cuCtxSynchronize() };
+        tx.send(r).unwrap();
+    });
+    let r = rx
+        .recv_timeout(std::time::Duration::from_secs(20))
+        .expect("cuCtxSynchronize returns while the runner is idle");
+    assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+}
+
+/// With the runner off (`FERRY_GPU_RUNNER_US=0`) a lone small copy is
+/// launched as a batch of one: byte exact both ways.
+#[test]
+#[ignore = "needs an NVIDIA GPU (cargo test --test gpu_pieces -- --ignored)"]
+fn lone_copies_without_the_runner_are_byte_exact() {
+    let target = gpu_target(GpuCopy::Kernel);
+    let mut c = cfg(GpuCopy::Kernel);
+    c.gpu_runner_us = 0;
+    let ep = Endpoint::builder().config(c).build().unwrap();
+    let conn = ep.add_remote(&target.served.meta).unwrap();
+    let remote: IpcBuf = target.served.ipc.expect("IPCBUF line");
+    let local = ep.alloc_gpu(1 << 20).unwrap();
+    for (i, len) in [1usize, 777, 4096, 65536].into_iter().enumerate() {
+        let off = 4099 * i + 3;
+        let w = remote.slice(off as u64, len as u64).unwrap();
+        gpu_fill(&local, off, len, 40 + i as u8);
+        ep.write(conn, &local, off, len, &w).unwrap();
+        assert_eq!(
+            ghash(&ep, conn, off, len),
+            pattern_hash(off, len, 40 + i as u8)
+        );
+        assert_eq!(ask(&ep, conn, &format!("gfill {off} {len} 9")), "ok");
+        ep.read(conn, &local, off, len, &w).unwrap();
+        assert_eq!(
+            check_pattern(&gpu_bytes(&local, off, len), off as u64, 9),
+            None
+        );
+    }
 }

@@ -202,6 +202,12 @@ macro_rules! settings {
             /// default auto: each copier times the gather kernel against the copy
             /// engine and takes the faster).
             gpu_copy: GpuCopy = GpuCopy::Auto, "FERRY_GPU_COPY", with(gpu_copy);
+            /// How long the copy runner, a kernel that stays resident to make a
+            /// lone small copy (≤ 64 KiB) without a launch, waits for the next
+            /// one before it ends (`FERRY_GPU_RUNNER_US`, default 100; 0: off,
+            /// every copy is launched). It also ends after twenty such spans
+            /// alive, so a device-wide synchronisation never waits longer.
+            gpu_runner_us: u64 = 100, "FERRY_GPU_RUNNER_US", range(0, 100_000);
             /// Pinned bounce memory per shard for GPU memory on tcp
             /// (`FERRY_GPU_BOUNCE_BYTES`, default 256 MiB), in buffers of
             /// `chunk_bytes` (at least 2).

@@ -77,7 +77,10 @@ fn shard_config(
         sq_depth: cfg.sq_depth,
         max_conn_inflight_ops: cfg.max_conn_inflight_ops,
         gpu_streams: cfg.gpu_streams,
-        gpu_copy: cfg.gpu_copy,
+        gpu_copy: crate::gpu::copy::CopyWay {
+            way: cfg.gpu_copy,
+            runner_idle: (cfg.gpu_runner_us > 0).then(|| Duration::from_micros(cfg.gpu_runner_us)),
+        },
         copy_pool: crate::reactor::copy_pool::LazyCopyPool::new(cfg.copy_threads),
         gpu_bounce_bytes: cfg.gpu_bounce_bytes,
         codec,

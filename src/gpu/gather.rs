@@ -392,7 +392,10 @@ impl Gather {
 }
 
 /// Loads `ptx` into the current context and finds its entry `name`.
-fn load_entry(ptx: &str, name: &std::ffi::CStr) -> Result<(cu::CUmodule, cu::CUfunction)> {
+pub(crate) fn load_entry(
+    ptx: &str,
+    name: &std::ffi::CStr,
+) -> Result<(cu::CUmodule, cu::CUfunction)> {
     let mut module: cu::CUmodule = std::ptr::null_mut();
     // SAFETY: a NUL-terminated PTX image, read during the call.
     check("cuModuleLoadData", unsafe {
@@ -425,7 +428,7 @@ impl Drop for Gather {
 mod tests {
     use super::*;
 
-    /// Both modules assemble for the oldest and a current target, by
+    /// The kernels (both gather modules and the runner) assemble for the oldest and a current target, by
     /// NVIDIA's own assembler (no GPU needed: `ptxas` from PyPI's
     /// nvidia-cuda-nvcc wheel; .ci/run installs it and sets FERRY_PTXAS).
     /// A driver JIT-compiles the same text at first use, where a mistake
@@ -439,6 +442,7 @@ mod tests {
         for (name, ptx, entry) in [
             ("gather", PTX, "ferry_gather"),
             ("gather_p", PTX_P, "ferry_gather_p"),
+            ("runner", super::super::runner::PTX, "ferry_runner"),
         ] {
             let src = dir.join(format!("{name}.ptx"));
             std::fs::write(&src, ptx.trim_end_matches('\0')).unwrap();

@@ -13,6 +13,7 @@ pub(crate) mod gather;
 pub(crate) mod ipc;
 mod kinds;
 pub mod memory;
+pub(crate) mod runner;
 
 pub use copy::GpuCopy;
 pub use driver::{cuda, normalize_bus_id, Cuda, DeviceInfo};

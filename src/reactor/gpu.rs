@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use super::queue::{IpcCmd, IpcDesc, IpcParts, IpcPlan};
 use crate::error::{ConnId, Error, OpKind, Result};
-use crate::gpu::copy::{span_of, Allow, Copier, GpuCopy};
+use crate::gpu::copy::{span_of, Allow, Copier, CopyWay};
 use crate::gpu::ipc::{IpcCache, IpcCounters, MapTicket};
 use crate::gpu::MemKind;
 use crate::region::{KeyRef, Region, RegionSlice};
@@ -155,8 +155,8 @@ pub(crate) struct GpuWork {
     copiers: Vec<Copier<Entry>>,
     cache: IpcCache,
     streams: usize,
-    /// Which way batches of small copies go (`FERRY_GPU_COPY`).
-    way: GpuCopy,
+    /// Which way small copies go (`FERRY_GPU_COPY`, `FERRY_GPU_RUNNER_US`).
+    way: CopyWay,
     done: Done,
     replies: Replies,
     pool: BouncePool,
@@ -172,7 +172,7 @@ impl GpuWork {
     pub fn new(
         counters: Arc<IpcCounters>,
         streams: usize,
-        way: GpuCopy,
+        way: CopyWay,
         bounce_len: usize,
         bounce_bytes: usize,
     ) -> Self {

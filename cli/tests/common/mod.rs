@@ -250,3 +250,24 @@ pub fn raw_peer(
     });
     (addr, t)
 }
+
+/// Device 0's primary context made current in this thread (ferry retains
+/// it; the test's own driver calls run in it).
+pub fn primary_context_current() {
+    use cudarc::driver::sys as cu;
+    let dev = &ferry::gpu::cuda().unwrap().devices[0];
+    // SAFETY: plain driver calls on device 0's primary context.
+    unsafe {
+        let mut d: cu::CUdevice = 0;
+        assert_eq!(
+            cu::cuDeviceGet(&mut d, dev.ordinal),
+            cu::CUresult::CUDA_SUCCESS
+        );
+        let mut ctx = std::ptr::null_mut();
+        assert_eq!(
+            cu::cuDevicePrimaryCtxRetain(&mut ctx, d),
+            cu::CUresult::CUDA_SUCCESS
+        );
+        assert_eq!(cu::cuCtxSetCurrent(ctx), cu::CUresult::CUDA_SUCCESS);
+    }
+}

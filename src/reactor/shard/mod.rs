@@ -67,8 +67,8 @@ const HOT_LOCAL_CHECK: Duration = Duration::from_millis(10);
 pub(crate) struct ShardConfig {
     /// CUDA streams per device for IPC copies.
     pub gpu_streams: usize,
-    /// Which way batches of small GPU copies go.
-    pub gpu_copy: crate::gpu::GpuCopy,
+    /// Which way small GPU copies go (and the runner's idle span).
+    pub gpu_copy: crate::gpu::copy::CopyWay,
     /// Pinned bounce memory for GPU memory on tcp.
     pub gpu_bounce_bytes: usize,
     pub spin: Duration,

@@ -24,7 +24,11 @@ use cudarc::driver::sys as cu;
 
 use super::driver::{check, cuda};
 use super::gather::{Gather, KERNEL_MAX_BYTES};
+use super::runner::{Runner, RUNNER_MAX_BYTES};
+
+mod choice;
 use crate::error::{Error, Result};
+use choice::{Choice, Way};
 
 /// Which way batches of small copies go (`FERRY_GPU_COPY`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -36,6 +40,14 @@ pub enum GpuCopy {
     Kernel,
     /// The copy engine (`cuMemcpyBatchAsync`, or a call per copy).
     Engine,
+}
+
+/// How a copier's small copies go: `FERRY_GPU_COPY`, and the runner's
+/// idle span (`FERRY_GPU_RUNNER_US`; None: no runner).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct CopyWay {
+    pub way: GpuCopy,
+    pub runner_idle: Option<Duration>,
 }
 
 /// Pieces one copy is split into at most (one per stream).
@@ -91,6 +103,8 @@ struct InFlight<E> {
     /// For `Choice`: when a batch of `count` eligible copies was issued, and
     /// which way (None: not measured).
     timed: Option<(Instant, usize, Way)>,
+    /// A lone copy the runner makes (no event: its done word ends it).
+    runner: bool,
 }
 
 /// A device's stream pool, staged copies and copies in flight. Owned by
@@ -119,6 +133,10 @@ pub(crate) struct Copier<E> {
     batches: usize,
     /// Emptied entry vectors, reused so steady state allocates nothing.
     spare: Vec<Vec<E>>,
+    /// The resident kernel for a lone small copy (`runner/`), loaded on
+    /// first use; `runner_idle` None: not used (off, or it failed to load).
+    runner: Option<Runner>,
+    runner_idle: Option<Duration>,
     /// Which way kernel-eligible copies go (see `Choice`): index 0 for a
     /// lone copy, 1 for a batch of several. Kept apart because a lone copy
     /// is all fixed cost (a launch or an engine call, and the GPU's start),
@@ -131,7 +149,10 @@ pub(crate) struct Copier<E> {
 unsafe impl<E: Send> Send for Copier<E> {}
 
 impl<E> Copier<E> {
-    pub fn new(ordinal: i32, streams: usize, way: GpuCopy) -> Result<Self> {
+    /// `way.runner_idle`: how long the runner kernel waits for the next
+    /// lone copy before it ends (None: lone copies are launched as batches
+    /// are).
+    pub fn new(ordinal: i32, streams: usize, way: CopyWay) -> Result<Self> {
         let c = cuda()?;
         c.make_current(ordinal)?;
         c.enable_peer_access();
@@ -163,7 +184,9 @@ impl<E> Copier<E> {
             inflight: VecDeque::with_capacity(64),
             batches: 0,
             spare: Vec::new(),
-            choice: [Choice::forced(way), Choice::forced(way)],
+            runner: None,
+            runner_idle: way.runner_idle,
+            choice: [Choice::forced(way.way), Choice::forced(way.way)],
         })
     }
 
@@ -311,6 +334,7 @@ impl<E> Copier<E> {
             batch: false,
             slot: None,
             timed: None,
+            runner: false,
         };
         let mut off = 0;
         let r = (|| {
@@ -359,11 +383,36 @@ impl<E> Copier<E> {
             batch: true,
             slot: None,
             timed: None,
+            runner: false,
         };
         let stream = self.next_stream();
         let r = (|| {
             cuda()?.make_current(self.ordinal)?;
             let count = self.sizes.len();
+            // A lone small copy the kernel may make goes to the runner when
+            // it is free, unless the engine is forced. Not measured against
+            // the engine: the runner is fast only while it stays resident,
+            // and a copy sent its way now and then (as `Choice` explores)
+            // would find it ended and pay a launch each time, so it could
+            // never look faster. (On an H200 a 4 KiB IPC write took 11.5
+            // us launched and 6.6 with the runner, `ferry bench --latency
+            // --shards 2`.)
+            if count == 1
+                && self.all_kernel_ok
+                && self.sizes[0] <= RUNNER_MAX_BYTES
+                && !self.choice[0].engine_only()
+            {
+                let (dst, src, len) = (self.dsts[0], self.srcs[0], self.sizes[0]);
+                if let Some(r) = self.free_runner() {
+                    // SAFETY: as the gather kernel's launch below: memory
+                    // kernels may touch (`kernel_ok`), valid until the
+                    // entry returns, which `poll` holds until the runner's
+                    // done word (or its failure).
+                    unsafe { r.start(dst, src, len) }?;
+                    f.runner = true;
+                    return Ok(());
+                }
+            }
             let way = (count > 0 && self.all_kernel_ok)
                 .then(|| self.choice[usize::from(count > 1)].pick());
             let slot = match way {
@@ -426,6 +475,25 @@ impl<E> Copier<E> {
         self.launched(f, r)
     }
 
+    /// The runner, loaded on first use, if it is on, loaded and free.
+    fn free_runner(&mut self) -> Option<&mut Runner> {
+        let idle = self.runner_idle?;
+        if self.runner.is_none() {
+            match Runner::load(self.ordinal, idle) {
+                Ok(r) => self.runner = Some(r),
+                Err(e) => {
+                    self.runner_idle = None;
+                    tracing::warn!(
+                        gpu = self.ordinal,
+                        "the copy runner did not load ({e}): lone small copies are launched"
+                    );
+                    return None;
+                }
+            }
+        }
+        self.runner.as_mut().filter(|r| r.free())
+    }
+
     /// A descriptor slot of the gather kernel, loading it on first use on
     /// this copier's device; None if it cannot load here (said once; then
     /// `choice` never asks again) or every slot is in use.
@@ -476,7 +544,13 @@ impl<E> Copier<E> {
             let f = &mut self.inflight[i];
             let mut result = Ok(());
             let mut ready = true;
-            while f.n > 0 {
+            if f.runner {
+                match self.runner.as_mut().and_then(Runner::poll) {
+                    Some(r) => result = r,
+                    None => ready = false,
+                }
+            }
+            while ready && f.n > 0 {
                 let ev = f.events[f.n - 1];
                 // SAFETY: a live event of this copier.
                 let r = unsafe { cu::cuEventQuery(ev) };
@@ -529,153 +603,5 @@ impl<E> Drop for Copier<E> {
             // SAFETY: an event this copier created; its stream is idle.
             unsafe { cu::cuEventDestroy_v2(e) };
         }
-    }
-}
-
-/// The two ways a batch of small eligible copies can go.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Way {
-    /// `cuMemcpyBatchAsync` (or one `cuMemcpyAsync` per copy).
-    Engine,
-    /// The gather kernel.
-    Kernel,
-}
-
-/// Which way is faster here, learnt from the batches themselves. The
-/// kernel wins by far where the GPU runs this process's work alone (one
-/// launch for the batch, every copy in parallel); where another process's
-/// context shares the GPU without MPS, every kernel waits for a context
-/// switch and the copy engine wins (measured on one H200 shared by the
-/// two processes of `ferry bench`: 0.32 against 0.64 GB/s at 4 KiB; with
-/// MPS the kernel gave 1.03). So each way keeps a moving average of the
-/// time from issue to completion per copy, the faster one takes the
-/// batches, and every `EXPLORE_EVERY`-th batch goes the other way so a
-/// change (a neighbour that comes or goes) is seen.
-#[derive(Debug, Default)]
-struct Choice {
-    /// Nanoseconds per copy, per way (index `Way as usize`); None: no
-    /// sample yet.
-    ns_per_copy: [Option<f64>; 2],
-    batches: u64,
-    kernel_off: bool,
-    /// Set by `FERRY_GPU_COPY`: this way, never measured against the other.
-    forced: Option<Way>,
-}
-
-/// One batch in this many goes the way that is not the faster one.
-const EXPLORE_EVERY: u64 = 32;
-/// Weight of a new sample in the moving average.
-const SAMPLE_WEIGHT: f64 = 0.25;
-
-impl Choice {
-    fn forced(way: GpuCopy) -> Self {
-        let forced = match way {
-            GpuCopy::Auto => None,
-            GpuCopy::Kernel => Some(Way::Kernel),
-            GpuCopy::Engine => Some(Way::Engine),
-        };
-        Self {
-            forced,
-            ..Self::default()
-        }
-    }
-
-    fn pick(&mut self) -> Way {
-        self.batches += 1;
-        if self.kernel_off {
-            return Way::Engine;
-        }
-        if let Some(way) = self.forced {
-            return way;
-        }
-        let [engine, kernel] = self.ns_per_copy;
-        let (Some(e), Some(k)) = (engine, kernel) else {
-            // Each way is tried before either is trusted.
-            return if kernel.is_none() {
-                Way::Kernel
-            } else {
-                Way::Engine
-            };
-        };
-        let best = if k <= e { Way::Kernel } else { Way::Engine };
-        // The other way is tried so that its cost to the batches stays
-        // near 1/EXPLORE_EVERY of theirs: the slower it is, the rarer (the
-        // engine ran 4 KiB x 32 at ten times the kernel's time per copy).
-        let slower = (k.max(e) / k.min(e).max(1.0)).clamp(1.0, 64.0) as u64;
-        if self.batches % (EXPLORE_EVERY * slower) == 0 {
-            match best {
-                Way::Kernel => Way::Engine,
-                Way::Engine => Way::Kernel,
-            }
-        } else {
-            best
-        }
-    }
-
-    /// A batch of `count` copies that went `way` took `took`.
-    fn took(&mut self, way: Way, took: Duration, count: usize) {
-        let sample = took.as_nanos() as f64 / count.max(1) as f64;
-        let avg = &mut self.ns_per_copy[way as usize];
-        *avg = Some(match *avg {
-            Some(a) => a + SAMPLE_WEIGHT * (sample - a),
-            None => sample,
-        });
-    }
-
-    /// The kernel cannot load here: always the engine.
-    fn no_kernel(&mut self) {
-        self.kernel_off = true;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_faster_way_takes_the_batches_and_the_other_is_still_tried() {
-        let mut c = Choice::default();
-        // Both tried first.
-        assert_eq!(c.pick(), Way::Kernel);
-        c.took(Way::Kernel, Duration::from_micros(64), 32);
-        assert_eq!(c.pick(), Way::Engine);
-        c.took(Way::Engine, Duration::from_micros(32), 32);
-        // The engine is faster (1 µs a copy against 2): most batches go there.
-        let picks: Vec<Way> = (0..64).map(|_| c.pick()).collect();
-        let kernel = picks.iter().filter(|&&w| w == Way::Kernel).count();
-        assert!(
-            (1..=3).contains(&kernel),
-            "{kernel} of 64 explored the kernel"
-        );
-        // The kernel gets faster (the neighbour left): it takes over.
-        for _ in 0..8 {
-            c.took(Way::Kernel, Duration::from_micros(8), 32);
-        }
-        let picks: Vec<Way> = (0..64).map(|_| c.pick()).collect();
-        let engine = picks.iter().filter(|&&w| w == Way::Engine).count();
-        assert!(
-            (1..=3).contains(&engine),
-            "{engine} of 64 explored the engine"
-        );
-        // Without a kernel, always the engine.
-        c.no_kernel();
-        assert!((0..100).all(|_| c.pick() == Way::Engine));
-    }
-
-    #[test]
-    fn a_forced_way_is_kept_whatever_it_measures() {
-        let mut k = Choice::forced(GpuCopy::Kernel);
-        let mut e = Choice::forced(GpuCopy::Engine);
-        for _ in 0..4 {
-            k.took(Way::Kernel, Duration::from_micros(640), 32);
-            k.took(Way::Engine, Duration::from_micros(1), 32);
-            e.took(Way::Engine, Duration::from_micros(640), 32);
-            e.took(Way::Kernel, Duration::from_micros(1), 32);
-        }
-        assert!((0..100).all(|_| k.pick() == Way::Kernel));
-        assert!((0..100).all(|_| e.pick() == Way::Engine));
-        // A kernel that cannot load still gives way to the engine.
-        k.no_kernel();
-        assert_eq!(k.pick(), Way::Engine);
     }
 }
