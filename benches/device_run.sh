@@ -6,7 +6,7 @@
 #   wheel/ferry-*.whl (the Python package), uccl/ (UCCL v0.1.1's own
 #   p2p/tests, unchanged, and a one-line `uccl` package that is ferry.p2p).
 #
-#   benches/device_run.sh tests|benches|ray|short|kv|sweep|latency  (results under $OUT)
+#   benches/device_run.sh tests|benches|ray|short|kv|sweep|latency|runner  (results under $OUT)
 #
 # tests: the GPU suite, the Python suite, UCCL's own tests, the NIXL suite
 # on VRAM (nixl-cu13 as installed there) over shm and tcp.
@@ -18,7 +18,7 @@
 # tensors), benches/ray_rdt.py into $OUT/ray_rdt.txt, and the NIXL suite on
 # VRAM over shm and tcp (nixl-cu13 as installed there).
 set -uo pipefail
-what=${1:?tests, benches, ray, short, kv, sweep or latency}
+what=${1:?tests, benches, ray, short, kv, sweep, latency or runner}
 carry=$PWD/${FERRY_CARRY:-target/carry}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -221,6 +221,42 @@ elif [ "$what" = latency ]; then
     done
     python_ipc_op
     uccl_bench ""
+elif [ "$what" = runner ]; then
+    # The copy runner (src/gpu/runner/) against a launch per lone copy
+    # (FERRY_GPU_RUNNER_US=0), alternating, on the small-op latencies of
+    # issue 49: the probe first (a resident kernel in Python, the sync
+    # copy's end), the GPU pieces suite (the runner's byte-exact tests),
+    # then `ferry bench --latency` embedded and managed, Python's
+    # write_ipc and UCCL's benchmark_uccl.py default mode.
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    if [ "${RUNNER_PROBE:-1}" = 1 ]; then
+        step "completion probe, with a neighbour's IPC memory"
+        timeout 120 $py benches/gather_probe.py --completion --neighbour --shapes 4Kx1 --rounds 400 2>&1 | tee "$OUT/probe.txt"
+    fi
+    if [ -x "$carry/gpu_pieces" ]; then
+        step "GPU pieces suite: the runner's tests and the kernel's way"
+        timeout 240 "$carry/gpu_pieces" --ignored --test-threads=1 lone_copies through_the_gather_kernel 2>&1 | tail -14
+    fi
+    for r in 1 2; do
+        for us in 0 100; do
+            for n in 1 2; do
+                step "round $r, FERRY_GPU_RUNNER_US=$us, one 4 KiB IPC write, --shards $n"
+                FERRY_GPU_RUNNER_US=$us timeout 60 "$FERRY_BIN" bench --transport ipc --op write --sizes 4K --latency \
+                    --seconds 1 --shards $n 2>&1 | grep latency
+            done
+            step "round $r, FERRY_GPU_RUNNER_US=$us, two-sided 4 KiB GPU messages, same host"
+            FERRY_GPU_RUNNER_US=$us timeout 60 "$FERRY_BIN" bench --transport shm --device gpu --op send --sizes 4K \
+                --seconds 1 2>&1 | tail -3
+        done
+    done
+    for us in 0 100; do
+        echo "-- FERRY_GPU_RUNNER_US=$us"
+        FERRY_GPU_RUNNER_US=$us python_ipc_op
+    done
+    for us in 0 100; do
+        echo "-- FERRY_GPU_RUNNER_US=$us"
+        FERRY_GPU_RUNNER_US=$us uccl_bench ""
+    done
 elif [ "$what" = sweep ]; then
     # One setting's values against each other on NIXL VRAM points, in
     # alternating rounds (the GPU pieces suite first, where carried, with

@@ -25,7 +25,8 @@ one-sided op and a small GPU message; issue 49 asks 6 and 10 us):
   copy + flag         the copy, then cuStreamWriteValue32 into mapped pinned
                       memory, polled with plain loads (no driver call);
   flag alone          the stream write and its polling, no copy;
-  sync copy           cuMemcpyDtoD (the driver blocks);
+  sync copy           cuMemcpyDtoD (it returns before a device-to-device
+                      copy has ended: the 64M rows);
   armed copy          the copy queued beforehand behind cuStreamWaitValue32
                       on a pinned word: timed from the host's store of that
                       word to the flag (no driver call on the path);
@@ -43,8 +44,9 @@ one-sided op and a small GPU message; issue 49 asks 6 and 10 us):
                       first on the legacy stream / the probe's stream;
   64M async+event, 64M sync, 64M sync+lgcy ev, 4K sync+lgcy ev: whether a
                       sync device-to-device copy ends before it returns;
-  resident kernel, resident IPC: a kernel already running copies when a
-                      pinned word moves, and writes a done flag back;
+  runner, runner IPC: ferry's copy runner (src/gpu/runner/ptx.rs), a kernel
+                      already running, copies when a pinned word moves and
+                      writes a done word back;
   IPC copy+event, IPC sync copy, IPC sync read (with --neighbour): to and
                       from the neighbour's allocation, opened by CUDA IPC.
 
@@ -59,72 +61,6 @@ import time
 
 GAP = 4096
 PARAM_DESCS = 160
-
-
-# A kernel that stays resident: one block polls a word in mapped pinned
-# memory, copies the descriptor's bytes when the word moves, and writes the
-# word back as its done flag (no driver call, no launch on the op's path).
-# A word of 0xFFFFFFFF ends it. ctl: [0] go, [4] done, [64..88) dst, src, len.
-RESIDENT_PTX = b"""
-.version 7.0
-.target sm_70
-.address_size 64
-
-.visible .entry ferry_resident(
-    .param .u64 ctl
-)
-{
-    .reg .pred %p<6>;
-    .reg .b32 %r<10>;
-    .reg .b64 %rd<12>;
-    .shared .align 4 .u32 go_s;
-
-    ld.param.u64 %rd1, [ctl];
-    cvta.to.global.u64 %rd1, %rd1;
-    mov.u32 %r1, %tid.x;
-    setp.ne.u32 %p1, %r1, 0;
-    mov.u32 %r2, 0;
-LOOP:
-    @%p1 bra WAIT;
-POLL:
-    ld.volatile.global.u32 %r3, [%rd1];
-    setp.eq.u32 %p2, %r3, %r2;
-    @%p2 bra POLL;
-    st.shared.u32 [go_s], %r3;
-WAIT:
-    bar.sync 0;
-    ld.shared.u32 %r3, [go_s];
-    setp.eq.u32 %p3, %r3, 0xFFFFFFFF;
-    @%p3 bra EXIT;
-    membar.sys;
-    ld.volatile.global.u64 %rd2, [%rd1+64];
-    ld.volatile.global.u64 %rd3, [%rd1+72];
-    ld.volatile.global.u64 %rd4, [%rd1+80];
-    cvta.to.global.u64 %rd2, %rd2;
-    cvta.to.global.u64 %rd3, %rd3;
-    shr.u64 %rd5, %rd4, 4;
-    cvt.u64.u32 %rd6, %r1;
-COPY:
-    setp.ge.u64 %p4, %rd6, %rd5;
-    @%p4 bra COPIED;
-    shl.b64 %rd7, %rd6, 4;
-    add.s64 %rd8, %rd3, %rd7;
-    add.s64 %rd9, %rd2, %rd7;
-    ld.global.v4.u32 {%r4, %r5, %r6, %r7}, [%rd8];
-    st.global.v4.u32 [%rd9], {%r4, %r5, %r6, %r7};
-    add.s64 %rd6, %rd6, 256;
-    bra COPY;
-COPIED:
-    membar.sys;
-    bar.sync 0;
-    mov.u32 %r2, %r3;
-    @%p1 bra LOOP;
-    st.volatile.global.u32 [%rd1+4], %r3;
-    bra LOOP;
-EXIT:
-    ret;
-}
-"""
 
 
 def ok(r, what):
@@ -175,44 +111,53 @@ class Attr(C.Structure):
                 ("dst_t", C.c_int), ("dst_id", C.c_int), ("flags", C.c_uint)]
 
 
+def runner_ptx():
+    """The copy runner's PTX (src/gpu/runner/ptx.rs), NUL-terminated."""
+    src = open(os.path.join(os.path.dirname(__file__), "..", "src", "gpu", "runner", "ptx.rs")).read()
+    return re.findall(r'r#"(.*?)"#', src, re.S)[0].encode() + b"\0"
+
+
 def resident(cu, src, dst, peer, rounds, sz=4096):
-    """A 4 KiB copy by a kernel already running (RESIDENT_PTX): from the
-    host's store of the go word to its load of the done flag, p50 us, to
-    our own memory and (with --neighbour) to the neighbour's."""
+    """A 4 KiB copy by ferry's copy runner already running (src/gpu/runner/, its
+    control block driven as the shard does): from the host's store of the
+    go word to its load of the done word, p50 us, to our own memory and
+    (with --neighbour) to the neighbour's."""
     mod, fn = C.c_void_p(), C.c_void_p()
-    ok(cu.cuModuleLoadData(C.byref(mod), C.c_char_p(RESIDENT_PTX + b"\0")), "resident module")
-    ok(cu.cuModuleGetFunction(C.byref(fn), mod, b"ferry_resident"), "resident fn")
-    host, dev, st = C.c_void_p(), C.c_uint64(), C.c_void_p()
-    ok(cu.cuMemHostAlloc(C.byref(host), C.c_size_t(4096), 0x2 | 0x1), "hostalloc mapped")
-    ok(cu.cuMemHostGetDevicePointer_v2(C.byref(dev), host, 0), "device pointer")
-    ok(cu.cuStreamCreate(C.byref(st), 1), "resident stream")
-    words = (C.c_uint32 * 2).from_address(host.value)
-    desc = (C.c_uint64 * 3).from_address(host.value + 64)
-    words[0] = words[1] = 0
-    params = (C.c_void_p * 1)(C.cast(C.byref(dev), C.c_void_p))
-    ok(cu.cuLaunchKernel(fn, 1, 1, 1, 256, 1, 1, 0, st, params, None), "resident launch")
+    ok(cu.cuModuleLoadData(C.byref(mod), C.c_char_p(runner_ptx())), "runner module")
+    ok(cu.cuModuleGetFunction(C.byref(fn), mod, b"ferry_runner"), "runner fn")
+    host, st = C.c_void_p(), C.c_void_p()
+    ok(cu.cuMemHostAlloc(C.byref(host), C.c_size_t(4096), 0x1), "hostalloc")
+    ok(cu.cuStreamCreate(C.byref(st), 1), "runner stream")
+    C.memset(host, 0, 4096)
+    go = (C.c_uint64 * 1).from_address(host.value)
+    desc = (C.c_uint64 * 2).from_address(host.value + 16)
+    done = (C.c_uint32 * 1).from_address(host.value + 64)
+    # ctl, last = 0, idle and life of a second: it stays for the rows.
+    ctl, last, idle, life = C.c_uint64(host.value), C.c_uint32(0), C.c_uint64(10**9), C.c_uint64(10**9)
+    params = (C.c_void_p * 4)(*[C.cast(C.byref(x), C.c_void_p) for x in (ctl, last, idle, life)])
+    ok(cu.cuLaunchKernel(fn, 1, 1, 1, 256, 1, 1, 0, st, params, None), "runner launch")
     seq = 0
-    rows = [("resident kernel", dst)] + ([("resident IPC", peer)] if peer.value else [])
+    rows = [("runner", dst)] + ([("runner IPC", peer)] if peer.value else [])
     try:
         for name, to in rows:
             out = []
             for k in range(rounds + 1):
                 seq += 1
-                desc[0], desc[1], desc[2] = to.value, src.value, sz
+                desc[0], desc[1] = to.value, src.value
                 t0 = time.perf_counter_ns()
-                words[0] = seq
+                go[0] = seq | (sz << 32)
                 spins = 0
-                while words[1] != seq:
+                while done[0] != seq:
                     spins += 1
                     if spins > 5_000_000:
-                        raise SystemExit(f"the resident kernel never answered {seq}")
+                        raise SystemExit(f"the runner never answered {seq}")
                 if k:
                     out.append(time.perf_counter_ns() - t0)
             print(f"completion 4K  {name:<15} p50 {p50(out) / 1e3:8.2f} us")
     except SystemExit as err:
-        print(f"completion 4K  resident        failed: {err}")
-    words[0] = 0xFFFFFFFF
-    ok(cu.cuStreamSynchronize(st), "resident end")
+        print(f"completion 4K  runner          failed: {err}")
+    go[0] = (seq + 1) | (0xFFFFFFFF << 32)  # STOP
+    ok(cu.cuStreamSynchronize(st), "runner end")
     cu.cuStreamDestroy_v2(st)
     cu.cuMemFreeHost(host)
     cu.cuModuleUnload(mod)
