@@ -288,6 +288,20 @@ fn same_host_gpu_requests_through_the_copy_engine_are_byte_exact() {
     same_host_pieces(GpuCopy::Engine);
 }
 
+/// A `ferry serve` target on GPU 0 and an endpoint whose copy runner
+/// waits `runner_us` (0: off) with 1 MiB of GPU memory: (target, endpoint,
+/// connection, the target's IPC window, our memory).
+fn lone_pair(runner_us: u64) -> (Target, Endpoint, ConnId, IpcBuf, MemoryRegion) {
+    let target = gpu_target(GpuCopy::Kernel);
+    let mut c = cfg(GpuCopy::Kernel);
+    c.gpu_runner_us = runner_us;
+    let ep = Endpoint::builder().config(c).build().unwrap();
+    let conn = ep.add_remote(&target.served.meta).unwrap();
+    let remote: IpcBuf = target.served.ipc.expect("IPCBUF line");
+    let local = ep.alloc_gpu(1 << 20).unwrap();
+    (target, ep, conn, remote, local)
+}
+
 /// Lone small CUDA IPC ops go to the copy runner (src/gpu/runner/), a
 /// kernel that stays resident for `FERRY_GPU_RUNNER_US` after each copy
 /// and then ends itself. Ops spaced below, at and past that span (the
@@ -299,13 +313,7 @@ fn same_host_gpu_requests_through_the_copy_engine_are_byte_exact() {
 #[test]
 #[ignore = "needs an NVIDIA GPU (cargo test --test gpu_pieces -- --ignored)"]
 fn lone_copies_through_the_runner_are_byte_exact_across_its_ends() {
-    let target = gpu_target(GpuCopy::Kernel);
-    let mut c = cfg(GpuCopy::Kernel);
-    c.gpu_runner_us = 50;
-    let ep = Endpoint::builder().config(c).build().unwrap();
-    let conn = ep.add_remote(&target.served.meta).unwrap();
-    let remote: IpcBuf = target.served.ipc.expect("IPCBUF line");
-    let local = ep.alloc_gpu(1 << 20).unwrap();
+    let (_target, ep, conn, remote, local) = lone_pair(50);
     let sizes = [1usize, 15, 16, 777, 4096, 4099, 16384, 65536, 65537];
     let gaps_us = [0u64, 10, 40, 50, 60, 100, 400, 2000];
     for i in 0..240usize {
@@ -369,13 +377,7 @@ fn lone_copies_through_the_runner_are_byte_exact_across_its_ends() {
 #[test]
 #[ignore = "needs an NVIDIA GPU (cargo test --test gpu_pieces -- --ignored)"]
 fn lone_copies_without_the_runner_are_byte_exact() {
-    let target = gpu_target(GpuCopy::Kernel);
-    let mut c = cfg(GpuCopy::Kernel);
-    c.gpu_runner_us = 0;
-    let ep = Endpoint::builder().config(c).build().unwrap();
-    let conn = ep.add_remote(&target.served.meta).unwrap();
-    let remote: IpcBuf = target.served.ipc.expect("IPCBUF line");
-    let local = ep.alloc_gpu(1 << 20).unwrap();
+    let (_target, ep, conn, remote, local) = lone_pair(0);
     for (i, len) in [1usize, 777, 4096, 65536].into_iter().enumerate() {
         let off = 4099 * i + 3;
         let w = remote.slice(off as u64, len as u64).unwrap();
