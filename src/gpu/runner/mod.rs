@@ -11,7 +11,10 @@
 //! one block of `THREADS` threads polls a word in pinned host memory;
 //! the shard writes the copy's descriptor and then the word, and the
 //! runner copies and writes a done word back, which the shard's loop
-//! reads with a plain load. No driver call is made per copy.
+//! reads with a plain load. No launch is made per copy; the one driver
+//! call is a query of the last launch's end event when the copy is posted
+//! (to know whether the kernel still runs), and one in 64 looks while it is
+//! in flight (to see a kernel that failed).
 //!
 //! It must not hold the GPU: a device-wide synchronisation (the
 //! application's `cudaDeviceSynchronize`, a `cudaFree`) waits for every
