@@ -80,6 +80,15 @@ def ptx():
     return (head + body).encode() + b"\0", (head_p + body).encode() + b"\0"
 
 
+def chunk_bytes():
+    """Bytes one block copies (gather.rs's CHUNK_BYTES): the grid's y."""
+    src = open(os.path.join(os.path.dirname(__file__), "..", "src", "gpu", "gather.rs")).read()
+    return int(re.search(r"const CHUNK_BYTES: usize = (\d+);", src).group(1))
+
+
+CHUNK = chunk_bytes()
+
+
 def size(s):
     s = s.upper()
     m = {"K": 1 << 10, "M": 1 << 20}
@@ -431,7 +440,7 @@ def main():
         sizes = (C.c_size_t * n)(*[sz] * n)
         attr, idx = Attr(1, 0, 0, 0, 0, 0), (C.c_size_t * 1)(0)
         fail = C.c_size_t()
-        chunks = max(1, -(-sz // 4096))
+        chunks = max(1, -(-sz // CHUNK))
         count = C.c_uint32(n)
 
         def launch(f, params):

@@ -583,7 +583,13 @@ class Endpoint:
         ``(ok, 0)``) or files them under one id (``(ok, transfer_id)``)."""
         try:
             conn = self._conn(conn_id)
-            ms = [conn.send(r, p, n) if send else conn.recv(r, p, n) for r, p, n in pieces()]
+            ps = pieces()
+            if blocking and len(ps) == 1:
+                # Posted and waited in one native call (one GIL release).
+                r, p, n = ps[0]
+                conn.exchange(send, r, p, n)
+                return True, 0
+            ms = [conn.send(r, p, n) if send else conn.recv(r, p, n) for r, p, n in ps]
         except (FerryError, _Failed) as e:
             return self._fail(what, e, (False, 0))
         if not blocking:

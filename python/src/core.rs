@@ -634,6 +634,32 @@ impl Connection {
         Ok((ep, region.view()?))
     }
 
+    /// Posts one send, or one receive (its size cut to the region's end,
+    /// as the seed's callers expect), of `[ptr, ptr + size)` of `region`.
+    fn post(
+        &self,
+        send: bool,
+        region: &Region,
+        ptr: u64,
+        size: usize,
+    ) -> PyResult<(Arc<ferry::Endpoint>, ferry::MessageOp)> {
+        let (ep, v) = self.own(region)?;
+        let op = if send {
+            let off = region.offset_of(&v, ptr, size)?;
+            ep.send_async(self.id, &v.mr, off, size)
+        } else {
+            let end = v.addr.saturating_add(v.len as u64);
+            let size = if ptr >= v.addr && ptr < end {
+                size.min((end - ptr) as usize)
+            } else {
+                size
+            };
+            let off = region.offset_of(&v, ptr, size)?;
+            ep.recv_async(self.id, &v.mr, off, size)
+        };
+        Ok((ep, op.map_err(fe)?))
+    }
+
     /// The checked pieces of one WRITE or READ (`submit`, `run`): the
     /// endpoint, each local piece as (registration, offset, size), and
     /// the decoded windows.
@@ -758,9 +784,7 @@ impl Connection {
     /// Two-sided: sends `[ptr, ptr + size)` of `region` as one message,
     /// which fills the peer's next posted receive on this connection.
     fn send(&self, region: PyRef<'_, Region>, ptr: u64, size: usize) -> PyResult<Message> {
-        let (ep, v) = self.own(&region)?;
-        let off = region.offset_of(&v, ptr, size)?;
-        let op = ep.send_async(self.id, &v.mr, off, size).map_err(fe)?;
+        let (_, op) = self.post(true, &region, ptr, size)?;
         Ok(Message::new(self.ep.clone(), op))
     }
 
@@ -768,16 +792,24 @@ impl Connection {
     /// region's end, as the seed's callers expect) for the peer's next
     /// message on this connection; the Message's `length` says how much came.
     fn recv(&self, region: PyRef<'_, Region>, ptr: u64, size: usize) -> PyResult<Message> {
-        let (ep, v) = self.own(&region)?;
-        let end = v.addr.saturating_add(v.len as u64);
-        let size = if ptr >= v.addr && ptr < end {
-            size.min((end - ptr) as usize)
-        } else {
-            size
-        };
-        let off = region.offset_of(&v, ptr, size)?;
-        let op = ep.recv_async(self.id, &v.mr, off, size).map_err(fe)?;
+        let (_, op) = self.post(false, &region, ptr, size)?;
         Ok(Message::new(self.ep.clone(), op))
+    }
+
+    /// Two-sided and blocking: `send` (`send` True) or `recv`, then waits
+    /// for it to end, in one call with the GIL released once; returns the
+    /// message's length. Ctrl-C interrupts the wait (checked each 50 ms);
+    /// the message stays posted, as a dropped `Message`'s does.
+    fn exchange(
+        &self,
+        py: Python<'_>,
+        send: bool,
+        region: PyRef<'_, Region>,
+        ptr: u64,
+        size: usize,
+    ) -> PyResult<usize> {
+        let (ep, op) = self.post(send, &region, ptr, size)?;
+        blocking(py, None, |left| ep.wait_message(op, left))?.map_err(fe)
     }
 
     /// Sends a small message (at most 4096 bytes) to the peer's inbox.

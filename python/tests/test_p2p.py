@@ -341,6 +341,39 @@ def test_ctrl_c_interrupts_a_blocking_call(call):
     assert p.returncode == 0 and "interrupted" in out
 
 
+@pytest.mark.parametrize("call", ["recv", "send"])
+def test_ctrl_c_interrupts_a_blocking_message(call):
+    """A blocking recv with no message coming (and a send with no receive
+    posted) waits in one native call: Ctrl-C still ends it."""
+    code = textwrap.dedent(
+        f"""
+        import sys, numpy as np
+        from ferry import p2p
+        a, b = p2p.Endpoint(), p2p.Endpoint()
+        assert b.start_passive_accept()
+        ok, conn = a.add_remote_endpoint(b.get_metadata())
+        assert ok
+        buf = np.zeros(4096, np.uint8)
+        ok, mr = a.reg(buf.ctypes.data, buf.nbytes)
+        print("ready", flush=True)
+        try:
+            a.{call}(conn, mr, buf.ctypes.data, 64 << 10 if "{call}" == "recv" else 4096)
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            sys.exit(0)
+        sys.exit(3)
+        """
+    )
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=10)
+    assert p.returncode == 0 and "interrupted" in out
+    assert time.monotonic() - t0 < 5
+
+
 def test_uccl_aliases_are_honoured_and_said_once():
     code = textwrap.dedent(
         """

@@ -218,7 +218,7 @@ impl Inner {
             max: self.shards.table.capacity(),
         })?;
         if let Some(n) = note {
-            self.attach_note(&t, conn, n);
+            self.attach_note(&t, conn, crate::wire::NOTE_APP, n);
         }
         let cmd = IpcCmd {
             conn,

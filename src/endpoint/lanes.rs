@@ -188,7 +188,7 @@ impl Inner {
             max: self.shards.table.capacity(),
         })?;
         if let Some(n) = via.note {
-            self.attach_note(&t, conn, n);
+            self.attach_note(&t, conn, via.note_kind, n);
         }
         let (base, k) = lanes_of(conn);
         if k > 1 {
@@ -331,11 +331,12 @@ pub(super) fn check_note(note: Option<&[u8]>) -> Result<()> {
 impl Inner {
     /// Stores `n` in `t`'s slot: the shard that ends the op sends it to
     /// the peer on `conn`'s first lane (as send_notification's) if the op
-    /// ended well.
-    pub(super) fn attach_note(&self, t: &Transfer, conn: ConnId, n: &[u8]) {
+    /// ended well, as a notification of `kind` (`NOTE_APP`: the
+    /// application's; `NOTE_CTL`: the engine's two-sided messages).
+    pub(super) fn attach_note(&self, t: &Transfer, conn: ConnId, kind: u8, n: &[u8]) {
         let (lane, shard) = self.lanes(conn).next().expect("a lane");
         let mut payload = Vec::with_capacity(1 + n.len());
-        payload.push(crate::wire::NOTE_APP);
+        payload.push(kind);
         payload.extend_from_slice(n);
         let note = crate::reactor::completion::Note {
             conn: lane,
@@ -354,6 +355,8 @@ impl Inner {
 pub struct Via<'a> {
     to: To<'a>,
     note: Option<&'a [u8]>,
+    /// The note's kind (`wire::NOTE_APP` unless the engine's own).
+    note_kind: u8,
 }
 
 enum To<'a> {
@@ -367,6 +370,7 @@ impl<'a> Via<'a> {
         Via {
             to: To::Queue,
             note: None,
+            note_kind: crate::wire::NOTE_APP,
         }
     }
 
@@ -374,6 +378,7 @@ impl<'a> Via<'a> {
         Via {
             to: To::Staged(per_shard),
             note: None,
+            note_kind: crate::wire::NOTE_APP,
         }
     }
 
@@ -381,6 +386,7 @@ impl<'a> Via<'a> {
         Via {
             to: To::Shard(shard),
             note: None,
+            note_kind: crate::wire::NOTE_APP,
         }
     }
 
@@ -400,6 +406,15 @@ impl<'a> Via<'a> {
     /// ended well.
     pub(super) fn noting(mut self, note: &'a [u8]) -> Self {
         self.note = Some(note);
+        self
+    }
+
+    /// With one of the engine's two-sided messages (`wire::msg`) for the
+    /// peer, sent by the shard that ends the op, once it ended well: at
+    /// once, not when the caller next looks.
+    pub(super) fn noting_engine(mut self, msg: &'a [u8]) -> Self {
+        self.note = Some(msg);
+        self.note_kind = crate::wire::NOTE_CTL;
         self
     }
 }

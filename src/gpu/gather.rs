@@ -15,7 +15,7 @@
 //! pinned memory and read there (kernels reach it at its host address), or
 //! for a large batch copied to device memory ahead of the launch on its
 //! stream; a batch of at most `PARAM_DESCS` goes by value in the launch's
-//! parameters instead (`ferry_gather_p`), read from the constant bank. Block (x, y) copies the y-th 4 KiB of copy x: 16-byte words
+//! parameters instead (`ferry_gather_p`), read from the constant bank. Block (x, y) copies the y-th 16 KiB of copy x: 16-byte words
 //! when all three are 16-byte aligned, else bytes.
 //!
 //! Only memory that kernels may touch goes through it: device memory and
@@ -31,14 +31,19 @@ use super::memory::{DeviceBuf, PinnedBuf};
 use crate::error::Result;
 
 /// Copies longer than this go to the copy engine. Each copy gets one
-/// block per `CHUNK_BYTES` (the grid's y), so a 256 KiB KV block is 64
-/// blocks in parallel, not one block looping 64 times.
+/// block per `CHUNK_BYTES` (the grid's y), so a 256 KiB KV block is 16
+/// blocks in parallel, not one block looping 16 times.
 pub(crate) const KERNEL_MAX_BYTES: usize = 256 << 10;
-/// Bytes of a copy one block moves: a 16-byte word per thread.
-const CHUNK_BYTES: usize = 4096;
+/// Bytes of a copy one block moves: four 16-byte words per thread, all
+/// four read before the first is written (with one word a thread, a
+/// 16 KiB piece was four blocks each waiting out one read, and 1 024
+/// such pieces took 29 µs from launch to event where one engine copy of
+/// the same 16 MiB took 18 on the H100; `benches/gather_probe.py`). The
+/// PTX's `16384` is this.
+const CHUNK_BYTES: usize = 16384;
 const _: () = assert!(
-    THREADS as usize * 16 == CHUNK_BYTES,
-    "one word per thread per chunk"
+    THREADS as usize * 16 * 4 == CHUNK_BYTES,
+    "four words per thread per chunk"
 );
 /// Threads per block (one block per copy).
 const THREADS: u32 = 256;
@@ -53,10 +58,10 @@ macro_rules! copy_body {
         r#"
     // This block's chunk of the copy: [start, end), CHUNK bytes at y.
     mov.u32 %r9, %ctaid.y;
-    mul.wide.u32 %rd15, %r9, 4096;
+    mul.wide.u32 %rd15, %r9, 16384;
     setp.ge.u64 %p5, %rd15, %rd7;
     @%p5 bra DONE;
-    add.s64 %rd16, %rd15, 4096;
+    add.s64 %rd16, %rd15, 16384;
     min.u64 %rd16, %rd16, %rd7;
     cvta.to.global.u64 %rd5, %rd5;
     cvta.to.global.u64 %rd6, %rd6;
@@ -69,31 +74,70 @@ macro_rules! copy_body {
     and.b64 %rd10, %rd10, 15;
     setp.ne.u64 %p2, %rd10, 0;
     @%p2 bra BYTES;
-    // 16-byte words: indices [start/16 + tid, end/16) by ntid.
+    // 16-byte words: this thread's are start/16 + tid + k * ntid for k
+    // in 0..4 (the chunk is 4 * ntid words), each below end/16. All four
+    // loads are issued before the first store: four reads in flight per
+    // thread instead of one.
     shr.u64 %rd11, %rd16, 4;
     shr.u64 %rd17, %rd15, 4;
     add.s64 %rd8, %rd8, %rd17;
-WORDS:
-    setp.ge.u64 %p3, %rd8, %rd11;
-    @%p3 bra DONE;
+    add.s64 %ra1, %rd8, %rd9;
+    add.s64 %ra2, %ra1, %rd9;
+    add.s64 %ra3, %ra2, %rd9;
+    setp.lt.u64 %q0, %rd8, %rd11;
+    setp.lt.u64 %q1, %ra1, %rd11;
+    setp.lt.u64 %q2, %ra2, %rd11;
+    setp.lt.u64 %q3, %ra3, %rd11;
     shl.b64 %rd12, %rd8, 4;
+    shl.b64 %rd18, %rd9, 4;
     add.s64 %rd13, %rd6, %rd12;
+    add.s64 %ra4, %rd13, %rd18;
+    add.s64 %ra5, %ra4, %rd18;
+    add.s64 %ra6, %ra5, %rd18;
+    @%q0 ld.global.v4.u32 {%w0, %w1, %w2, %w3}, [%rd13];
+    @%q1 ld.global.v4.u32 {%w4, %w5, %w6, %w7}, [%ra4];
+    @%q2 ld.global.v4.u32 {%w8, %w9, %w10, %w11}, [%ra5];
+    @%q3 ld.global.v4.u32 {%w12, %w13, %w14, %w15}, [%ra6];
     add.s64 %rd14, %rd5, %rd12;
-    ld.global.v4.u32 {%r5, %r6, %r7, %r8}, [%rd13];
-    st.global.v4.u32 [%rd14], {%r5, %r6, %r7, %r8};
-    add.s64 %rd8, %rd8, %rd9;
-    bra WORDS;
+    add.s64 %ra4, %rd14, %rd18;
+    add.s64 %ra5, %ra4, %rd18;
+    add.s64 %ra6, %ra5, %rd18;
+    @%q0 st.global.v4.u32 [%rd14], {%w0, %w1, %w2, %w3};
+    @%q1 st.global.v4.u32 [%ra4], {%w4, %w5, %w6, %w7};
+    @%q2 st.global.v4.u32 [%ra5], {%w8, %w9, %w10, %w11};
+    @%q3 st.global.v4.u32 [%ra6], {%w12, %w13, %w14, %w15};
+    bra DONE;
 BYTES:
-    // Bytes: [start + tid, end) by ntid.
+    // Bytes: [start + tid, end) by ntid, four loads in flight per pass
+    // (16 passes over a whole chunk, as many as one byte a pass took
+    // over the 4 KiB chunks before).
     add.s64 %rd8, %rd8, %rd15;
 BYTELOOP:
     setp.ge.u64 %p4, %rd8, %rd16;
     @%p4 bra DONE;
+    add.s64 %ra1, %rd8, %rd9;
+    add.s64 %ra2, %ra1, %rd9;
+    add.s64 %ra3, %ra2, %rd9;
+    setp.lt.u64 %q1, %ra1, %rd16;
+    setp.lt.u64 %q2, %ra2, %rd16;
+    setp.lt.u64 %q3, %ra3, %rd16;
     add.s64 %rd13, %rd6, %rd8;
-    add.s64 %rd14, %rd5, %rd8;
     ld.global.u8 %rs1, [%rd13];
+    add.s64 %ra4, %rd6, %ra1;
+    @%q1 ld.global.u8 %rs2, [%ra4];
+    add.s64 %ra5, %rd6, %ra2;
+    @%q2 ld.global.u8 %rs3, [%ra5];
+    add.s64 %ra6, %rd6, %ra3;
+    @%q3 ld.global.u8 %rs4, [%ra6];
+    add.s64 %rd14, %rd5, %rd8;
     st.global.u8 [%rd14], %rs1;
-    add.s64 %rd8, %rd8, %rd9;
+    add.s64 %ra4, %rd5, %ra1;
+    @%q1 st.global.u8 [%ra4], %rs2;
+    add.s64 %ra5, %rd5, %ra2;
+    @%q2 st.global.u8 [%ra5], %rs3;
+    add.s64 %ra6, %rd5, %ra3;
+    @%q3 st.global.u8 [%ra6], %rs4;
+    add.s64 %rd8, %ra3, %rd9;
     bra BYTELOOP;
 DONE:
     ret;
@@ -123,9 +167,12 @@ const PTX: &str = concat!(
 )
 {
     .reg .pred %p<6>;
-    .reg .b16 %rs<2>;
+    .reg .b16 %rs<5>;
     .reg .b32 %r<12>;
     .reg .b64 %rd<20>;
+    .reg .pred %q<4>;
+    .reg .b32 %w<16>;
+    .reg .b64 %ra<7>;
 
     ld.param.u64 %rd1, [descs];
     ld.param.u32 %r1, [count];
@@ -157,9 +204,12 @@ const PTX_P: &str = concat!(
 )
 {
     .reg .pred %p<6>;
-    .reg .b16 %rs<2>;
+    .reg .b16 %rs<5>;
     .reg .b32 %r<12>;
     .reg .b64 %rd<20>;
+    .reg .pred %q<4>;
+    .reg .b32 %w<16>;
+    .reg .b64 %ra<7>;
 
     ld.param.u32 %r1, [count];
     mov.u32 %r2, %ctaid.x;

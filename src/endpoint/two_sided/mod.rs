@@ -7,8 +7,10 @@
 //! offer of its number are both there, the sender checks the length
 //! against the buffer (longer: both sides fail with `MessageTooLarge`,
 //! nothing moves), WRITEs the bytes (one-sided, bounds-checked by the
-//! receiver's shard like any WRITE) and, once the WRITE completed, sends
-//! `Fin`, which ends the receive and revokes its window. So nothing lands
+//! receiver's shard like any WRITE) with `Fin` as the WRITE's
+//! notification (its shard sends it once the WRITE ended well; a failed
+//! WRITE's `Fin` says so, sent by the next call that makes progress),
+//! which ends the receive and revokes its window. So nothing lands
 //! where no buffer was posted, and unmatched offers a sender holds are
 //! bounded (`MAX_UNMATCHED` per connection; more are refused).
 //!
@@ -428,7 +430,14 @@ impl Endpoint {
                 ended.insert(p.id, Ok(0));
                 outbox.push_back(fin(FinStatus::Ok));
             } else {
-                match self.write_from(conn, p.msg, &window) {
+                // `Fin` rides with the WRITE: its shard sends it the moment
+                // the WRITE ended well, without waiting for this thread.
+                let fin_ok = ctl(CtlMsg::Fin {
+                    seq: p.seq,
+                    status: FinStatus::Ok,
+                    len,
+                });
+                match self.write_from(conn, p.msg, &window, &fin_ok[1..]) {
                     Ok(t) => c.writing.push(Writing {
                         id: p.id,
                         seq: p.seq,
@@ -449,28 +458,35 @@ impl Endpoint {
                 continue;
             };
             let done = c.writing.swap_remove(i);
-            let status = if r.is_ok() {
-                FinStatus::Ok
-            } else {
-                FinStatus::Failed
-            };
+            // Ended well: its shard sent `Fin` (Ok) with it. Else the
+            // receiver learns it here.
+            if r.is_err() {
+                let fin = CtlMsg::Fin {
+                    seq: done.seq,
+                    status: FinStatus::Failed,
+                    len: done.len,
+                };
+                outbox.push_back((conn, ctl(fin)));
+            }
             ended.insert(done.id, r.map(|()| done.len as usize));
-            let fin = CtlMsg::Fin {
-                seq: done.seq,
-                status,
-                len: done.len,
-            };
-            outbox.push_back((conn, ctl(fin)));
         }
     }
 
-    /// WRITEs `msg` into the start of `window`.
-    fn write_from(&self, conn: ConnId, msg: RegionSlice, window: &RemoteBuf) -> Result<Transfer> {
+    /// WRITEs `msg` into the start of `window`; `fin` (an encoded
+    /// `CtlMsg`) goes to the peer once it ended well.
+    fn write_from(
+        &self,
+        conn: ConnId,
+        msg: RegionSlice,
+        window: &RemoteBuf,
+        fin: &[u8],
+    ) -> Result<Transfer> {
         let same_host = || matches!(self.peer(conn), Some(super::Peer::Local { .. }));
         let d = super::ops::desc_of(msg, window, &same_host)?;
         let parts = crate::reactor::OpParts::One(d);
+        let mut via = Via::now().noting_engine(fin);
         self.inner
-            .submit(conn, crate::error::OpKind::Write, parts, &mut Via::now())
+            .submit(conn, crate::error::OpKind::Write, parts, &mut via)
     }
 }
 
