@@ -157,10 +157,12 @@ impl LocalSide {
 
     /// The doorbell's FIFO and the fd-passing socket: the shard's epoll set
     /// watches them, so a parked shard wakes for a rung ring or a sender.
-    pub fn wake_fds(&self) -> [Option<i32>; 2] {
+    /// With each, whether the shard should say when it was ready (the
+    /// socket: `poll_fd_listener` then).
+    pub fn wake_fds(&self) -> [Option<(i32, bool)>; 2] {
         [
-            self.bell.as_ref().map(|b| b.fd()),
-            self.setup.as_ref().map(|s| s.fd_listener.fd()),
+            self.bell.as_ref().map(|b| (b.fd(), false)),
+            self.setup.as_ref().map(|s| (s.fd_listener.fd(), true)),
         ]
     }
 

@@ -24,6 +24,10 @@ pub(crate) const WAKER: Token = Token(usize::MAX);
 /// Other descriptors whose readiness only ends a park (a doorbell's FIFO,
 /// the fd-passing socket): their sources look at them on the next pass.
 const WAKE_ONLY: Token = Token(usize::MAX - 1);
+/// As `WAKE_ONLY`, and `wait` says it was ready (the fd-passing socket:
+/// accepting on it after every park, ready or not, cost one failed
+/// `accept4` per wake-up).
+const WAKE_SAID: Token = Token(usize::MAX - 2);
 /// Up to this many streams, `poll` tries every socket instead of asking
 /// epoll (it still parks on epoll).
 const DIRECT_POLL_MAX_STREAMS: usize = 4;
@@ -115,6 +119,8 @@ impl Conn {
 pub(crate) struct TcpSide {
     epoll: Poll,
     events: Events,
+    /// A `said` descriptor was ready (`take_said`).
+    said: bool,
     pub conns: Slab<Conn>,
     stream_count: usize,
     /// Connections the next pass visits (each at most once: `Conn::queued`).
@@ -227,6 +233,7 @@ impl TcpSide {
         let side = TcpSide {
             epoll,
             events: Events::with_capacity(64),
+            said: false,
             conns: Slab::new(),
             stream_count: 0,
             ready: Vec::new(),
@@ -260,11 +267,13 @@ impl TcpSide {
         self.stream_count <= DIRECT_POLL_MAX_STREAMS
     }
 
-    /// Adds `fd` to the epoll set: its readiness ends a park.
-    pub fn watch_wake_fd(&self, fd: i32) -> Result<()> {
+    /// Adds `fd` to the epoll set: its readiness ends a park (and, with
+    /// `said`, is what `wait` returns).
+    pub fn watch_wake_fd(&self, fd: i32, said: bool) -> Result<()> {
+        let token = if said { WAKE_SAID } else { WAKE_ONLY };
         self.epoll
             .registry()
-            .register(&mut mio::unix::SourceFd(&fd), WAKE_ONLY, Interest::READABLE)
+            .register(&mut mio::unix::SourceFd(&fd), token, Interest::READABLE)
             .map_err(|e| Error::io("epoll_ctl(ADD)", e))
     }
 
@@ -275,6 +284,12 @@ impl TcpSide {
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => warn!(shard = self.shard, "epoll_wait failed: {e}"),
         }
+    }
+
+    /// Whether a descriptor watched with `said` was ready since the last
+    /// call (epoll reports each readiness once: edge-triggered).
+    pub fn take_said(&mut self) -> bool {
+        std::mem::take(&mut self.said)
     }
 
     /// Puts connection `idx` on the next pass's ready list (the shard
@@ -292,7 +307,10 @@ impl TcpSide {
     fn apply_events(&mut self) {
         for ev in self.events.iter() {
             let t = ev.token();
-            if t == WAKER || t == WAKE_ONLY {
+            if t == WAKE_SAID {
+                self.said = true;
+            }
+            if t == WAKER || t == WAKE_ONLY || t == WAKE_SAID {
                 continue;
             }
             let (key, idx) = (t.0 / MAX_STREAMS, t.0 % MAX_STREAMS);

@@ -115,16 +115,16 @@ fn rung_rings_are_found_at_once_and_wake_a_sleeper() {
         side.park_begin();
         assert_eq!(side.poll(&mut cx), 0);
         assert_eq!(side.may_park(), Park::Yes);
-        assert!(!readable(side.wake_fds()[0].unwrap(), 0));
+        assert!(!readable(side.wake_fds()[0].unwrap().0, 0));
         assert!(peers[peer].push_notify(b"\0wake"));
         assert!(
-            readable(side.wake_fds()[0].unwrap(), 5000),
+            readable(side.wake_fds()[0].unwrap().0, 5000),
             "a message on connection {conn} did not wake the sleeper"
         );
         side.park_end();
         side.poll(&mut cx);
         assert_eq!(notes.try_recv().unwrap(), (ConnId(conn), b"wake".to_vec()));
-        assert!(!readable(side.wake_fds()[0].unwrap(), 0), "drained");
+        assert!(!readable(side.wake_fds()[0].unwrap().0, 0), "drained");
     }
     assert!(cx.to_fail.is_empty());
 }
@@ -145,7 +145,7 @@ fn a_hot_connection_wakes_a_sleeping_peer_at_the_end_of_its_pass() {
         side.poll(&mut cx);
         assert!(std::time::Instant::now() < deadline, "never cooled");
     }
-    let fd = side.wake_fds()[0].unwrap();
+    let fd = side.wake_fds()[0].unwrap().0;
     side.park_begin();
     assert_eq!(side.poll(&mut cx), 0);
     peers[1].hot = true;

@@ -191,8 +191,8 @@ impl Shard {
     ) -> Result<(Shard, ShardHandle)> {
         let (mut tcp, waker) = TcpSide::new(id, Liveness::new(cfg.liveness, cfg.op_timeout))?;
         let local = LocalSide::new(id, local_init);
-        for fd in local.wake_fds().into_iter().flatten() {
-            tcp.watch_wake_fd(fd)?;
+        for (fd, said) in local.wake_fds().into_iter().flatten() {
+            tcp.watch_wake_fd(fd, said)?;
         }
         let (ring, cmds) = super::cmd_ring::CmdRing::new(cfg.sq_depth);
         let wake = Arc::new(WakeState {
@@ -391,7 +391,11 @@ impl Shard {
         }
         self.wake.cmds.clear_park(&self.cmds);
         self.local.park_end();
-        self.local.poll_fd_listener();
+        // A sender of descriptors came (its socket was ready): serve it
+        // now; the passes' own timed look finds one epoll did not report.
+        if self.tcp.take_said() {
+            self.local.poll_fd_listener();
+        }
         self.check_timeouts(Instant::now());
     }
 

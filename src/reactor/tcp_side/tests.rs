@@ -107,3 +107,35 @@ fn a_pass_visits_only_ready_connections() {
     assert!(visits <= 2, "{visits} visits for one ready connection");
     assert!(cx.to_fail.is_empty());
 }
+
+/// A descriptor watched with `said` ends a park and is reported once (the
+/// fd-passing socket: the shard accepts on it only then); one watched
+/// without it only ends the park.
+#[test]
+fn a_said_descriptor_is_reported_once_and_a_plain_one_never() {
+    let (mut side, _waker) = TcpSide::new(
+        0,
+        Liveness::new(Duration::from_secs(5), Duration::from_secs(5)),
+    )
+    .unwrap();
+    let (plain_r, plain_w) = std::os::unix::net::UnixStream::pair().unwrap();
+    let (said_r, said_w) = std::os::unix::net::UnixStream::pair().unwrap();
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    side.watch_wake_fd(plain_r.as_raw_fd(), false).unwrap();
+    side.watch_wake_fd(said_r.as_raw_fd(), true).unwrap();
+    side.wait(Duration::from_millis(1));
+    assert!(!side.take_said(), "nothing was ready");
+    (&plain_w).write_all(b"x").unwrap();
+    let t0 = std::time::Instant::now();
+    side.wait(Duration::from_secs(5));
+    assert!(
+        t0.elapsed() < Duration::from_secs(4),
+        "the plain one did not end the park"
+    );
+    assert!(!side.take_said(), "the plain one was reported");
+    (&said_w).write_all(b"x").unwrap();
+    side.wait(Duration::from_secs(5));
+    assert!(side.take_said(), "the said one was not reported");
+    assert!(!side.take_said(), "reported twice");
+}
