@@ -16,6 +16,7 @@ use ferry::{
     Access, AnyWindow, ConnId, EndpointMetadata, MemKind, MemoryRegion, Peer, SharedRegion,
 };
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyBytes;
 
 use crate::FerryError;
@@ -667,7 +668,7 @@ impl Connection {
     fn pieces(
         &self,
         locals: &[(PyRef<'_, Region>, u64, usize)],
-        windows: &[Vec<u8>],
+        windows: &[PyBackedBytes],
     ) -> PyResult<(
         Arc<ferry::Endpoint>,
         Vec<(Arc<MemoryRegion>, usize, usize)>,
@@ -730,7 +731,7 @@ impl Connection {
         py: Python<'_>,
         write: bool,
         locals: Vec<(PyRef<'_, Region>, u64, usize)>,
-        windows: Vec<Vec<u8>>,
+        windows: Vec<PyBackedBytes>,
     ) -> PyResult<Transfer> {
         let (ep, held, wins) = self.pieces(&locals, &windows)?;
         let l: Vec<(&MemoryRegion, usize, usize)> =
@@ -750,7 +751,7 @@ impl Connection {
         py: Python<'_>,
         write: bool,
         locals: Vec<(PyRef<'_, Region>, u64, usize)>,
-        windows: Vec<Vec<u8>>,
+        windows: Vec<PyBackedBytes>,
     ) -> PyResult<()> {
         let (ep, held, wins) = self.pieces(&locals, &windows)?;
         let l: Vec<(&MemoryRegion, usize, usize)> =
