@@ -435,6 +435,32 @@ def test_connect_by_address_and_accept():
     b.close()
 
 
+def test_a_deregistered_buffer_is_never_found_again(transport):
+    """write_ipc finds the registration holding its pointer (the last one
+    found first): after dereg the same pointer is registered anew, not
+    served by the closed registration."""
+    a, b, conn = pair(transport)
+    ok, _, _, theirs = a.accept()
+    assert ok
+    dst = np.zeros(4096, np.uint8)
+    ok, info = a.advertise_ipc(theirs, dst.ctypes.data, 4096)
+    assert ok
+    src = np.full(4096, 5, np.uint8)
+    ok, mr = b.reg(src.ctypes.data, 4096)
+    assert ok and b.write_ipc(conn, src.ctypes.data, 4096, info)
+    assert (dst == 5).all()
+    assert b.dereg(mr)
+    src[:] = 6
+    assert b.write_ipc(conn, src.ctypes.data, 4096, info)
+    assert (dst == 6).all()
+    # And a write in another buffer, then back in a fresh registration.
+    other = np.full(4096, 7, np.uint8)
+    assert b.write_ipc(conn, other.ctypes.data, 4096, info)
+    assert (dst == 7).all()
+    a.close()
+    b.close()
+
+
 def test_ipc_family_and_blocking_vectors_with_host_memory(transport):
     a, b, conn = pair(transport)
     # The target side needs its own id of the connection for advertise_ipc.
