@@ -199,6 +199,9 @@ pub fn run(mut a: Args) -> Result<()> {
     if let Some(l) = &metrics {
         writeln!(out, "METRICS {}", l.local_addr()?)?;
     }
+    // Before READY: a SIGUSR1 sent as soon as READY is read must find the
+    // handler (its default action ends the process; CI saw that).
+    on_usr1_print_summary();
     writeln!(out, "READY")?;
     out.flush()?;
     drop(out);
@@ -225,7 +228,8 @@ fn named_windows(
 }
 
 /// Answers requests until stdin closes, and scrapes on the metrics
-/// listener meanwhile (SIGUSR1: a summary on stderr).
+/// listener meanwhile (SIGUSR1, whose handler is in place already: a
+/// summary on stderr).
 fn answer_and_scrape(
     ep: &Endpoint,
     metrics: Option<&std::net::TcpListener>,
@@ -234,7 +238,6 @@ fn answer_and_scrape(
     gpu: Option<usize>,
     bytes: usize,
 ) -> Result<()> {
-    on_usr1_print_summary();
     let stop = AtomicBool::new(false);
     std::thread::scope(|s| {
         if let Some(l) = metrics {
