@@ -204,6 +204,7 @@ impl Inner {
         let mut lc = LocalConn::new(
             conn, peer_id, peer.pid, peer.conn, rx, tx, inflight, inflight,
         );
+        lc.set_notes_ride(peer.features & connect::FEATURE_NOTES_RIDE != 0);
         // We serve the peer's requests by copying its memory: check we can.
         if let Err(f) = probe_cma(peer.pid, peer.canary) {
             lc.send_close();
@@ -291,9 +292,10 @@ impl Inner {
         };
         let rx = self.create_ring(&pair_ring_name(peer_id, self.me.id, m.conn), conn)?;
         let inflight = self.agreed_inflight(peer.inflight as usize);
-        let lc = LocalConn::new(
+        let mut lc = LocalConn::new(
             conn, peer_id, peer.pid, peer.conn, rx, tx, inflight, inflight,
         );
+        lc.set_notes_ride(peer.features & connect::FEATURE_NOTES_RIDE != 0);
         // Adopt before answering, so the peer's first request finds us.
         let origin = Origin::Accepted { nonce: m.aux2 };
         self.adopt_local(lc, (peer_id, peer.pid), origin, deadline)?;

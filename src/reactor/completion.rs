@@ -201,6 +201,29 @@ impl CompletionTable {
         };
     }
 
+    /// Takes the note of the op in `idx` for the shard that sends it
+    /// riding in the op's one request (the target delivers it once the
+    /// copy landed): then the completer finds none. Only for an op not
+    /// split in parts (that shard is its only completer) and whose note
+    /// was not withdrawn; called before the request goes out.
+    pub fn take_note(&self, idx: u32) -> Option<Box<Note>> {
+        let slot = &self.slots[idx as usize];
+        if slot.parts.load(Ordering::Acquire) != 0 || slot.note_cancelled.load(Ordering::Acquire) {
+            return None;
+        }
+        // SAFETY: the owner wrote the note before submitting and never
+        // touches it again; the op is whole and its request not out, so
+        // its completer (the calling shard) is not reading it.
+        unsafe { slot.note.with_mut(|p| (*p).take()) }
+    }
+
+    /// Puts back a note `take_note` took when it could not ride after all
+    /// (same caller, same moment: the request did not go out with it).
+    pub fn put_note(&self, idx: u32, note: Box<Note>) {
+        // SAFETY: as for `take_note`.
+        unsafe { self.slots[idx as usize].note.with_mut(|p| *p = Some(note)) };
+    }
+
     /// The owner could not submit the op whole: its note is never sent.
     pub fn cancel_note(&self, idx: u32) {
         self.slots[idx as usize]

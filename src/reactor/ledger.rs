@@ -63,6 +63,12 @@ pub(crate) struct OpLedger {
 }
 
 impl OpLedger {
+    /// The completion table the ledger publishes to (for a note that
+    /// rides in its op's request: `CompletionTable::take_note`).
+    pub fn table(&self) -> &CompletionTable {
+        &self.table
+    }
+
     pub fn new(
         table: Arc<CompletionTable>,
         max_conn_ops: usize,

@@ -537,6 +537,19 @@ impl Carrier for LocalSide {
         self.heat(idx);
         let lc = &mut self.conns[idx];
         let descs = op.parts.as_slice();
+        // A WRITE of one request on this very connection carries its
+        // notification: the target hands it over as the copy lands, a
+        // reply and a notification's trip sooner.
+        let table = cx.ledger.table();
+        let mut note = (descs.len() == 1
+            && op.at.desc == 0
+            && op.kind == crate::error::OpKind::Write
+            && lc.notes_ride())
+        .then(|| table.take_note(op.slot))
+        .flatten();
+        if let Some(n) = note.take_if(|n| n.conn != lc.id) {
+            table.put_note(op.slot, n);
+        }
         while op.at.desc < descs.len() {
             let d = &descs[op.at.desc];
             let key = KeyRef {
@@ -544,16 +557,25 @@ impl Carrier for LocalSide {
                 tag: d.tag,
             };
             let (kind, slot, now) = (op.kind, op.slot, cx.now);
-            if !lc.push_request(
+            let riding = note.as_ref().map(|n| &n.payload[..]);
+            let Some(rode) = lc.push_request(
                 kind,
                 slot,
                 key,
                 d.remote_addr,
                 &d.local,
                 d.remote_device,
+                riding,
                 now,
-            ) {
+            ) else {
+                if let Some(n) = note {
+                    table.put_note(slot, n);
+                }
                 return Some(op);
+            };
+            if let Some(n) = note.take().filter(|_| !rode) {
+                // Too long to ride: sent as the op ends, as before.
+                table.put_note(slot, n);
             }
             op.at.emitted += 1;
             op.at.desc += 1;

@@ -19,6 +19,12 @@ use crate::error::{ConnFault, Error, Result};
 use crate::sys::this_pid;
 use crate::wire::shm_msg::{Msg, MsgKind, MAX_INLINE};
 
+/// A side delivers a notification that rides in a WRITE request
+/// (`local::REQ_NOTE`) once that request's copy has landed.
+pub(crate) const FEATURE_NOTES_RIDE: u32 = 1;
+/// What this build understands.
+const FEATURES: u32 = FEATURE_NOTES_RIDE;
+
 /// What one side says of itself in CONNECT or its answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Side {
@@ -28,6 +34,9 @@ pub(crate) struct Side {
     pub conn: u32,
     /// Requests it lets the other have in flight.
     pub inflight: u32,
+    /// What it understands beyond the base protocol (`FEATURE_*`; an
+    /// older peer says 0).
+    pub features: u32,
     /// An address in its memory the other side reads with CMA to check
     /// that it can (`cma::probe_cma`).
     pub canary: u64,
@@ -47,6 +56,7 @@ pub(crate) fn connect_msg(
     m.aux2 = nonce;
     m.src_key = me.inflight;
     m.src_addr = me.canary;
+    m.rkey = me.features;
     let p = key.map_or_else(Vec::new, |k| {
         proof(k, "local-client", peer_id, nonce, me.endpoint_id, peer_id).to_vec()
     });
@@ -62,6 +72,7 @@ pub(crate) fn this_side(endpoint_id: u64, conn: u32, inflight: u32) -> Side {
         conn,
         inflight,
         canary: &CMA_CANARY as *const u64 as u64,
+        features: FEATURES,
     }
 }
 
@@ -87,6 +98,7 @@ pub(crate) fn check_connect(
         conn: m.conn,
         inflight: m.src_key,
         canary: m.src_addr,
+        features: m.rkey,
     })
 }
 
@@ -111,6 +123,7 @@ pub(crate) fn ack_msg(
             ack.conn = me.conn;
             ack.src_key = me.inflight;
             ack.src_addr = me.canary;
+            ack.rkey = me.features;
             let p = key.map_or_else(Vec::new, |k| {
                 proof(k, "local-server", nonce, 0, me.endpoint_id, peer_id).to_vec()
             });
@@ -155,6 +168,7 @@ pub(crate) fn check_ack(
         conn: ack.conn,
         inflight: ack.src_key,
         canary: ack.src_addr,
+        features: ack.rkey,
     })
 }
 
@@ -210,6 +224,7 @@ mod tests {
             conn,
             inflight: 64,
             canary: 0x1000,
+            features: FEATURES,
         }
     }
 

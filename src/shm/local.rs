@@ -8,6 +8,12 @@
 //! `alloc_host` is a memfd the target has mapped (one memcpy); any other
 //! registered memory is copied with `process_vm_readv`/`process_vm_writev`
 //! (probed when the connection is made; refused connections fall back to tcp).
+//!
+//! A WRITE's notification (the application's, or a two-sided message's
+//! `Fin`) rides in its one request (`REQ_NOTE`) where the peer said it
+//! takes them (`connect::FEATURE_NOTES_RIDE`): the target hands it to its
+//! inbox as it answers the request Ok, and drops it if the request
+//! failed, instead of the initiator sending it once the answer came back.
 
 use std::collections::VecDeque;
 use std::io;
@@ -54,6 +60,11 @@ mod target;
 pub(crate) const REQ_INITIATOR_GPU: u8 = 1;
 /// Copy with CUDA, never through inline bytes (a GPU side is involved).
 pub(crate) const REQ_NO_INLINE: u8 = 2;
+/// A notification rides at the end of the request's inline bytes (its
+/// length in `aux2`): the target delivers it once the copy has landed, as
+/// it answers Ok, and drops it if the request fails. Sent only to a peer
+/// that said it understands (`connect::FEATURE_NOTES_RIDE`).
+pub(crate) const REQ_NOTE: u8 = 4;
 /// Reply `aux` value: the target copied with CUDA; no inline bytes follow.
 pub(crate) const REPLY_GPU_COPIED: u64 = 1;
 
@@ -97,6 +108,14 @@ pub(crate) struct LocalConn {
     /// requests (`flush_cma`): one syscall per direction for all of them.
     /// Bounded by `peer_max` (each is a request the peer has out).
     cma_batch: Vec<target::DeferredCma>,
+    /// The peer takes notifications riding in our requests (`REQ_NOTE`).
+    notes_ride: bool,
+    /// Notifications riding in the peer's requests not answered yet, by
+    /// request: at most `peer_max`, each at most `MAX_INLINE` bytes.
+    held_notes: crate::sys::IntMap<u64, Vec<u8>>,
+    /// Riding notifications whose requests were answered Ok, for the
+    /// application's inbox at the next poll (in answer order).
+    notes_landed: VecDeque<Vec<u8>>,
 }
 
 // SAFETY: the raw pointers in `pending` point into regions kept alive by the
@@ -210,7 +229,21 @@ impl LocalConn {
             bell_bit: None,
             ring_due: false,
             cma_batch: Vec::with_capacity(peer_max),
+            notes_ride: false,
+            held_notes: Default::default(),
+            notes_landed: VecDeque::new(),
         }
+    }
+
+    /// Whether the peer said it takes notifications riding in requests
+    /// (`connect::FEATURE_NOTES_RIDE`).
+    pub fn set_notes_ride(&mut self, ride: bool) {
+        self.notes_ride = ride;
+    }
+
+    /// Whether a notification may ride in a request to the peer.
+    pub fn notes_ride(&self) -> bool {
+        self.notes_ride
     }
 
     /// The driver saw it move a message (the time is taken at the next
@@ -253,7 +286,7 @@ impl LocalConn {
     /// the peer's ring (the peer does not ring us when it makes room), or a
     /// notification waiting for the application's inbox.
     pub fn needs_polling(&self) -> bool {
-        !self.outbox.is_empty() || self.notify_blocked.is_some()
+        !self.outbox.is_empty() || self.notify_blocked.is_some() || !self.notes_landed.is_empty()
     }
 
     /// Whether it has anything under way: requests of ours or the peer's,
@@ -268,6 +301,7 @@ impl LocalConn {
         !self.pending.is_empty()
             || !self.outbox.is_empty()
             || self.notify_blocked.is_some()
+            || !self.notes_landed.is_empty()
             || self.peer_owed > 0
     }
 
@@ -343,6 +377,15 @@ impl LocalConn {
                 return Ok(work);
             }
             work += 1;
+        }
+        // Riding notifications whose copies landed (before the ring's
+        // messages, which came after them).
+        while let Some(msg) = self.notes_landed.pop_front() {
+            work += 1;
+            if let Err(back) = sink.notify(msg) {
+                self.notify_blocked = Some(back);
+                return Ok(work);
+            }
         }
         // Bounded per call so one busy peer cannot starve the loop.
         for _ in 0..256 {

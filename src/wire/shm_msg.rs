@@ -158,9 +158,11 @@ impl Msg {
             MsgKind::Notify | MsgKind::ConnectAck => m.status <= 1,
             // Request flags: initiator memory is GPU (bit 0, then the
             // inline bytes are its 80-byte IPC reference), no inline data
-            // (bit 1).
+            // (bit 1), a notification rides after the inline bytes (bit
+            // 2, its length in aux2).
             MsgKind::WriteReq | MsgKind::ReadReq => {
-                m.status <= 3 && (m.status & 1 == 0 || m.inline_len == 80)
+                let note = if m.status & 4 != 0 { m.aux2 } else { 0 };
+                m.status <= 7 && note <= n as u64 && (m.status & 1 == 0 || n as u64 - note == 80)
             }
             _ => m.status == 0,
         };

@@ -6,7 +6,7 @@
 use std::time::Instant;
 
 use super::{
-    push_to, LocalConn, Pending, MAX_REVOKES_OWED, REPLY_GPU_COPIED, REQ_INITIATOR_GPU,
+    push_to, LocalConn, Pending, MAX_REVOKES_OWED, REPLY_GPU_COPIED, REQ_INITIATOR_GPU, REQ_NOTE,
     REQ_NO_INLINE,
 };
 use crate::error::{ConnFault, Error, OpKind};
@@ -17,7 +17,9 @@ use crate::wire::{IpcRef, Status};
 use crate::xfer::Sink;
 
 impl LocalConn {
-    /// Queues one request; `false` if there is no room now (retry later).
+    /// Queues one request: `None` if there is no room now (retry later),
+    /// else whether `note` rode in it (`note_room` bytes fit): the peer
+    /// delivers it once the request's copy has landed, never if it failed.
     #[allow(clippy::too_many_arguments)]
     pub fn push_request(
         &mut self,
@@ -27,10 +29,11 @@ impl LocalConn {
         addr: u64,
         local: &RegionSlice,
         remote_device: bool,
+        note: Option<&[u8]>,
         now: Instant,
-    ) -> bool {
+    ) -> Option<bool> {
         if !self.can_request() {
-            return false;
+            return None;
         }
         let len = local.len();
         let keep = local.region();
@@ -53,9 +56,7 @@ impl LocalConn {
         let gpu_ref;
         let inline: &[u8] = if local_device {
             // The endpoint exported the handle before submitting.
-            let Some(handle) = keep.ipc_handle.get() else {
-                return false;
-            };
+            let handle = keep.ipc_handle.get()?;
             let crate::gpu::MemKind::Device { alloc_base, .. } = keep.mem else {
                 unreachable!("checked is_device")
             };
@@ -78,11 +79,23 @@ impl LocalConn {
         } else {
             &[]
         };
+        let mut joined = [0u8; MAX_INLINE];
+        let (inline, rode) = match note {
+            Some(n) if self.notes_ride && inline.len() + n.len() <= MAX_INLINE => {
+                // After the request's own bytes; its length says where.
+                joined[..inline.len()].copy_from_slice(inline);
+                joined[inline.len()..inline.len() + n.len()].copy_from_slice(n);
+                m.status |= REQ_NOTE;
+                m.aux2 = n.len() as u64;
+                (&joined[..inline.len() + n.len()], true)
+            }
+            _ => (inline, false),
+        };
         let mut buf = [0u8; SLOT_PAYLOAD];
         let n = m.encode(inline, &mut buf);
         // By field, not `tx_push`: `entry` holds `pending` borrowed.
         if push_to(&self.tx, self.hot, &mut self.ring_due, &buf[..n]).is_err() {
-            return false;
+            return None;
         }
         crate::stage_trace::mark(crate::stage_trace::Stage::RequestOut);
         entry.insert(Pending {
@@ -94,7 +107,7 @@ impl LocalConn {
             sent_at: now,
             post: None,
         });
-        true
+        Some(rode)
     }
 
     /// Sends a notification as fragments; `false` if the ring is full

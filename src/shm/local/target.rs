@@ -4,14 +4,14 @@
 
 use std::sync::Arc;
 
-use super::{copy_bytes, LocalConn, PeerMaps, PeerMemory, REQ_INITIATOR_GPU};
+use super::{copy_bytes, LocalConn, PeerMaps, PeerMemory, REQ_INITIATOR_GPU, REQ_NOTE};
 use crate::error::ConnFault;
 use crate::region::{Access, KeyRef, RegionSlice, Regions};
 use crate::shm::copy_path::{self, CopyPath};
 use crate::shm::ring::SLOT_PAYLOAD;
 use crate::sys::Mapping;
 use crate::wire::shm_msg::{Msg, MsgKind, MAX_INLINE};
-use crate::wire::{IpcRef, Status};
+use crate::wire::{IpcRef, Status, MAX_NOTIFY_WIRE_BYTES};
 use crate::xfer::{CmaBatch, GpuReq, HostCopy, PeerBytes, Sink, Theirs};
 
 /// A checked request to be copied with CMA and answered by `flush_cma`.
@@ -89,6 +89,12 @@ impl LocalConn {
     }
 
     pub(super) fn reply(&mut self, m: &Msg, inline: &[u8]) {
+        // A notification that rode in the request lands with its copy.
+        if let Some(note) = self.held_notes.remove(&m.op_id) {
+            if m.status == Status::Ok as u8 {
+                self.notes_landed.push_back(note);
+            }
+        }
         self.peer_owed -= 1;
         let mut buf = [0u8; SLOT_PAYLOAD];
         let n = m.encode(inline, &mut buf);
@@ -122,7 +128,7 @@ impl LocalConn {
     /// CUDA, who answer later) and replies.
     pub(super) fn serve(
         &mut self,
-        m: Msg,
+        mut m: Msg,
         inline: &[u8],
         regions: &mut impl Regions,
         maps: &PeerMaps,
@@ -130,6 +136,7 @@ impl LocalConn {
         sink: &mut impl Sink,
     ) -> Result<(), ConnFault> {
         self.count_request()?;
+        let inline = self.hold_note(&mut m, inline)?;
         let write = m.kind == MsgKind::WriteReq;
         let need = if write {
             Access::REMOTE_WRITE
@@ -245,6 +252,35 @@ impl LocalConn {
         }
         self.peer_owed += 1;
         Ok(())
+    }
+
+    /// Takes the notification riding at the end of request `m`'s inline
+    /// bytes (`REQ_NOTE`), held until the request is answered (`reply`),
+    /// and returns the request's own bytes.
+    fn hold_note<'a>(&mut self, m: &mut Msg, inline: &'a [u8]) -> Result<&'a [u8], ConnFault> {
+        if m.status & REQ_NOTE == 0 {
+            return Ok(inline);
+        }
+        m.status &= !REQ_NOTE;
+        let n = m.aux2;
+        if m.kind != MsgKind::WriteReq
+            || n > inline.len() as u64
+            || n > MAX_NOTIFY_WIRE_BYTES as u64
+        {
+            return Err(ConnFault::misbehaved(format!(
+                "a {:?} with a riding notification of {n} bytes in {} inline",
+                m.kind,
+                inline.len()
+            )));
+        }
+        let (own, note) = inline.split_at(inline.len() - n as usize);
+        if self.held_notes.insert(m.op_id, note.to_vec()).is_some() {
+            return Err(ConnFault::misbehaved(format!(
+                "request {} sent again while outstanding",
+                m.op_id
+            )));
+        }
+        Ok(own)
     }
 
     /// Answers request `op_id` with `status` and no bytes.

@@ -147,7 +147,8 @@ fn op(
     let addr = b.mem.addr() + off as u64;
     assert!(a
         .conn
-        .push_request(kind, 5, KEY, addr, &local, false, Instant::now()));
+        .push_request(kind, 5, KEY, addr, &local, false, None, Instant::now())
+        .is_some());
     b.poll(mem).unwrap();
     a.poll(mem).unwrap();
     assert_eq!(a.done.len(), 1, "the op ended once");
@@ -190,7 +191,17 @@ fn ops_in_one_pass(
         let addr = b.mem.addr() + off as u64;
         assert!(a
             .conn
-            .push_request(kind, i as u32, KEY, addr, &local, false, Instant::now()));
+            .push_request(
+                kind,
+                i as u32,
+                KEY,
+                addr,
+                &local,
+                false,
+                None,
+                Instant::now()
+            )
+            .is_some());
     }
     b.poll(mem).unwrap();
     a.poll(mem).unwrap();
@@ -406,6 +417,120 @@ fn a_notification_past_the_cap_breaks_the_connection() {
     let e = a.poll(&mut mem).unwrap_err();
     assert!(
         matches!(&e, ConnFault::PeerMisbehaved { what } if what.contains("longer than")),
+        "{e}"
+    );
+}
+
+/// A notification riding in a WRITE request reaches the target's inbox
+/// with the copy, never before it: at once for an inline write, after
+/// the put-off copy of a large one (the pass after its answer).
+#[test]
+fn a_riding_note_lands_with_its_write() {
+    let (mut a, mut b) = pair("ride");
+    a.conn.set_notes_ride(true);
+    let mut mem = SameProcess::default();
+    let data: Vec<u8> = (0..70_000u32).map(|i| (i * 7) as u8).collect();
+    for (off, len) in [(3usize, 100usize), (4096, 65_536)] {
+        write_into(&a.mem, off, &data[..len]);
+        let local = RegionSlice::new(&a.mem, off, len).unwrap();
+        let addr = b.mem.addr() + off as u64;
+        let note = [b"\x00note ".as_slice(), &len.to_le_bytes()].concat();
+        let rode = a.conn.push_request(
+            OpKind::Write,
+            5,
+            KEY,
+            addr,
+            &local,
+            false,
+            Some(&note),
+            Instant::now(),
+        );
+        assert_eq!(rode, Some(true));
+        b.poll(&mut mem).unwrap();
+        b.poll(&mut mem).unwrap();
+        assert_eq!(bytes_of(&b.mem, off, len), &data[..len], "{len}");
+        assert_eq!(b.inbox.pop_front().as_deref(), Some(&note[..]), "{len}");
+        assert!(b.inbox.is_empty());
+        a.poll(&mut mem).unwrap();
+        assert!(matches!(a.done.pop(), Some((5, Ok(())))));
+        // Nothing rides back, nothing else arrives.
+        assert!(a.inbox.is_empty());
+    }
+}
+
+/// A request that fails (its window does not hold it) answers the error
+/// and drops its riding notification: nothing reaches the inbox.
+#[test]
+fn a_riding_note_of_a_failed_write_is_never_delivered() {
+    let (mut a, mut b) = pair("ride-fail");
+    a.conn.set_notes_ride(true);
+    let mut mem = SameProcess::default();
+    let local = RegionSlice::new(&a.mem, 0, 4096).unwrap();
+    let beyond = b.mem.addr() + (1 << 20) - 100;
+    let rode = a.conn.push_request(
+        OpKind::Write,
+        6,
+        KEY,
+        beyond,
+        &local,
+        false,
+        Some(b"\x00lost"),
+        Instant::now(),
+    );
+    assert_eq!(rode, Some(true));
+    b.poll(&mut mem).unwrap();
+    b.poll(&mut mem).unwrap();
+    assert!(b.inbox.is_empty(), "a note of a failed write was delivered");
+    a.poll(&mut mem).unwrap();
+    assert!(matches!(a.done.pop(), Some((6, Err(_)))));
+}
+
+/// To a peer that did not say it takes them, a note does not ride (the
+/// shard sends it as the op ends); a peer that claims a riding note longer
+/// than its request's bytes breaks the connection.
+#[test]
+fn notes_ride_only_where_the_peer_takes_them_and_as_long_as_they_are() {
+    let (mut a, mut b) = pair("ride-old");
+    let mut mem = SameProcess::default();
+    let local = RegionSlice::new(&a.mem, 0, 64).unwrap();
+    let addr = b.mem.addr();
+    let rode = a.conn.push_request(
+        OpKind::Write,
+        1,
+        KEY,
+        addr,
+        &local,
+        false,
+        Some(b"\x00x"),
+        Instant::now(),
+    );
+    assert_eq!(rode, Some(false));
+    b.poll(&mut mem).unwrap();
+    assert!(b.inbox.is_empty());
+    a.poll(&mut mem).unwrap();
+    let mut m = Msg::new(MsgKind::WriteReq);
+    m.conn = 7;
+    m.op_id = 3;
+    m.rkey = KEY.rkey;
+    m.aux = KEY.tag;
+    m.addr = addr;
+    m.len = 8;
+    m.status = REQ_NOTE;
+    m.aux2 = 64;
+    assert!(a.conn.send_raw(&m, &[0u8; 8]));
+    let e = b.poll(&mut mem).unwrap_err();
+    assert!(
+        matches!(&e, ConnFault::PeerMisbehaved { what } if what.contains("status 4")),
+        "{e}"
+    );
+    // A READ does not carry one.
+    let (mut a, mut b) = pair("ride-read");
+    m.kind = MsgKind::ReadReq;
+    m.aux2 = 2;
+    assert!(a.conn.send_raw(&m, &[0u8; 10]));
+    let e = b.poll(&mut mem).unwrap_err();
+    assert!(
+        matches!(&e, ConnFault::PeerMisbehaved { what } if what.contains("riding notification")),
         "{e}"
     );
 }
