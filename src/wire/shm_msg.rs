@@ -202,8 +202,23 @@ mod tests {
             Err(DecodeError::UnknownKind { got: 9, .. })
         ));
         out[0] = 4;
-        out[1] = 4;
+        out[1] = 8;
         assert!(Msg::decode(&out[..n]).is_err(), "unknown request flags");
+        // A riding notification: its length (aux2) within the inline bytes.
+        out[1] = 4;
+        out[56..64].copy_from_slice(&6u64.to_le_bytes());
+        assert!(
+            Msg::decode(&out[..n]).is_err(),
+            "a note longer than the inline bytes"
+        );
+        out[56..64].copy_from_slice(&2u64.to_le_bytes());
+        assert!(Msg::decode(&out[..n]).is_ok(), "a riding note");
+        out[1] = 5;
+        assert!(
+            Msg::decode(&out[..n]).is_err(),
+            "a GPU initiator's IPC reference and a note: 80 bytes and the note's"
+        );
+        out[56..64].copy_from_slice(&0u64.to_le_bytes());
         out[1] = 1;
         assert!(
             Msg::decode(&out[..n]).is_err(),
