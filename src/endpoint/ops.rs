@@ -348,7 +348,11 @@ impl Endpoint {
     /// bytes) to the peer once the transfer ended well: after the data is
     /// in place (a WRITE: the peer applied it; a READ: it is here), whether
     /// or not anyone polls the transfer. A transfer that fails sends none.
-    /// Key windows only (a CUDA IPC op is refused).
+    /// Key windows only (a CUDA IPC op is refused). To a same-host peer a
+    /// WRITE of one piece carries the notification in its request, and
+    /// the peer takes it in as the data lands (no reply's and note's trip
+    /// more): should the connection die between that and the reply, the
+    /// peer has the notification while this transfer fails.
     pub fn transfer_notify_async<W: Window>(
         &self,
         conn: ConnId,
