@@ -62,8 +62,10 @@ uccl_bench() {
     [ -f "$carry/uccl/benchmark_uccl.py" ] || return 0
     step "UCCL v0.1.1 benchmark_uccl.py, unchanged, both ranks on GPU 0: modes '$*'"
     for mode in "$@"; do
+        # The whole output in $OUT (a failure's traceback is above the tail).
         (cd "$carry/uccl" && PYTHONPATH=$carry/uccl timeout 120 $py -m torch.distributed.run --nproc_per_node=2 \
-            benchmark_uccl.py $mode --sizes 256,4096,65536,1048576 --iters 2000 2>&1 | grep -v "^W\|^I\|warn" | tail -12)
+            benchmark_uccl.py $mode --sizes 256,4096,65536,1048576 --iters 2000 2>&1 | grep -v "^W\|^I\|warn" \
+            | tee "$OUT/uccl-bench${mode:-default}.log" | tail -12)
     done
 }
 
