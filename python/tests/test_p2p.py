@@ -317,52 +317,25 @@ def test_blocking_calls_release_the_gil():
     ep.close()
 
 
-@pytest.mark.parametrize("call", ["ep.accept()", "ep.recv_notification()", "ep.accept_local()"])
-def test_ctrl_c_interrupts_a_blocking_call(call):
-    code = textwrap.dedent(
-        f"""
-        import sys, time
-        from ferry import p2p
-        ep = p2p.Endpoint()
-        print("ready", flush=True)
-        try:
-            {call}
-        except KeyboardInterrupt:
-            print("interrupted", flush=True)
-            sys.exit(0)
-        sys.exit(3)
-        """
-    )
-    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    assert p.stdout.readline().strip() == "ready"
-    time.sleep(0.3)
-    p.send_signal(signal.SIGINT)
-    out, _ = p.communicate(timeout=10)
-    assert p.returncode == 0 and "interrupted" in out
-
-
-@pytest.mark.parametrize("call", ["recv", "send"])
-def test_ctrl_c_interrupts_a_blocking_message(call):
-    """A blocking recv with no message coming (and a send with no receive
-    posted) waits in one native call: Ctrl-C still ends it."""
-    code = textwrap.dedent(
-        f"""
-        import sys, numpy as np
-        from ferry import p2p
-        a, b = p2p.Endpoint(), p2p.Endpoint()
-        assert b.start_passive_accept()
-        ok, conn = a.add_remote_endpoint(b.get_metadata())
-        assert ok
-        buf = np.zeros(4096, np.uint8)
-        ok, mr = a.reg(buf.ctypes.data, buf.nbytes)
-        print("ready", flush=True)
-        try:
-            a.{call}(conn, mr, buf.ctypes.data, 64 << 10 if "{call}" == "recv" else 4096)
-        except KeyboardInterrupt:
-            print("interrupted", flush=True)
-            sys.exit(0)
-        sys.exit(3)
-        """
+def interrupted(setup: str, call: str) -> None:
+    """Runs `setup` then the blocking `call` in a child process and sends
+    it Ctrl-C once it is waiting: the call must raise KeyboardInterrupt
+    within seconds."""
+    code = (
+        "import sys, numpy as np\n"
+        "from ferry import p2p\n"
+        + textwrap.dedent(setup)
+        + textwrap.dedent(
+            f"""
+            print("ready", flush=True)
+            try:
+                {call}
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+                sys.exit(0)
+            sys.exit(3)
+            """
+        )
     )
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "ready"
@@ -372,6 +345,27 @@ def test_ctrl_c_interrupts_a_blocking_message(call):
     out, _ = p.communicate(timeout=10)
     assert p.returncode == 0 and "interrupted" in out
     assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("call", ["ep.accept()", "ep.recv_notification()", "ep.accept_local()"])
+def test_ctrl_c_interrupts_a_blocking_call(call):
+    interrupted("ep = p2p.Endpoint()\n", call)
+
+
+@pytest.mark.parametrize("call", ["recv", "send"])
+def test_ctrl_c_interrupts_a_blocking_message(call):
+    """A blocking recv with no message coming (and a send with no receive
+    posted) waits in one native call: Ctrl-C still ends it."""
+    setup = """
+        a, b = p2p.Endpoint(), p2p.Endpoint()
+        assert b.start_passive_accept()
+        ok, conn = a.add_remote_endpoint(b.get_metadata())
+        assert ok
+        buf = np.zeros(4096, np.uint8)
+        ok, mr = a.reg(buf.ctypes.data, buf.nbytes)
+        """
+    size = "64 << 10" if call == "recv" else "4096"
+    interrupted(setup, f"a.{call}(conn, mr, buf.ctypes.data, {size})")
 
 
 def test_uccl_aliases_are_honoured_and_said_once():
