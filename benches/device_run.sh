@@ -201,7 +201,8 @@ elif [ "$what" = kv ]; then
     echo "-- A"
     timeout 60 "$carry/A/ferry" bench --transport ipc --op write --sizes 4K --latency --seconds 1 2>&1 | tail -4
     python_ipc_op
-    uccl_bench "" --write-ipc
+    # Its --write-ipc mode puts rank 1 on GPU 1: only with two GPUs.
+    uccl_bench "" $([ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 ] && echo --write-ipc)
     step "two-sided (B)"
     for t in shm tcp; do
         timeout 60 "$FERRY_BIN" bench --transport $t --op send --sizes 8,4K,64K --seconds 1 2>&1 | tail -5
