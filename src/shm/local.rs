@@ -378,15 +378,9 @@ impl LocalConn {
             }
             work += 1;
         }
-        // Riding notifications whose copies landed (before the ring's
-        // messages, which came after them).
-        while let Some(msg) = self.notes_landed.pop_front() {
-            work += 1;
-            if let Err(back) = sink.notify(msg) {
-                self.notify_blocked = Some(back);
-                return Ok(work);
-            }
-        }
+        // Riding notifications whose copies landed since the last pass
+        // (a CUDA copy's, answered by the shard).
+        work += self.deliver_landed(sink);
         // Bounded per call so one busy peer cannot starve the loop.
         for _ in 0..256 {
             if self.notify_blocked.is_some() {
@@ -408,9 +402,30 @@ impl LocalConn {
                 }
             }
             self.on_msg(m, inline, regions, maps, peer_mem, sink)?;
+            // A request answered at once hands over its riding note before
+            // the ring's next message (which the peer sent after it).
+            work += self.deliver_landed(sink);
         }
         self.flush_cma(peer_mem, sink);
+        work += self.deliver_landed(sink);
         Ok(work)
+    }
+
+    /// Hands the riding notifications whose requests were answered Ok to
+    /// the inbox, in order, until it is full (then `notify_blocked` holds
+    /// one and the ring waits). Returns how many it handed over.
+    fn deliver_landed(&mut self, sink: &mut impl Sink) -> usize {
+        let mut n = 0;
+        while self.notify_blocked.is_none() {
+            let Some(msg) = self.notes_landed.pop_front() else {
+                break;
+            };
+            n += 1;
+            if let Err(back) = sink.notify(msg) {
+                self.notify_blocked = Some(back);
+            }
+        }
+        n
     }
 
     fn on_msg(
