@@ -79,14 +79,17 @@ impl Msg {
 
     /// Writes header and `inline` into `out`; returns the bytes used.
     pub fn encode(&self, inline: &[u8], out: &mut [u8; SLOT_PAYLOAD]) -> usize {
-        assert!(
-            inline.len() <= MAX_INLINE,
-            "inline payload {} > {MAX_INLINE}",
-            inline.len()
-        );
+        self.encode_with(inline, &[], out)
+    }
+
+    /// As `encode`, the inline payload being `inline` then `tail` (a
+    /// request's riding notification).
+    pub fn encode_with(&self, inline: &[u8], tail: &[u8], out: &mut [u8; SLOT_PAYLOAD]) -> usize {
+        let len = inline.len() + tail.len();
+        assert!(len <= MAX_INLINE, "inline payload {len} > {MAX_INLINE}");
         out[0] = self.kind as u8;
         out[1] = self.status;
-        out[2..4].copy_from_slice(&(inline.len() as u16).to_le_bytes());
+        out[2..4].copy_from_slice(&(len as u16).to_le_bytes());
         out[4..8].copy_from_slice(&self.conn.to_le_bytes());
         out[8..16].copy_from_slice(&self.op_id.to_le_bytes());
         out[16..20].copy_from_slice(&self.rkey.to_le_bytes());
@@ -97,7 +100,8 @@ impl Msg {
         out[48..56].copy_from_slice(&self.aux.to_le_bytes());
         out[56..64].copy_from_slice(&self.aux2.to_le_bytes());
         out[MSG_HEADER..MSG_HEADER + inline.len()].copy_from_slice(inline);
-        MSG_HEADER + inline.len()
+        out[MSG_HEADER + inline.len()..MSG_HEADER + len].copy_from_slice(tail);
+        MSG_HEADER + len
     }
 
     /// Decodes one message; returns it and its inline payload.

@@ -432,12 +432,13 @@ impl Endpoint {
             } else {
                 // `Fin` rides with the WRITE: its shard sends it the moment
                 // the WRITE ended well, without waiting for this thread.
-                let fin_ok = ctl(CtlMsg::Fin {
+                let fin_ok = CtlMsg::Fin {
                     seq: p.seq,
                     status: FinStatus::Ok,
                     len,
-                });
-                match self.write_from(conn, p.msg, &window, &fin_ok[1..]) {
+                }
+                .encode();
+                match self.write_from(conn, p.msg, &window, &fin_ok) {
                     Ok(t) => c.writing.push(Writing {
                         id: p.id,
                         seq: p.seq,

@@ -18,8 +18,9 @@ use crate::xfer::Sink;
 
 impl LocalConn {
     /// Queues one request: `None` if there is no room now (retry later),
-    /// else whether `note` rode in it (`note_room` bytes fit): the peer
-    /// delivers it once the request's copy has landed, never if it failed.
+    /// else whether `note` rode in it (where the peer takes riding notes
+    /// and it fits beside the request's own bytes): the peer delivers it
+    /// once the request's copy has landed, never if it failed.
     #[allow(clippy::too_many_arguments)]
     pub fn push_request(
         &mut self,
@@ -79,20 +80,18 @@ impl LocalConn {
         } else {
             &[]
         };
-        let mut joined = [0u8; MAX_INLINE];
-        let (inline, rode) = match note {
+        // A riding note goes after the request's own bytes; its length
+        // says where.
+        let (tail, rode) = match note {
             Some(n) if self.notes_ride && inline.len() + n.len() <= MAX_INLINE => {
-                // After the request's own bytes; its length says where.
-                joined[..inline.len()].copy_from_slice(inline);
-                joined[inline.len()..inline.len() + n.len()].copy_from_slice(n);
                 m.status |= REQ_NOTE;
                 m.aux2 = n.len() as u64;
-                (&joined[..inline.len() + n.len()], true)
+                (n, true)
             }
-            _ => (inline, false),
+            _ => (&[][..], false),
         };
         let mut buf = [0u8; SLOT_PAYLOAD];
-        let n = m.encode(inline, &mut buf);
+        let n = m.encode_with(inline, tail, &mut buf);
         // By field, not `tx_push`: `entry` holds `pending` borrowed.
         if push_to(&self.tx, self.hot, &mut self.ring_due, &buf[..n]).is_err() {
             return None;
