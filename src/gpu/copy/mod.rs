@@ -24,7 +24,7 @@ use cudarc::driver::sys as cu;
 
 use super::driver::{check, cuda};
 use super::gather::{Gather, KERNEL_MAX_BYTES};
-use super::runner::{Runner, RUNNER_MAX_BYTES};
+use super::runner::{self, Runner, RUNNER_MAX_BYTES};
 
 mod choice;
 use crate::error::{Error, Result};
@@ -400,6 +400,7 @@ impl<E> Copier<E> {
             if count == 1
                 && self.all_kernel_ok
                 && self.sizes[0] <= RUNNER_MAX_BYTES
+                && runner::reaches(self.dsts[0], self.srcs[0])
                 && !self.choice[0].engine_only()
             {
                 let (dst, src, len) = (self.dsts[0], self.srcs[0], self.sizes[0]);

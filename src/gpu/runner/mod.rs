@@ -11,7 +11,11 @@
 //! one block of `THREADS` threads polls a word in pinned host memory;
 //! the shard writes the copy's descriptor and then the word, and the
 //! runner copies and writes a done word back, which the shard's loop
-//! reads with a plain load. No launch is made per copy; the one driver
+//! reads with a plain load. The runner reads the descriptor in the same
+//! round trip over the bus as the word (a read of host memory from the
+//! GPU takes about a microsecond), not after it: each descriptor word
+//! carries a tag of its copy (the low byte of `seq`), and one read before
+//! the shard stored it (the last copy's) is read again. No launch is made per copy; the one driver
 //! call is a query of the last launch's end event when the copy is posted
 //! (to know whether the kernel still runs), and one in 64 looks while it is
 //! in flight (to see a kernel that failed).
@@ -35,7 +39,7 @@
 //! | offset | word | writer |
 //! |---|---|---|
 //! | 0 | `seq` in the low 32 bits, `len` in the high (u64): a new `seq` is a copy to make; `len` `STOP` ends the runner | shard |
-//! | 16 | `dst`, `src` (u64 each) | shard, before the word at 0 |
+//! | 16 | `dst`, `src` (u64 each), each with its copy's `seq` mod 256 in its top byte | shard, before the word at 0 |
 //! | 64 | `done` (u32): the last `seq` copied | runner |
 //! | 68 | `quit` (u32): 1 while it is ending | runner (the shard clears it before a launch) |
 
@@ -55,6 +59,21 @@ pub(crate) use ptx::PTX;
 /// Copies of at most this many bytes may go to the runner: one block
 /// moves them (16 KiB in four passes of its threads).
 pub(crate) const RUNNER_MAX_BYTES: usize = 64 << 10;
+/// The bits of an address the descriptor carries; the top byte is its
+/// copy's tag (module doc).
+const ADDR_MASK: u64 = (1 << 56) - 1;
+
+/// Whether the runner can be given these addresses (each fits under its
+/// tag: every user-space address on x86-64 and aarch64 does).
+pub(crate) fn reaches(dst: u64, src: u64) -> bool {
+    (dst | src) <= ADDR_MASK
+}
+
+/// A descriptor word: `addr` with `seq`'s tag.
+fn tagged(addr: u64, seq: u32) -> u64 {
+    addr | (u64::from(seq & 0xFF) << 56)
+}
+
 /// Threads of the runner's one block.
 const THREADS: u32 = 256;
 /// `len` of the word at 0 that tells the runner to end.
@@ -170,12 +189,18 @@ impl Host {
         len: usize,
     ) -> Result<()> {
         debug_assert!(self.free() && (len as u64) < STOP);
+        if !reaches(dst, src) {
+            return Err(crate::error::Error::Unsupported {
+                what: "the GPU copy runner",
+                reason: format!("addresses {dst:#x} and {src:#x} do not fit under its tag"),
+            });
+        }
         if self.live && k.ended()? {
             self.live = false;
         }
         let seq = self.seq.wrapping_add(1);
-        ctl.dst.store(dst, Ordering::Relaxed);
-        ctl.src.store(src, Ordering::Relaxed);
+        ctl.dst.store(tagged(dst, seq), Ordering::Relaxed);
+        ctl.src.store(tagged(src, seq), Ordering::Relaxed);
         ctl.go
             .store(u64::from(seq) | ((len as u64) << 32), Ordering::Release);
         self.seq = seq;

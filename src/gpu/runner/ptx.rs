@@ -34,7 +34,10 @@ pub(crate) const PTX: &str = concat!(
 LOOP:
     @%p1 bra WAIT;
 POLL:
-    // Thread 0 polls the word; the descriptor was stored before it.
+    // Thread 0 polls the word, with the descriptor read in the same
+    // round trip (its loads are issued before the word's acquire load,
+    // not after it); GOT checks the descriptor's tags.
+    ld.volatile.global.v2.u64 {%rd4, %rd5}, [%rd1+16];
     ld.acquire.sys.global.u64 %rd2, [%rd1];
     cvt.u32.u64 %r3, %rd2;
     setp.ne.u32 %p2, %r3, %r2;
@@ -50,6 +53,7 @@ ENDING:
     mov.u32 %r4, 1;
     st.volatile.global.u32 [%rd1+68], %r4;
     fence.sc.sys;
+    ld.volatile.global.v2.u64 {%rd4, %rd5}, [%rd1+16];
     ld.acquire.sys.global.u64 %rd2, [%rd1];
     cvt.u32.u64 %r3, %rd2;
     setp.ne.u32 %p2, %r3, %r2;
@@ -61,8 +65,23 @@ RESUME:
     mov.u32 %r4, 0;
     st.volatile.global.u32 [%rd1+68], %r4;
 GOT:
-    ld.volatile.global.v2.u64 {%rd4, %rd5}, [%rd1+16];
     shr.u64 %rd6, %rd2, 32;
+    setp.ge.u64 %p4, %rd6, 4294967295;
+    @%p4 bra TAGGED;
+    // Each descriptor word carries the low byte of its copy's seq in its
+    // top byte: a word read before the shard stored it (the loads above
+    // may be served in any order) is the last copy's, and is read again.
+    cvt.u64.u32 %rd7, %r3;
+    and.b64 %rd7, %rd7, 255;
+    shr.u64 %rd9, %rd4, 56;
+    setp.ne.u64 %p7, %rd9, %rd7;
+    @%p7 bra POLL;
+    shr.u64 %rd9, %rd5, 56;
+    setp.ne.u64 %p7, %rd9, %rd7;
+    @%p7 bra POLL;
+    and.b64 %rd4, %rd4, 72057594037927935;
+    and.b64 %rd5, %rd5, 72057594037927935;
+TAGGED:
     st.shared.v2.u64 [job], {%rd4, %rd5};
     st.shared.u64 [job+16], %rd6;
 WAIT:

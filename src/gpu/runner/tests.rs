@@ -19,6 +19,8 @@ mod soft {
         pub idle_polls: u32,
         /// Times each `seq` was copied (index `seq`).
         pub copied: Arc<Vec<AtomicU32>>,
+        /// Descriptors read before the shard stored them (and read again).
+        pub stale: Arc<AtomicU32>,
         pub launches: u32,
         ended: Option<Arc<AtomicBool>>,
         pub threads: Vec<thread::JoinHandle<()>>,
@@ -30,6 +32,7 @@ mod soft {
                 ctl,
                 idle_polls,
                 copied: Arc::new((0..seqs).map(|_| AtomicU32::new(0)).collect()),
+                stale: Arc::new(AtomicU32::new(0)),
                 launches: 0,
                 ended: None,
                 threads: Vec::new(),
@@ -42,8 +45,9 @@ mod soft {
             let ended = Arc::new(AtomicBool::new(false));
             self.ended = Some(ended.clone());
             let (ctl, idle, copied) = (self.ctl.clone(), self.idle_polls, self.copied.clone());
+            let stale = self.stale.clone();
             self.threads.push(thread::spawn(move || {
-                run(&ctl, last, idle, &copied);
+                run(&ctl, last, idle, &copied, &stale);
                 ended.store(true, Ordering::Release);
             }));
             self.launches += 1;
@@ -58,10 +62,21 @@ mod soft {
         }
     }
 
-    fn run(ctl: &Ctl, mut last: u32, idle_polls: u32, copied: &[AtomicU32]) {
+    fn run(ctl: &Ctl, mut last: u32, idle_polls: u32, copied: &[AtomicU32], stale: &AtomicU32) {
         let mut empty = 0;
         loop {
-            // POLL
+            // POLL: the descriptor, then the word, as the kernel issues
+            // its loads (the GPU may serve them in either order; here the
+            // descriptor is read first, and a pause between widens the
+            // window in which it is the last copy's).
+            let (mut dst, mut src) = (
+                ctl.dst.load(Ordering::Relaxed),
+                ctl.src.load(Ordering::Relaxed),
+            );
+            #[cfg(not(loom))]
+            for _ in 0..32 {
+                std::hint::spin_loop();
+            }
             let mut go = ctl.go.load(Ordering::Acquire);
             if go as u32 == last {
                 if empty < idle_polls {
@@ -72,6 +87,10 @@ mod soft {
                 // ENDING: say so, fence, look once more.
                 ctl.quit.store(1, Ordering::Relaxed);
                 fence(Ordering::SeqCst);
+                (dst, src) = (
+                    ctl.dst.load(Ordering::Relaxed),
+                    ctl.src.load(Ordering::Relaxed),
+                );
                 go = ctl.go.load(Ordering::Acquire);
                 if go as u32 == last {
                     return;
@@ -84,10 +103,14 @@ mod soft {
             if len >= STOP {
                 return;
             }
-            let (dst, src) = (
-                ctl.dst.load(Ordering::Relaxed),
-                ctl.src.load(Ordering::Relaxed),
-            );
+            // The tags: a word of the last copy is read again.
+            let tag = u64::from(go as u32 & 0xFF);
+            if dst >> 56 != tag || src >> 56 != tag {
+                stale.fetch_add(1, Ordering::Relaxed);
+                thread::yield_now();
+                continue;
+            }
+            let (dst, src) = (dst & ADDR_MASK, src & ADDR_MASK);
             // SAFETY: the test posts ranges of its own live buffers and
             // keeps them until the copy's done word.
             unsafe {
@@ -116,6 +139,23 @@ mod protocol {
         assert!(PTX.contains("4294967295") && STOP == 4_294_967_295);
         assert_eq!(GO, 0);
         assert!(PTX.contains("add.s64 %rd8, %rd8, 256;") && THREADS == 256);
+        // The tag's place and the address's mask.
+        assert!(PTX.contains("shr.u64 %rd9, %rd4, 56;") && PTX.contains("shr.u64 %rd9, %rd5, 56;"));
+        assert!(PTX.contains(&format!("and.b64 %rd4, %rd4, {ADDR_MASK};")));
+        assert!(PTX.contains(&format!("and.b64 %rd5, %rd5, {ADDR_MASK};")));
+    }
+
+    #[test]
+    fn an_address_over_the_tag_is_refused_before_anything_is_posted() {
+        let ctl = Arc::new(Ctl::new());
+        let mut k = SoftKernel::new(ctl.clone(), 0, 2);
+        let mut host = Host::default();
+        assert!(reaches(ADDR_MASK, 0) && !reaches(0, ADDR_MASK + 1));
+        let e = host.start(&ctl, &mut k, 1 << 56, 0x1000, 8).unwrap_err();
+        assert!(e.to_string().contains("0x100000000000000"), "{e}");
+        assert!(host.free() && k.launches == 0);
+        assert_eq!(ctl.go.load(Ordering::Relaxed), 0);
+        assert_eq!(tagged(0x1234, 0x1_0203), 0x0300_0000_0000_1234);
     }
 
     /// Thousands of copies posted at every moment of the kernel's life —
@@ -169,6 +209,10 @@ mod protocol {
                 .iter()
                 .all(|c| c.load(Ordering::Relaxed) == 1);
             assert!(once, "idle {idle_polls}: a copy made twice or never");
+            eprintln!(
+                "idle {idle_polls}: {} descriptors read before they were stored, and read again",
+                k.stale.load(Ordering::Relaxed)
+            );
             // A kernel that ends at its first idle look ended and was
             // launched again along the way (with longer idle spans a
             // loaded machine may keep one kernel busy throughout).
