@@ -563,10 +563,20 @@ class Endpoint:
         return self._call("advertisev_ipc", (False, []), lambda: (True, self._advertise_ipc_all(conn_id, ptr_v, size_v)))
 
     def write_ipc(self, conn_id: int, ptr: int, size: int, info: bytes) -> bool:
-        return self._run("write_ipc", conn_id, True, lambda: ([(self._by_ptr(ptr, size), ptr, size)], [bytes(info)]), True)[0]
+        return self._one("write_ipc", conn_id, True, ptr, size, info)
 
     def read_ipc(self, conn_id: int, ptr: int, size: int, info: bytes) -> bool:
-        return self._run("read_ipc", conn_id, False, lambda: ([(self._by_ptr(ptr, size), ptr, size)], [bytes(info)]), True)[0]
+        return self._one("read_ipc", conn_id, False, ptr, size, info)
+
+    def _one(self, what: str, conn_id: int, write: bool, ptr: int, size: int, info: bytes) -> bool:
+        """One blocking ``*_ipc`` op in one native call (no connection
+        object or lists: the seed's hottest small call)."""
+        try:
+            win = info if type(info) is bytes else bytes(info)
+            self._ep().run_one(conn_id, write, self._by_ptr(ptr, size), ptr, size, win)
+            return True
+        except (FerryError, _Failed) as e:
+            return self._fail(what, e, False)
 
     def write_ipc_async(self, conn_id: int, ptr: int, size: int, info: bytes) -> Tuple[bool, int]:
         return self._ipc("write_ipc_async", True, conn_id, [ptr], [size], [info], False)

@@ -282,6 +282,36 @@ impl Endpoint {
         Ok(self.conn(ep, ConnId(conn_id)))
     }
 
+    /// One WRITE (`write`) or READ of `size` bytes at `ptr` in `region`
+    /// against `window` (the peer's advertised bytes) on connection
+    /// `conn_id`, waited for: `Connection.run` of one piece without a
+    /// `Connection` object or lists (ferry.p2p's `write_ipc`/`read_ipc`).
+    /// Raises `FerryError` if it failed; Ctrl-C interrupts the wait.
+    #[allow(clippy::too_many_arguments)] // Python's positional call, one argument each
+    fn run_one(
+        &self,
+        py: Python<'_>,
+        conn_id: u64,
+        write: bool,
+        region: PyRef<'_, Region>,
+        ptr: u64,
+        size: usize,
+        window: PyBackedBytes,
+    ) -> PyResult<()> {
+        let ep = self.get()?;
+        let id = ConnId(conn_id);
+        ep.conn_status(id).map_err(fe)?;
+        if !region.ep.same(&self.ep) {
+            return Err(FerryError::new_err(
+                "a region of another endpoint than this one",
+            ));
+        }
+        let v = region.view()?;
+        let off = region.offset_of(&v, ptr, size)?;
+        let win = AnyWindow::decode(&window).map_err(fe)?;
+        run_op(py, &ep, id, write, &[(&*v.mr, off, size)], &[win])
+    }
+
     /// Registers `[ptr, ptr + size)` (host or GPU memory), which must stay
     /// valid until the region is closed. `readonly`: peers may only READ
     /// it, and it is never the destination of this side's READs.
@@ -756,30 +786,7 @@ impl Connection {
         let (ep, held, wins) = self.pieces(&locals, &windows)?;
         let l: Vec<(&MemoryRegion, usize, usize)> =
             held.iter().map(|(m, o, n)| (&**m, *o, *n)).collect();
-        let mut t = py
-            .allow_threads(|| {
-                let mut t = start_op(&ep, self.id, write, &l, &wins)?;
-                match t.wait_timeout(SLICE) {
-                    Err(ferry::Error::Timeout {
-                        what: "transfer", ..
-                    }) => Ok(Some(t)),
-                    other => other.map(|()| None),
-                }
-            })
-            .map_err(fe)?;
-        while let Some(mut left) = t.take() {
-            py.check_signals()?;
-            t = match py.allow_threads(|| left.wait_timeout(SLICE)) {
-                Err(ferry::Error::Timeout {
-                    what: "transfer", ..
-                }) => Some(left),
-                other => {
-                    other.map_err(fe)?;
-                    None
-                }
-            };
-        }
-        Ok(())
+        run_op(py, &ep, self.id, write, &l, &wins)
     }
 
     /// Two-sided: sends `[ptr, ptr + size)` of `region` as one message,
@@ -853,6 +860,43 @@ impl Transfer {
 }
 
 /// Starts one WRITE or READ of `l` against `wins` on connection `id`.
+/// Starts one WRITE or READ and waits for its end with the GIL released
+/// once for both (`Connection.run`, `Endpoint.run_one`); Ctrl-C
+/// interrupts the wait, and the operation runs on.
+fn run_op(
+    py: Python<'_>,
+    ep: &ferry::Endpoint,
+    id: ConnId,
+    write: bool,
+    l: &[(&MemoryRegion, usize, usize)],
+    wins: &[AnyWindow],
+) -> PyResult<()> {
+    let mut t = py
+        .allow_threads(|| {
+            let mut t = start_op(ep, id, write, l, wins)?;
+            match t.wait_timeout(SLICE) {
+                Err(ferry::Error::Timeout {
+                    what: "transfer", ..
+                }) => Ok(Some(t)),
+                other => other.map(|()| None),
+            }
+        })
+        .map_err(fe)?;
+    while let Some(mut left) = t.take() {
+        py.check_signals()?;
+        t = match py.allow_threads(|| left.wait_timeout(SLICE)) {
+            Err(ferry::Error::Timeout {
+                what: "transfer", ..
+            }) => Some(left),
+            other => {
+                other.map_err(fe)?;
+                None
+            }
+        };
+    }
+    Ok(())
+}
+
 fn start_op(
     ep: &ferry::Endpoint,
     id: ConnId,

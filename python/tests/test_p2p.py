@@ -486,8 +486,16 @@ def test_ipc_family_and_blocking_vectors_with_host_memory(transport):
     assert b.read_ipc(conn, x.ctypes.data, size, one) and int(x[0]) == 4
     ok, tid = b.read_ipc_async(conn, x.ctypes.data, size, one)
     assert ok and b.wait(tid, 10)
-    # wrong info length, unequal lists
+    # the window as a bytearray or a memoryview, as bytes
+    x[:] = 0
+    assert b.read_ipc(conn, x.ctypes.data, size, bytearray(one)) and int(x[0]) == 4
+    assert b.write_ipc(conn, ptrs[1], size, memoryview(one)) and int(dst[0][0]) == 2
+    # wrong info length, an unknown connection, a range past the buffer,
+    # unequal lists
     assert b.write_ipc(conn, ptrs[0], size, b"\0" * 10) is False
+    assert b.write_ipc(conn + 1000, ptrs[0], size, one) is False
+    assert b.read_ipc(conn, x.ctypes.data, size + 1, one) is False
+    assert int(dst[0][0]) == 2 and int(x[0]) == 4
     with pytest.raises(p2p.FerryError):
         b.writev_ipc(conn, ptrs, [size] * 3, infos)
     # the blocking registration forms
