@@ -6,7 +6,7 @@
 #   wheel/ferry-*.whl (the Python package), uccl/ (UCCL v0.1.1's own
 #   p2p/tests, unchanged, and a one-line `uccl` package that is ferry.p2p).
 #
-#   benches/device_run.sh tests|benches|ray|short|kv|sweep|latency|runner  (results under $OUT)
+#   benches/device_run.sh tests|benches|ray|short|kv|small|sweep|latency|runner  (results under $OUT)
 #
 # tests: the GPU suite, the Python suite, UCCL's own tests, the NIXL suite
 # on VRAM (nixl-cu13 as installed there) over shm and tcp.
@@ -18,7 +18,7 @@
 # tensors), benches/ray_rdt.py into $OUT/ray_rdt.txt, and the NIXL suite on
 # VRAM over shm and tcp (nixl-cu13 as installed there).
 set -uo pipefail
-what=${1:?tests, benches, ray, short, kv, sweep, latency or runner}
+what=${1:?tests, benches, ray, short, kv, small, sweep, latency or runner}
 carry=$PWD/${FERRY_CARRY:-target/carry}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -63,7 +63,7 @@ uccl_bench() {
     step "UCCL v0.1.1 benchmark_uccl.py, unchanged, both ranks on GPU 0: modes '$*'"
     for mode in "$@"; do
         # The whole output in $OUT (a failure's traceback is above the tail).
-        (cd "$carry/uccl" && PYTHONPATH=$carry/uccl timeout 120 $py -m torch.distributed.run --nproc_per_node=2 \
+        (cd "$carry/uccl" && PYTHONPATH=$carry/uccl${PYTHONPATH:+:$PYTHONPATH} timeout 120 $py -m torch.distributed.run --nproc_per_node=2 \
             benchmark_uccl.py $mode --sizes 256,4096,65536,1048576 --iters 2000 2>&1 | grep -v "^W\|^I\|warn" \
             | tee "$OUT/uccl-bench${mode:-default}.log" | tail -12)
     done
@@ -259,6 +259,43 @@ elif [ "$what" = runner ]; then
     for us in 0 100; do
         echo "-- FERRY_GPU_RUNNER_US=$us"
         FERRY_GPU_RUNNER_US=$us uccl_bench ""
+    done
+elif [ "$what" = small ]; then
+    # Issue 49's small ops, this build (B) against the one in $carry/A (A:
+    # its ferry and wheel), alternating on the same machine: the runner's
+    # byte-exact tests (B), one 4 KiB IPC write embedded and managed, a
+    # two-sided 4 KiB GPU round trip, Python's write_ipc by layer
+    # (benches/py_op_probe.py) and `python -m ferry.bench`, and UCCL's
+    # benchmark_uccl.py default mode. A's Python package is installed
+    # apart (/tmp/pyA, first on PYTHONPATH for A's runs).
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    if [ -x "$carry/gpu_pieces" ]; then
+        step "GPU pieces suite: the runner's tests and the kernel's way (B)"
+        timeout 240 "$carry/gpu_pieces" --ignored --test-threads=1 lone_copies through_the_gather_kernel 2>&1 | tail -8
+    fi
+    $py -m pip install -q --no-deps --no-index --force-reinstall "$carry"/wheel/ferry-*.whl 2>&1 | tail -2
+    rm -rf /tmp/pyA && $py -m pip install -q --no-deps --no-index --target /tmp/pyA "$carry"/A/wheel/ferry-*.whl 2>&1 | tail -2
+    bin_of() { [ "$1" = A ] && echo "$carry/A/ferry" || echo "$carry/ferry"; }
+    path_of() { [ "$1" = A ] && echo "/tmp/pyA${PYTHONPATH:+:$PYTHONPATH}" || echo "${PYTHONPATH:-}"; }
+    for r in 1 2; do
+        for v in B A; do
+            for n in 1 2; do
+                step "round $r, build $v, one 4 KiB IPC write, --shards $n"
+                timeout 60 "$(bin_of $v)" bench --transport ipc --op write --sizes 4K --latency --seconds 1 --shards $n 2>&1 | grep latency
+            done
+            step "round $r, build $v, two-sided 4 KiB GPU messages, same host"
+            timeout 60 "$(bin_of $v)" bench --transport shm --device gpu --op send --sizes 4K --seconds 1 2>&1 | tail -2
+        done
+    done
+    for v in B A; do
+        step "build $v: benches/py_op_probe.py"
+        (cd / && PYTHONPATH=$(path_of $v) FERRY_BIN=$(bin_of $v) timeout 120 $py "$OLDPWD/benches/py_op_probe.py" --rounds 2000 2>&1 | tail -9)
+        step "build $v: python -m ferry.bench --transport ipc"
+        (cd / && PYTHONPATH=$(path_of $v) timeout 120 $py -m ferry.bench --transport ipc --sizes 4K --ferry-bin "$(bin_of $v)" 2>&1 | tail -6)
+    done
+    for v in B A B A; do
+        step "build $v: UCCL"
+        PYTHONPATH=$(path_of $v) uccl_bench ""
     done
 elif [ "$what" = sweep ]; then
     # One setting's values against each other on NIXL VRAM points, in
