@@ -208,6 +208,11 @@ macro_rules! settings {
             /// every copy is launched). It also ends after twenty such spans
             /// alive, so a device-wide synchronisation never waits longer.
             gpu_runner_us: u64 = 100, "FERRY_GPU_RUNNER_US", range(0, 100_000);
+            /// Batches of at least this many small GPU copies give the gather
+            /// kernel its descriptors in device memory (one more copy before
+            /// the launch); smaller ones from pinned host memory, read by the
+            /// kernel over the bus (`FERRY_GPU_DEVICE_DESCS`, default 256).
+            gpu_device_descs: usize = 256, "FERRY_GPU_DEVICE_DESCS", range(1, 1 << 30);
             /// Pinned bounce memory per shard for GPU memory on tcp
             /// (`FERRY_GPU_BOUNCE_BYTES`, default 256 MiB), in buffers of
             /// `chunk_bytes` (at least 2).

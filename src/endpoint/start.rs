@@ -80,6 +80,7 @@ fn shard_config(
         gpu_copy: crate::gpu::copy::CopyWay {
             way: cfg.gpu_copy,
             runner_idle: (cfg.gpu_runner_us > 0).then(|| Duration::from_micros(cfg.gpu_runner_us)),
+            device_descs: cfg.gpu_device_descs,
         },
         copy_pool: crate::reactor::copy_pool::LazyCopyPool::new(cfg.copy_threads),
         gpu_bounce_bytes: cfg.gpu_bounce_bytes,

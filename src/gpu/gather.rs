@@ -245,6 +245,8 @@ pub(crate) struct Gather {
     /// `ferry_gather_p` (up to `PARAM_DESCS` descriptors by value) and its
     /// module, where it loaded.
     by_value: Option<(cu::CUmodule, cu::CUfunction)>,
+    /// Batches of at least this many copies: descriptors in device memory.
+    device_descs: usize,
     /// Each slot's descriptors (None: not allocated yet).
     descs: Vec<Option<SlotBufs>>,
     /// Bit i set: slot i is free.
@@ -266,16 +268,15 @@ struct SlotBufs {
 // a Gather is used by the one shard that owns its copier.
 unsafe impl Send for Gather {}
 
-/// Batches of at least this many copies read their descriptors from
-/// device memory (copied there first), smaller ones from pinned memory.
-const DEVICE_DESCS_MIN: usize = 256;
 /// Descriptors a slot's first buffer holds.
 const FIRST_SLOT_DESCS: usize = 1024;
 
 impl Gather {
     /// Loads the kernel into device `ordinal`'s context (left current)
-    /// with `slots` (≤ 32) slots.
-    pub fn load(ordinal: i32, slots: usize) -> Result<Self> {
+    /// with `slots` (≤ 32) slots; batches of at least `device_descs`
+    /// copies read their descriptors from device memory (copied there
+    /// first), smaller ones from pinned memory.
+    pub fn load(ordinal: i32, slots: usize, device_descs: usize) -> Result<Self> {
         let slots = slots.clamp(1, 32);
         cuda()?.make_current(ordinal)?;
         let (module, func) = load_entry(PTX, c"ferry_gather")?;
@@ -292,6 +293,7 @@ impl Gather {
             module,
             func,
             by_value,
+            device_descs,
             descs: (0..slots).map(|_| None).collect(),
             free: if slots == 32 {
                 u32::MAX
@@ -387,7 +389,7 @@ impl Gather {
         // A few hundred descriptors are read where they are written
         // (pinned memory that kernels reach at its host address): one more
         // call would cost more than their reads over PCIe.
-        let mut descs = if n < DEVICE_DESCS_MIN {
+        let mut descs = if n < self.device_descs {
             d as u64
         } else {
             // SAFETY: n descriptors from our pinned buffer to our device

@@ -42,12 +42,25 @@ pub enum GpuCopy {
     Engine,
 }
 
-/// How a copier's small copies go: `FERRY_GPU_COPY`, and the runner's
-/// idle span (`FERRY_GPU_RUNNER_US`; None: no runner).
-#[derive(Debug, Clone, Copy, Default)]
+/// How a copier's small copies go: `FERRY_GPU_COPY`, the runner's idle
+/// span (`FERRY_GPU_RUNNER_US`; None: no runner) and where the gather
+/// kernel reads its descriptors (`FERRY_GPU_DEVICE_DESCS`).
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct CopyWay {
     pub way: GpuCopy,
     pub runner_idle: Option<Duration>,
+    /// Batches of at least this many copies: descriptors in device memory.
+    pub device_descs: usize,
+}
+
+impl Default for CopyWay {
+    fn default() -> Self {
+        Self {
+            way: GpuCopy::default(),
+            runner_idle: None,
+            device_descs: 256,
+        }
+    }
 }
 
 /// Pieces one copy is split into at most (one per stream).
@@ -137,6 +150,8 @@ pub(crate) struct Copier<E> {
     /// first use; `runner_idle` None: not used (off, or it failed to load).
     runner: Option<Runner>,
     runner_idle: Option<Duration>,
+    /// `CopyWay::device_descs`, for the gather kernel when it loads.
+    device_descs: usize,
     /// Which way kernel-eligible copies go (see `Choice`): index 0 for a
     /// lone copy, 1 for a batch of several. Kept apart because a lone copy
     /// is all fixed cost (a launch or an engine call, and the GPU's start),
@@ -186,6 +201,7 @@ impl<E> Copier<E> {
             spare: Vec::new(),
             runner: None,
             runner_idle: way.runner_idle,
+            device_descs: way.device_descs,
             choice: [Choice::forced(way.way), Choice::forced(way.way)],
         })
     }
@@ -500,7 +516,7 @@ impl<E> Copier<E> {
     /// `choice` never asks again) or every slot is in use.
     fn gather_slot(&mut self) -> Option<usize> {
         if self.gather.is_none() {
-            match Gather::load(self.ordinal, BATCHES_IN_FLIGHT + 2) {
+            match Gather::load(self.ordinal, BATCHES_IN_FLIGHT + 2, self.device_descs) {
                 Ok(g) => self.gather = Some(g),
                 Err(e) => {
                     self.choice.iter_mut().for_each(Choice::no_kernel);
