@@ -138,17 +138,20 @@ def measure(backend, points, op, mem):
         # Warm up (connection, first touches), then a timed loop.
         for _ in range(3):
             post_wait(ag, h)
-        iters, t0, c0 = 0, time.perf_counter(), time.process_time()
+        iters, t0, c0, call, checks = 0, time.perf_counter(), time.process_time(), 0.0, 0
         while True:
-            post_wait(ag, h)
+            c, k = post_wait(ag, h)
+            call, checks = call + c, checks + k
             iters += 1
             dt = time.perf_counter() - t0
             if dt >= POINT_S and iters >= 5:
                 break
         cpu = time.process_time() - c0
         # GB/s of payload; wall µs per post (post to DONE); this process's
-        # CPU (every thread) per descriptor, ns.
-        out[(size, batch)] = (size * batch * iters / dt / 1e9, dt / iters * 1e6, cpu / iters / batch * 1e9)
+        # CPU (every thread) per descriptor, ns; µs in the post call alone;
+        # polls per post.
+        out[(size, batch)] = (size * batch * iters / dt / 1e9, dt / iters * 1e6, cpu / iters / batch * 1e9,
+                              call / iters * 1e6, checks / iters)
         ag.release_xfer_handle(h)
     ag.deregister_memory(reg)
     pipe.send(True)
@@ -157,11 +160,17 @@ def measure(backend, points, op, mem):
 
 
 def post_wait(ag, h):
+    """Posts `h` and polls it to DONE; returns how long the post call
+    itself took (s) and how many polls followed it."""
+    t = time.perf_counter()
     st = ag.transfer(h)
+    call, checks = time.perf_counter() - t, 0
     while st == "PROC":
         st = ag.check_xfer_state(h)
+        checks += 1
     if st != "DONE":
         raise RuntimeError(f"transfer ended {st}")
+    return call, checks
 
 
 def main():
@@ -194,9 +203,9 @@ def main():
     costs = {b: {p: [] for p in points} for b in backends}
     for rnd in range(a.rounds):
         for b in backends if rnd % 2 == 0 else reversed(backends):
-            for p, (gbs, post_us, cpu_ns) in measure(b, points, a.op, a.mem).items():
+            for p, (gbs, post_us, cpu_ns, call_us, checks) in measure(b, points, a.op, a.mem).items():
                 runs[b][p].append(gbs)
-                costs[b][p].append((post_us, cpu_ns))
+                costs[b][p].append((post_us, cpu_ns, call_us, checks))
     if a.mem == "vram":
         # The reference, measured in the same run: "copy" is a backend.
         runs["copy"] = {p: [copy_rate(p[0] * p[1]) for _ in range(a.rounds)] for p in points}
@@ -211,6 +220,9 @@ def main():
                               **{f"{b}_post_us": statistics.median(c[0] for c in costs[b][p])
                                  for b in costs},
                               **{f"{b}_cpu_ns_per_desc": statistics.median(c[1] for c in costs[b][p])
+                                 for b in costs},
+                              **{f"{b}_call_us": statistics.median(c[2] for c in costs[b][p]) for b in costs},
+                              **{f"{b}_polls_per_post": statistics.median(c[3] for c in costs[b][p])
                                  for b in costs},
                               "ratio": med[A][p] / med[B][p]}))
     else:
