@@ -293,7 +293,7 @@ elif [ "$what" = small ]; then
         step "build $v: python -m ferry.bench --transport ipc"
         (cd / && PYTHONPATH=$(path_of $v) timeout 120 $py -m ferry.bench --transport ipc --sizes 4K --ferry-bin "$(bin_of $v)" 2>&1 | tail -6)
     done
-    for v in B A B A; do
+    for v in ${SMALL_UCCL:-B A}; do
         step "build $v: UCCL"
         PYTHONPATH=$(path_of $v) uccl_bench ""
     done
