@@ -277,7 +277,7 @@ elif [ "$what" = small ]; then
     rm -rf /tmp/pyA && $py -m pip install -q --no-deps --no-index --target /tmp/pyA "$carry"/A/wheel/ferry-*.whl 2>&1 | tail -2
     bin_of() { [ "$1" = A ] && echo "$carry/A/ferry" || echo "$carry/ferry"; }
     path_of() { [ "$1" = A ] && echo "/tmp/pyA${PYTHONPATH:+:$PYTHONPATH}" || echo "${PYTHONPATH:-}"; }
-    for r in 1 2; do
+    for r in $(seq "${SMALL_ROUNDS:-2}"); do
         for v in B A; do
             for n in 1 2; do
                 step "round $r, build $v, one 4 KiB IPC write, --shards $n"
