@@ -70,15 +70,18 @@ GOT:
     @%p4 bra TAGGED;
     // Each descriptor word carries the low byte of its copy's seq in its
     // top byte: a word read before the shard stored it (the loads above
-    // may be served in any order) is the last copy's, and is read again.
+    // may be served in any order) is the last copy's. Then the descriptor
+    // is read again, after the word's acquire load: the shard stored it
+    // before the word, so this read is this copy's.
     cvt.u64.u32 %rd7, %r3;
     and.b64 %rd7, %rd7, 255;
     shr.u64 %rd9, %rd4, 56;
     setp.ne.u64 %p7, %rd9, %rd7;
-    @%p7 bra POLL;
     shr.u64 %rd9, %rd5, 56;
-    setp.ne.u64 %p7, %rd9, %rd7;
-    @%p7 bra POLL;
+    setp.ne.or.u64 %p7, %rd9, %rd7, %p7;
+    @!%p7 bra UNTAG;
+    ld.volatile.global.v2.u64 {%rd4, %rd5}, [%rd1+16];
+UNTAG:
     and.b64 %rd4, %rd4, 72057594037927935;
     and.b64 %rd5, %rd5, 72057594037927935;
 TAGGED:

@@ -103,12 +103,19 @@ mod soft {
             if len >= STOP {
                 return;
             }
-            // The tags: a word of the last copy is read again.
+            // The tags: a word of the last copy means the descriptor is
+            // read again, after the word (then it must be this copy's).
             let tag = u64::from(go as u32 & 0xFF);
             if dst >> 56 != tag || src >> 56 != tag {
                 stale.fetch_add(1, Ordering::Relaxed);
-                thread::yield_now();
-                continue;
+                (dst, src) = (
+                    ctl.dst.load(Ordering::Relaxed),
+                    ctl.src.load(Ordering::Relaxed),
+                );
+                assert!(
+                    dst >> 56 == tag && src >> 56 == tag,
+                    "read after the word, the descriptor is the last copy's"
+                );
             }
             let (dst, src) = (dst & ADDR_MASK, src & ADDR_MASK);
             // SAFETY: the test posts ranges of its own live buffers and
@@ -141,6 +148,12 @@ mod protocol {
         assert!(PTX.contains("add.s64 %rd8, %rd8, 256;") && THREADS == 256);
         // The tag's place and the address's mask.
         assert!(PTX.contains("shr.u64 %rd9, %rd4, 56;") && PTX.contains("shr.u64 %rd9, %rd5, 56;"));
+        // A stale descriptor is read again after the word, never looped on.
+        assert_eq!(
+            PTX.matches("ld.volatile.global.v2.u64 {%rd4, %rd5}, [%rd1+16];")
+                .count(),
+            3
+        );
         assert!(PTX.contains(&format!("and.b64 %rd4, %rd4, {ADDR_MASK};")));
         assert!(PTX.contains(&format!("and.b64 %rd5, %rd5, {ADDR_MASK};")));
     }
