@@ -271,7 +271,7 @@ elif [ "$what" = small ]; then
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
     if [ -x "$carry/gpu_pieces" ]; then
         step "GPU pieces suite: the runner's tests and the kernel's way (B)"
-        timeout 240 "$carry/gpu_pieces" --ignored --test-threads=1 lone_copies through_the_gather_kernel 2>&1 | tail -8
+        timeout 240 "$carry/gpu_pieces" --ignored --test-threads=1 ${SMALL_PIECES:-lone_copies through_the_gather_kernel} 2>&1 | tail -8
     fi
     $py -m pip install -q --no-deps --no-index --force-reinstall "$carry"/wheel/ferry-*.whl 2>&1 | tail -2
     rm -rf /tmp/pyA && $py -m pip install -q --no-deps --no-index --target /tmp/pyA "$carry"/A/wheel/ferry-*.whl 2>&1 | tail -2
@@ -290,6 +290,7 @@ elif [ "$what" = small ]; then
     for v in B A; do
         step "build $v: benches/py_op_probe.py"
         (cd / && PYTHONPATH=$(path_of $v) FERRY_BIN=$(bin_of $v) timeout 120 $py "$OLDPWD/benches/py_op_probe.py" --rounds 2000 2>&1 | tail -9)
+        [ "${SMALL_PYBENCH:-1}" = 1 ] || continue
         step "build $v: python -m ferry.bench --transport ipc"
         (cd / && PYTHONPATH=$(path_of $v) timeout 120 $py -m ferry.bench --transport ipc --sizes 4K --ferry-bin "$(bin_of $v)" 2>&1 | tail -6)
     done
