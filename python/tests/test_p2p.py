@@ -496,6 +496,12 @@ def test_ipc_family_and_blocking_vectors_with_host_memory(transport):
     assert b.write_ipc(conn + 1000, ptrs[0], size, one) is False
     assert b.read_ipc(conn, x.ctypes.data, size + 1, one) is False
     assert int(dst[0][0]) == 2 and int(x[0]) == 4
+    # The native call refuses a region of another endpoint before any move.
+    ok, amr = a.reg(dst[1].ctypes.data, size)
+    assert ok
+    with pytest.raises(p2p.FerryError, match="another endpoint"):
+        b._ep().run_one(conn, False, a._regs[amr], dst[1].ctypes.data, size, one)
+    assert int(dst[1][0]) == 2 and int(dst[0][0]) == 2
     with pytest.raises(p2p.FerryError):
         b.writev_ipc(conn, ptrs, [size] * 3, infos)
     # the blocking registration forms
