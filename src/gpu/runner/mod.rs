@@ -15,7 +15,8 @@
 //! round trip over the bus as the word (a read of host memory from the
 //! GPU takes about a microsecond), not after it: each descriptor word
 //! carries a tag of its copy (the low byte of `seq`), and one read before
-//! the shard stored it (the last copy's) is read again. No launch is made per copy; the one driver
+//! the shard stored it (the last copy's) is read again after the word,
+//! which the shard stored last (one more round trip, as before). No launch is made per copy; the one driver
 //! call is a query of the last launch's end event when the copy is posted
 //! (to know whether the kernel still runs), and one in 64 looks while it is
 //! in flight (to see a kernel that failed).
