@@ -16,10 +16,11 @@
 //! GPU takes about a microsecond), not after it: each descriptor word
 //! carries a tag of its copy (the low byte of `seq`), and one read before
 //! the shard stored it (the last copy's) is read again after the word,
-//! which the shard stored last (one more round trip, as before). No launch is made per copy; the one driver
-//! call is a query of the last launch's end event when the copy is posted
-//! (to know whether the kernel still runs), and one in 64 looks while it is
-//! in flight (to see a kernel that failed).
+//! which the shard stored last (one more round trip, as before). No
+//! launch is made per copy; the one driver call is a query of the last
+//! launch's end event when the copy is posted (to know whether the kernel
+//! still runs), and one in 64 looks while it is in flight (to see a
+//! kernel that failed).
 //!
 //! It must not hold the GPU: a device-wide synchronisation (the
 //! application's `cudaDeviceSynchronize`, a `cudaFree`) waits for every
