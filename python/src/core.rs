@@ -301,11 +301,7 @@ impl Endpoint {
         let ep = self.get()?;
         let id = ConnId(conn_id);
         ep.conn_status(id).map_err(fe)?;
-        if !region.ep.same(&self.ep) {
-            return Err(FerryError::new_err(
-                "a region of another endpoint than this one",
-            ));
-        }
+        region.owned_by(&self.ep)?;
         let v = region.view()?;
         let off = region.offset_of(&v, ptr, size)?;
         let win = AnyWindow::decode(&window).map_err(fe)?;
@@ -455,6 +451,17 @@ struct View {
 }
 
 impl Region {
+    /// Refuses a region registered with another endpoint than `ep`.
+    fn owned_by(&self, ep: &Shared) -> PyResult<()> {
+        if self.ep.same(ep) {
+            Ok(())
+        } else {
+            Err(FerryError::new_err(
+                "a region of another endpoint than this connection's",
+            ))
+        }
+    }
+
     /// The registration, while it and its endpoint are open.
     fn view(&self) -> PyResult<View> {
         self.ep.get()?;
@@ -656,11 +663,7 @@ impl Connection {
     /// connection's endpoint's and the connection alive.
     fn own(&self, region: &Region) -> PyResult<(Arc<ferry::Endpoint>, View)> {
         let ep = self.ep.get()?;
-        if !region.ep.same(&self.ep) {
-            return Err(FerryError::new_err(
-                "a region of another endpoint than this connection's",
-            ));
-        }
+        region.owned_by(&self.ep)?;
         ep.conn_status(self.id).map_err(fe)?;
         Ok((ep, region.view()?))
     }
@@ -715,11 +718,7 @@ impl Connection {
         }
         let mut held = Vec::with_capacity(locals.len());
         for (r, ptr, size) in locals {
-            if !r.ep.same(&self.ep) {
-                return Err(FerryError::new_err(
-                    "a region of another endpoint than this connection's",
-                ));
-            }
+            r.owned_by(&self.ep)?;
             let v = r.view()?;
             let off = r.offset_of(&v, *ptr, *size)?;
             held.push((v.mr, off, *size));
@@ -859,7 +858,6 @@ impl Transfer {
     }
 }
 
-/// Starts one WRITE or READ of `l` against `wins` on connection `id`.
 /// Starts one WRITE or READ and waits for its end with the GIL released
 /// once for both (`Connection.run`, `Endpoint.run_one`); Ctrl-C
 /// interrupts the wait, and the operation runs on.
@@ -897,6 +895,7 @@ fn run_op(
     Ok(())
 }
 
+/// Starts one WRITE or READ of `l` against `wins` on connection `id`.
 fn start_op(
     ep: &ferry::Endpoint,
     id: ConnId,

@@ -53,16 +53,6 @@ pub(crate) struct CopyWay {
     pub device_descs: usize,
 }
 
-impl Default for CopyWay {
-    fn default() -> Self {
-        Self {
-            way: GpuCopy::default(),
-            runner_idle: None,
-            device_descs: 256,
-        }
-    }
-}
-
 /// Pieces one copy is split into at most (one per stream).
 pub(crate) const MAX_SPLIT: usize = 8;
 /// Copies below this size go on one stream: splitting only adds latency.
