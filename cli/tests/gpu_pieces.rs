@@ -395,3 +395,88 @@ fn lone_copies_without_the_runner_are_byte_exact() {
         );
     }
 }
+
+/// Two-sided GPU messages on one host in a request loop (each receive
+/// posted once the last ended, the sender ahead or behind: UCCL's
+/// benchmark) go through the receiver's GPU bounce slots: the sender's
+/// copy into a slot (a CUDA IPC WRITE, the runner), the receiver's copy
+/// out (a local copy, the runner). Sizes about the slot (64 KiB: past it
+/// the usual way), one longer than its buffer (both sides fail, the slot
+/// is freed), one into host memory (sent again the usual way): every
+/// other message lands byte-exact with its length on both sides.
+#[test]
+#[ignore = "needs an NVIDIA GPU (cargo test --test gpu_pieces -- --ignored)"]
+fn lone_copies_carry_two_sided_gpu_messages_through_bounce_slots() {
+    const N: usize = 240;
+    const SLOT: usize = 70_000;
+    let sizes = [4096usize, 256, 65536, 65537, 1, 30_001, 4099];
+    let a = Endpoint::builder()
+        .config(cfg(GpuCopy::Auto))
+        .build()
+        .unwrap();
+    let b = Endpoint::builder()
+        .config(cfg(GpuCopy::Auto))
+        .build()
+        .unwrap();
+    b.start_passive_accept().unwrap();
+    let ca = a.add_remote(&b.metadata_bytes()).unwrap();
+    let (cb, _) = b.accept(std::time::Duration::from_secs(10)).unwrap();
+    let src = a.alloc_gpu(N * SLOT).unwrap();
+    let dst = b.alloc_gpu(N * SLOT).unwrap();
+    let host = b.alloc(SLOT).unwrap();
+    gpu_fill(&src, 0, N * SLOT, 5);
+    // One thread plays both sides: each side's calls move its part.
+    let both = |r, s| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let (mut got, mut sent) = (None, None);
+        while got.is_none() || sent.is_none() {
+            assert!(std::time::Instant::now() < deadline, "a message took 10 s");
+            got = got.or_else(|| b.poll_message(r));
+            sent = sent.or_else(|| a.poll_message(s));
+        }
+        (got.unwrap(), sent.unwrap())
+    };
+    for i in 0..N {
+        let len = sizes[i % sizes.len()];
+        let (too_long, to_host) = (i == 100, i == 150);
+        let max = if too_long { len - 1 } else { SLOT };
+        let post = |b: &Endpoint| match to_host {
+            true => b.recv_async(cb, &host, 0, max).unwrap(),
+            false => b.recv_async(cb, &dst, i * SLOT, max).unwrap(),
+        };
+        let (s, r) = if i % 3 == 0 {
+            let r = post(&b);
+            (a.send_async(ca, &src, i * SLOT, len).unwrap(), r)
+        } else {
+            let s = a.send_async(ca, &src, i * SLOT, len).unwrap();
+            std::thread::sleep(std::time::Duration::from_micros(20 * (i % 4) as u64));
+            (s, post(&b))
+        };
+        let (got, sent) = both(r, s);
+        if too_long {
+            for e in [got, sent] {
+                assert!(
+                    matches!(e, Err(ferry::Error::MessageTooLarge { .. })),
+                    "{i}: {e:?}"
+                );
+            }
+            continue;
+        }
+        assert_eq!((got.unwrap(), sent.unwrap()), (len, len), "message {i}");
+        let back = if to_host {
+            let mut v = vec![0u8; len];
+            host.read_at(0, &mut v).unwrap();
+            v
+        } else {
+            gpu_bytes(&dst, i * SLOT, len)
+        };
+        assert_eq!(
+            check_pattern(&back, (i * SLOT) as u64, 5),
+            None,
+            "message {i} of {len}"
+        );
+    }
+    let (out, inn) = (a.metrics().bounced_out, b.metrics().bounced_in);
+    assert_eq!(out, inn, "every message in a slot was taken out");
+    assert!(out >= 100, "{out} messages through the slots");
+}

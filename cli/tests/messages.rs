@@ -513,3 +513,142 @@ fn an_ended_eager_send_holds_no_registration() {
     dst.read_at(0, &mut got).unwrap();
     assert_eq!(&got, b"eight byeight by");
 }
+
+/// A request loop on one host (UCCL's benchmark: each receive posted
+/// once the last one ended, the sender ahead or behind): after the first
+/// receive the receiver grants bounce slots, and host messages past the
+/// inline bound and within a slot go into them without waiting for their
+/// offer. Sizes about both bounds, the inline (4 KiB) and the slot's
+/// (16 KiB: past it, the usual way); every message lands byte-exact with
+/// its length on both sides, and the slots were used.
+#[test]
+fn a_request_loop_goes_through_bounce_slots_on_one_host() {
+    const N: usize = 300;
+    const SLOT: usize = 20_000;
+    const SIZES: [usize; 8] = [4097, 8192, 16384, 16385, 4096, 12_001, 5000, 1];
+    let (a, b, ca, cb) = pair(Path::Shm);
+    let mut p = vec![0u8; N * SLOT];
+    fill_pattern(&mut p, 0, 41);
+    let src = a.alloc(N * SLOT).unwrap();
+    src.write_at(0, &p).unwrap();
+    let dst = b.alloc(N * SLOT).unwrap();
+    for i in 0..N {
+        let len = SIZES[i % SIZES.len()];
+        // The sender first (its message waits in a slot), or the receiver.
+        let (s, r) = if i % 3 == 0 {
+            let r = b.recv_async(cb, &dst, i * SLOT, SLOT).unwrap();
+            (a.send_async(ca, &src, i * SLOT, len).unwrap(), r)
+        } else {
+            let s = a.send_async(ca, &src, i * SLOT, len).unwrap();
+            for _ in 0..(i % 5) {
+                let _ = a.poll_message(s);
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            (s, b.recv_async(cb, &dst, i * SLOT, SLOT).unwrap())
+        };
+        let mut ended = [None, None];
+        until_all_ended(Path::Shm, &[(&a, s), (&b, r)], &mut ended);
+        for (side, e) in ["send", "receive"].iter().zip(ended) {
+            assert_eq!(e.unwrap().unwrap(), len, "{side} {i} of {len} bytes");
+        }
+    }
+    let mut back = vec![0u8; N * SLOT];
+    dst.read_at(0, &mut back).unwrap();
+    for i in 0..N {
+        let (at, len) = (i * SLOT, SIZES[i % SIZES.len()]);
+        assert_eq!(&back[at..at + len], &p[at..at + len], "message {i}");
+    }
+    let (out, got) = (a.metrics().bounced_out, b.metrics().bounced_in);
+    assert_eq!(out, got, "every message in a slot was taken out");
+    // The first message comes before any grant; of the rest, 5 sizes in
+    // 8 fit a slot.
+    assert!(
+        out >= (N as u64 - SIZES.len() as u64) * 5 / 8 / 2,
+        "{out} in slots"
+    );
+}
+
+/// More messages sent ahead than the receiver has slots: 16 wait in the
+/// slots, the rest for their offers (the usual way); one longer than its
+/// buffer fails both sides and frees its slot; every other message lands
+/// byte-exact, in order, and the slots are used again after.
+#[test]
+fn messages_past_the_slots_and_one_too_long_for_its_buffer() {
+    const N: usize = 60;
+    const SLOT: usize = 10_000;
+    const BAD: usize = 7;
+    let (a, b, ca, cb) = pair(Path::Shm);
+    let mut p = vec![0u8; (N + 1) * SLOT];
+    fill_pattern(&mut p, 0, 43);
+    let src = a.alloc((N + 1) * SLOT).unwrap();
+    src.write_at(0, &p).unwrap();
+    let dst = b.alloc((N + 1) * SLOT).unwrap();
+    // One message and receive first: the receiver's grant reaches the
+    // sender with it.
+    let r0 = b.recv_async(cb, &dst, 0, SLOT).unwrap();
+    let s0 = a.send_async(ca, &src, 0, 6000).unwrap();
+    let mut ended = [None, None];
+    until_all_ended(Path::Shm, &[(&a, s0), (&b, r0)], &mut ended);
+    let len = |i: usize| 4100 + i * 97;
+    let sends: Vec<_> = (1..=N)
+        .map(|i| a.send_async(ca, &src, i * SLOT, len(i)).unwrap())
+        .collect();
+    // The receiver takes in what landed before posting (its own message,
+    // never received, is the handle it polls), the sender ends its
+    // WRITEs (its last send waits for a receive not posted yet).
+    let one = b.alloc(1).unwrap();
+    let handle = b.send_async(cb, &one, 0, 1).unwrap();
+    let last = *sends.last().unwrap();
+    let until = std::time::Instant::now() + Duration::from_millis(300);
+    while std::time::Instant::now() < until {
+        assert!(a.poll_message(last).is_none() && b.poll_message(handle).is_none());
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let recvs: Vec<_> = (1..=N)
+        .map(|i| {
+            let max = if i == BAD { len(i) - 1 } else { SLOT };
+            b.recv_async(cb, &dst, i * SLOT, max).unwrap()
+        })
+        .collect();
+    let mut ops: Vec<_> = sends.iter().map(|s| (&a, *s)).collect();
+    ops.extend(recvs.iter().map(|r| (&b, *r)));
+    let mut ended: Vec<_> = ops.iter().map(|_| None).collect();
+    until_all_ended(Path::Shm, &ops, &mut ended);
+    let mut back = vec![0u8; (N + 1) * SLOT];
+    dst.read_at(0, &mut back).unwrap();
+    for i in 1..=N {
+        let (s, r) = (
+            ended[i - 1].take().unwrap(),
+            ended[N + i - 1].take().unwrap(),
+        );
+        if i == BAD {
+            for e in [s, r] {
+                assert!(
+                    matches!(e, Err(Error::MessageTooLarge { len: l, posted }) if l == len(i) as u64 && posted == len(i) as u64 - 1),
+                    "{e:?}"
+                );
+            }
+            continue;
+        }
+        assert_eq!((s.unwrap(), r.unwrap()), (len(i), len(i)), "message {i}");
+        let at = i * SLOT;
+        assert_eq!(&back[at..at + len(i)], &p[at..at + len(i)], "message {i}");
+    }
+    // The first 16 went into the slots (the refused one among them), the
+    // rest the usual way.
+    assert_eq!(a.metrics().bounced_out, 15, "the slots were used");
+    assert_eq!(b.metrics().bounced_in, 15);
+    // The slots are free again: the next messages go into them.
+    let before = a.metrics().bounced_out;
+    for i in 0..20 {
+        let s = a.send_async(ca, &src, 0, 5000).unwrap();
+        let r = b.recv_async(cb, &dst, N * SLOT, SLOT).unwrap();
+        let mut ended = [None, None];
+        until_all_ended(Path::Shm, &[(&a, s), (&b, r)], &mut ended);
+        assert!(
+            ended.iter().all(|e| matches!(e, Some(Ok(5000)))),
+            "{i}: {ended:?}"
+        );
+    }
+    assert!(a.metrics().bounced_out >= before + 16, "slots used again");
+}

@@ -25,6 +25,12 @@ impl Endpoint {
     /// The contents are undefined until written.
     pub fn alloc_gpu(&self, len: usize) -> Result<MemoryRegion> {
         let ordinal = *self.inner.gpus.ordinal.get_or_init(|| 0);
+        self.alloc_gpu_on(ordinal, len)
+    }
+
+    /// `alloc_gpu` on GPU `ordinal` (a bounce buffer beside the memory it
+    /// serves).
+    pub(super) fn alloc_gpu_on(&self, ordinal: i32, len: usize) -> Result<MemoryRegion> {
         crate::gpu::cuda()?.device(ordinal as usize)?;
         let buf = DeviceBuf::new(ordinal, len)?;
         let ptr = buf.ptr() as *mut u8;
@@ -193,12 +199,16 @@ impl Inner {
         })
     }
 
+    /// Submits an IPC op (or a local copy) to `conn`'s shard; `note`, of
+    /// kind `note_kind` (`NOTE_APP` or `NOTE_CTL`), goes to the peer once
+    /// it ended well.
     pub(super) fn submit_ipc(
         &self,
         conn: ConnId,
         kind: OpKind,
         parts: IpcParts,
         note: Option<&[u8]>,
+        note_kind: u8,
     ) -> Result<Transfer> {
         super::lanes::check_note(note)?;
         let cuda = crate::gpu::cuda()?;
@@ -208,6 +218,7 @@ impl Inner {
             IpcParts::One(d) => d.local.region().mem,
             IpcParts::Many(v) => v[0].local.region().mem,
             IpcParts::Planned { keep, .. } => keep[0].region().mem,
+            IpcParts::Local { dst, .. } => dst.region().mem,
         };
         let ordinal = match ordinal {
             MemKind::Device { ordinal, .. } => ordinal,
@@ -218,7 +229,7 @@ impl Inner {
             max: self.shards.table.capacity(),
         })?;
         if let Some(n) = note {
-            self.attach_note(&t, conn, crate::wire::NOTE_APP, n);
+            self.attach_note(&t, conn, note_kind, n);
         }
         let cmd = IpcCmd {
             conn,

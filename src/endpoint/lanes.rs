@@ -402,6 +402,11 @@ impl<'a> Via<'a> {
         self.note
     }
 
+    /// The kind of that notification (`wire::NOTE_APP` or `NOTE_CTL`).
+    pub(super) fn note_kind(&self) -> u8 {
+        self.note_kind
+    }
+
     /// With a notification for the peer, sent by a shard once the op
     /// ended well.
     pub(super) fn noting(mut self, note: &'a [u8]) -> Self {

@@ -35,6 +35,7 @@ impl Endpoint {
         (m.unpacked_raw_bytes, m.unpacked_wire_bytes) = (c.unpacked_bytes, c.unpacked_wire_bytes);
         let ipc = self.ipc_stats();
         (m.ipc_opens, m.ipc_hits) = (ipc.opens, ipc.hits);
+        (m.bounced_out, m.bounced_in) = self.bounced();
         m
     }
 

@@ -184,7 +184,8 @@ mod sealed {
             // A CUDA IPC op is this endpoint's own GPU copy, queued at
             // once even from a batch; the shard of its connection ends it
             // (its ledger), and sends its note then.
-            ep.inner.submit_ipc(conn, kind, parts, via.note())
+            ep.inner
+                .submit_ipc(conn, kind, parts, via.note(), via.note_kind())
         }
     }
 

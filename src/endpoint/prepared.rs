@@ -199,7 +199,8 @@ impl Endpoint {
                     plan: plan.clone(),
                     keep,
                 };
-                self.inner.submit_ipc(p.conn, p.kind, parts, note)
+                self.inner
+                    .submit_ipc(p.conn, p.kind, parts, note, crate::wire::NOTE_APP)
             }
             How::Pieces { locals, windows } => match (note, p.kind) {
                 (Some(n), kind) => self.transfer_notify_async(p.conn, kind, locals, windows, n),

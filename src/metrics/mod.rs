@@ -207,6 +207,10 @@ pub struct Metrics {
     pub ipc_opens: u64,
     /// ... and ops that found their mapping open.
     pub ipc_hits: u64,
+    /// Two-sided messages sent into a peer's bounce slots ...
+    pub bounced_out: u64,
+    /// ... and received out of ours (copied into their buffers).
+    pub bounced_in: u64,
     /// Commands that found their connection's stream or ring full and
     /// waited (back-pressure from a peer that reads slowly).
     pub parked_commands: u64,

@@ -228,6 +228,14 @@ fn gauges(o: &mut Out, m: &Metrics) {
         m.ipc_hits,
     );
     o.family(
+        "ferry_messages_bounced_total",
+        "counter",
+        "Two-sided messages sent eagerly into a same-host receiver's bounce slots (out) or taken out of ours (in).",
+    );
+    for (dir, n) in [("out", m.bounced_out), ("in", m.bounced_in)] {
+        o.sample("ferry_messages_bounced_total", &[("direction", dir)], n);
+    }
+    o.family(
         "ferry_backpressure_total",
         "counter",
         "Times work waited for room, by queue: a connection's stream or ring (parked), a shard's queue (notification).",

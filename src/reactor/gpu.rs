@@ -363,7 +363,33 @@ impl GpuWork {
                 }
             }
             IpcParts::Planned { plan, keep } => self.start_planned(ci, kind, slot, &plan, keep),
+            IpcParts::Local { dst, src } => self.start_local(ci, slot, dst, src),
         }
+    }
+
+    /// A copy between two slices of our own memory (the copier's context
+    /// is current): by the kernel (or the runner, alone) when both are
+    /// device memory its GPU reaches.
+    fn start_local(&mut self, ci: usize, slot: u32, dst: RegionSlice, src: RegionSlice) {
+        let theirs = match src.region().mem {
+            MemKind::Device { ordinal, .. } => ordinal,
+            _ => -1,
+        };
+        let allow = Allow {
+            kernel: theirs >= 0 && self.kernel_reaches(ci, dst.region(), theirs),
+            split: false,
+            span: 0,
+        };
+        let (to, from, len) = (dst.addr(), src.addr(), dst.len().min(src.len()));
+        let entry = Entry {
+            then: Then::Op(slot),
+            mapping: None,
+            keep: Some(dst.region().clone()),
+            keep2: Some(src.region().clone()),
+            keep_map: None,
+            planned: None,
+        };
+        self.stage(ci, entry, to, from, len, allow);
     }
 
     /// Stages a prepared op: each peer allocation opened once, then every

@@ -128,6 +128,13 @@ pub(crate) enum IpcParts {
         plan: std::sync::Arc<IpcPlan>,
         keep: Vec<RegionSlice>,
     },
+    /// A copy between two slices of this endpoint's own GPU memory (a
+    /// two-sided message out of its bounce slot: `endpoint::two_sided`),
+    /// `src` into `dst`, no peer memory involved; the kind is ignored.
+    Local {
+        dst: RegionSlice,
+        src: RegionSlice,
+    },
 }
 
 impl IpcParts {
@@ -135,7 +142,7 @@ impl IpcParts {
         match self {
             IpcParts::One(_) => 1,
             IpcParts::Many(v) => v.len(),
-            IpcParts::Planned { .. } => 1,
+            IpcParts::Planned { .. } | IpcParts::Local { .. } => 1,
         }
     }
 
@@ -145,6 +152,7 @@ impl IpcParts {
             IpcParts::One(d) => d.local.len() as u64,
             IpcParts::Many(v) => v.iter().map(|d| d.local.len() as u64).sum(),
             IpcParts::Planned { plan, .. } => plan.bytes,
+            IpcParts::Local { dst, .. } => dst.len() as u64,
         }
     }
 }

@@ -96,6 +96,13 @@ impl<'a> Reader<'a> {
         Ok(u64::from_le_bytes(self.array()?))
     }
 
+    /// Every byte not read yet.
+    pub fn rest(&mut self) -> &'a [u8] {
+        let out = &self.buf[self.pos..];
+        self.pos = self.buf.len();
+        out
+    }
+
     /// Succeeds only if every byte was consumed.
     pub fn finish(self) -> Result<(), DecodeError> {
         let extra = self.buf.len() - self.pos;

@@ -16,15 +16,26 @@
 //! `Ack`; `Again` in the answer means "not taken, send it the usual way"
 //! (no room to hold it, or a buffer the CPU cannot write).
 //!
+//! Past that, between processes of one host, a message may go eagerly
+//! into a bounce buffer the receiver owns and offered once (`Grant`: a
+//! window of `slots` slots of `slot_bytes`): the sender WRITEs it into a
+//! free slot with `Landed` riding on the WRITE, the receiver copies it out
+//! into the buffer posted for its number, answers `Ack` as for `Eager`,
+//! and says `Released` once the slot is free again.
+//!
 //! ```text
-//! Cts:   1 u8 | seq u64 | window 64 bytes (RemoteBuf: the buffer) = 73 bytes
-//! Fin:   2 u8 | seq u64 | status u8 | len u64                     = 18 bytes
-//! Eager: 3 u8 | seq u64 | the message (0..=MAX_EAGER_BYTES)       = 9 + len
-//! Ack:   4 u8 | seq u64 | status u8 | len u64                     = 18 bytes
+//! Cts:      1 u8 | seq u64 | window 64 bytes (RemoteBuf: the buffer) = 73 bytes
+//! Fin:      2 u8 | seq u64 | status u8 | len u64                     = 18 bytes
+//! Eager:    3 u8 | seq u64 | the message (0..=MAX_EAGER_BYTES)       = 9 + len
+//! Ack:      4 u8 | seq u64 | status u8 | len u64                     = 18 bytes
+//! Grant:    5 u8 | slots u16 | slot_bytes u32 | window (64 or 136)   = 71 or 143
+//! Landed:   6 u8 | seq u64 | slot u16 | len u32                      = 15 bytes
+//! Released: 7 u8 | slot u16                                          = 3 bytes
 //! ```
 
 use super::cursor::{DecodeError, Reader};
 use super::remote_buf::{RemoteBuf, REMOTE_BUF_LEN};
+use super::window::AnyWindow;
 
 const WHAT: &str = "two-sided message";
 
@@ -32,6 +43,10 @@ const WHAT: &str = "two-sided message";
 pub const MAX_EAGER_BYTES: usize = 8192;
 /// An `Eager` message's bytes before the payload (kind and number).
 pub const EAGER_HEADER_LEN: usize = 9;
+/// The most slots a `Grant` may offer (a sender keeps them in a `u64`).
+pub const MAX_BOUNCE_SLOTS: u16 = 64;
+/// The largest bounce slot a `Grant` may offer.
+pub const MAX_BOUNCE_SLOT_BYTES: u32 = 1 << 20;
 
 /// How a receive ended, as the receiver tells the sender.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +85,18 @@ pub enum CtlMsg<'a> {
         status: FinStatus,
         len: u64,
     },
+    /// A bounce buffer of the receiver's: `window` holds `slots` slots of
+    /// `slot_bytes` each, where the sender may WRITE messages eagerly.
+    Grant {
+        slots: u16,
+        slot_bytes: u32,
+        window: AnyWindow,
+    },
+    /// (Riding on the WRITE into the slot.) Message `seq`, `len` bytes, is
+    /// in bounce slot `slot`.
+    Landed { seq: u64, slot: u16, len: u32 },
+    /// The receiver is done with bounce slot `slot`: it may be written again.
+    Released { slot: u16 },
 }
 
 impl CtlMsg<'_> {
@@ -116,6 +143,26 @@ impl CtlMsg<'_> {
                 out.push(*status as u8);
                 out.extend_from_slice(&len.to_le_bytes());
             }
+            CtlMsg::Grant {
+                slots,
+                slot_bytes,
+                window,
+            } => {
+                out.push(5);
+                out.extend_from_slice(&slots.to_le_bytes());
+                out.extend_from_slice(&slot_bytes.to_le_bytes());
+                out.extend_from_slice(&window.encode());
+            }
+            CtlMsg::Landed { seq, slot, len } => {
+                out.push(6);
+                out.extend_from_slice(&seq.to_le_bytes());
+                out.extend_from_slice(&slot.to_le_bytes());
+                out.extend_from_slice(&len.to_le_bytes());
+            }
+            CtlMsg::Released { slot } => {
+                out.push(7);
+                out.extend_from_slice(&slot.to_le_bytes());
+            }
         }
     }
 
@@ -160,11 +207,50 @@ impl CtlMsg<'_> {
                     len: r.u64_le()?,
                 }
             }
+            5 => {
+                let slots = r.u16_le()?;
+                let slot_bytes = r.u32_le()?;
+                let window = AnyWindow::decode(r.rest())?;
+                grant_fits(slots, slot_bytes, &window)?;
+                CtlMsg::Grant {
+                    slots,
+                    slot_bytes,
+                    window,
+                }
+            }
+            6 => CtlMsg::Landed {
+                seq: r.u64_le()?,
+                slot: r.u16_le()?,
+                len: r.u32_le()?,
+            },
+            7 => CtlMsg::Released { slot: r.u16_le()? },
             got => return Err(DecodeError::UnknownKind { what: WHAT, got }),
         };
         r.finish()?;
         Ok(msg)
     }
+}
+
+/// A `Grant`'s claims, checked: 1 to `MAX_BOUNCE_SLOTS` slots of 1 to
+/// `MAX_BOUNCE_SLOT_BYTES`, all inside the window.
+fn grant_fits(slots: u16, slot_bytes: u32, window: &AnyWindow) -> Result<(), DecodeError> {
+    let need = u64::from(slots) * u64::from(slot_bytes);
+    if slots == 0
+        || slots > MAX_BOUNCE_SLOTS
+        || slot_bytes == 0
+        || slot_bytes > MAX_BOUNCE_SLOT_BYTES
+        || need > window.len()
+    {
+        return Err(DecodeError::Invalid {
+            what: WHAT,
+            reason: format!(
+                "a bounce grant of {slots} slots of {slot_bytes} bytes in a {}-byte window \
+                 (1 to {MAX_BOUNCE_SLOTS} slots of 1 to {MAX_BOUNCE_SLOT_BYTES} bytes that fit)",
+                window.len()
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// A status byte; `Again` only in an `Ack`.
@@ -277,5 +363,76 @@ mod tests {
         .encode();
         extra.push(0);
         assert!(CtlMsg::decode(&extra).is_err(), "trailing bytes");
+    }
+
+    /// Bounce messages round-trip; a grant whose slots do not fit its
+    /// window, or that offers none or too many, is refused.
+    #[test]
+    fn bounce_messages_round_trip_and_bad_grants_are_refused() {
+        let window = AnyWindow::Key(RemoteBuf {
+            addr: 0x1000,
+            size: 16 * 4096,
+            rkey: 7,
+            ..Default::default()
+        });
+        let ipc = AnyWindow::Ipc(crate::wire::IpcBuf {
+            device: 0,
+            owner_id: 1,
+            host_token: 2,
+            owner_pid: 3,
+            alloc_id: 4,
+            alloc_base: 0x7000_0000,
+            alloc_len: 2 << 20,
+            offset: 0,
+            len: 1 << 20,
+            handle: [5; 64],
+        });
+        for m in [
+            CtlMsg::Grant {
+                slots: 16,
+                slot_bytes: 4096,
+                window,
+            },
+            CtlMsg::Grant {
+                slots: MAX_BOUNCE_SLOTS,
+                slot_bytes: 16384,
+                window: ipc,
+            },
+            CtlMsg::Landed {
+                seq: 9,
+                slot: 3,
+                len: 4096,
+            },
+            CtlMsg::Released { slot: 15 },
+        ] {
+            assert_eq!(CtlMsg::decode(&m.encode()).unwrap(), m);
+        }
+        for (slots, slot_bytes) in [
+            (17, 4096),
+            (0, 4096),
+            (16, 0),
+            (MAX_BOUNCE_SLOTS + 1, 1),
+            (1, MAX_BOUNCE_SLOT_BYTES + 1),
+        ] {
+            let bad = CtlMsg::Grant {
+                slots,
+                slot_bytes,
+                window,
+            }
+            .encode();
+            assert!(
+                matches!(CtlMsg::decode(&bad), Err(DecodeError::Invalid { .. })),
+                "{slots} slots of {slot_bytes}"
+            );
+        }
+        let mut cut = CtlMsg::Grant {
+            slots: 1,
+            slot_bytes: 1,
+            window,
+        }
+        .encode();
+        cut.pop();
+        assert!(CtlMsg::decode(&cut).is_err(), "a window cut short");
+        assert!(CtlMsg::decode(&[7, 1]).is_err(), "a slot cut short");
     }
 }

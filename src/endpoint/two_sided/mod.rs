@@ -35,12 +35,15 @@
 //! `NOTE_CTL`, into an inbox of their own: the application's
 //! notifications never see them.
 
+mod bounce;
+mod landing;
 mod state;
 
 use std::sync::mpsc::Receiver;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use self::landing::Taken;
 use self::state::{ctl, Pending, Posted, State, Writing, MAX_OUTBOX, MAX_UNMATCHED};
 use super::lanes::Via;
 use super::{Endpoint, MemoryRegion};
@@ -133,11 +136,42 @@ impl Endpoint {
             // `state::ConnMsgs::eager_offer`); the send ends now.
             let ended = c.offers.remove(&seq).is_some();
             let msg = (!ended).then_some(msg);
-            c.eager.insert(seq, state::Eager { id, msg });
+            let (slot, write) = (None, None);
+            c.eager.insert(
+                seq,
+                state::Eager {
+                    id,
+                    msg,
+                    slot,
+                    write,
+                },
+            );
             if ended {
                 st.ended.insert(id, Ok(len));
             }
             st.outbox.push_back((conn, eager));
+        } else if let Some((slot, window)) = c.bounce_slot(&msg, seq) {
+            let len = msg.len() as u32;
+            let landed = CtlMsg::Landed { seq, slot, len }.encode();
+            match self.write_landed(conn, msg.clone(), &window, &landed) {
+                Ok(t) => {
+                    let (msg, slot, write) = (Some(msg), Some(slot), Some(t));
+                    c.eager.insert(
+                        seq,
+                        state::Eager {
+                            id,
+                            msg,
+                            slot,
+                            write,
+                        },
+                    );
+                }
+                Err(e) => {
+                    tracing::debug!(%conn, seq, "a message into a bounce slot did not start: {e}");
+                    c.granted.as_mut().expect("a slot taken").release(slot);
+                    c.sends.push_back(Pending { id, seq, msg });
+                }
+            }
         } else {
             c.sends.push_back(Pending { id, seq, msg });
         }
@@ -170,8 +204,11 @@ impl Endpoint {
                 len: mr.len(),
             });
         }
-        // Where the CPU copies an eager message (host memory only).
+        // Where the CPU copies an eager message (host memory only), or a
+        // GPU copy one out of a bounce slot.
         let dest = state::Dest::of(mr.slice(offset, max)?);
+        let gpu = (max > 0 && mr.inner.mem.is_device())
+            .then(|| (std::sync::Arc::downgrade(&mr.inner), offset));
         let window = if max == 0 {
             self.inner.live(conn)?;
             RemoteBuf::default()
@@ -198,10 +235,21 @@ impl Endpoint {
             max: max as u64,
             rkey: window.rkey,
             dest,
+            gpu,
         };
-        // Its message may be here already (sent eagerly).
-        if let Some(r) = st.take_held(conn, seq, &posted) {
-            st.ended.insert(id, r);
+        self.grant_bounce(&mut st, conn, mr, max);
+        // Its message may be here already (sent eagerly, or into a slot).
+        let mut ended = st.take_held(conn, seq, &posted).map(Taken::Ended);
+        let landed = (st.conns.get_mut(&conn))
+            .and_then(|c| c.bounce.as_mut())
+            .and_then(|b| b.held.remove(&seq));
+        if let (None, Some(l)) = (&ended, landed) {
+            ended = Some(self.take_landing(&mut st, conn, seq, &posted, l));
+        }
+        if let Some(Taken::Ended(_) | Taken::Copying) = ended {
+            if let Some(Taken::Ended(r)) = ended {
+                st.ended.insert(id, r);
+            }
             flush_outbox(&mut st, self);
             drop(st);
             if window.rkey != 0 {
@@ -270,6 +318,9 @@ impl Endpoint {
         for (conn, bytes) in arrived {
             self.take_ctl(&mut st, conn, &bytes);
         }
+        if !st.copying.is_empty() {
+            self.end_copies(&mut st);
+        }
         let conns: Vec<ConnId> = st
             .conns
             .iter()
@@ -302,6 +353,13 @@ impl Endpoint {
             .retain(|k, c| c.pending() || !c.offers.is_empty() || live.contains_key(k));
         drop(live);
         st.swept_len = st.conns.len();
+    }
+
+    /// Two-sided messages sent into peers' bounce slots and taken out of
+    /// ours (`Metrics::bounced_out`, `bounced_in`).
+    pub(super) fn bounced(&self) -> (u64, u64) {
+        let st = self.msg_state();
+        (st.bounced_out, st.bounced_in)
     }
 
     /// Connections with two-sided message state (like `conn_count`: those
@@ -392,6 +450,61 @@ impl Endpoint {
                 }
             }
             CtlMsg::Ack { seq, status, len } => st.take_ack(conn, seq, status, len),
+            CtlMsg::Grant {
+                slots,
+                slot_bytes,
+                window,
+            } => {
+                let g = bounce::Granted::new(slots, slot_bytes, window);
+                self.take_grant(st, conn, g, &window);
+            }
+            CtlMsg::Landed { seq, slot, len } => self.take_landed(st, conn, seq, slot, len),
+            CtlMsg::Released { slot } => {
+                let c = st.conns.entry(conn).or_default();
+                if !c.granted.as_mut().is_some_and(|g| g.release(slot)) {
+                    tracing::warn!(%conn, slot, "a bounce slot released that was not written: ignored");
+                }
+            }
+        }
+    }
+
+    /// Receiver: message `seq` landed in bounce slot `slot`: into the
+    /// receive posted for it, held until that is posted, or (a claim that
+    /// does not fit the grant, a number already taken) ignored.
+    fn take_landed(&self, st: &mut State, conn: ConnId, seq: u64, slot: u16, len: u32) {
+        let c = st.conns.entry(conn).or_default();
+        let Some(b) = c.bounce.as_mut() else {
+            tracing::warn!(%conn, seq, "a message in a bounce slot never granted: ignored");
+            return;
+        };
+        let l = match b.land(slot, len) {
+            Ok(l) => l,
+            Err(why) => {
+                tracing::warn!(%conn, seq, "a bounce landing that does not fit: {why}; ignored");
+                return;
+            }
+        };
+        if let Some(posted) = c.recvs.remove(&seq) {
+            match self.take_landing(st, conn, seq, &posted, l) {
+                Taken::Again => {
+                    let c = st.conns.get_mut(&conn).expect("entered above");
+                    c.recvs.insert(seq, posted);
+                }
+                taken => {
+                    if let Taken::Ended(r) = taken {
+                        st.ended.insert(posted.id, r);
+                    }
+                    let ended = st.end_posted(conn, seq, &posted);
+                    if ended.rkey != 0 {
+                        self.inner.forget_region(ended.rkey);
+                    }
+                }
+            }
+        } else if seq < c.next_recv || b.held.contains_key(&seq) {
+            tracing::warn!(%conn, seq, "a message in a bounce slot for a receive that ended, or twice: ignored");
+            landing::release(st, conn, slot);
+        } else {
+            b.held.insert(seq, l);
         }
     }
 
@@ -407,6 +520,7 @@ impl Endpoint {
         let Some(c) = conns.get_mut(&conn) else {
             return;
         };
+        c.end_bounce_writes(ended);
         while let Some(p) = c.sends.front() {
             let Some(window) = c.offers.remove(&p.seq) else {
                 break;

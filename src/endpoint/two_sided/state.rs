@@ -5,9 +5,12 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
+use std::sync::Weak;
+
+use super::bounce::{self, Bounce, Granted, Verdict};
 use crate::error::{ConnFault, ConnId, Error, Result};
 use crate::reactor::Transfer;
-use crate::region::RegionSlice;
+use crate::region::{Region, RegionSlice};
 use crate::wire::{CtlMsg, FinStatus, RemoteBuf, MAX_EAGER_BYTES, NOTE_CTL};
 
 /// Offers of receive buffers a connection may have waiting for a send.
@@ -46,6 +49,13 @@ pub(super) struct State {
     pub(super) outbox: VecDeque<(ConnId, Vec<u8>)>,
     /// `conns.len()` after the last sweep of dead connections' entries.
     pub(super) swept_len: usize,
+    /// Messages being copied out of our bounce slots into their GPU
+    /// buffers (kept past their connection's end: the copy runs on).
+    pub(super) copying: Vec<CopyOut>,
+    /// Messages of ours the peer took out of its bounce slots (metrics) ...
+    pub(super) bounced_out: u64,
+    /// ... and those taken out of ours into their buffers.
+    pub(super) bounced_in: u64,
     /// Bytes of eager messages held, all connections together.
     held_bytes: usize,
 }
@@ -71,6 +81,23 @@ pub(super) struct ConnMsgs {
     pub(super) unoffered: VecDeque<(u64, RemoteBuf)>,
     /// Eager messages that came before their receive was posted.
     pub(super) held: BTreeMap<u64, Vec<u8>>,
+    /// The peer's bounce slots we may WRITE messages into (its `Grant`).
+    pub(super) granted: Option<Granted>,
+    /// Our bounce slots granted to the peer, and what landed in them.
+    pub(super) bounce: Option<Bounce>,
+    /// A bounce was tried for this connection (granted or not: at most one
+    /// allocation each).
+    pub(super) bounce_tried: bool,
+}
+
+/// A message being copied out of bounce slot `slot` of `conn` into the GPU
+/// buffer of receive `id`.
+pub(super) struct CopyOut {
+    pub(super) conn: ConnId,
+    pub(super) slot: u16,
+    pub(super) id: u64,
+    pub(super) len: usize,
+    pub(super) t: Transfer,
 }
 
 pub(super) struct Pending {
@@ -80,13 +107,18 @@ pub(super) struct Pending {
     pub(super) msg: RegionSlice,
 }
 
-/// A send that went eagerly.
+/// A send that went eagerly (inline, or into a bounce slot).
 pub(super) struct Eager {
     pub(super) id: u64,
     /// The message (it holds the registration) until the send ended;
     /// `None` after: the answer is awaited only to keep the window (see
     /// `eager_offer`), and the registration is free to go meanwhile.
     pub(super) msg: Option<RegionSlice>,
+    /// The peer's bounce slot it went into (`None`: inside the `Eager`
+    /// notification).
+    pub(super) slot: Option<u16>,
+    /// That slot's WRITE, while it runs.
+    pub(super) write: Option<Transfer>,
 }
 
 impl Eager {
@@ -110,6 +142,17 @@ pub(super) struct Posted {
     /// The buffer, where the CPU may copy an eager message into it (host
     /// memory); `None` for GPU memory (such a message is sent `Again`).
     pub(super) dest: Option<Dest>,
+    /// GPU memory (a receive of at least a byte): the region, not held
+    /// while nothing came (deregistering it fails the receive), and the
+    /// buffer's offset in it, where a bounce slot's message is copied.
+    pub(super) gpu: Option<(Weak<Region>, usize)>,
+}
+
+impl Posted {
+    /// Whether its buffer is GPU memory (as its offer's window says).
+    pub(super) fn is_device(&self) -> bool {
+        self.gpu.is_some()
+    }
 }
 
 /// A posted host buffer, held (a receive is an op in flight on its
@@ -125,7 +168,7 @@ impl Dest {
     }
 
     /// Copies `bytes` in; the caller checked they fit the posted length.
-    fn copy_in(&self, bytes: &[u8]) {
+    pub(super) fn copy_in(&self, bytes: &[u8]) {
         assert!(bytes.len() <= self.0.len(), "checked by the caller");
         // SAFETY: host memory (`of`), alive while the slice holds it,
         // writable (checked when posted), `bytes.len()` fits (above). A
@@ -142,6 +185,7 @@ impl ConnMsgs {
             || !self.writing.is_empty()
             || !self.eager.is_empty()
             || !self.held.is_empty()
+            || self.bounce.as_ref().is_some_and(|b| !b.held.is_empty())
     }
 
     /// The lowest number a send of ours still waits on an offer for.
@@ -168,6 +212,64 @@ impl ConnMsgs {
             && self.offers.get(&seq).map_or(true, |w| fills(w, msg.len()))
     }
 
+    /// A bounce slot of the peer's for message `msg`, number `seq`, taken:
+    /// one is granted and free, the message fits it, the window has room,
+    /// and no offer for it is here (then it goes straight into that).
+    pub(super) fn bounce_slot(
+        &mut self,
+        msg: &RegionSlice,
+        seq: u64,
+    ) -> Option<(u16, crate::wire::AnyWindow)> {
+        if self.eager.len() >= EAGER_WINDOW || self.offers.contains_key(&seq) {
+            return None;
+        }
+        let g = self.granted.as_mut()?;
+        if !g.fits(msg.len(), msg.is_device()) {
+            return None;
+        }
+        g.take()
+    }
+
+    /// Ends the WRITEs of our messages into the peer's bounce slots. One
+    /// that failed goes the usual way (its slot is free again: no
+    /// `Landed` rides on a failed WRITE, so the peer never heard of it);
+    /// one that landed is decided by its offer, if that came meanwhile.
+    pub(super) fn end_bounce_writes(&mut self, ended: &mut HashMap<u64, Result<usize>>) {
+        if !self.eager.values().any(|e| e.write.is_some()) {
+            return;
+        }
+        let writing: Vec<u64> = (self.eager.iter())
+            .filter(|(_, e)| e.write.is_some())
+            .map(|(seq, _)| *seq)
+            .collect();
+        for seq in writing {
+            let e = self.eager.get_mut(&seq).expect("listed");
+            let Some(r) = e.write.as_mut().and_then(Transfer::poll) else {
+                continue;
+            };
+            e.write = None;
+            match r {
+                Ok(()) => {
+                    if let Some(w) = self.offers.remove(&seq) {
+                        if let Some((id, r)) = self.eager_offer(seq, &w) {
+                            ended.insert(id, r);
+                        }
+                    }
+                }
+                Err(err) => {
+                    tracing::debug!(seq, "a message's WRITE into a bounce slot failed ({err}): it goes the usual way");
+                    let e = self.eager.remove(&seq).expect("listed");
+                    if let (Some(g), Some(slot)) = (self.granted.as_mut(), e.slot) {
+                        g.release(slot);
+                    }
+                    let msg = e.msg.expect("not ended while its WRITE runs");
+                    let at = self.sends.partition_point(|p| p.seq < seq);
+                    self.sends.insert(at, Pending { id: e.id, seq, msg });
+                }
+            }
+        }
+    }
+
     /// The receiver's offer for `seq`, an eager message of ours: what the
     /// receiver will do with the message is known now, so the send ends
     /// (it lands, or it is too long for the buffer: the receiver refuses
@@ -179,17 +281,26 @@ impl ConnMsgs {
         seq: u64,
         window: &RemoteBuf,
     ) -> Option<(u64, Result<usize>)> {
+        let slot_device = self.granted.as_ref().is_some_and(Granted::device);
         let e = self.eager.get_mut(&seq).filter(|e| !e.ended())?;
+        if e.write.is_some() {
+            // Its WRITE into the slot runs: decided once it ended (it may
+            // fail, and then go into this offer).
+            self.offers.insert(seq, *window);
+            return None;
+        }
+        let in_slot = e.slot.is_some() && slot_device;
         // Its `Ack` will only close the window now.
         let msg = e.msg.take().expect("not ended");
         let (id, len) = (e.id, msg.len());
-        if fills(window, len) {
-            return Some((id, Ok(len)));
-        }
-        if !window.is_device() {
-            let posted = window.size as u64;
-            let len = len as u64;
-            return Some((id, Err(Error::MessageTooLarge { len, posted })));
+        let max = u64::from(window.size);
+        match bounce::verdict(max, window.is_device(), in_slot, len) {
+            Verdict::Take => return Some((id, Ok(len))),
+            Verdict::TooLarge => {
+                let len = len as u64;
+                return Some((id, Err(Error::MessageTooLarge { len, posted: max })));
+            }
+            Verdict::Again => {}
         }
         let send = Pending { id, seq, msg };
         let at = self.sends.partition_point(|p| p.seq < seq);
@@ -337,7 +448,7 @@ impl State {
     /// buffer or past the hold bounds), so past `MAX_OUTBOX` unsaid
     /// messages (peers not reading) it is not said, it is logged, as an
     /// offer refused past the bound: no peer grows our memory.
-    fn answer(&mut self, conn: ConnId, seq: u64, status: FinStatus, len: u64) {
+    pub(super) fn answer(&mut self, conn: ConnId, seq: u64, status: FinStatus, len: u64) {
         if status == FinStatus::Again && self.outbox.len() >= MAX_OUTBOX {
             tracing::warn!(%conn, seq, "an eager message not taken, unanswered: peers are not reading");
             return;
@@ -356,6 +467,9 @@ impl State {
             tracing::warn!(%conn, seq, "an answer for no eager message of ours: ignored");
             return;
         };
+        if sent.slot.is_some() && status == FinStatus::Ok {
+            self.bounced_out += 1;
+        }
         let Some(msg) = sent.msg else {
             // Ended when its offer came (what the receiver answers was
             // known then; a GPU buffer's offer waits in `offers` for the
@@ -458,6 +572,7 @@ mod tests {
             max: 32,
             rkey: 0,
             dest: Dest::of(RegionSlice::new(&region, 0, 32).unwrap()),
+            gpu: None,
         };
         let before = st.held_bytes;
         assert_eq!(st.take_held(a, 3, &posted).unwrap().unwrap(), 16);
@@ -468,6 +583,7 @@ mod tests {
         // ... a GPU buffer (no `dest`) sends it Again and is posted.
         let gpu = Posted {
             dest: None,
+            gpu: Some((std::sync::Weak::new(), 0)),
             ..posted
         };
         assert!(st.take_held(a, 4, &gpu).is_none());
@@ -494,6 +610,7 @@ mod tests {
                 max: 64,
                 rkey: 0,
                 dest: None,
+                gpu: None,
             },
         );
         for _ in 0..2 * MAX_OUTBOX {
@@ -524,6 +641,7 @@ mod tests {
                 max: 8,
                 rkey: 42,
                 dest: Dest::of(RegionSlice::new(&region, 0, 8).unwrap()),
+                gpu: None,
             },
         );
         let ended = st.take_eager(a, 0, &[1; 9]).expect("ends the receive");

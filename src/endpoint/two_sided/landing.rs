@@ -1,0 +1,223 @@
+//! The I/O of eager messages into bounce slots (`bounce.rs` has the
+//! rules): the receiver's grant, the sender's WRITE into a slot, the
+//! receiver's copy out of it, and the messages each side says.
+
+use super::super::{Endpoint, MemoryRegion, Peer};
+use super::bounce::{self, Bounce, Granted, Landing, Verdict, BOUNCE_SLOTS};
+use super::state::{ctl, CopyOut, Posted, State};
+use crate::error::{ConnId, Error, OpKind, Result};
+use crate::reactor::{IpcDesc, IpcParts, Transfer};
+use crate::region::RegionSlice;
+use crate::wire::{AnyWindow, CtlMsg, FinStatus, NOTE_APP, NOTE_CTL};
+
+/// What became of a message in a slot for a posted receive.
+pub(super) enum Taken {
+    /// The receive ended (the message copied in, or refused).
+    Ended(Result<usize>),
+    /// It is being copied into the receive's GPU buffer (`State::copying`).
+    Copying,
+    /// Not taken (the other kind of memory): the receive stays posted and
+    /// the sender sends the message again into its offer.
+    Again,
+}
+
+impl Endpoint {
+    /// Receiver: grants the peer on `conn` a bounce, once per connection,
+    /// when a receive into `mr` is posted there: a same-host peer, GPU
+    /// memory or a host receive longer than the inline bound, and room in
+    /// `MAX_BOUNCE_BYTES`. Failing to make one is no error: messages then
+    /// come the usual way.
+    pub(super) fn grant_bounce(&self, st: &mut State, conn: ConnId, mr: &MemoryRegion, max: usize) {
+        let device = mr.inner.mem.is_device();
+        let wanted = device || max > super::state::MAX_EAGER_SAME_HOST;
+        let c = st.conns.entry(conn).or_default();
+        if c.bounce_tried || !wanted || !matches!(self.peer(conn), Some(Peer::Local { .. })) {
+            return;
+        }
+        c.bounce_tried = true;
+        let slot_bytes = if device {
+            bounce::GPU_SLOT_BYTES
+        } else {
+            bounce::HOST_SLOT_BYTES
+        };
+        let bytes = BOUNCE_SLOTS as usize * slot_bytes as usize;
+        let held: usize = (st.conns.values())
+            .filter_map(|c| c.bounce.as_ref())
+            .filter(|b| b.device() == device)
+            .map(Bounce::bytes)
+            .sum();
+        if held + bytes > bounce::MAX_BOUNCE_BYTES {
+            return;
+        }
+        let made = if let crate::gpu::MemKind::Device { ordinal, .. } = mr.inner.mem {
+            self.alloc_gpu_on(ordinal, bytes)
+                .and_then(|b| Ok((AnyWindow::Ipc(b.advertise_ipc(0, bytes)?), b)))
+        } else {
+            self.alloc_host(bytes)
+                .and_then(|b| Ok((AnyWindow::Key(self.advertise(conn, &b, 0, bytes)?), b)))
+        };
+        let (window, b) = match made {
+            Ok(x) => x,
+            Err(e) => {
+                tracing::debug!(%conn, "no bounce slots for the peer: {e}");
+                return;
+            }
+        };
+        let c = st.conns.get_mut(&conn).expect("entered above");
+        c.bounce = Some(Bounce::new(b, BOUNCE_SLOTS, slot_bytes));
+        let grant = CtlMsg::Grant {
+            slots: BOUNCE_SLOTS,
+            slot_bytes,
+            window,
+        };
+        st.outbox.push_back((conn, ctl(grant)));
+    }
+
+    /// Sender: the peer's grant, kept if it is the first and a same-host
+    /// peer's (a CUDA IPC window of the peer's own, on this host).
+    pub(super) fn take_grant(&self, st: &mut State, conn: ConnId, g: Granted, w: &AnyWindow) {
+        let peer = self.inner.local_peer_of(conn);
+        let ours = match w {
+            AnyWindow::Ipc(b) => {
+                peer == Some(b.owner_id) && b.host_token == self.inner.me.host_token
+            }
+            AnyWindow::Key(_) => peer.is_some(),
+        };
+        let c = st.conns.entry(conn).or_default();
+        if !ours || c.granted.is_some() {
+            tracing::warn!(%conn, "a bounce grant not taken (a second one, or not the same-host peer's own memory)");
+            return;
+        }
+        c.granted = Some(g);
+    }
+
+    /// Sender: WRITEs `msg` into a bounce slot's window, `landed` (an
+    /// encoded `CtlMsg::Landed`) riding on it.
+    pub(super) fn write_landed(
+        &self,
+        conn: ConnId,
+        msg: RegionSlice,
+        w: &AnyWindow,
+        landed: &[u8],
+    ) -> Result<Transfer> {
+        match w {
+            AnyWindow::Key(r) => self.write_from(conn, msg, r, landed),
+            AnyWindow::Ipc(b) => {
+                let d = IpcDesc {
+                    local: msg,
+                    remote: *b,
+                };
+                let parts = IpcParts::One(d);
+                (self.inner).submit_ipc(conn, OpKind::Write, parts, Some(landed), NOTE_CTL)
+            }
+        }
+    }
+
+    /// Receiver: message `seq`, in slot `l` of `conn`'s bounce, for
+    /// receive `posted` (taken out of the posted ones by the caller, who
+    /// puts it back on `Again`): copied in, refused, or sent `Again`, and
+    /// the sender answered; the slot released once nothing reads it.
+    pub(super) fn take_landing(
+        &self,
+        st: &mut State,
+        conn: ConnId,
+        seq: u64,
+        posted: &Posted,
+        l: Landing,
+    ) -> Taken {
+        let Some(b) = st.conns.get_mut(&conn).and_then(|c| c.bounce.as_mut()) else {
+            return Taken::Again;
+        };
+        let len = l.len as usize;
+        let src = b.slice(l);
+        let taken = match bounce::verdict(posted.max, posted.is_device(), b.device(), len) {
+            Verdict::Again => {
+                st.answer(conn, seq, FinStatus::Again, 0);
+                Taken::Again
+            }
+            Verdict::TooLarge => {
+                st.answer(conn, seq, FinStatus::TooLarge, posted.max);
+                let len = len as u64;
+                let posted = posted.max;
+                Taken::Ended(Err(Error::MessageTooLarge { len, posted }))
+            }
+            // Nothing to copy (a buffer of no bytes: neither `dest` nor `gpu`).
+            Verdict::Take if len == 0 => {
+                st.answer(conn, seq, FinStatus::Ok, 0);
+                Taken::Ended(Ok(0))
+            }
+            Verdict::Take => match (&posted.dest, &posted.gpu) {
+                (Some(dest), _) => {
+                    // SAFETY: host memory (a host slot, `verdict`), alive
+                    // while `src` holds the bounce region, `len` bytes
+                    // from its start (`land` checked them against the
+                    // slot). The peer may still write there: bytes change,
+                    // never their validity (u8).
+                    let bytes = unsafe { std::slice::from_raw_parts(src.ptr(), len) };
+                    dest.copy_in(bytes);
+                    st.bounced_in += 1;
+                    st.answer(conn, seq, FinStatus::Ok, len as u64);
+                    Taken::Ended(Ok(len))
+                }
+                (None, Some((region, off))) => {
+                    let dst = (region.upgrade())
+                        .and_then(|r| RegionSlice::new(&r, *off, len))
+                        .ok_or(Error::Shutdown);
+                    let parts = |dst| IpcParts::Local { dst, src };
+                    let started = dst.and_then(|dst| {
+                        let parts = parts(dst);
+                        (self.inner).submit_ipc(conn, OpKind::Read, parts, None, NOTE_APP)
+                    });
+                    match started {
+                        Ok(t) => {
+                            // Taken: it lands unless the GPU fails the
+                            // copy (the receive then fails with why).
+                            st.answer(conn, seq, FinStatus::Ok, len as u64);
+                            let slot = l.slot;
+                            let id = posted.id;
+                            st.copying.push(CopyOut {
+                                conn,
+                                slot,
+                                id,
+                                len,
+                                t,
+                            });
+                            return Taken::Copying;
+                        }
+                        Err(e) => {
+                            st.answer(conn, seq, FinStatus::Failed, 0);
+                            Taken::Ended(Err(e))
+                        }
+                    }
+                }
+                (None, None) => unreachable!("a buffer of bytes is host or GPU memory"),
+            },
+        };
+        release(st, conn, l.slot);
+        taken
+    }
+
+    /// Receiver: ends the receives whose copies out of a slot ended.
+    pub(super) fn end_copies(&self, st: &mut State) {
+        let mut i = 0;
+        while i < st.copying.len() {
+            let Some(r) = st.copying[i].t.poll() else {
+                i += 1;
+                continue;
+            };
+            let done = st.copying.swap_remove(i);
+            st.bounced_in += u64::from(r.is_ok());
+            st.ended.insert(done.id, r.map(|()| done.len));
+            release(st, done.conn, done.slot);
+        }
+    }
+}
+
+/// Receiver: `slot` of `conn`'s bounce may be written again; the sender
+/// is told.
+pub(super) fn release(st: &mut State, conn: ConnId, slot: u16) {
+    if let Some(b) = st.conns.get_mut(&conn).and_then(|c| c.bounce.as_mut()) {
+        b.release(slot);
+        st.outbox.push_back((conn, ctl(CtlMsg::Released { slot })));
+    }
+}
