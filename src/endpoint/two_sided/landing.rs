@@ -74,14 +74,18 @@ impl Endpoint {
     }
 
     /// Sender: the peer's grant, kept if it is the first and a same-host
-    /// peer's (a CUDA IPC window of the peer's own, on this host).
+    /// peer's: a key window (its own memory by construction), or a CUDA
+    /// IPC window of the peer's own endpoint, process and host (not memory
+    /// of ours it learned a handle of: our messages would land in it).
     pub(super) fn take_grant(&self, st: &mut State, conn: ConnId, g: Granted, w: &AnyWindow) {
-        let peer = self.inner.local_peer_of(conn);
-        let ours = match w {
-            AnyWindow::Ipc(b) => {
-                peer == Some(b.owner_id) && b.host_token == self.inner.me.host_token
+        let ours = match (self.peer(conn), w) {
+            (Some(Peer::Local { endpoint_id, pid }), AnyWindow::Ipc(b)) => {
+                b.owner_id == endpoint_id
+                    && b.owner_pid == pid
+                    && b.host_token == self.inner.me.host_token
             }
-            AnyWindow::Key(_) => peer.is_some(),
+            (Some(Peer::Local { .. }), AnyWindow::Key(_)) => true,
+            _ => false,
         };
         let c = st.conns.entry(conn).or_default();
         if !ours || c.granted.is_some() {

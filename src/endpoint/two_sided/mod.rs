@@ -243,8 +243,12 @@ impl Endpoint {
         let landed = (st.conns.get_mut(&conn))
             .and_then(|c| c.bounce.as_mut())
             .and_then(|b| b.held.remove(&seq));
-        if let (None, Some(l)) = (&ended, landed) {
-            ended = Some(self.take_landing(&mut st, conn, seq, &posted, l));
+        match (&ended, landed) {
+            (None, Some(l)) => ended = Some(self.take_landing(&mut st, conn, seq, &posted, l)),
+            // The same number sent both ways (a peer's fault): the slot is
+            // freed, the message inline taken.
+            (Some(_), Some(l)) => landing::release(&mut st, conn, l.slot),
+            _ => {}
         }
         if let Some(Taken::Ended(_) | Taken::Copying) = ended {
             if let Some(Taken::Ended(r)) = ended {
