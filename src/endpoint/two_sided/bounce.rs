@@ -138,43 +138,23 @@ pub(super) struct Landing {
     pub(super) len: u32,
 }
 
-/// The receiver's side: its bounce memory for one connection, the slots
-/// holding messages, and those that came before their receive.
-pub(super) struct Bounce {
-    /// The slots' memory (a host slot's window is scoped to the
-    /// connection: it goes with it).
-    mr: MemoryRegion,
+/// Which of a receiver's slots hold a message, and the checks on a
+/// sender's claim that one landed.
+#[derive(Debug)]
+pub(super) struct SlotUse {
     slots: u16,
     slot_bytes: u32,
     /// Bit k: slot k holds a message not yet released.
     busy: u64,
-    /// Messages that landed before their receive was posted, by number
-    /// (at most one per slot: bounded by the grant).
-    pub(super) held: BTreeMap<u64, Landing>,
 }
 
-impl Bounce {
-    pub(super) fn new(mr: MemoryRegion, slots: u16, slot_bytes: u32) -> Bounce {
-        assert!(
-            mr.len() >= slots as usize * slot_bytes as usize,
-            "the slots fit the memory"
-        );
-        Bounce {
-            mr,
-            slots,
+impl SlotUse {
+    pub(super) fn new(slots: u16, slot_bytes: u32) -> SlotUse {
+        SlotUse {
+            slots: slots.min(64),
             slot_bytes,
             busy: 0,
-            held: BTreeMap::new(),
         }
-    }
-
-    pub(super) fn device(&self) -> bool {
-        self.mr.inner.mem.is_device()
-    }
-
-    /// The memory it holds.
-    pub(super) fn bytes(&self) -> usize {
-        self.mr.len()
     }
 
     /// The peer says `len` bytes landed in `slot`: checked (a slot we
@@ -193,19 +173,59 @@ impl Bounce {
         Ok(Landing { slot, len })
     }
 
-    /// The bytes of landing `l`, as a slice of the bounce memory.
-    pub(super) fn slice(&self, l: Landing) -> RegionSlice {
-        let off = l.slot as usize * self.slot_bytes as usize;
-        self.mr
-            .slice(off, l.len as usize)
-            .expect("a landing lies in its slot (land)")
-    }
-
     /// Slot `slot` is free again.
     pub(super) fn release(&mut self, slot: u16) {
         if slot < self.slots {
             self.busy &= !(1u64 << slot);
         }
+    }
+
+    /// Where landing `l`'s bytes start in the bounce memory.
+    fn offset(&self, l: Landing) -> usize {
+        l.slot as usize * self.slot_bytes as usize
+    }
+}
+
+/// The receiver's side: its bounce memory for one connection, the slots
+/// holding messages, and those that came before their receive.
+pub(super) struct Bounce {
+    /// The slots' memory (a host slot's window is scoped to the
+    /// connection: it goes with it).
+    mr: MemoryRegion,
+    pub(super) slots: SlotUse,
+    /// Messages that landed before their receive was posted, by number
+    /// (at most one per slot: bounded by the grant).
+    pub(super) held: BTreeMap<u64, Landing>,
+}
+
+impl Bounce {
+    pub(super) fn new(mr: MemoryRegion, slots: u16, slot_bytes: u32) -> Bounce {
+        assert!(
+            mr.len() >= slots as usize * slot_bytes as usize,
+            "the slots fit the memory"
+        );
+        Bounce {
+            mr,
+            slots: SlotUse::new(slots, slot_bytes),
+            held: BTreeMap::new(),
+        }
+    }
+
+    pub(super) fn device(&self) -> bool {
+        self.mr.inner.mem.is_device()
+    }
+
+    /// The memory it holds.
+    pub(super) fn bytes(&self) -> usize {
+        self.mr.len()
+    }
+
+    /// The bytes of landing `l` (checked by `SlotUse::land`), as a slice
+    /// of the bounce memory.
+    pub(super) fn slice(&self, l: Landing) -> RegionSlice {
+        (self.mr)
+            .slice(self.slots.offset(l), l.len as usize)
+            .expect("a landing lies in its slot (land)")
     }
 }
 
@@ -262,5 +282,23 @@ mod tests {
         assert_eq!(verdict(0, false, true, 10), Verdict::Again);
         assert_eq!(verdict(10, false, false, 10), Verdict::Take);
         assert_eq!(verdict(9, false, false, 10), Verdict::TooLarge);
+    }
+
+    /// A sender's claim that a message landed is checked against the
+    /// grant (slot, length) and the slot's use (one message until it is
+    /// released).
+    #[test]
+    fn a_landing_must_fit_the_grant_and_a_free_slot() {
+        let mut u = SlotUse::new(4, 100);
+        assert_eq!(u.land(3, 100), Ok(Landing { slot: 3, len: 100 }));
+        assert_eq!(u.offset(Landing { slot: 3, len: 1 }), 300);
+        assert!(u.land(3, 1).unwrap_err().contains("still holds"));
+        assert!(u.land(4, 1).is_err(), "past the slots");
+        assert!(u.land(0, 101).is_err(), "past a slot's bytes");
+        assert!(u.land(u16::MAX, 0).is_err());
+        u.release(3);
+        assert!(u.land(3, 0).is_ok(), "free again");
+        u.release(60);
+        assert_eq!(SlotUse::new(100, 1).slots, 64, "at most 64 slots");
     }
 }

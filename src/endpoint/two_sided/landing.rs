@@ -221,7 +221,7 @@ impl Endpoint {
 /// is told.
 pub(super) fn release(st: &mut State, conn: ConnId, slot: u16) {
     if let Some(b) = st.conns.get_mut(&conn).and_then(|c| c.bounce.as_mut()) {
-        b.release(slot);
+        b.slots.release(slot);
         st.outbox.push_back((conn, ctl(CtlMsg::Released { slot })));
     }
 }

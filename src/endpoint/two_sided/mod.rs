@@ -28,6 +28,13 @@
 //! goes the usual way. A posted host receive holds its buffer until it
 //! ends (so a message its sender was told landed does land).
 //!
+//! Between processes of one host, the receiver's first receive of GPU
+//! memory (or of host memory past the inline bound) on a connection also
+//! grants the sender bounce slots (`bounce.rs`, `landing.rs`): a message
+//! that fits one and has no offer yet is WRITten into a free slot at once
+//! (`Landed` riding on the WRITE) and copied out on match, answered as an
+//! eager one, the slot then `Released`. It ends as an eager send does.
+//!
 //! Progress is made by the calls: posting, `poll_message` and
 //! `wait_message` (the WRITEs themselves run on the shards as usual). A
 //! blocking `send` thus completes while its receiver only waits in
@@ -481,7 +488,7 @@ impl Endpoint {
             tracing::warn!(%conn, seq, "a message in a bounce slot never granted: ignored");
             return;
         };
-        let l = match b.land(slot, len) {
+        let l = match b.slots.land(slot, len) {
             Ok(l) => l,
             Err(why) => {
                 tracing::warn!(%conn, seq, "a bounce landing that does not fit: {why}; ignored");
