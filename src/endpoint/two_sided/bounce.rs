@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 
 use super::super::MemoryRegion;
 use crate::region::RegionSlice;
-use crate::wire::AnyWindow;
+use crate::wire::RemoteBuf;
 
 /// Slots a receiver grants one connection.
 pub(super) const BOUNCE_SLOTS: u16 = 16;
@@ -72,7 +72,7 @@ fn all(slots: u16) -> u64 {
 
 /// The sender's side: the receiver's grant and which slots are free.
 pub(super) struct Granted {
-    window: AnyWindow,
+    window: RemoteBuf,
     slots: u16,
     slot_bytes: u32,
     /// Bit k: slot k is free (not written since the receiver released it).
@@ -83,11 +83,8 @@ pub(super) struct Granted {
 impl Granted {
     /// A grant as decoded (`CtlMsg::decode` checked that its slots fit its
     /// window and number at most 64).
-    pub(super) fn new(slots: u16, slot_bytes: u32, window: AnyWindow) -> Granted {
-        let device = match &window {
-            AnyWindow::Ipc(_) => true,
-            AnyWindow::Key(r) => r.is_device(),
-        };
+    pub(super) fn new(slots: u16, slot_bytes: u32, window: RemoteBuf) -> Granted {
+        let device = window.is_device();
         Granted {
             window,
             slots,
@@ -109,13 +106,12 @@ impl Granted {
     }
 
     /// A free slot, taken, and its window.
-    pub(super) fn take(&mut self) -> Option<(u16, AnyWindow)> {
+    pub(super) fn take(&mut self) -> Option<(u16, RemoteBuf)> {
         let k = self.free.trailing_zeros();
         if k >= u32::from(self.slots) {
             return None;
         }
-        let size = u64::from(self.slot_bytes);
-        let w = self.window.slice(u64::from(k) * size, size)?;
+        let w = (self.window).slice(k * self.slot_bytes, self.slot_bytes)?;
         self.free &= !(1u64 << k);
         Some((k as u16, w))
     }
@@ -232,9 +228,8 @@ impl Bounce {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::RemoteBuf;
 
-    fn key_window(device: bool) -> AnyWindow {
+    fn key_window(device: bool) -> RemoteBuf {
         let mut r = RemoteBuf {
             addr: 0x10_0000,
             size: 4 * 1024,
@@ -244,7 +239,7 @@ mod tests {
         if device {
             r.reserved[8] |= crate::wire::REMOTE_FLAG_DEVICE;
         }
-        AnyWindow::Key(r)
+        r
     }
 
     /// A sender takes each slot once until the receiver releases it; the
@@ -258,8 +253,7 @@ mod tests {
         assert!(!g.fits(0, false), "an empty message goes the usual way");
         assert!(!g.fits(8, true), "GPU memory goes into GPU slots only");
         let mut seen = Vec::new();
-        while let Some((k, w)) = g.take() {
-            let r = *w.key().unwrap();
+        while let Some((k, r)) = g.take() {
             assert_eq!((r.addr, r.size), (0x10_0000 + 1024 * u64::from(k), 1024));
             seen.push(k);
         }

@@ -160,7 +160,7 @@ impl Endpoint {
         } else if let Some((slot, window)) = c.bounce_slot(&msg, seq) {
             let len = msg.len() as u32;
             let landed = CtlMsg::Landed { seq, slot, len }.encode();
-            match self.write_landed(conn, msg.clone(), &window, &landed) {
+            match self.write_from(conn, msg.clone(), &window, &landed) {
                 Ok(t) => {
                     let (msg, slot, write) = (Some(msg), Some(slot), Some(t));
                     c.eager.insert(
@@ -465,10 +465,7 @@ impl Endpoint {
                 slots,
                 slot_bytes,
                 window,
-            } => {
-                let g = bounce::Granted::new(slots, slot_bytes, window);
-                self.take_grant(st, conn, g, &window);
-            }
+            } => self.take_grant(st, conn, (slots, slot_bytes), &window),
             CtlMsg::Landed { seq, slot, len } => self.take_landed(st, conn, seq, slot, len),
             CtlMsg::Released { slot } => {
                 let c = st.conns.entry(conn).or_default();

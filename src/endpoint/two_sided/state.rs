@@ -215,11 +215,7 @@ impl ConnMsgs {
     /// A bounce slot of the peer's for message `msg`, number `seq`, taken:
     /// one is granted and free, the message fits it, the window has room,
     /// and no offer for it is here (then it goes straight into that).
-    pub(super) fn bounce_slot(
-        &mut self,
-        msg: &RegionSlice,
-        seq: u64,
-    ) -> Option<(u16, crate::wire::AnyWindow)> {
+    pub(super) fn bounce_slot(&mut self, msg: &RegionSlice, seq: u64) -> Option<(u16, RemoteBuf)> {
         if self.eager.len() >= EAGER_WINDOW || self.offers.contains_key(&seq) {
             return None;
         }
