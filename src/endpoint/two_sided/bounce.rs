@@ -21,7 +21,7 @@
 
 use std::collections::BTreeMap;
 
-use super::super::MemoryRegion;
+use crate::endpoint::MemoryRegion;
 use crate::region::RegionSlice;
 use crate::wire::RemoteBuf;
 
@@ -134,6 +134,20 @@ pub(super) struct Landing {
     pub(super) len: u32,
 }
 
+/// A sender's claim that a message landed in a slot, refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(super) enum BadLanding {
+    #[error("{len} bytes in slot {slot}, past the grant of {slots} slots of {slot_bytes} bytes")]
+    Outside {
+        slot: u16,
+        len: u32,
+        slots: u16,
+        slot_bytes: u32,
+    },
+    #[error("slot {slot} still holds a message")]
+    Busy { slot: u16 },
+}
+
 /// Which of a receiver's slots hold a message, and the checks on a
 /// sender's claim that one landed.
 #[derive(Debug)]
@@ -155,15 +169,18 @@ impl SlotUse {
 
     /// The peer says `len` bytes landed in `slot`: checked (a slot we
     /// granted, not holding a message, `len` within it) and marked busy.
-    pub(super) fn land(&mut self, slot: u16, len: u32) -> Result<Landing, String> {
+    pub(super) fn land(&mut self, slot: u16, len: u32) -> Result<Landing, BadLanding> {
         if slot >= self.slots || len > self.slot_bytes {
-            return Err(format!(
-                "{len} bytes in slot {slot} of {} slots of {} bytes",
-                self.slots, self.slot_bytes
-            ));
+            let (slots, slot_bytes) = (self.slots, self.slot_bytes);
+            return Err(BadLanding::Outside {
+                slot,
+                len,
+                slots,
+                slot_bytes,
+            });
         }
         if self.busy & (1u64 << slot) != 0 {
-            return Err(format!("slot {slot} still holds a message"));
+            return Err(BadLanding::Busy { slot });
         }
         self.busy |= 1u64 << slot;
         Ok(Landing { slot, len })
@@ -286,7 +303,7 @@ mod tests {
         let mut u = SlotUse::new(4, 100);
         assert_eq!(u.land(3, 100), Ok(Landing { slot: 3, len: 100 }));
         assert_eq!(u.offset(Landing { slot: 3, len: 1 }), 300);
-        assert!(u.land(3, 1).unwrap_err().contains("still holds"));
+        assert_eq!(u.land(3, 1), Err(BadLanding::Busy { slot: 3 }));
         assert!(u.land(4, 1).is_err(), "past the slots");
         assert!(u.land(0, 101).is_err(), "past a slot's bytes");
         assert!(u.land(u16::MAX, 0).is_err());

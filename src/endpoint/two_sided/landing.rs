@@ -2,9 +2,9 @@
 //! rules): the receiver's grant, the sender's WRITE into a slot, the
 //! receiver's copy out of it, and the messages each side says.
 
-use super::super::{Endpoint, MemoryRegion, Peer};
 use super::bounce::{self, Bounce, Granted, Landing, Verdict, BOUNCE_SLOTS};
 use super::state::{ctl, CopyOut, Posted, State};
+use crate::endpoint::{Endpoint, MemoryRegion, Peer};
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::reactor::IpcParts;
 use crate::region::RegionSlice;
