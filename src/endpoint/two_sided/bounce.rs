@@ -25,16 +25,14 @@ use crate::endpoint::MemoryRegion;
 use crate::region::RegionSlice;
 use crate::wire::RemoteBuf;
 
-/// Slots a receiver grants one connection.
-pub(super) const BOUNCE_SLOTS: u16 = 16;
 /// A GPU slot: UCCL's small messages (4 KiB to 64 KiB) fit.
 pub(super) const GPU_SLOT_BYTES: u32 = 64 << 10;
 /// A host slot: past the inline bound (`MAX_EAGER_SAME_HOST`), a slot is
 /// a second memcpy, cheap up to here against the offer's round trip.
 pub(super) const HOST_SLOT_BYTES: u32 = 16 << 10;
 /// Bounce memory of each kind one endpoint grants, all connections
-/// together (64 connections' GPU slots, 256 connections' host slots);
-/// past it receives are offered as before.
+/// together (with the default 16 slots, 64 connections' GPU slots and 256
+/// connections' host slots); past it receives are offered as before.
 pub(super) const MAX_BOUNCE_BYTES: usize = 64 << 20;
 
 /// What a receiver does with a message of `len` bytes in a slot of kind

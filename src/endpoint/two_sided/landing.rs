@@ -2,7 +2,7 @@
 //! rules): the receiver's grant, the sender's WRITE into a slot, the
 //! receiver's copy out of it, and the messages each side says.
 
-use super::bounce::{self, Bounce, Granted, Landing, Verdict, BOUNCE_SLOTS};
+use super::bounce::{self, Bounce, Granted, Landing, Verdict};
 use super::state::{ctl, CopyOut, Posted, State};
 use crate::endpoint::{Endpoint, MemoryRegion, Peer};
 use crate::error::{ConnId, Error, OpKind, Result};
@@ -30,8 +30,10 @@ impl Endpoint {
     pub(super) fn grant_bounce(&self, st: &mut State, conn: ConnId, mr: &MemoryRegion, max: usize) {
         let device = mr.inner.mem.is_device();
         let wanted = device || max > super::state::MAX_EAGER_SAME_HOST;
+        let slots = self.inner.cfg.msg_bounce_slots;
         let c = st.conns.entry(conn).or_default();
-        if c.bounce_tried || !wanted || !matches!(self.peer(conn), Some(Peer::Local { .. })) {
+        let local = matches!(self.peer(conn), Some(Peer::Local { .. }));
+        if c.bounce_tried || !wanted || slots == 0 || !local {
             return;
         }
         c.bounce_tried = true;
@@ -40,7 +42,7 @@ impl Endpoint {
         } else {
             bounce::HOST_SLOT_BYTES
         };
-        let bytes = BOUNCE_SLOTS as usize * slot_bytes as usize;
+        let bytes = slots as usize * slot_bytes as usize;
         let held: usize = (st.conns.values())
             .filter_map(|c| c.bounce.as_ref())
             .filter(|b| b.device() == device)
@@ -68,9 +70,9 @@ impl Endpoint {
             }
         };
         let c = st.conns.get_mut(&conn).expect("entered above");
-        c.bounce = Some(Bounce::new(b, BOUNCE_SLOTS, slot_bytes));
+        c.bounce = Some(Bounce::new(b, slots, slot_bytes));
         let grant = CtlMsg::Grant {
-            slots: BOUNCE_SLOTS,
+            slots,
             slot_bytes,
             window: AnyWindow::Key(window),
         };
