@@ -143,16 +143,7 @@ impl Endpoint {
             // `state::ConnMsgs::eager_offer`); the send ends now.
             let ended = c.offers.remove(&seq).is_some();
             let msg = (!ended).then_some(msg);
-            let (slot, write) = (None, None);
-            c.eager.insert(
-                seq,
-                state::Eager {
-                    id,
-                    msg,
-                    slot,
-                    write,
-                },
-            );
+            c.eager.insert(seq, state::Eager::inline(id, msg));
             if ended {
                 st.ended.insert(id, Ok(len));
             }
@@ -162,16 +153,7 @@ impl Endpoint {
             let landed = CtlMsg::Landed { seq, slot, len }.encode();
             match self.write_from(conn, msg.clone(), &window, &landed) {
                 Ok(t) => {
-                    let (msg, slot, write) = (Some(msg), Some(slot), Some(t));
-                    c.eager.insert(
-                        seq,
-                        state::Eager {
-                            id,
-                            msg,
-                            slot,
-                            write,
-                        },
-                    );
+                    c.eager.insert(seq, state::Eager::in_slot(id, msg, slot, t));
                 }
                 Err(e) => {
                     tracing::debug!(%conn, seq, "a message into a bounce slot did not start: {e}");

@@ -122,6 +122,27 @@ pub(super) struct Eager {
 }
 
 impl Eager {
+    /// Sent inside the `Eager` notification (`msg`: `None` if it ended at
+    /// once, its receive offered already).
+    pub(super) fn inline(id: u64, msg: Option<RegionSlice>) -> Eager {
+        Eager {
+            id,
+            msg,
+            slot: None,
+            write: None,
+        }
+    }
+
+    /// Being WRITten (`write`) into the peer's bounce slot `slot`.
+    pub(super) fn in_slot(id: u64, msg: RegionSlice, slot: u16, write: Transfer) -> Eager {
+        Eager {
+            id,
+            msg: Some(msg),
+            slot: Some(slot),
+            write: Some(write),
+        }
+    }
+
     pub(super) fn ended(&self) -> bool {
         self.msg.is_none()
     }
