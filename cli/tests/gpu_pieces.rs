@@ -398,9 +398,10 @@ fn lone_copies_without_the_runner_are_byte_exact() {
 
 /// Two-sided GPU messages on one host in a request loop (each receive
 /// posted once the last ended, the sender ahead or behind: UCCL's
-/// benchmark) go through the receiver's GPU bounce slots: the sender's
-/// copy into a slot (a CUDA IPC WRITE, the runner), the receiver's copy
-/// out (a local copy, the runner). Sizes about the slot (64 KiB: past it
+/// benchmark) go through the receiver's GPU bounce slots
+/// (`FERRY_MSG_BOUNCE_GPU_SLOTS=16`): the receiver's shard copies each
+/// message into a slot (a same-host WRITE), then out into its buffer (a
+/// local copy); both lone copies, the runner's. Sizes about the slot (64 KiB: past it
 /// the usual way), one longer than its buffer (both sides fail, the slot
 /// is freed), one into host memory (sent again the usual way): every
 /// other message lands byte-exact with its length on both sides.
@@ -414,10 +415,9 @@ fn lone_copies_carry_two_sided_gpu_messages_through_bounce_slots() {
         .config(cfg(GpuCopy::Auto))
         .build()
         .unwrap();
-    let b = Endpoint::builder()
-        .config(cfg(GpuCopy::Auto))
-        .build()
-        .unwrap();
+    let mut with_slots = cfg(GpuCopy::Auto);
+    with_slots.msg_bounce_gpu_slots = 16;
+    let b = Endpoint::builder().config(with_slots).build().unwrap();
     b.start_passive_accept().unwrap();
     let ca = a.add_remote(&b.metadata_bytes()).unwrap();
     let (cb, _) = b.accept(std::time::Duration::from_secs(10)).unwrap();

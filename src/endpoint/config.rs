@@ -213,11 +213,15 @@ macro_rules! settings {
             /// the launch); smaller ones from pinned host memory, read by the
             /// kernel over the bus (`FERRY_GPU_DEVICE_DESCS`, default 256).
             gpu_device_descs: usize = 256, "FERRY_GPU_DEVICE_DESCS", range(1, 1 << 30);
-            /// Bounce slots a receiver grants each same-host connection for
-            /// two-sided messages sent before their receive is posted
-            /// (`FERRY_MSG_BOUNCE_SLOTS`, default 16, at most 64; 0: none,
-            /// every such message waits for its offer).
+            /// Bounce slots of host memory a receiver grants each same-host
+            /// connection for two-sided messages sent before their receive
+            /// is posted (`FERRY_MSG_BOUNCE_SLOTS`, default 16, at most 64;
+            /// 0: none, every such message waits for its offer).
             msg_bounce_slots: u16 = 16, "FERRY_MSG_BOUNCE_SLOTS", range(0, 64);
+            /// The same for receives of GPU memory, in slots of its GPU
+            /// (`FERRY_MSG_BOUNCE_GPU_SLOTS`, default 0: off until its speed
+            /// is measured on a GPU; see docs/benchmarks-log.md).
+            msg_bounce_gpu_slots: u16 = 0, "FERRY_MSG_BOUNCE_GPU_SLOTS", range(0, 64);
             /// Pinned bounce memory per shard for GPU memory on tcp
             /// (`FERRY_GPU_BOUNCE_BYTES`, default 256 MiB), in buffers of
             /// `chunk_bytes` (at least 2).

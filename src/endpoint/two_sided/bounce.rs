@@ -9,9 +9,12 @@
 //! grant, a sender WRITEs a message that fits a slot at once (`Landed`
 //! rides on the WRITE), and the receiver copies it out of the slot when
 //! the receive for its number is posted: the offer's trip leaves the
-//! chain. Same-host peers only, where a slot's WRITE is one copy: GPU
-//! memory (a slot of the receiver's GPU memory, CUDA IPC) and host memory
-//! past the inline eager bound (a slot of its memfd memory).
+//! chain. Same-host peers only, where a slot's WRITE is one copy: host
+//! memory past the inline eager bound (slots of the receiver's memfd
+//! memory, `FERRY_MSG_BOUNCE_SLOTS`) and GPU memory (slots of the
+//! receive's GPU, `FERRY_MSG_BOUNCE_GPU_SLOTS`, off by default). Either is
+//! a key window: the receiver's shard makes the copy into the slot, so
+//! only the receiver's process runs GPU copies for the connection.
 //!
 //! What a send promises is unchanged: it ends once the receiver said what
 //! becomes of the message (its offer showing a buffer the message fills,

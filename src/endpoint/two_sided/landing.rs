@@ -23,14 +23,17 @@ pub(super) enum Taken {
 
 impl Endpoint {
     /// Receiver: grants the peer on `conn` a bounce, once per connection,
-    /// when a receive into `mr` is posted there: a same-host peer, GPU
-    /// memory or a host receive longer than the inline bound, and room in
-    /// `MAX_BOUNCE_BYTES`. Failing to make one is no error: messages then
+    /// when a receive into `mr` is posted there: a same-host peer, a host
+    /// receive longer than the inline bound or one of GPU memory, slots
+    /// configured for its kind, and room in `MAX_BOUNCE_BYTES`. Failing to make one is no error: messages then
     /// come the usual way.
     pub(super) fn grant_bounce(&self, st: &mut State, conn: ConnId, mr: &MemoryRegion, max: usize) {
         let device = mr.inner.mem.is_device();
         let wanted = device || max > super::state::MAX_EAGER_SAME_HOST;
-        let slots = self.inner.cfg.msg_bounce_slots;
+        let slots = match device {
+            true => self.inner.cfg.msg_bounce_gpu_slots,
+            false => self.inner.cfg.msg_bounce_slots,
+        };
         let c = st.conns.entry(conn).or_default();
         let local = matches!(self.peer(conn), Some(Peer::Local { .. }));
         if c.bounce_tried || !wanted || slots == 0 || !local {

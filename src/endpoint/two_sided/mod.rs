@@ -28,9 +28,10 @@
 //! goes the usual way. A posted host receive holds its buffer until it
 //! ends (so a message its sender was told landed does land).
 //!
-//! Between processes of one host, the receiver's first receive of GPU
-//! memory (or of host memory past the inline bound) on a connection also
-//! grants the sender bounce slots (`bounce.rs`, `landing.rs`): a message
+//! Between processes of one host, the receiver's first receive of host
+//! memory past the inline bound (or of GPU memory, where configured) on a
+//! connection also grants the sender bounce slots (`bounce.rs`,
+//! `landing.rs`): a message
 //! that fits one and has no offer yet is WRITten into a free slot at once
 //! (`Landed` riding on the WRITE) and copied out on match, answered as an
 //! eager one, the slot then `Released`. It ends as an eager send does.
