@@ -3,7 +3,7 @@
 //! receiver's copy out of it, and the messages each side says.
 
 use super::bounce::{self, Bounce, Granted, Landing, Verdict};
-use super::state::{ctl, CopyOut, Posted, State};
+use super::state::{ctl, CopyOut, Posted, State, MAX_OUTBOX};
 use crate::endpoint::{Endpoint, MemoryRegion, Peer};
 use crate::error::{ConnId, Error, OpKind, Result};
 use crate::reactor::IpcParts;
@@ -60,8 +60,13 @@ impl Endpoint {
         // connection. Two processes' kernels on one GPU take turns by
         // time slices without MPS: a sender copying into our slots with
         // its own kernel measured 258 µs a message (UCCL's benchmark).
+        // GPU memory comes uninitialised: zeroed, so a slot never shows
+        // bytes this process held before (a peer's `Landed` for a slot it
+        // never wrote copies the slot as it is).
         let made = match mr.inner.mem {
-            crate::gpu::MemKind::Device { ordinal, .. } => self.alloc_gpu_on(ordinal, bytes),
+            crate::gpu::MemKind::Device { ordinal, .. } => self
+                .alloc_gpu_on(ordinal, bytes)
+                .and_then(|b| b.write_at(0, &vec![0; bytes]).map(|()| b)),
             _ => self.alloc_host(bytes),
         }
         .and_then(|b| Ok((self.advertise(conn, &b, 0, bytes)?, b)));
@@ -207,10 +212,47 @@ impl Endpoint {
 }
 
 /// Receiver: `slot` of `conn`'s bounce may be written again; the sender
-/// is told.
+/// is told. A slot taken by a receive is one per receive we posted (our
+/// bound); one freed at once (a landing for a receive that ended, or a
+/// number sent twice) a peer can cause without end, so past `MAX_OUTBOX`
+/// unsaid messages (peers not reading) it is not said, it is logged: the
+/// slot is free here, and lost to that peer.
 pub(super) fn release(st: &mut State, conn: ConnId, slot: u16) {
     if let Some(b) = st.conns.get_mut(&conn).and_then(|c| c.bounce.as_mut()) {
         b.slots.release(slot);
+        if st.outbox.len() >= MAX_OUTBOX {
+            tracing::warn!(%conn, slot, "a bounce slot freed, unsaid: peers are not reading");
+            return;
+        }
         st.outbox.push_back((conn, ctl(CtlMsg::Released { slot })));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer that repeats a landing for a receive that ended (each freed
+    /// at once and answered `Released`) while nobody reads our answers
+    /// grows the outbox only to its bound; the slot is free each time.
+    #[test]
+    fn released_answers_stop_at_the_outbox_bound() {
+        let cfg = crate::endpoint::Config {
+            listen_addr: "127.0.0.1".parse().unwrap(),
+            transport: crate::endpoint::Transport::Tcp,
+            ..Default::default()
+        };
+        let ep = Endpoint::builder().config(cfg).build().unwrap();
+        let mut st = State::default();
+        let conn = ConnId(7);
+        let c = st.conns.entry(conn).or_default();
+        c.next_recv = 5;
+        c.bounce = Some(Bounce::new(ep.alloc(4 * 64).unwrap(), 4, 64));
+        for _ in 0..2 * MAX_OUTBOX {
+            let b = st.conns.get_mut(&conn).unwrap().bounce.as_mut().unwrap();
+            let l = b.slots.land(2, 64).expect("the slot is free again");
+            release(&mut st, conn, l.slot);
+        }
+        assert_eq!(st.outbox.len(), MAX_OUTBOX);
     }
 }
