@@ -25,8 +25,8 @@ impl Endpoint {
     /// Receiver: grants the peer on `conn` a bounce, once per connection,
     /// when a receive into `mr` is posted there: a same-host peer, a host
     /// receive longer than the inline bound or one of GPU memory, slots
-    /// configured for its kind, and room in `MAX_BOUNCE_BYTES`. Failing to make one is no error: messages then
-    /// come the usual way.
+    /// configured for its kind, and room in `MAX_BOUNCE_BYTES`. Failing to
+    /// make one is no error: messages then come the usual way.
     pub(super) fn grant_bounce(&self, st: &mut State, conn: ConnId, mr: &MemoryRegion, max: usize) {
         let device = mr.inner.mem.is_device();
         let wanted = device || max > super::state::MAX_EAGER_SAME_HOST;
@@ -60,6 +60,7 @@ impl Endpoint {
         // connection. Two processes' kernels on one GPU take turns by
         // time slices without MPS: a sender copying into our slots with
         // its own kernel measured 258 µs a message (UCCL's benchmark).
+        //
         // GPU memory comes uninitialised: zeroed, so a slot never shows
         // bytes this process held before (a peer's `Landed` for a slot it
         // never wrote copies the slot as it is).
@@ -158,14 +159,13 @@ impl Endpoint {
                     Taken::Ended(Ok(len))
                 }
                 (None, Some((region, off))) => {
-                    let dst = (region.upgrade())
+                    let started = (region.upgrade())
                         .and_then(|r| RegionSlice::new(&r, *off, len))
-                        .ok_or(Error::Shutdown);
-                    let parts = |dst| IpcParts::Local { dst, src };
-                    let started = dst.and_then(|dst| {
-                        let parts = parts(dst);
-                        (self.inner).submit_ipc(conn, OpKind::Read, parts, None, NOTE_APP)
-                    });
+                        .ok_or(Error::Shutdown)
+                        .and_then(|dst| {
+                            let parts = IpcParts::Local { dst, src };
+                            (self.inner).submit_ipc(conn, OpKind::Read, parts, None, NOTE_APP)
+                        });
                     match started {
                         Ok(t) => {
                             // Taken: it lands unless the GPU fails the

@@ -31,10 +31,10 @@
 //! Between processes of one host, the receiver's first receive of host
 //! memory past the inline bound (or of GPU memory, where configured) on a
 //! connection also grants the sender bounce slots (`bounce.rs`,
-//! `landing.rs`): a message
-//! that fits one and has no offer yet is WRITten into a free slot at once
-//! (`Landed` riding on the WRITE) and copied out on match, answered as an
-//! eager one, the slot then `Released`. It ends as an eager send does.
+//! `landing.rs`): a message that fits one and has no offer yet is
+//! WRITten into a free slot at once (`Landed` riding on the WRITE) and
+//! copied out on match, answered as an eager one, the slot then
+//! `Released`. It ends as an eager send does.
 //!
 //! Progress is made by the calls: posting, `poll_message` and
 //! `wait_message` (the WRITEs themselves run on the shards as usual). A

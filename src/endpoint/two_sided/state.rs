@@ -230,7 +230,10 @@ impl ConnMsgs {
         msg.len() <= max.min(MAX_EAGER_BYTES)
             && !msg.is_device()
             && self.eager.len() < EAGER_WINDOW
-            && self.offers.get(&seq).map_or(true, |w| fills(w, msg.len()))
+            && self.offers.get(&seq).map_or(true, |w| {
+                let max = u64::from(w.size);
+                bounce::verdict(max, w.is_device(), false, msg.len()) == Verdict::Take
+            })
     }
 
     /// A bounce slot of the peer's for message `msg`, number `seq`, taken:
@@ -252,9 +255,7 @@ impl ConnMsgs {
     /// `Landed` rides on a failed WRITE, so the peer never heard of it);
     /// one that landed is decided by its offer, if that came meanwhile.
     pub(super) fn end_bounce_writes(&mut self, ended: &mut HashMap<u64, Result<usize>>) {
-        if !self.eager.values().any(|e| e.write.is_some()) {
-            return;
-        }
+        // (Empty, the usual case: collected without an allocation.)
         let writing: Vec<u64> = (self.eager.iter())
             .filter(|(_, e)| e.write.is_some())
             .map(|(seq, _)| *seq)
@@ -325,12 +326,6 @@ impl ConnMsgs {
         self.offers.insert(seq, *window);
         None
     }
-}
-
-/// Whether an eager message of `len` bytes lands in `window` (the buffer
-/// the receiver posted for it).
-fn fills(window: &RemoteBuf, len: usize) -> bool {
-    !window.is_device() && len <= window.size as usize
 }
 
 /// What ending a posted receive leaves the caller to do.
