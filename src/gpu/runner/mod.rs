@@ -17,10 +17,10 @@
 //! carries a tag of its copy (the low byte of `seq`), and one read before
 //! the shard stored it (the last copy's) is read again after the word,
 //! which the shard stored last (one more round trip, as before). No
-//! launch is made per copy; the one driver call is a query of the last
-//! launch's end event when the copy is posted (to know whether the kernel
-//! still runs), and one in 64 looks while it is in flight (to see a
-//! kernel that failed).
+//! launch is made per copy, and no driver call while the kernel serves:
+//! its end event is queried when a copy is posted only if the kernel has
+//! begun ending (`quit` set), and once in 64 looks while a copy is in
+//! flight (to see a kernel that failed).
 //!
 //! It must not hold the GPU: a device-wide synchronisation (the
 //! application's `cudaDeviceSynchronize`, a `cudaFree`) waits for every
@@ -197,7 +197,11 @@ impl Host {
                 reason: format!("addresses {dst:#x} and {src:#x} do not fit under its tag"),
             });
         }
-        if self.live && k.ended()? {
+        // A kernel that has not begun ending (`quit` clear) is serving, or
+        // failed, which a look at its event during the copy finds (`poll`):
+        // its event is queried here only when it may have ended, so a copy
+        // to a resident runner posts without a driver call.
+        if self.live && ctl.quit.load(Ordering::Relaxed) != 0 && k.ended()? {
             self.live = false;
         }
         let seq = self.seq.wrapping_add(1);

@@ -22,6 +22,8 @@ mod soft {
         /// Descriptors read before the shard stored them (and read again).
         pub stale: Arc<AtomicU32>,
         pub launches: u32,
+        /// Queries of the kernel's end (the driver calls `ended` stands for).
+        pub queries: u32,
         ended: Option<Arc<AtomicBool>>,
         pub threads: Vec<thread::JoinHandle<()>>,
     }
@@ -34,6 +36,7 @@ mod soft {
                 copied: Arc::new((0..seqs).map(|_| AtomicU32::new(0)).collect()),
                 stale: Arc::new(AtomicU32::new(0)),
                 launches: 0,
+                queries: 0,
                 ended: None,
                 threads: Vec::new(),
             }
@@ -55,6 +58,7 @@ mod soft {
         }
 
         fn ended(&mut self) -> Result<bool> {
+            self.queries += 1;
             Ok(self
                 .ended
                 .as_ref()
@@ -234,6 +238,50 @@ mod protocol {
                 "idle {idle_polls}: {} launches",
                 k.launches
             );
+        }
+    }
+}
+
+#[cfg(not(loom))]
+mod resident {
+    use super::super::*;
+    use super::soft::SoftKernel;
+    use std::sync::Arc;
+
+    /// Copies posted to a kernel that is serving make no driver call on
+    /// the way in: its end is queried only once it began ending.
+    #[test]
+    fn a_copy_to_a_serving_runner_posts_without_a_driver_call() {
+        let ctl = Arc::new(Ctl::new());
+        let mut k = SoftKernel::new(ctl.clone(), u32::MAX, 1002);
+        let mut host = Host::default();
+        let src = [5u8; 64];
+        let mut dst = [0u8; 64];
+        let mut at_start = 0;
+        for i in 0..1000 {
+            let before = k.queries;
+            host.start(
+                &ctl,
+                &mut k,
+                dst.as_mut_ptr() as u64,
+                src.as_ptr() as u64,
+                1 + i % 64,
+            )
+            .unwrap();
+            at_start += k.queries - before;
+            while host.poll(&ctl, &mut k).map(Result::unwrap).is_none() {
+                std::thread::yield_now();
+            }
+        }
+        assert_eq!(dst, src);
+        assert_eq!(k.launches, 1, "the kernel never ends here");
+        assert_eq!(
+            at_start, 0,
+            "queries of the kernel's end when a copy was posted"
+        );
+        host.stop(&ctl);
+        for t in k.threads.drain(..) {
+            t.join().unwrap();
         }
     }
 }
