@@ -219,8 +219,8 @@ macro_rules! settings {
             /// 0: none, every such message waits for its offer).
             msg_bounce_slots: u16 = 16, "FERRY_MSG_BOUNCE_SLOTS", range(0, 64);
             /// The same for receives of GPU memory, in slots of its GPU
-            /// (`FERRY_MSG_BOUNCE_GPU_SLOTS`, default 0: off until its speed
-            /// is measured on a GPU; see docs/benchmarks-log.md).
+            /// (`FERRY_MSG_BOUNCE_GPU_SLOTS`, default 0: off, since on an H100
+            /// they made UCCL's request loop slower; docs/benchmarks-log.md).
             msg_bounce_gpu_slots: u16 = 0, "FERRY_MSG_BOUNCE_GPU_SLOTS", range(0, 64);
             /// Pinned bounce memory per shard for GPU memory on tcp
             /// (`FERRY_GPU_BOUNCE_BYTES`, default 256 MiB), in buffers of
