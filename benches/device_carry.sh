@@ -63,6 +63,14 @@ if [ -n "${NIXL_WHEELS:-}" ]; then
     tar -C "$tmp" -cf - . | xz -T2 -6 > $c/nixl-slim.tar.xz
     rm -rf "$tmp"
 fi
+# py-spy for `device_run.sh profile` (native stacks of a NIXL post):
+# PYSPY_WHEELS, a folder of `pip download py-spy --no-deps --only-binary=:all:
+# --python-version 3.12 --platform manylinux_2_5_x86_64`.
+rm -rf $c/pyspy
+if [ -n "${PYSPY_WHEELS:-}" ]; then
+    mkdir -p $c/pyspy
+    cp "$PYSPY_WHEELS"/py_spy-*.whl $c/pyspy/
+fi
 rm -rf $c/rayslim
 if [ -n "${RAY_WHEELS:-}" ]; then
     mkdir -p $c/rayslim

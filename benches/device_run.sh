@@ -6,7 +6,7 @@
 #   wheel/ferry-*.whl (the Python package), uccl/ (UCCL v0.1.1's own
 #   p2p/tests, unchanged, and a one-line `uccl` package that is ferry.p2p).
 #
-#   benches/device_run.sh tests|benches|ray|short|kv|small|sweep|latency|runner  (results under $OUT)
+#   benches/device_run.sh tests|benches|ray|short|kv|small|sweep|latency|runner|profile  (results under $OUT)
 #
 # tests: the GPU suite, the Python suite, UCCL's own tests, the NIXL suite
 # on VRAM (nixl-cu13 as installed there) over shm and tcp.
@@ -18,7 +18,7 @@
 # tensors), benches/ray_rdt.py into $OUT/ray_rdt.txt, and the NIXL suite on
 # VRAM over shm and tcp (nixl-cu13 as installed there).
 set -uo pipefail
-what=${1:?tests, benches, ray, short, kv, small, sweep, latency or runner}
+what=${1:?tests, benches, ray, short, kv, small, sweep, latency, runner or profile}
 carry=$PWD/${FERRY_CARRY:-target/carry}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -319,6 +319,29 @@ elif [ "$what" = sweep ]; then
                         | grep '^{' | sed "s/^{/{${SWEEP_TAG:+\"tag\": \"$SWEEP_TAG\", }\"$var\": \"$v\", /" | tee -a "$OUT/sweep.jsonl" | cut -c1-200
                 done
             done
+        done
+    fi
+elif [ "$what" = profile ]; then
+    # Where a NIXL VRAM post's time goes, by native stacks: py-spy (carried
+    # as a wheel: device_carry.sh with PYSPY_WHEELS) samples the bench and
+    # its target, the plugin's Rust frames included (with the plugin's
+    # default FERRY_DRIVE=caller the shards' passes run inside the post
+    # and poll calls); the raw stacks go to $OUT/profile-OP.txt, summed by
+    # benches/prof_summary.py (the post call and the polls apart).
+    # PROFILE_OPS, PROFILE_SIZES, PROFILE_DRIVE (FERRY_DRIVE), PROFILE_HZ.
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    if ! ls "$carry"/pyspy/py_spy-*.whl >/dev/null 2>&1; then
+        echo "profile: no py-spy wheel in $carry/pyspy (device_carry.sh with PYSPY_WHEELS)"; exit 1
+    fi
+    $py -m pip install -q --no-deps --no-index --target /tmp/pyspy "$carry"/pyspy/py_spy-*.whl 2>&1 | tail -2
+    if nixl_dir; then
+        for op in ${PROFILE_OPS:-READ WRITE}; do
+            step "py-spy: NIXL VRAM $op ${PROFILE_SIZES:-16Kx1024}, FERRY_DRIVE=${PROFILE_DRIVE:-default}"
+            ${PROFILE_DRIVE:+env FERRY_DRIVE=$PROFILE_DRIVE} timeout 120 /tmp/pyspy/bin/py-spy record --native --subprocesses \
+                -r "${PROFILE_HZ:-3000}" -f raw -o "$OUT/profile-$op.txt" -- \
+                $py benches/nixl_bench.py --mem vram --backends FERRY --op $op --rounds 1 \
+                --sizes "${PROFILE_SIZES:-16Kx1024}" --json 2>&1 | grep '^{\|py-spy>' | cut -c1-300
+            $py benches/prof_summary.py "$OUT/profile-$op.txt" 2>&1 | head -40
         done
     fi
 elif [ "$what" = benches ]; then
