@@ -30,9 +30,10 @@ impl Endpoint {
     pub(super) fn grant_bounce(&self, st: &mut State, conn: ConnId, mr: &MemoryRegion, max: usize) {
         let device = mr.inner.mem.is_device();
         let wanted = device || max > super::state::MAX_EAGER_SAME_HOST;
-        let slots = match device {
-            true => self.inner.cfg.msg_bounce_gpu_slots,
-            false => self.inner.cfg.msg_bounce_slots,
+        let slots = if device {
+            self.inner.cfg.msg_bounce_gpu_slots
+        } else {
+            self.inner.cfg.msg_bounce_slots
         };
         let c = st.conns.entry(conn).or_default();
         let local = matches!(self.peer(conn), Some(Peer::Local { .. }));

@@ -240,13 +240,6 @@ mod protocol {
             );
         }
     }
-}
-
-#[cfg(not(loom))]
-mod resident {
-    use super::super::*;
-    use super::soft::SoftKernel;
-    use std::sync::Arc;
 
     /// Copies posted to a kernel that is serving make no driver call on
     /// the way in: its end is queried only once it began ending.
